@@ -299,6 +299,16 @@ def _refuse_peft_layers(weights: Mapping[str, Any], given: str, wrong: str, hf_c
         raise ValueError(PEFT_LAYERS.format(given=given, names=", ".join(names[:2]), hf_class=hf_class, wrong=wrong))
 
 
+def _hf_class_of(source: Any, model_type: str) -> str:
+    """The HF class of a model given to from_hf (a PeftModel's or a LoraModel's: the model
+    inside it), where it is a task class (``LlamaForSequenceClassification``); else the
+    family's covered class."""
+    inner = [source, getattr(source, "model", None)]
+    if callable(getattr(source, "get_base_model", None)):  # a PeftModel
+        inner.append(source.get_base_model())
+    return next((type(x).__name__ for x in inner if type(x).__name__ in TASKS), COVERED[model_type])
+
+
 def _task_of(config: Any, named: str | None, family: type[HFModel]) -> type[HFModel]:
     """The class from_hf builds: the HF model's own where it is a task class of the family
     (``named``: its class name), else a task class the config's ``architectures`` name
@@ -538,7 +548,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         config, weights = source.config, source.state_dict()
         model_type = getattr(config, "model_type", None)
         if isinstance(model_type, str) and model_type in COVERED:  # a PeftModel, or the model inside it: PEFT's layers, not a covered class's
-            _refuse_peft_layers(weights, f"the {type(source).__name__} given", "hf_model", COVERED[model_type])
+            _refuse_peft_layers(weights, f"the {type(source).__name__} given", "hf_model", _hf_class_of(source, model_type))
         if isinstance(model_type, str) and model_type in COVERED and type(source).__name__ != COVERED[model_type] \
                 and type(source).__name__ not in TASKS:  # a task class of its own (LlamaForSequenceClassification)
             raise _uncovered_class(source, COVERED[model_type])

@@ -35,7 +35,7 @@ from functree.nn._lora import (
     member_layer_names,
 )
 
-__all__ = ["TorchNames", "torch_names", "hf_names"]
+__all__ = ["TorchNames", "torch_names", "hf_names", "classifier_of", "TASK_TYPES"]
 
 
 def unwrapped(model: Any) -> Any:
@@ -61,12 +61,29 @@ class TorchNames(NamedTuple):
     """What :func:`torch_names` finds: whether the names are Hugging Face's, each Dense
     member's torch tensor, every module name of the torch model that holds a parameter, and
     the output head's module (Hugging Face's ``get_output_embeddings()``; PEFT's
-    ``"all-linear"`` leaves it out)."""
+    ``"all-linear"`` leaves it out; a task model's classifier: :func:`classifier_of`)."""
 
     is_hf: bool
     members: dict[str, _TorchName]
     modules: frozenset[str]
     head: str | None
+
+
+# PEFT's task_type of functree.hf._heads' task models, by their HF class suffix (PEFT has
+# none for a masked LM): under these PEFT keeps the classifier whole (modules_to_save).
+TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS"}
+
+
+def classifier_of(model: Any) -> str | None:
+    """The torch module of a task model's classifier (``score``, ``classifier``: its
+    ``head_roots``), for a sequence or token classifier of :mod:`functree.hf._heads` at the
+    root; None for other models. PEFT's ``SEQ_CLS`` / ``TOKEN_CLS`` keep it whole in
+    ``modules_to_save``, and its ``"all-linear"`` leaves it out under ``SEQ_CLS``."""
+    family = family_of(model)
+    if family is None or getattr(family, "suffix", "") not in TASK_TYPES:
+        return None
+    roots = getattr(family, "head_roots", ())
+    return str(roots[0]) if roots else None
 
 
 _TORCH_NAMES: dict[Any, TorchNames] = {}
@@ -183,14 +200,16 @@ def _prefixes(tensor_name: str) -> list[str]:
 
 
 def hf_names(model: Any) -> ForeignNames | None:
-    """Hugging Face's module name of each Dense member of a model of ``from_hf`` (and its
-    output head), or of a model holding from_hf models (theirs under their attributes, its
-    other Dense layers by their torch names; no head), for ``ft.nn.lora``'s patterns; None
-    for other models."""
+    """Hugging Face's module name of each Dense member of a model of ``from_hf`` (and the
+    head ``"all-linear"`` leaves out: its output head, or a task model's classifier, which
+    PEFT's ``SEQ_CLS`` / ``TOKEN_CLS`` keep whole), or of a model holding from_hf models
+    (theirs under their attributes, its other Dense layers by their torch names; no head),
+    for ``ft.nn.lora``'s patterns; None for other models."""
     names = torch_names(model, torch_too=False)
     if not names.is_hf:
         return None
-    return ForeignNames({member: found.module for member, found in names.members.items()}, names.head)
+    return ForeignNames({member: found.module for member, found in names.members.items()},
+                        names.head or classifier_of(model))
 
 
 FOREIGN_NAMES.append(hf_names)

@@ -49,7 +49,7 @@ from functree._tree import dotted_name, join_names
 from functree._where import placed_like
 from functree.hf._family import family_of
 from functree.hf._load import tied_head, to_hf_state_dict
-from functree.hf._names import TorchNames, torch_names, unwrapped
+from functree.hf._names import TASK_TYPES, TorchNames, classifier_of, torch_names, unwrapped
 from functree.hf._peft_blocks import BLOCKS, member_columns, read_blocks
 from functree.hf._peft_members import (
     chosen_adapter,
@@ -347,6 +347,31 @@ SAVED_VOCAB = """
        or:  hf_model.resize_token_embeddings({given})   # as the training did, then
             ft.nn.load_lora(ft.nn.from_hf(hf_model), directory)"""
 
+HEAD_ADAPTED = """\
+ft.nn.save_lora: the classifier {head!r} of this {hf_class} holds LoRA adapters, and the \
+adapter is saved with task_type={task_type!r}, under which PEFT keeps the classifier whole \
+(modules_to_save) and never adapts it: PEFT's from_pretrained fails on such a file \
+(KeyError 'base_model.model.{head}.weight'). Fold the head's adapters into its weight (PEFT \
+then loads the head whole, the same logits), or adapt the layers without the head:
+
+    wrong:  ft.hf.save_lora(model, directory)                # {head}: a LoraDense
+    right:  ft.hf.save_lora(model.replace({field}=ft.nn.merge_lora(model.{field})), directory)
+       or:  model = ft.nn.lora(base, "all-linear", ...)       # all but {head}; train it whole: wrt=["*.lora_*", "{field}.*"]
+       or:  ft.hf.save_lora(model, directory, task_type=None)   # PEFT's plain LoRA on {head}; its own
+                                                                 # weight is not written: the base model's"""
+
+HEAD_NOT_SAVED = """\
+ft.nn.load_lora: the adapter in {directory!r} has task_type={task_type!r}, under which PEFT \
+keeps the classifier {head!r} of a {hf_class} whole in modules_to_save, but the file holds no \
+{head!r} (its modules_to_save does not name it): PEFT's from_pretrained fails on it \
+(KeyError 'base_model.model.{head}.weight'), and the head it was trained with is not in the \
+file (ft.hf.save_lora before 2026-12-02 left it out). Loading it would pair the adapters with \
+another head. Save it again from the trained model (the head goes in modules_to_save), or, \
+where the head was not trained, say so in the config:
+
+    right:  ft.hf.save_lora(trained_model, {directory!r})
+       or:  "task_type": null     # in adapter_config.json: the adapters alone, on the model's own head"""
+
 # SAVED_MODULE's fix for a port's tied head: the port built untied (its head a Dense holding a
 # copy of the embedding: the same logits), which the saved head's full weight then replaces.
 UNTIED_HEAD = """model = ft.nn.from_hf({{**config, "tie_word_embeddings": False}}, hf_model.state_dict())   # an untied \
@@ -429,7 +454,12 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     first adapter's dropout),
     ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a model with an
     ``lm_head`` (GPT-2, Llama), ``"SEQ_CLS"`` / ``"TOKEN_CLS"`` for a task model of
-    :mod:`functree.hf._heads` (its head goes in ``modules_to_save``: PEFT's way), else none.
+    :mod:`functree.hf._heads`, else none. Under ``SEQ_CLS`` / ``TOKEN_CLS`` a task model's
+    classifier (``score``, ``classifier``) is written whole in ``modules_to_save``, whatever
+    ``modules_to_save`` says, as PEFT's ``PeftModelForSequenceClassification`` saves it
+    (``base_model.model.score.weight``; PEFT fails to load such a file without it, and the
+    head's training would be lost); a classifier holding adapters is refused
+    (:data:`HEAD_ADAPTED`: PEFT never adapts it there).
 
     Adapters on the members of a fused projection (GPT-2's ``c_attn`` holds q, k and v) are
     written as PEFT's one adapter on it: ``lora_B``'s rows in the weight's layout; the
@@ -484,6 +514,16 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
             blocks[module] = fused
         tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
         ranks[module], alphas[module] = a.shape[0], written_alpha(scale, a.shape[0])
+    if task_type == "auto":
+        task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and names.is_hf else \
+            TASK_TYPES.get(getattr(family_of(model), "suffix", ""))  # a task model's: SEQ_CLS, TOKEN_CLS
+    head = classifier_of(model) if task_type in TASK_TYPES.values() else None
+    if head is not None:  # PEFT keeps it whole under SEQ_CLS / TOKEN_CLS, and fails to load a file without it
+        if head in by_module:
+            field = next(m for m, n in names.members.items() if n.module == head)  # its key path here
+            raise ValueError(HEAD_ADAPTED.format(head=head, field=field, hf_class=type(model).__name__,
+                                                 task_type=task_type))
+        modules_to_save = list(dict.fromkeys([*(modules_to_save or ()), head]))
     saved = _saved_modules(model, names, modules_to_save, "save_lora") if modules_to_save else {}
     for module, (layer, i) in saved.items():
         if module in by_module or isinstance(layer.node, LoraDense):
@@ -492,9 +532,6 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         tensors.update(_full_tensors(module, layer, i, names))
     modules = list(ranks)
     r, alpha = _most_common(ranks), _most_common(alphas)  # the others in rank_pattern / alpha_pattern
-    if task_type == "auto":
-        task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and names.is_hf else \
-            _TASK_TYPES.get(getattr(family_of(model), "suffix", ""))  # a task model's: SEQ_CLS, TOKEN_CLS
     config = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
         "r": r, "lora_alpha": alpha, "lora_dropout": dropouts[0], "target_modules": sorted(modules),
@@ -507,10 +544,6 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         "exclude_modules": None,
     }
     _write(str(directory), tensors, config, blocks)
-
-
-# PEFT's task_type of functree.hf._heads' task models (PEFT has none for a masked LM).
-_TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS"}
 
 
 def _most_common(values: dict[str, Any]) -> Any:
@@ -857,13 +890,15 @@ def _targets(config: dict[str, Any], module: str) -> bool:
     return index is not None and (index == layers if isinstance(layers, int) else index in layers)
 
 
-def _targeted(config: dict[str, Any], names: TorchNames) -> set[str]:
+def _targeted(config: dict[str, Any], names: TorchNames, classifier: str | None = None) -> set[str]:
     """The torch modules the config adapts; ``"all-linear"``: every Dense module but the
-    output head (PEFT's shorthand)."""
+    output head (PEFT's shorthand), and a task model's classifier under ``SEQ_CLS`` (PEFT's
+    ``_maybe_include_all_linear_layers``; without a task type PEFT adapts it)."""
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets.lower() == "all-linear":
         dense = {n.module for n in names.members.values() if n.weight_param}
-        return {m for m in dense if m != names.head and _targets({**config, "target_modules": [m]}, m)}
+        left_out = {names.head, classifier if config.get("task_type") == "SEQ_CLS" else None}
+        return {m for m in dense if m not in left_out and _targets({**config, "target_modules": [m]}, m)}
     return {m for m in names.modules if _targets(config, m)}
 
 
@@ -924,6 +959,11 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
         _check_known_modules(tensors, names, kind)
     saved = _saved_modules(model, names, config["modules_to_save"], "load_lora") if config.get("modules_to_save") \
         else {}
+    head = classifier_of(model)
+    if config.get("task_type") in TASK_TYPES.values() and head is not None and head not in saved:
+        # PEFT keeps the classifier whole there: its from_pretrained fails on such a file too
+        raise ValueError(HEAD_NOT_SAVED.format(directory=directory, task_type=config["task_type"], head=head,
+                                               hf_class=type(model).__name__))
     pairs, full, bases, others = _split_tensors(tensors, set(saved), directory)
     _check_base_tensors(model, others, directory)
     modules = _checked_modules(config, names, pairs, kind, model)
@@ -1055,7 +1095,7 @@ def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str,
         raise _not_dense(targets, unknown, model)
     if unknown:
         raise ValueError(UNKNOWN_MODULE.format(modules=unknown[:4], torch=kind, known=sorted(dense)[:4]))
-    targeted = _targeted(config, names)
+    targeted = _targeted(config, names, classifier_of(model) if model is not None else None)
     if not targeted:
         raise ValueError(NOTHING_TARGETED.format(targets=targets, torch=kind, known=sorted(dense)[:4]))
     stray = sorted(m for m in pairs if m not in targeted)

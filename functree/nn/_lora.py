@@ -401,7 +401,10 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
 
 def _all_linear(model: Any) -> dict[int, bool]:
     """PEFT's ``"all-linear"``: every Dense layer but a Hugging Face model's output head (its
-    ``get_output_embeddings()``, which PEFT leaves out); every Dense layer of other models."""
+    ``get_output_embeddings()``, which PEFT leaves out) or a task model's classifier
+    (``score``, ``classifier``: PEFT's ``SEQ_CLS`` leaves it out and keeps it whole in
+    ``modules_to_save``, as ``ft.hf.save_lora`` writes it; its ``TOKEN_CLS`` puts it there
+    too); every Dense layer of other models."""
     names = foreign_names(model)
     chosen: dict[int, bool] = {}
     layers = dense_layers(model)
@@ -481,7 +484,10 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     (``"model.layers.*.self_attn.[qv]_proj"``); ``"all-linear"`` (PEFT's shorthand) selects
     every Dense layer but the output head of a from_hf model at the root (a tied head, ``x
     wte^T``, is no Dense layer: PEFT adapts it inside a model of your own, this does not;
-    docs/guides/lora.md). Inside a ``Stack`` every member gets
+    docs/guides/lora.md), or its classifier for a task model (``score`` of
+    ``LlamaForSequenceClassification``, BERT's ``classifier``: PEFT's ``task_type="SEQ_CLS"``
+    selection; train the head whole, ``wrt=["*.lora_*", "score.*"]``, and ``ft.hf.save_lora``
+    writes it in ``modules_to_save``). Inside a ``Stack`` every member gets
     adapters (stacked with the members). ``dropout`` drops the adapters' input in training
     mode; ``dtype`` is the adapters' (default: the weight's). A pattern selecting no Dense
     layer, a leaf of another layer, a Dense already adapted or only some members of a Stack

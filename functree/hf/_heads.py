@@ -38,7 +38,7 @@ port built with ``dropout=True`` in training mode (HF's ``classifier_dropout``).
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -647,15 +647,18 @@ def _cross_entropy(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Arra
     return jnp.sum(jnp.where(kept, nll, 0)) / jnp.sum(kept).astype(wide)
 
 
-def check_head_tensors(family: type[HFModel], config: Any, unexpected: Any) -> None:
+def check_head_tensors(family: type[HFModel], config: Any, unexpected: Any,
+                       fits: Callable[[type[HFModel]], bool] = lambda task: True) -> None:
     """Raise :data:`HEAD_TENSORS` where the tensors a family's model left over are all a task
-    head's of that family (``score.*``, ``classifier.*``, ``cls.*``): the weights are that task
-    model's, and the config (an HF object's, without ``architectures``) did not say so."""
+    head's of that family (``score.*``, ``classifier.*``, ``cls.*``) and the weights load whole
+    into that task's model (``fits``): the weights are that task model's, and the config (an HF
+    object's, without ``architectures``) did not say so."""
     if not unexpected or family.__name__ in TASKS:
         return
     roots = {str(n).split(".")[0] for n in unexpected}
     tasks = [name for name, task in TASKS.items()
-             if getattr(task, "body_class", None) is family and roots <= set(getattr(task, "head_roots", ()))]
+             if getattr(task, "body_class", None) is family and roots <= set(getattr(task, "head_roots", ()))
+             and fits(task)]
     if tasks:
         raise ValueError(HEAD_TENSORS.format(extra=sorted(unexpected)[:3], listed=getattr(config, "architectures", None),
                                              hf_class=family.hf_class, tasks=" or ".join(tasks), task=tasks[0]))

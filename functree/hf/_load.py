@@ -587,11 +587,27 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         raise _layers_not_in_weights(e, config) from None
     if not report.ok:  # the fixes from_hf's caller has (load_torch_state_dict's rename= and strict= it has not)
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
-        check_head_tensors(family, config, report.unexpected)  # a task model's weights, its class not named
+        check_head_tensors(family, config, report.unexpected,  # a task model's weights, its class not named
+                           fits=lambda task: _fits(task, config, given, dtype, attention))
         explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
         raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
     model = family.hf_values(model, config)  # the template's non-weight leaves (abstract) set from the config
     return with_head_dropout(with_dropout(model.replace(hf_config=carried), config, dropout, key), config, dropout)
+
+
+def _fits(task: type[HFModel], config: Any, given: Any, dtype: Any, attention: str) -> bool:
+    """Whether the weights ``given`` load whole into ``task``'s model: the error path's check
+    that the tensors a body left over are that task model's head, not a stray tensor (a
+    BertModel file with BertForPreTraining's ``cls.predictions.bias`` alone is no masked LM)."""
+    try:
+        weights = task.hf_names(dict(read_weights(given)))
+        template = _template(task, config, set(weights), dtype, attention)
+        weights = _untie(task, template, weights)
+        _, report = load_by_rules(template, weights, rename=task.hf_rename, layouts=task.hf_layouts, strict=False,
+                                  given_names=True, complete=True)
+    except (ValueError, TypeError, KeyError, ShortStack):  # does not fit: the body's own message follows
+        return False
+    return report.ok
 
 
 def _an_int(value: Any) -> TypeGuard[int]:

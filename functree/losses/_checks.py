@@ -78,6 +78,14 @@ BAD_NUMBER = """\
 """
 
 
+BAD_ELEMENT_WEIGHT = """\
+{loss}: weight must be a floating array that broadcasts to {shape} (torch's {torch}(weight=): \
+a weight per element, or per class f32[{last}]); got {given}.
+
+    wrong:  ft.losses.{loss}(predicted, expected, weight=w)                            # w {given}
+    right:  ft.losses.{loss}(predicted, expected, weight=jnp.asarray(w, jnp.float32))    # w [{last}]
+"""
+
 def host_or_none(x: Any) -> np.ndarray | None:
     """``x`` read on the host, or None where it is traced (under ``jax.jit`` or ``jax.grad``)."""
     try:
@@ -162,3 +170,19 @@ def check_class_axis(loss: str, what: str, x: Any) -> None:
     """:data:`NO_CLASS_AXIS` for a scalar ``x``."""
     if not x.ndim:
         raise ValueError(NO_CLASS_AXIS.format(loss=loss, what=what, given=_describe(x)))
+
+
+def element_weight(loss: str, weight: Any, shape: tuple[int, ...], torch: str) -> Any:
+    """``weight`` as a floating array broadcasting to ``shape`` (None stays None), or
+    :data:`BAD_ELEMENT_WEIGHT`."""
+    if weight is None:
+        return None
+    w = _array(weight)
+    try:
+        fits = jnp.broadcast_shapes(w.shape, shape) == shape
+    except ValueError:
+        fits = False
+    if not (fits and jnp.issubdtype(w.dtype, jnp.floating)):
+        raise ValueError(BAD_ELEMENT_WEIGHT.format(loss=loss, shape=list(shape), torch=torch, given=_describe(w),
+                                                   last=shape[-1] if shape else 1))
+    return w

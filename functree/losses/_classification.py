@@ -16,6 +16,7 @@ import numpy as np
 import optax
 
 from functree._repr import short_array
+from functree.losses._checks import element_weight
 from functree.losses._reduction import (
     check_float,
     check_reduction,
@@ -435,7 +436,8 @@ sigmoid_cross_entropy: pos_weight must be a floating array that broadcasts to th
 """
 
 
-def sigmoid_cross_entropy(logits: Any, labels: Any, *, pos_weight: Any = None, reduction: str = "mean") -> jax.Array:
+def sigmoid_cross_entropy(logits: Any, labels: Any, *, pos_weight: Any = None, weight: Any = None,
+                          reduction: str = "mean") -> jax.Array:
     """``-(labels * log(sigmoid(logits)) + (1 - labels) * log(1 - sigmoid(logits)))``,
     elementwise (``optax.sigmoid_binary_cross_entropy``); ``labels`` in [0, 1], same shape.
 
@@ -447,7 +449,10 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, *, pos_weight: Any = None, r
     ``pos_weight=w`` (torch's ``BCEWithLogitsLoss(pos_weight=)``: a floating array that
     broadcasts to the labels' shape, e.g. one weight per class ``[classes]``) weighs the
     positive term: ``-(w * labels * log(sigmoid(logits)) + (1 - labels) * log(1 - sigmoid(logits)))``;
-    the mean is over elements, as torch's.
+    the mean is over elements, as torch's. ``weight=`` (torch's ``BCEWithLogitsLoss(weight=)``:
+    a floating array broadcasting to the labels' shape, per element or per class) rescales each
+    element's loss; the mean is still over elements (``mean(weight * loss)``, torch's), not over
+    the weights' sum.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -461,15 +466,18 @@ def sigmoid_cross_entropy(logits: Any, labels: Any, *, pos_weight: Any = None, r
     if outside is not None:
         raise ValueError(LABELS_OUTSIDE_UNIT.format(where=outside[0], value=f"{outside[1]:g}"))
     w = None if pos_weight is None else _positive_weight(pos_weight, labels)
-    return reduced("sigmoid_cross_entropy", _sigmoid_terms, reduction, logits, labels, w)
+    scale = element_weight("sigmoid_cross_entropy", weight, labels.shape, "BCEWithLogitsLoss")
+    return reduced("sigmoid_cross_entropy", _sigmoid_terms, reduction, logits, labels, w, scale)
 
 
-def _sigmoid_terms(logits: jax.Array, labels: jax.Array, w: jax.Array | None) -> jax.Array:
+def _sigmoid_terms(logits: jax.Array, labels: jax.Array, w: jax.Array | None, scale: jax.Array | None) -> jax.Array:
     if w is None:
         values = optax.sigmoid_binary_cross_entropy(logits, labels)
     else:
         w = w.astype(labels.dtype)
         values = -(w * labels * jax.nn.log_sigmoid(logits) + (1 - labels) * jax.nn.log_sigmoid(-logits))
+    if scale is not None:
+        values = values * scale.astype(values.dtype)
     # A traced label outside [0, 1] (the check could not read it): NaN, never a plausible number.
     return jnp.where((labels < 0) | (labels > 1), jnp.full((), jnp.nan, values.dtype), values)
 

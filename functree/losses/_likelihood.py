@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._repr import short_array
-from functree.losses._checks import check_indices, check_number, class_weight
+from functree.losses._checks import check_indices, check_number, class_weight, element_weight
 from functree.losses._classification import _check_ignore_width, _wide
 from functree.losses._reduction import (
     _array,
@@ -55,14 +55,6 @@ binary_cross_entropy: {what} must be {rule} in [0, 1], but {what}{where} is {val
 
     wrong:  ft.losses.binary_cross_entropy({wrong})
     right:  {right}
-"""
-
-BAD_ELEMENT_WEIGHT = """\
-{loss}: weight must be a floating array that broadcasts to {shape} (torch's {torch}(weight=): \
-a weight per element, or per class f32[{last}]); got {given}.
-
-    wrong:  ft.losses.{loss}(predicted, expected, weight=w)                            # w {given}
-    right:  ft.losses.{loss}(predicted, expected, weight=jnp.asarray(w, jnp.float32))    # w [{last}]
 """
 
 VARIANCE_SHAPE = """\
@@ -204,22 +196,6 @@ def binary_cross_entropy(probs: Any, labels: Any, *, weight: Any = None, reducti
             wrong="probs, labels", right="ft.losses.binary_cross_entropy(probs, (labels + 1) / 2)   # -1/1 labels"))
     w = element_weight(name, weight, probs.shape, "BCELoss")
     return _binary_cross_entropy(probs, labels, w, reduction=reduction)
-
-
-def element_weight(loss: str, weight: Any, shape: tuple[int, ...], torch: str) -> Any:
-    """``weight`` as a floating array broadcasting to ``shape`` (None stays None), or
-    :data:`BAD_ELEMENT_WEIGHT`."""
-    if weight is None:
-        return None
-    w = _array(weight)
-    try:
-        fits = jnp.broadcast_shapes(w.shape, shape) == shape
-    except ValueError:
-        fits = False
-    if not (fits and jnp.issubdtype(w.dtype, jnp.floating)):
-        raise ValueError(BAD_ELEMENT_WEIGHT.format(loss=loss, shape=list(shape), torch=torch, given=_describe(w),
-                                                   last=shape[-1] if shape else 1))
-    return w
 
 
 @functools.partial(jax.jit, static_argnames=("reduction",))

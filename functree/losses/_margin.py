@@ -22,8 +22,8 @@ from functree.losses._checks import (
     check_shape,
     check_signed,
     class_weight,
+    element_weight,
 )
-from functree.losses._likelihood import element_weight
 from functree.losses._reduction import (
     _array,
     check_float,

@@ -41,3 +41,16 @@ def test_cosine_similarity_and_pairwise_distance_match_torchs_in_float64():
 def test_torchs_class_names_point_to_the_functions(name, function):
     with pytest.raises(AttributeError, match=rf"torch's nn.{name} is the function ft.nn.{function} here"):
         getattr(ft.nn, name)
+
+
+def test_pairwise_distance_gradients_are_torchs_where_the_distance_or_a_component_is_zero():
+    """One implementation with the triplet losses: jnp.linalg.norm's gradient was NaN at
+    x1 == x2 (eps=0), and p=1's was 1 at a zero component where torch's is 0."""
+    x = np.array([[1.0, 2.0, 3.0]])
+    for other, p in ((x, 2.0), (np.array([[1.0, 2.5, 3.0]]), 1.0), (np.array([[1.0, 2.5, 3.5]]), 3.0)):
+        with jax.enable_x64(True):
+            ours = np.asarray(jax.grad(lambda a: ft.nn.pairwise_distance(a, other, p=p, eps=0.0).sum())(x))
+        t = torch.from_numpy(x.copy()).requires_grad_(True)
+        F.pairwise_distance(t, torch.from_numpy(other), p=p, eps=0.0).sum().backward()
+        assert t.grad is not None
+        np.testing.assert_allclose(ours, t.grad.numpy(), rtol=0, atol=1e-12)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._distances import pairwise_distance_terms
 from functree.losses._checks import check_class_axis, check_number, check_shape, check_signed
 from functree.losses._reduction import (
     _describe,
@@ -24,8 +25,7 @@ from functree.losses._reduction import (
     reduce,
 )
 
-__all__ = ["cosine_embedding", "triplet_margin", "triplet_margin_with_distance", "pairwise_distance_terms",
-           "DISTANCE_SHAPE"]
+__all__ = ["cosine_embedding", "triplet_margin", "triplet_margin_with_distance", "DISTANCE_SHAPE"]
 
 DISTANCE_SHAPE = """\
 triplet_margin_with_distance: distance(anchor, {which}) must return one distance per triplet, \
@@ -35,24 +35,6 @@ makes the loss silently another number.
     wrong:  distance=lambda a, b: jnp.abs(a - b)                  # [..., D]
     right:  distance=lambda a, b: jnp.sum(jnp.abs(a - b), -1)     # [...]
 """
-
-
-def _absolute(x: jax.Array) -> jax.Array:
-    """``|x|`` with torch's gradient ``sign(x)`` (0 at 0; JAX's is 1)."""
-    return x * jnp.sign(x)
-
-
-def pairwise_distance_terms(x1: jax.Array, x2: jax.Array, p: float, eps: float) -> jax.Array:
-    """torch's ``pairwise_distance``: ``||x1 - x2 + eps||_p`` over the last axis (the eps is
-    added to the difference, as torch's), with a gradient of 0 where the norm is 0 (torch's;
-    a square root's is inf there)."""
-    d = _absolute(x1 - x2 + eps)
-    if math.isinf(p):
-        return jnp.max(d, axis=-1)
-    total = jnp.sum(d**p, axis=-1)
-    positive = total > 0
-    root = jnp.where(positive, total, 1) ** (1 / p)
-    return jnp.where(positive, root, jnp.zeros((), root.dtype))
 
 
 def cosine_embedding(x1: Any, x2: Any, y: Any, *, margin: float = 0.0, reduction: str = "mean") -> Any:

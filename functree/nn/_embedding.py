@@ -77,14 +77,8 @@ class Embedding(Layer):
     ):
         if max_norm is not None:  # torch's argument: no counterpart in a forward (MAX_NORM says why)
             raise ValueError(MAX_NORM.format(max_norm=max_norm))
-        self.embeddings = initialized(initializer, key, (vocabulary_size, embedding_size), dtype)
-        if padding_index is not None:
-            padding_index = operator.index(padding_index)
-            if not -vocabulary_size <= padding_index < vocabulary_size:
-                raise ValueError(PADDING_INDEX.format(index=padding_index, size=vocabulary_size))
-            padding_index %= vocabulary_size
-            self.embeddings = self.embeddings.at[padding_index].set(0)  # torch's padding row
-        self.padding_index = padding_index
+        self.embeddings, self.padding_index = embedding_table(initializer, key, vocabulary_size, embedding_size,
+                                                              dtype, padding_index)
 
     def __call__(self, indices: jax.Array) -> jax.Array:
         check_input(self, indices, (), kind="int")
@@ -123,6 +117,21 @@ class Embedding(Layer):
         # torch's no_grad: the value rescaled exactly (w - w is 0), the gradient passed through unscaled
         stop = jax.lax.stop_gradient
         return self.replace(embeddings=w - stop(w) + stop(rescaled))
+
+
+def embedding_table(initializer: Initializer, key: jax.Array, vocabulary_size: int, embedding_size: int, dtype: Any,
+                    padding_index: int | None) -> tuple[jax.Array, int | None]:
+    """A ``[vocabulary_size, embedding_size]`` table drawn by ``initializer``, its
+    ``padding_index`` row zero (torch's ``padding_idx``; negative counts from the end, as
+    torch's), and that index in ``[0, vocabulary_size)``; out of range: :data:`PADDING_INDEX`."""
+    table = initialized(initializer, key, (vocabulary_size, embedding_size), dtype)
+    if padding_index is None:
+        return table, None
+    padding_index = operator.index(padding_index)
+    if not -vocabulary_size <= padding_index < vocabulary_size:
+        raise ValueError(PADDING_INDEX.format(index=padding_index, size=vocabulary_size))
+    padding_index %= vocabulary_size
+    return table.at[padding_index].set(0), padding_index  # torch's padding row
 
 
 def without_padding_gradient(rows: jax.Array, indices: jax.Array, padding: int | None) -> jax.Array:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import jax
@@ -11,9 +10,8 @@ import numpy as np
 
 from functree._module import field
 from functree._repr import short_array
-from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input, concrete
-from functree.nn._embedding import PADDING_INDEX
+from functree.nn._embedding import embedding_table
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
 
@@ -80,14 +78,9 @@ class EmbeddingBag(Layer):
     ):
         if mode not in ("sum", "mean", "max"):
             raise ValueError(BAD_MODE.format(mode=mode))
-        self.embeddings = initialized(initializer, key, (vocabulary_size, embedding_size), dtype)
-        if padding_index is not None:
-            padding_index = operator.index(padding_index)
-            if not -vocabulary_size <= padding_index < vocabulary_size:
-                raise ValueError(PADDING_INDEX.format(index=padding_index, size=vocabulary_size))
-            padding_index %= vocabulary_size
-            self.embeddings = self.embeddings.at[padding_index].set(0)  # torch's padding row
-        self.mode, self.padding_index, self.include_last_offset = mode, padding_index, bool(include_last_offset)
+        self.embeddings, self.padding_index = embedding_table(initializer, key, vocabulary_size, embedding_size,
+                                                              dtype, padding_index)
+        self.mode, self.include_last_offset = mode, bool(include_last_offset)
 
     def __call__(self, indices: Any, offsets: Any = None, per_sample_weights: Any = None) -> jax.Array:
         indices = jnp.asarray(indices)

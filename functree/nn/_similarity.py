@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functree._distances import pairwise_distance_terms
+
 __all__ = ["cosine_similarity", "pairwise_distance"]
 
 
@@ -36,13 +38,13 @@ def _norm(x: jax.Array, axis: int) -> jax.Array:
 
 def pairwise_distance(x1: Any, x2: Any, p: float = 2.0, eps: float = 1e-6, keepdims: bool = False) -> jax.Array:
     """``||x1 - x2 + eps||_p`` over the last axis (torch's ``F.pairwise_distance`` /
-    ``nn.PairwiseDistance``; ``eps`` keeps the norm's gradient finite at ``x1 == x2``).
+    ``nn.PairwiseDistance``, and its gradients: 0 where the distance is 0, ``sign`` per
+    component; the triplet losses' distance).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.nn.pairwise_distance(jnp.array([[0.0, 0.0]]), jnp.array([[3.0, 4.0]]), eps=0.0)
       Array([5.], dtype=float32)
     """
-    x1, x2 = jnp.asarray(x1), jnp.asarray(x2)
-    diff = x1 - x2 + jnp.asarray(eps, jnp.result_type(x1, x2))
-    return jnp.linalg.norm(diff, ord=p, axis=-1, keepdims=keepdims)
+    distance = pairwise_distance_terms(jnp.asarray(x1), jnp.asarray(x2), float(p), eps)  # torch's gradients too
+    return distance[..., None] if keepdims else distance

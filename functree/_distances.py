@@ -1,0 +1,37 @@
+"""torch's pairwise distance, one implementation for ``ft.nn.pairwise_distance`` and the
+triplet losses (``ft.losses.triplet_margin``).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from functree._distances import pairwise_distance_terms
+  >>> pairwise_distance_terms(jnp.array([[0.0, 0.0]]), jnp.array([[3.0, 4.0]]), 2.0, 0.0)
+  Array([5.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["pairwise_distance_terms"]
+
+
+def _absolute(x: jax.Array) -> jax.Array:
+    """``|x|`` with torch's gradient ``sign(x)`` (0 at 0; JAX's is 1)."""
+    return x * jnp.sign(x)
+
+
+def pairwise_distance_terms(x1: jax.Array, x2: jax.Array, p: float, eps: float) -> jax.Array:
+    """torch's ``pairwise_distance``: ``||x1 - x2 + eps||_p`` over the last axis (the eps is
+    added to the difference, as torch's), with a gradient of 0 where the norm is 0 (torch's;
+    a square root's is inf there, ``jnp.linalg.norm``'s NaN) and ``sign`` per component (0 at
+    0, as torch's ``p = 1``; JAX's ``|x|`` has 1 there)."""
+    d = _absolute(x1 - x2 + jnp.asarray(eps, jnp.result_type(x1, x2)))
+    if math.isinf(p):
+        return jnp.max(d, axis=-1)
+    total = jnp.sum(d**p, axis=-1)
+    positive = total > 0
+    root = jnp.where(positive, total, 1) ** (1 / p)
+    return jnp.where(positive, root, jnp.zeros((), root.dtype))

@@ -49,7 +49,7 @@ def test_pairwise_distance_gradients_are_torchs_where_the_distance_or_a_componen
     x = np.array([[1.0, 2.0, 3.0]])
     for other, p in ((x, 2.0), (np.array([[1.0, 2.5, 3.0]]), 1.0), (np.array([[1.0, 2.5, 3.5]]), 3.0)):
         with jax.enable_x64(True):
-            ours = np.asarray(jax.grad(lambda a: ft.nn.pairwise_distance(a, other, p=p, eps=0.0).sum())(x))
+            ours = np.asarray(jax.grad(lambda a, b=other, q=p: ft.nn.pairwise_distance(a, b, p=q, eps=0.0).sum())(x))
         t = torch.from_numpy(x.copy()).requires_grad_(True)
         F.pairwise_distance(t, torch.from_numpy(other), p=p, eps=0.0).sum().backward()
         assert t.grad is not None

@@ -336,9 +336,6 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
                                 "ft.nn.UpsamplingNearest2D(scale_factor=2)"),
         "UpsamplingBilinear2d": ("torch's nn.UpsamplingBilinear2d is ft.nn.UpsamplingBilinear2D here (channels "
                                  "last; align_corners=True, as torch's)", "ft.nn.UpsamplingBilinear2D(scale_factor=2)"),
-        "interpolate": ("torch's F.interpolate is the layer ft.nn.Upsample1D / Upsample2D / Upsample3D here "
-                        "(channels last; torch's modes, align_corners and source coordinates)",
-                        'ft.nn.Upsample2D(size=(8, 8), mode="bilinear")'),
         "pad": ("torch's F.pad is jnp.pad here (or a layer: ft.nn.ZeroPad2D, ReflectionPad2D... pairs per axis in "
                 "the input's order)", "ft.nn.ReflectionPad2D(((1, 1), (2, 2)))"),
         "Rngs": ("Flax NNX's nnx.Rngs is not needed: layers take key= at construction, and Dropout a key per call",

@@ -372,8 +372,9 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
     **{f"{kind}Pad{n}D": (lambda c: c(((1, 2),) * c._rank), lambda c: c(padding=((1, 2),) * c._rank))
        for kind in ("Zero", "Reflection", "Replication", "Circular") for n in (1, 2, 3)},
     **{f"ConstantPad{n}D": (lambda c: c(1, 0.5), lambda c: c(padding=1, value=0.5)) for n in (1, 2, 3)},
-    **{f"Upsample{n}D": (lambda c: c(None, 2.0, "nearest-exact"),
-                         lambda c: c(size=None, scale_factor=2.0, mode="nearest-exact")) for n in (1, 2, 3)},
+    **{f"Upsample{n}D": (lambda c: c(None, 2.0, "area", None, True, False),
+                         lambda c: c(size=None, scale_factor=2.0, mode="area", align_corners=None,
+                                     recompute_scale_factor=True, antialias=False)) for n in (1, 2, 3)},
     "UpsamplingNearest2D": (lambda c: c(4), lambda c: c(size=4)),
     "UpsamplingBilinear2D": (lambda c: c(None, 2), lambda c: c(size=None, scale_factor=2)),
     "PixelShuffle": (lambda c: c(2), lambda c: c(factor=2)),

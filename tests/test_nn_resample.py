@@ -1,5 +1,6 @@
 """Upsample1D/2D/3D against torch's F.interpolate over modes, align_corners, sizes and scale
-factors (float32 and float64); gradients, jit, argument and input errors."""
+factors (float32 and float64); gradients, jit, argument and input errors. The area mode,
+antialias, recompute_scale_factor and ft.nn.interpolate: tests/test_nn_resample_modes.py."""
 
 import jax
 import jax.numpy as jnp
@@ -118,8 +119,10 @@ def test_bad_size_and_scale_are_refused(name, given, match):
 def test_mode_of_other_rank_is_refused_naming_the_layer():
     with pytest.raises(ValueError, match=r"(?s)mode='linear'.*is for 1 spatial axes, Upsample1D.*mode='bilinear'"):
         ft.nn.Upsample2D(scale_factor=2, mode="linear")
-    with pytest.raises(ValueError, match=r"mode='area' is not one of"):
-        ft.nn.Upsample3D(scale_factor=2, mode="area")
+    with pytest.raises(ValueError, match=r"(?s)mode='lanczos' is not one of.*is for 2 spatial axes, Upsample2D"):
+        ft.nn.Upsample3D(scale_factor=2, mode="lanczos")
+    with pytest.raises(ValueError, match=r"mode='box' is not one of"):
+        ft.nn.Upsample1D(scale_factor=2, mode="box")
 
 
 def test_align_corners_with_nearest_is_refused():

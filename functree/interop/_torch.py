@@ -67,8 +67,9 @@ Where ``ft.nn``'s defaults differ from torch's, the torch numbers are one argume
   other pads) is ``ZeroPad2D(((top, bottom), (left, right)))``, pairs in the input's axis order
   (torch's flat tuple is refused, a 1-D pad takes ``(left, right)``); ``nn.Upsample(scale_factor=2,
   mode="bilinear")`` on ``[N, C, H, W]`` is ``Upsample2D(scale_factor=2, mode="bilinear")``
-  (``Upsample1D`` / ``Upsample3D``: ``"linear"`` / ``"trilinear"``; torch's ``recompute_scale_factor``
-  and ``antialias`` are not taken); ``Unfold``'s ``[N, C kh kw, L]`` is ``[..., L, C kh kw]``
+  (``Upsample1D`` / ``Upsample3D``: ``"linear"`` / ``"trilinear"``; ``"area"``,
+  ``recompute_scale_factor`` and 2-D ``antialias`` as torch's; ``F.interpolate`` is
+  ``ft.nn.interpolate`` on ``[N, *spatial, C]``); ``Unfold``'s ``[N, C kh kw, L]`` is ``[..., L, C kh kw]``
   (``Fold`` the same way back) and ``stride=`` is ``strides=``; ``Dropout1d/2d/3d``,
   ``PixelShuffle``, ``ChannelShuffle``, ``LPPool*d``, ``LocalResponseNorm``, ``AlphaDropout``
   take torch's arguments (``LPPool``'s ``kernel_size, stride`` are ``pool_size, strides``).

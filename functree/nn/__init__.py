@@ -132,6 +132,7 @@ from functree.nn._resample import (
     Upsample3D,
     UpsamplingBilinear2D,
     UpsamplingNearest2D,
+    interpolate,
 )
 from functree.nn._rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
@@ -336,5 +337,6 @@ __all__ = [
     "tanh",
     "cosine_similarity",
     "pairwise_distance",
+    "interpolate",
     "initializers",
 ]

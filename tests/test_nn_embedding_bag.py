@@ -66,3 +66,38 @@ def test_embedding_bag_refusals():
         summed(jnp.array([[1, 2]]), per_sample_weights=jnp.ones(2))
     with pytest.raises(ValueError, match="padding_index=9 is outside the vocabulary of 7 rows"):
         ft.nn.EmbeddingBag(VOCAB, DIM, key=jax.random.key(0), padding_index=9)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+def test_renormalized_is_torchs_max_norm(mode, norm_type):
+    """torch's EmbeddingBag(max_norm=m) rescales the rows its indices look up inside its weight
+    at each forward; bag.renormalized(indices, m) is that weight, and its forward and gradient
+    (passed through the rescaling, as torch's no_grad) torch's, in float64."""
+    torch.manual_seed(0)
+    module = torch.nn.EmbeddingBag(VOCAB, DIM, mode=mode, max_norm=1.5, norm_type=norm_type, padding_idx=2,
+                                   dtype=torch.float64)
+    with torch.no_grad():  # row 2-norms 0.77 to 3.1 (1-norms to 4.9): some over 1.5, some under
+        module.weight.mul_(torch.linspace(0.3, 2.0, VOCAB, dtype=torch.float64)[:, None])
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    indices, offsets = INDICES[:6], np.array([0, 2, 2])  # rows 1 2 4 5 3 looked up; 0 and 6 not
+    out = module(torch.from_numpy(indices), torch.from_numpy(offsets))
+    out.backward(torch.from_numpy(np.cos(out.detach().numpy())))
+    after = module.weight.detach().numpy()
+    changed = np.any(after != before["weight"].numpy(), axis=1)
+    assert changed.any() and not changed[[0, 6]].any() and not changed[[1, 2, 3, 4, 5]].all()
+    with jax.enable_x64(True):
+        layer = ft.nn.EmbeddingBag(VOCAB, DIM, mode, key=jax.random.key(0), dtype=jnp.float64, padding_index=2)
+        layer = ft.nn.load_torch_state_dict(layer, before)
+        # measured: bit for bit (table, output, gradient); a rounding's room where XLA sums in another order
+        np.testing.assert_allclose(layer.renormalized(indices, 1.5, norm_type).embeddings, after, rtol=0, atol=1e-15)
+        ours, pull = jax.vjp(lambda m: m.renormalized(indices, 1.5, norm_type)(indices, offsets), layer)
+        (grad,) = pull(jnp.cos(ours))
+    np.testing.assert_allclose(ours, out.detach().numpy(), rtol=0, atol=2e-15)
+    np.testing.assert_allclose(grad.embeddings, module.weight.grad.numpy(), rtol=0, atol=2e-15)
+
+
+def test_max_norm_is_refused_with_the_functional_step():
+    with pytest.raises(ValueError, match=r"(?s)max_norm=1.0 is torch's in-place side effect.*right:  bag = "
+                       r"ft.nn.EmbeddingBag\(n, d, key=key\)\n\s+bag = bag.renormalized\(indices, 1.0\)"):
+        ft.nn.EmbeddingBag(VOCAB, DIM, key=jax.random.key(0), max_norm=1.0)  # pyright: ignore[reportArgumentType]

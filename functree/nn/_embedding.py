@@ -108,15 +108,22 @@ class Embedding(Layer):
           Array([4.2426, 1.    , 1.    , 4.2426], dtype=float32)
         """
         check_input(self, indices, (), kind="int")
-        w = self.embeddings
-        read = jnp.clip(indices, 0, w.shape[0] - 1).ravel()  # the rows a lookup reads
-        looked = jnp.zeros(w.shape[0], bool).at[read].set(True)
-        norms = jnp.linalg.norm(w, ord=norm_type, axis=-1)
-        scale = jnp.where(looked & (norms > max_norm), max_norm / (norms + 1e-7), 1.0).astype(w.dtype)
-        rescaled = w * scale[:, None]
-        # torch's no_grad: the value rescaled exactly (w - w is 0), the gradient passed through unscaled
-        stop = jax.lax.stop_gradient
-        return self.replace(embeddings=w - stop(w) + stop(rescaled))
+        return self.replace(embeddings=renormalized_rows(self.embeddings, indices, max_norm, norm_type))
+
+
+def renormalized_rows(w: jax.Array, indices: jax.Array, max_norm: float, norm_type: float) -> jax.Array:
+    """``w`` with torch's ``embedding_renorm_`` of the rows ``indices`` look up (clamped as a
+    lookup reads them): each distinct one of ``p``-norm above ``max_norm`` scaled to
+    ``max_norm / (norm + 1e-7)`` of itself; the gradient passed through unscaled (torch's
+    ``no_grad``). ``Embedding.renormalized`` and ``EmbeddingBag.renormalized``."""
+    read = jnp.clip(indices, 0, w.shape[0] - 1).ravel()  # the rows a lookup reads
+    looked = jnp.zeros(w.shape[0], bool).at[read].set(True)
+    norms = jnp.linalg.norm(w, ord=norm_type, axis=-1)
+    scale = jnp.where(looked & (norms > max_norm), max_norm / (norms + 1e-7), 1.0).astype(w.dtype)
+    rescaled = w * scale[:, None]
+    # torch's no_grad: the value rescaled exactly (w - w is 0), the gradient passed through unscaled
+    stop = jax.lax.stop_gradient
+    return w - stop(w) + stop(rescaled)
 
 
 def embedding_table(initializer: Initializer, key: jax.Array, vocabulary_size: int, embedding_size: int, dtype: Any,

@@ -11,7 +11,7 @@ import numpy as np
 from functree._module import field
 from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input, concrete
-from functree.nn._embedding import embedding_table
+from functree.nn._embedding import embedding_table, renormalized_rows
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
 
@@ -44,6 +44,17 @@ ft.nn.EmbeddingBag: per_sample_weights= weighs each index's row in a sum; mode={
 
 BAD_WEIGHTS = "Pass per_sample_weights of the indices' shape {shape}, floating: one weight per index."
 
+MAX_NORM = """\
+ft.nn.EmbeddingBag: max_norm={max_norm!r} is torch's in-place side effect: each forward of torch's \
+EmbeddingBag(..., max_norm=m) rescales the rows its indices look up inside the weight itself \
+(under no_grad), and the optimizer then steps from the rescaled rows; a forward here changes no \
+table. Make the change explicit, before each step (as ft.nn.Embedding's):
+
+    wrong:  bag = ft.nn.EmbeddingBag(n, d, key=key, max_norm={max_norm!r})
+    right:  bag = ft.nn.EmbeddingBag(n, d, key=key)
+            bag = bag.renormalized(indices, {max_norm!r})    # torch's renorm of the rows the indices look up
+            loss, grads = ...(bag, indices, offsets)     # then the step, from the renormalized table"""
+
 
 class EmbeddingBag(Layer):
     """Each bag of indices as the ``"sum"``, ``"mean"`` (the default) or ``"max"`` of its rows.
@@ -57,6 +68,9 @@ class EmbeddingBag(Layer):
     entries are left out of their bags (not counted by the mean, never the max) and get no
     gradient. ``embeddings`` is torch's ``weight``. As ``ft.nn.Embedding``, out-of-range indices
     are clamped; offsets are checked eagerly (under ``jax.jit`` their values are unknown).
+    torch's ``max_norm=m`` (an in-place change of the weight at each forward) is
+    :meth:`renormalized`, called before each step; ``max_norm=`` here is refused
+    (:data:`MAX_NORM`).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -74,8 +88,10 @@ class EmbeddingBag(Layer):
     def __init__(
         self, vocabulary_size: int, embedding_size: int, mode: str = "mean", *, key: jax.Array,
         dtype: Any = jnp.float32, initializer: Initializer = _standard_normal, padding_index: int | None = None,
-        include_last_offset: bool = False,
+        include_last_offset: bool = False, max_norm: None = None,
     ):
+        if max_norm is not None:  # torch's argument: no counterpart in a forward (MAX_NORM says why)
+            raise ValueError(MAX_NORM.format(max_norm=max_norm))
         if mode not in ("sum", "mean", "max"):
             raise ValueError(BAD_MODE.format(mode=mode))
         self.embeddings, self.padding_index = embedding_table(initializer, key, vocabulary_size, embedding_size,
@@ -98,6 +114,29 @@ class EmbeddingBag(Layer):
         else:
             bags, n = self._bags(indices, offsets)
         return self._reduce(indices.ravel(), bags.ravel(), n, None if weights is None else weights.ravel())
+
+    def renormalized(self, indices: Any, max_norm: float, norm_type: float = 2.0) -> EmbeddingBag:
+        """This layer with torch's ``max_norm`` renormalization of the rows ``indices`` look up
+        (all of them, 1-D or ``[B, N]``, padding entries included: torch's ``embedding_bag``
+        calls ``embedding_renorm_`` on its input before reducing)::
+
+            w[r] <- w[r] * m / (||w[r]||_p + 1e-7)   for each distinct row r looked up with ||w[r]||_p > m
+
+        the gradient passed through unscaled, as ``ft.nn.Embedding.renormalized``: call it on
+        the batch before each step and step from the layer it returns, torch's training step
+        for step.
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp
+          >>> bag = ft.nn.EmbeddingBag(4, 2, "sum", key=jax.random.key(0),
+          ...                          initializer=jax.nn.initializers.constant(3.0))
+          >>> bag = bag.renormalized(jnp.array([1, 2, 2]), max_norm=1.0)   # rows 1 and 2 to norm 1
+          >>> jnp.linalg.norm(bag.embeddings, axis=-1).round(4)
+          Array([4.2426, 1.    , 1.    , 4.2426], dtype=float32)
+        """
+        indices = jnp.asarray(indices)
+        check_input(self, indices, (), kind="int")
+        return self.replace(embeddings=renormalized_rows(self.embeddings, indices, max_norm, norm_type))
 
     def _weights(self, indices: jax.Array, weights: Any) -> jax.Array | None:
         if weights is None:

@@ -363,6 +363,8 @@ ERRORS = [
     (lambda: ft.losses.triplet_margin_with_distance(X, X, X, distance=lambda a, b: jnp.abs(a - b)),
      r"distance\(anchor, positive\) must return one distance per triplet, shape \[5\], got f32\[5,4\]"),
     (lambda: ft.losses.nll(X - 10, LABELS, reduction="batchmean"), r"nll: reduction must be one of"),
+    (lambda: ft.losses.triplet_margin(X, X, X, margin=0.0),  # torch refuses margin <= 0 (it was taken here)
+     r"triplet_margin: margin must be a positive number \(torch's rule\), got 0.0"),
     # ctc
     (lambda: ft.losses.ctc(np.zeros((3, 5), np.float32), np.ones((1, 2), np.int32), [3], [2]),
      r"ctc: logits must be \[batch, time, classes\], got f32\[3,5\].*logits\[None\]"),
@@ -389,3 +391,49 @@ def test_each_error_names_the_problem_and_the_fix(call, message):
     and the call that fixes it."""
     with pytest.raises((ValueError, TypeError), match=f"(?s){message}"):
         call()
+
+
+# (ours, torch's, arrays, which get a gradient): each input sits exactly on its loss's kink
+AT_THE_KINK = [
+    ("margin_ranking-tie", lambda a, b, y: ft.losses.margin_ranking(a, b, y, margin=0.0, reduction="sum"),
+     lambda a, b, y: F.margin_ranking_loss(a, b, y, margin=0.0, reduction="sum"),
+     (np.array([1.0, 2.0]), np.array([1.0, 2.0]), np.array([1.0, -1.0])), (0, 1)),
+    ("hinge_embedding-at-margin", lambda a, y: ft.losses.hinge_embedding(a, y, margin=1.0, reduction="sum"),
+     lambda a, y: F.hinge_embedding_loss(a, y, margin=1.0, reduction="sum"),
+     (np.array([1.0, 0.5]), np.array([-1.0, -1.0])), (0,)),
+    ("triplet_margin-at-margin", lambda a, b, c: ft.losses.triplet_margin(a, b, c, margin=1.0, eps=0.0, reduction="sum"),
+     lambda a, b, c: F.triplet_margin_loss(a, b, c, margin=1.0, eps=0.0, reduction="sum"),
+     (np.array([[0.0, 0.0]]), np.array([[1.0, 0.0]]), np.array([[2.0, 0.0]])), (0, 1, 2)),
+    ("triplet_margin_with_distance-at-margin",
+     lambda a, b, c: ft.losses.triplet_margin_with_distance(
+         a, b, c, distance=lambda u, v: jnp.sum(jnp.square(u - v), -1), margin=3.0, reduction="sum"),
+     lambda a, b, c: F.triplet_margin_with_distance_loss(
+         a, b, c, distance_function=lambda u, v: (u - v).square().sum(-1), margin=3.0, reduction="sum"),
+     (np.array([[0.0, 0.0]]), np.array([[1.0, 0.0]]), np.array([[2.0, 0.0]])), (0, 1, 2)),
+    ("cosine_embedding-at-margin", lambda a, b, y: ft.losses.cosine_embedding(a, b, y, margin=0.0, reduction="sum"),
+     lambda a, b, y: F.cosine_embedding_loss(a, b, y, margin=0.0, reduction="sum"),
+     (np.array([[1.0, 0.0]]), np.array([[0.0, 1.0]]), np.array([-1.0])), (0, 1)),
+    ("cosine_embedding-zero-vector", lambda a, b, y: ft.losses.cosine_embedding(a, b, y, reduction="sum"),
+     lambda a, b, y: F.cosine_embedding_loss(a, b, y, reduction="sum"),
+     (np.array([[0.0, 0.0]]), np.array([[0.0, 1.0]]), np.array([1.0])), (0, 1)),
+    ("l1-zero-error", lambda a, b: ft.losses.l1(a, b, reduction="sum"), lambda a, b: F.l1_loss(a, b, reduction="sum"),
+     (np.array([1.0, 2.0]), np.array([1.0, 3.0])), (0, 1)),
+    ("mean_absolute_error-zero-error", lambda a, b: ft.losses.mean_absolute_error(a, b),
+     lambda a, b: F.l1_loss(a, b), (np.array([0.0, 2.0]), np.array([0.0, 3.0])), (0, 1)),
+]
+
+
+@pytest.mark.parametrize("ours, theirs, arrays, grads", [c[1:] for c in AT_THE_KINK], ids=[c[0] for c in AT_THE_KINK])
+def test_gradients_at_the_kink_are_torchs(ours, theirs, arrays, grads):
+    """torch's clamp_min passes the gradient at the margin (relu's was 0: tied scores with
+    margin 0 never learned), its |x| has the derivative 0 at 0 (jnp.abs's was 1), and its
+    cosine adds the float 1e-12 (9.99999996e-13) to each squared norm (a zero vector's
+    gradient, ~1e6, differed by 2e-9 of it)."""
+    tensors = [torch.tensor(a, requires_grad=i in grads) for i, a in enumerate(arrays)]
+    theirs(*tensors).backward()
+    with jax.enable_x64(True):
+        got = jax.grad(lambda *d: ours(*[d[grads.index(i)] if i in grads else a for i, a in enumerate(arrays)]),
+                       argnums=tuple(range(len(grads))))(*[arrays[i] for i in grads])
+    for i, g in zip(grads, got, strict=True):
+        want = tensors[i].grad.numpy()
+        np.testing.assert_allclose(np.asarray(g), want, rtol=0, atol=RTOL * max(1.0, np.abs(want).max()))

@@ -45,3 +45,10 @@ def test_prelu_refuses_other_channel_counts():
     with pytest.raises(ft.nn.LayerInputError, match=r"\[\.\.\., 3\] on axis -1 \(float\), got f32\[2,4\]"):
         ft.nn.PReLU(3)(jnp.ones((2, 4)))
     np.testing.assert_array_equal(ft.nn.PReLU()(jnp.array([-4.0, 2.0])), [-1.0, 2.0])  # init 0.25
+
+
+def test_one_slope_keeps_a_scalar_a_scalar():
+    """One slope was a [1] array, broadcasting a scalar input to [1]; torch's keeps it []."""
+    act = ft.nn.PReLU(init=0.5)
+    assert act(jnp.asarray(-2.0)).shape == ()
+    assert float(act(jnp.asarray(-2.0))) == float(torch.nn.PReLU(init=0.5)(torch.tensor(-2.0)).detach())

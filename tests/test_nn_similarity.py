@@ -54,3 +54,16 @@ def test_pairwise_distance_gradients_are_torchs_where_the_distance_or_a_componen
         F.pairwise_distance(t, torch.from_numpy(other), p=p, eps=0.0).sum().backward()
         assert t.grad is not None
         np.testing.assert_allclose(ours, t.grad.numpy(), rtol=0, atol=1e-12)
+
+
+def test_pairwise_distance_p0_counts_the_differing_components_as_torchs():
+    """p=0 was a bare ZeroDivisionError (the root 1 / p); torch counts the nonzero components
+    of x1 - x2 + eps, with a zero gradient. A negative p is refused by name."""
+    x1, x2 = np.array([[1.0, 0.0, 2.0], [1.0, 1.0, 1.0]]), np.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    for eps in (0.0, 1e-6):
+        expected = F.pairwise_distance(torch.from_numpy(x1), torch.from_numpy(x2), p=0, eps=eps).numpy()
+        np.testing.assert_array_equal(np.asarray(ft.nn.pairwise_distance(x1, x2, p=0, eps=eps)), expected)
+    np.testing.assert_array_equal(jax.grad(lambda a: ft.nn.pairwise_distance(a, x2, p=0).sum())(x1), 0.0)
+    for bad in (-1, float("nan"), "l2"):
+        with pytest.raises(ValueError, match=r"(?s)pairwise_distance: p must be a number >= 0 .*p=2.0"):
+            ft.nn.pairwise_distance(x1, x2, p=bad)  # pyright: ignore[reportArgumentType]  (the wrong types are the test)

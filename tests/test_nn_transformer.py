@@ -126,6 +126,23 @@ def test_encoder_layer_per_head_masks_unbatched_and_decoder_memory_mask():
         np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-12 * np.abs(b).max())
 
 
+def test_float_masks_of_two_dtypes_are_summed_in_the_wider():
+    """A half-precision src_mask and a float32 key padding mask: torch adds them in float32.
+    They were summed in the first's dtype, rounding the float32 mask to half precision
+    (float16 with torch's layer: 5.3e-5 off its output, measured; now 3.6e-7, float32's).
+    bfloat16 here (float16 casts need F16C, absent under SSE4_2); both in float32 is the
+    reference."""
+    rng = np.random.default_rng(5)
+    layer = ft.nn.TransformerEncoderLayer(E, HEADS, FF, batch_first=True, key=jax.random.key(5))
+    x = rng.standard_normal((N, S, E)).astype(np.float32)
+    src_mask = jnp.asarray(rng.standard_normal((S, S)), jnp.bfloat16)
+    padding = (rng.standard_normal((N, S)) * 3).astype(np.float32)
+    run = jax.jit(lambda m, x, a, b: m(x, src_mask=a, src_key_padding_mask=b))
+    got = run(layer, x, src_mask, padding)
+    reference = run(layer, x, src_mask.astype(jnp.float32), padding)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference), rtol=0, atol=1e-6)
+
+
 def test_gradients_check_in_float64():
     """check_grads (reverse, order 1) of a pre-norm encoder layer through its parameters and
     input, with a float mask and a bool key padding mask."""

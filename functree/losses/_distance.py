@@ -16,6 +16,7 @@ import numpy as np
 
 from functree._distances import pairwise_distance_terms
 from functree.losses._checks import check_class_axis, check_number, check_shape, check_signed
+from functree.losses._hinge import clamp_min_zero
 from functree.losses._reduction import (
     _describe,
     check_float,
@@ -64,9 +65,9 @@ def cosine_embedding(x1: Any, x2: Any, y: Any, *, margin: float = 0.0, reduction
 def _cosine_embedding(x1: jax.Array, x2: jax.Array, y: jax.Array, *, margin: float, reduction: str) -> Any:
     x1 = in_compute_dtype(x1)
     x2 = x2.astype(x1.dtype)
-    eps = 1e-12  # torch's EPSILON, added to each squared norm
+    eps = float(np.float32(1e-12))  # torch's EPSILON, a float (9.99999996e-13), added to each squared norm
     cos = jnp.sum(x1 * x2, axis=-1) / jnp.sqrt((jnp.sum(x1 * x1, axis=-1) + eps) * (jnp.sum(x2 * x2, axis=-1) + eps))
-    values = jnp.where(y == 1, 1 - cos, jax.nn.relu(cos - margin))
+    values = jnp.where(y == 1, 1 - cos, clamp_min_zero(cos - margin))  # torch's gradient at cos = margin
     values = jnp.where((y != 1) & (y != -1), jnp.full((), jnp.nan, values.dtype), values)
     return reduce("cosine_embedding", values, reduction)
 
@@ -84,6 +85,7 @@ def triplet_margin(anchor: Any, positive: Any, negative: Any, *, margin: float =
     """torch's ``triplet_margin_loss``: ``max(0, d(a, p) - d(a, n) + margin)`` per triplet of
     vectors (last axis), ``d`` torch's ``pairwise_distance`` ``||x1 - x2 + eps||_p`` (``ft.nn.pairwise_distance``);
     ``swap=True`` takes ``min(d(a, n), d(p, n))`` as the negative's distance (Balntas et al. 2016).
+    ``margin > 0``, torch's rule (it refuses 0 and below).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -95,7 +97,7 @@ def triplet_margin(anchor: Any, positive: Any, negative: Any, *, margin: float =
     anchor, positive, negative = _check_triplet(name, anchor, positive, negative)
     check_reduction(name, reduction)
     check_class_axis(name, "anchor", anchor)
-    margin = check_number(name, "margin", margin, "a number", 1.0, np.isfinite)
+    margin = check_number(name, "margin", margin, "a positive number (torch's rule)", 1.0, lambda m: 0 < m < math.inf)
     p = check_number(name, "p", p, "a positive norm order (inf: the largest)", 2.0, lambda v: v > 0)
     eps = check_number(name, "eps", eps, "a non-negative number", 1e-6, lambda v: v >= 0)
     return _triplet_margin(anchor, positive, negative, margin=margin, p=p, eps=eps, swap=bool(swap),
@@ -114,7 +116,7 @@ def _triplet_margin(anchor: jax.Array, positive: jax.Array, negative: jax.Array,
 
 
 def _triplet(near: jax.Array, far: jax.Array, *, margin: float, reduction: str) -> Any:
-    return reduce("triplet_margin", jax.nn.relu(margin + near - far), reduction)
+    return reduce("triplet_margin", clamp_min_zero(margin + near - far), reduction)  # torch's gradient at 0
 
 
 def triplet_margin_with_distance(anchor: Any, positive: Any, negative: Any, *,

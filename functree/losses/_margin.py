@@ -24,6 +24,7 @@ from functree.losses._checks import (
     class_weight,
     element_weight,
 )
+from functree.losses._hinge import clamp_min_zero
 from functree.losses._reduction import (
     _array,
     check_float,
@@ -75,7 +76,7 @@ def margin_ranking(x1: Any, x2: Any, y: Any, *, margin: float = 0.0, reduction: 
 @functools.partial(jax.jit, static_argnames=("margin", "reduction"))
 def _margin_ranking(x1: jax.Array, x2: jax.Array, y: jax.Array, *, margin: float, reduction: str) -> Any:
     x1 = in_compute_dtype(x1)
-    values = jax.nn.relu(-y.astype(x1.dtype) * (x1 - x2.astype(x1.dtype)) + margin)
+    values = clamp_min_zero(-y.astype(x1.dtype) * (x1 - x2.astype(x1.dtype)) + margin)  # torch's gradient at 0
     return reduce("margin_ranking", _nan_unless_signed(values, y), reduction)
 
 
@@ -100,7 +101,7 @@ def hinge_embedding(predicted: Any, expected: Any, *, margin: float = 1.0, reduc
 @functools.partial(jax.jit, static_argnames=("margin", "reduction"))
 def _hinge_embedding(predicted: jax.Array, expected: jax.Array, *, margin: float, reduction: str) -> Any:
     predicted = in_compute_dtype(predicted)
-    values = jnp.where(expected == 1, predicted, jax.nn.relu(margin - predicted))
+    values = jnp.where(expected == 1, predicted, clamp_min_zero(margin - predicted))  # torch's gradient at 0
     return reduce("hinge_embedding", _nan_unless_signed(values, expected), reduction)
 
 

@@ -224,7 +224,7 @@ def poisson(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Ar
 # The losses' elementwise terms (module-level: each is the key of its compiled program, see
 # functree/losses/_reduction.py's reduced), in the compute dtype.
 def _absolute_error(predicted: jax.Array, expected: jax.Array) -> jax.Array:
-    return jnp.abs(predicted - expected)
+    return _signed_absolute(predicted, expected)  # torch's L1Loss gradient: 0 at a zero error (jnp.abs's is 1)
 
 
 def _huber(predicted: jax.Array, expected: jax.Array, delta: Any) -> jax.Array:

@@ -55,4 +55,6 @@ class PReLU(Layer):
                 raise LayerInputError(self, f"[..., {n}] on axis {axis} (float)", short_array(x),
                                       BAD_CHANNELS.format(axis=axis, n=n))
             slope = slope.reshape((n,) + (1,) * (x.ndim - axis % x.ndim - 1))
+        else:  # one slope: a scalar, so a scalar input stays a scalar (a [1] slope made it [1])
+            slope = slope.reshape(())
         return jnp.where(x > 0, x, slope * x)  # torch's: at 0 the gradient is the slope

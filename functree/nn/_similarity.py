@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -10,6 +11,14 @@ import jax.numpy as jnp
 from functree._distances import pairwise_distance_terms
 
 __all__ = ["cosine_similarity", "pairwise_distance"]
+
+BAD_P = """\
+pairwise_distance: p must be a number >= 0 (the norm's order: 1, 2, float("inf"); 0 counts the \
+components that differ), got {given!r}. torch returns a number for a negative p that is no distance.
+
+    wrong:  ft.nn.pairwise_distance(x1, x2, p={given!r})
+    right:  ft.nn.pairwise_distance(x1, x2, p=2.0)
+"""
 
 
 def cosine_similarity(x1: Any, x2: Any, axis: int = -1, eps: float = 1e-8) -> jax.Array:
@@ -39,12 +48,19 @@ def _norm(x: jax.Array, axis: int) -> jax.Array:
 def pairwise_distance(x1: Any, x2: Any, p: float = 2.0, eps: float = 1e-6, keepdims: bool = False) -> jax.Array:
     """``||x1 - x2 + eps||_p`` over the last axis (torch's ``F.pairwise_distance`` /
     ``nn.PairwiseDistance``, and its gradients: 0 where the distance is 0, ``sign`` per
-    component; the triplet losses' distance).
+    component; the triplet losses' distance). ``p = 0`` counts the components that differ
+    (torch's); a negative ``p`` raises :data:`BAD_P`.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.nn.pairwise_distance(jnp.array([[0.0, 0.0]]), jnp.array([[3.0, 4.0]]), eps=0.0)
       Array([5.], dtype=float32)
     """
-    distance = pairwise_distance_terms(jnp.asarray(x1), jnp.asarray(x2), float(p), eps)  # torch's gradients too
+    try:
+        order = float(p)
+    except (TypeError, ValueError):
+        order = math.nan
+    if isinstance(p, bool) or not order >= 0:  # (NaN fails too)
+        raise ValueError(BAD_P.format(given=p))
+    distance = pairwise_distance_terms(jnp.asarray(x1), jnp.asarray(x2), order, eps)  # torch's gradients too
     return distance[..., None] if keepdims else distance

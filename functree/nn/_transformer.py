@@ -24,6 +24,7 @@ one).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -167,8 +168,10 @@ def attention_masks(
     for a in allowed:
         mask = a if mask is None else mask & a
     bias = None
-    for b in added:
-        bias = b if bias is None else jnp.add(bias, b.astype(bias.dtype))
+    if added:  # summed in their widest dtype, as torch's type promotion (a float16 mask kept a float32 one's digits)
+        with jax.numpy_dtype_promotion("standard"):  # the type lattice, named here; nothing is added implicitly
+            dtype = functools.reduce(jnp.promote_types, [b.dtype for b in added])
+        bias = functools.reduce(jnp.add, [b.astype(dtype) for b in added])
     return mask, bias
 
 

@@ -27,14 +27,16 @@ def pairwise_distance_terms(x1: jax.Array, x2: jax.Array, p: float, eps: float) 
     """torch's ``pairwise_distance``: ``||x1 - x2 + eps||_p`` over the last axis (the eps is
     added to the difference, as torch's), with a gradient of 0 where the norm is 0 (torch's;
     a square root's is inf there, ``jnp.linalg.norm``'s NaN) and ``sign`` per component (0 at
-    0, as torch's ``p = 1``; JAX's ``|x|`` has 1 there). ``p = 0`` counts the nonzero
-    components, as torch's."""
+    0, as torch's ``p = 1``; JAX's ``|x|`` has 1 there; 0 at a zero component for ``p < 1``
+    too). ``p = 0`` counts the nonzero components, as torch's."""
     d = _absolute(x1 - x2 + jnp.asarray(eps, jnp.result_type(x1, x2)))
     if p == 0:  # torch's p = 0: the number of nonzero components, its gradient 0
         return jnp.sum(d != 0, axis=-1).astype(d.dtype)
     if math.isinf(p):
         return jnp.max(d, axis=-1)
-    total = jnp.sum(d**p, axis=-1)
+    nonzero = d > 0  # p < 1: d**p's derivative is inf at 0 (NaN through sign's 0); torch's is 0 there
+    powered = jnp.where(nonzero, jnp.where(nonzero, d, 1) ** p, jnp.zeros((), d.dtype))
+    total = jnp.sum(powered, axis=-1)
     positive = total > 0
     root = jnp.where(positive, total, 1) ** (1 / p)
     return jnp.where(positive, root, jnp.zeros((), root.dtype))

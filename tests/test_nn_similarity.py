@@ -67,3 +67,15 @@ def test_pairwise_distance_p0_counts_the_differing_components_as_torchs():
     for bad in (-1, float("nan"), "l2"):
         with pytest.raises(ValueError, match=r"(?s)pairwise_distance: p must be a number >= 0 .*p=2.0"):
             ft.nn.pairwise_distance(x1, x2, p=bad)  # pyright: ignore[reportArgumentType]  (the wrong types are the test)
+
+
+def test_pairwise_distance_gradient_below_p1_is_torchs_at_a_zero_component():
+    """p < 1: d**p's derivative is infinite at a zero component, times sign's 0 it was NaN;
+    torch's is 0 there (the other components' as torch's)."""
+    x1, x2 = np.array([[1.0, 0.0, 2.0]]), np.array([[1.0, 1.0, 0.0]])
+    with jax.enable_x64(True):
+        ours = np.asarray(jax.grad(lambda a: ft.nn.pairwise_distance(a, x2, p=0.5, eps=0.0).sum())(x1))
+    t = torch.from_numpy(x1.copy()).requires_grad_(True)
+    F.pairwise_distance(t, torch.from_numpy(x2), p=0.5, eps=0.0).sum().backward()
+    assert t.grad is not None
+    np.testing.assert_allclose(ours, t.grad.numpy(), rtol=0, atol=1e-13 * np.abs(t.grad.numpy()).max())

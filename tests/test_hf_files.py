@@ -422,12 +422,12 @@ def test_an_index_that_omits_a_tensor_its_shard_holds_is_named_not_the_config(tm
 
 
 @pytest.mark.parametrize(("task", "config_class", "covered", "body"), [
-    ("MistralForQuestionAnswering", "MistralConfig", "MistralForCausalLM", "model"),
-    ("BertForQuestionAnswering", "BertConfig", "BertModel", "bert")])
+    ("GPT2DoubleHeadsModel", "GPT2Config", "GPT2LMHeadModel", "transformer"),
+    ("BertForMultipleChoice", "BertConfig", "BertModel", "bert")])
 def test_a_task_class_directory_is_refused_naming_its_body_as_the_portable_part(tmp_path, task, config_class,
                                                                               covered, body):
-    """A task checkpoint's directory of a head functree does not cover (classification heads
-    are covered: tests/test_hf_heads.py): from_hf's fix dropped its head tensors, which
+    """A task checkpoint's directory of a head functree does not cover (classification and
+    question-answering heads are covered: tests/test_hf_heads.py, tests/test_hf_qa.py): from_hf's fix dropped its head tensors, which
     built a causal LM (the head tied to the embedding) or a BERT named as the checkpoint.
     config.json's architectures names the uncovered class now; the fix's body is the
     checkpoint's, hidden states equal to transformers' body of the task model."""
@@ -449,8 +449,8 @@ def test_a_task_class_directory_is_refused_naming_its_body_as_the_portable_part(
             expected = getattr(hf_model, body)(torch.from_numpy(IDS)).last_hidden_state.numpy()
         _close(scope["body"](IDS), expected)
         return
-    ours = {k: v for k, v in ft.nn.to_hf_state_dict(scope["ported"], numpy=True).items() if k.startswith("model.")}
-    theirs = {k: v.numpy() for k, v in hf_model.state_dict().items() if k.startswith("model.")}
+    ours = {k: v for k, v in ft.nn.to_hf_state_dict(scope["ported"], numpy=True).items() if k.startswith(body + ".")}
+    theirs = {k: v.numpy() for k, v in hf_model.state_dict().items() if k.startswith(body + ".")}
     assert sorted(ours) == sorted(theirs)
     for name, value in theirs.items():  # the body's tensors, copied exactly
         np.testing.assert_array_equal(ours[name], value, err_msg=name)

@@ -28,10 +28,15 @@ The heads (``h`` the body's last hidden state ``[batch, T, d]``):
 * :class:`PooledClassifier` (BERT's ``ForSequenceClassification``):
   ``classifier(dropout(pooler(h[:, 0])))``;
 * :class:`MaskedLM` (BERT's ``ForMaskedLM``): ``LayerNorm(act(dense(h))) E^T + bias``, the
-  decoder tied to the word embedding and its bias to ``cls.predictions.bias``.
+  decoder tied to the word embedding and its bias to ``cls.predictions.bias``;
+* :class:`QuestionAnswering` (``ForQuestionAnswering``): ``qa_outputs(h)`` at every token,
+  its two outputs the answer span's start and end logits (:class:`SpanLogits`); HF's body
+  under ``transformer.`` for Llama, Qwen2, Ministral and Qwen3 (their QA classes'
+  ``base_model_prefix``), the family's own name elsewhere.
 
 Their loss is :func:`task_loss` (also ``model.loss(logits, labels)``): HF's ``labels=``
-loss exactly, ``problem_type`` as HF infers it. The dropout before a classifier applies in a
+loss exactly, ``problem_type`` as HF infers it (question answering: HF's
+``start_positions=``, ``end_positions=`` loss). The dropout before a classifier applies in a
 port built with ``dropout=True`` in training mode (HF's ``classifier_dropout``).
 """
 
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +64,8 @@ from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
 from functree.nn._state import salted
 
-__all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "MaskedLM", "HEADS",
-           "task_loss", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES"]
+__all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "MaskedLM",
+           "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES"]
 
 NO_PAD_TOKEN = """\
 {model}: the config has no pad_token_id, so the last token of each row is its class token, \
@@ -146,6 +151,22 @@ config object made in Python names none until it is saved.
        or:  ft.nn.from_hf({{**hf_model.config.to_dict(), "architectures": [{task!r}]}}, weights)
 """
 
+QA_LABELS = """\
+ft.nn.from_hf: {hf_class}'s qa_outputs has num_labels outputs, and its forward splits them \
+into the start and end logits, so it takes num_labels 2; the config gives {given} (Hugging \
+Face's forward fails on it: "too many values to unpack" or "not enough values").
+
+    wrong:  "num_labels": {given}
+    right:  "num_labels": 2      # or no num_labels / id2label: 2 is the default
+"""
+
+BAD_SPANS = """\
+{model}.loss: {what} {expected}; got {given}.
+
+    wrong:  {wrong}
+    right:  {right}
+"""
+
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
 _HEAD_STREAM = 2  # folded into the first member's dropout key: the head's mask without a call key (1: the embedding's)
 IGNORE_INDEX = -100  # torch's CrossEntropyLoss default: HF's collators' label for tokens not scored
@@ -161,6 +182,9 @@ class TaskModel(HFModel):
     head_roots: ClassVar[tuple[str, ...]] = ()  # HF's top-level modules of the head ("score", "cls")
     head_rename: ClassVar[dict[str, str]] = {}  # HF's head names -> this class's key paths, where they differ
     pooled: ClassVar[bool] = False  # BERT's body keeps its pooler
+    # HF's attribute of the body and the family's, where they differ (Llama's QA class keeps its
+    # LlamaModel as "transformer", the causal LM as "model"): ("transformer", "model"); else None
+    body_alias: ClassVar[tuple[str, str] | None] = None
 
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
@@ -198,8 +222,20 @@ class TaskModel(HFModel):
         prefix = cls.body_prefix
         if prefix:
             rest = {k.removeprefix(prefix): v for k, v in rest.items()}
-        body = cls.body_class.hf_names(rest)
+        alias = cls.body_alias
+        # HF's body name read as the family's and written back (a file holding the family's own
+        # name too is another model's: left as it is, its tensors refused as not this class's)
+        if alias is not None and not any(k.startswith(alias[1] + ".") for k in rest):
+            body = {_swapped(k, alias[1], alias[0]): v
+                    for k, v in cls.body_class.hf_names({_swapped(k, *alias): v for k, v in rest.items()}).items()}
+        else:
+            body = cls.body_class.hf_names(rest)
         return {**{prefix + k: v for k, v in body.items()}, **own}
+
+    @classmethod
+    def _arrays(cls, logits: Any, labels: Any) -> tuple[Any, Any]:
+        """:func:`task_loss`'s arguments as arrays (:class:`QuestionAnswering`: pairs of them)."""
+        return jnp.asarray(logits), jnp.asarray(labels)
 
     def _body(self) -> Any:
         """The body carrying this model's config (its padding row and pad id read it)."""
@@ -215,8 +251,8 @@ class TaskModel(HFModel):
         body._check_call(input_ids, None)
         ids = check_ids(self, input_ids)
         # HF's forward without position_ids: 0..T-1 in every row, left padding too (GPT-2's
-        # learned table reads them; OPT's alone counts each row's real tokens, as _run does)
-        positions = None if self.body_class.model_type in _COUNTED_POSITIONS else \
+        # learned table reads them; OPT's alone counts each row's real tokens)
+        positions = _counted(ids, attention_mask) if self.body_class.model_type in _COUNTED_POSITIONS else \
             jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
         tokens = body._tokens()
         return _run(body, ids, attention_mask, positions, None, vocab=tokens.embeddings.shape[0],
@@ -243,6 +279,24 @@ class TaskModel(HFModel):
 
     def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
         raise NotImplementedError
+
+
+def _counted(ids: jax.Array, attention_mask: Any) -> jax.Array | None:
+    """OPT's positions as its forward makes them, ``cumsum(mask) * mask - 1``: a padding
+    token at -1 (row 1 of the table), where _run's ``cumsum(mask) - 1`` gives it its
+    neighbour's (a right padding token's logits 0.12 off HF's, which a question-answering
+    loss reads: its softmax runs over every token). A mask not shaped as the ids: None (the
+    call refuses it, naming the mask)."""
+    if attention_mask is None or np.shape(attention_mask) != ids.shape:
+        return None
+    mask = jnp.asarray(attention_mask).astype(jnp.int32)
+    return jnp.cumsum(mask, axis=-1) * mask - 1
+
+
+def _swapped(name: str, old: str, new: str) -> str:
+    """``name`` with its first part ``old`` as ``new`` (``transformer.norm.weight`` ->
+    ``model.norm.weight``); another name as it is."""
+    return new + name[len(old):] if name == old or name.startswith(old + ".") else name
 
 
 def _tokens(body: Any) -> Any:
@@ -467,6 +521,93 @@ class MaskedLM(TaskModel):
         return _token_loss(self, logits, labels)
 
 
+class SpanLogits(NamedTuple):
+    """A question-answering model's output, as HF's ``QuestionAnsweringModelOutput`` names
+    it: the logits of the answer's first and last token, ``[batch, T]`` each."""
+
+    start_logits: jax.Array
+    end_logits: jax.Array
+
+
+class QuestionAnswering(TaskModel):
+    """``ForQuestionAnswering``: ``qa_outputs(h)`` ``[batch, T, 2]`` at every token, split
+    into the answer span's start and end logits (:class:`SpanLogits`, ``[batch, T]`` each),
+    as HF's ``logits.split(1, dim=-1)``. ``qa_outputs`` is a biased ``Dense(d, 2)`` (OPT:
+    ``d = word_embed_proj_dim``, after ``project_out``; BERT: ``num_labels`` outputs, which
+    must be 2: :data:`QA_LABELS`); no dropout before it (HF's classes have none).
+
+    ``model.loss(logits, (start_positions, end_positions))`` is HF's loss: each position
+    ``[batch]`` (or ``[batch, 1]``) clamped to ``[0, T]``, ``T`` ignored (a span outside the
+    input), the softmax cross-entropy of the start and of the end logits each the mean over
+    the rows kept, and ``loss = (start_loss + end_loss) / 2`` (:func:`task_loss`).
+    """
+
+    body: Any
+    qa_outputs: Dense
+    hf_config: HFConfig | None = field(static=True, default=None)
+    suffix = "ForQuestionAnswering"
+    head_roots = ("qa_outputs",)
+
+    @classmethod
+    def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
+        outputs = 2
+        if issubclass(cls.body_class, BertModel):  # Linear(hidden, num_labels); the generic classes': 2
+            outputs = num_labels(config)
+            if outputs != 2:
+                raise ValueError(QA_LABELS.format(hf_class=cls.hf_class, given=outputs))
+        return cls(body, Dense(width, outputs, key=key, dtype=dtype))
+
+    def __init__(self, body: Any, qa_outputs: Dense, hf_config: HFConfig | None = None):
+        self.body, self.qa_outputs, self.hf_config = body, qa_outputs, hf_config
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, *,
+                 key: jax.Array | None = None) -> SpanLogits:
+        h = self._hidden(input_ids, attention_mask, token_type_ids, key)
+        logits = self.qa_outputs(h)
+        return SpanLogits(logits[..., 0], logits[..., 1])
+
+    @classmethod
+    def _arrays(cls, logits: Any, labels: Any) -> tuple[Any, Any]:
+        return _pair(cls, logits, "logits", "model.loss(logits.start_logits, positions)",
+                     "model.loss(model(input_ids, attention_mask), positions)   # SpanLogits: (start, end)"), \
+            _pair(cls, labels, "labels", "model.loss(logits, start_positions)",
+                  "model.loss(logits, (start_positions, end_positions))   # int [batch] each")
+
+    def _loss(self, logits: Any, labels: Any) -> jax.Array:
+        return _span_loss(self, logits, labels)
+
+
+def _pair(cls: type[TaskModel], given: Any, what: str, wrong: str, right: str) -> tuple[jax.Array, jax.Array]:
+    """``given`` as two arrays, the start's and the end's (:data:`BAD_SPANS` otherwise)."""
+    if not isinstance(given, (tuple, list)) or len(given) != 2:
+        shown = short_array(given) if hasattr(given, "shape") else type(given).__name__
+        raise ValueError(BAD_SPANS.format(model=cls.__name__, what=what, expected="are a pair: the start's and the end's",
+                                          given=shown, wrong=wrong, right=right))
+    return jnp.asarray(given[0]), jnp.asarray(given[1])
+
+
+def _span_loss(model: Any, logits: tuple[jax.Array, jax.Array], positions: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """HF's question-answering loss (transformers' ``ForQuestionAnsweringLoss``, and BERT's,
+    GPT-2's, OPT's own): each of ``positions`` squeezed on its last axis where it has more
+    than one, clamped to ``[0, T]`` (a negative position counts as 0, as HF's clamp makes
+    it), ``T`` ignored; the mean of the start's and the end's cross-entropy."""
+    losses = []
+    for x, p, which in zip(logits, positions, ("start", "end")):
+        if p.ndim > 1:
+            p = jnp.squeeze(p, -1) if p.shape[-1] == 1 else p  # HF's squeeze(-1): a no-op on a longer axis
+        if x.ndim != 2 or p.shape != x.shape[:1] or not jnp.issubdtype(p.dtype, jnp.integer):
+            raise ValueError(BAD_SPANS.format(
+                model=type(model).__name__, what=f"{which} positions",
+                expected=f"are integer token indices [batch] (or [batch, 1]) for {which} logits [batch, T]",
+                given=f"{short_array(p)} for {short_array(x)}",
+                wrong="model.loss(logits, (jax.nn.one_hot(starts, T), jax.nn.one_hot(ends, T)))",
+                right="model.loss(logits, (starts, ends))   # int [batch] each; T or more: ignored"))
+        length = x.shape[1]
+        p = p.astype(jnp.int32) if p.dtype.itemsize < 4 else p  # (an int8 position clamped to T > 127)
+        losses.append(_cross_entropy(model, x, jnp.clip(p, 0, length), ignore=length))
+    return (losses[0] + losses[1]) / 2
+
+
 def _numpy(x: Any) -> np.ndarray:
     from functree._state_dict import to_numpy
 
@@ -555,6 +696,20 @@ def task_loss(model: Any, logits: Any, labels: Any) -> jax.Array:
     tokens). ``model.loss(logits, labels)`` is the same. (HF records the inferred problem
     type on its config at the first call; this infers it at each call.)
 
+    Question answering: ``logits`` the model's :class:`SpanLogits` (start, end), ``labels``
+    the pair ``(start_positions, end_positions)``, int ``[batch]`` each; each position
+    clamped to ``[0, T]`` and ``T`` ignored (HF's clamp: a position past the input is
+    ignored, a negative one counts as token 0), ``loss = (CE(start) + CE(end)) / 2``, each
+    the mean over its kept rows (NaN where none is, as torch).
+
+    Cross-entropies are taken in float32 or wider: HF's sequence-classification and
+    question-answering losses take them in the logits' dtype (the same in float32 and
+    float64; a bfloat16 model's loss rounds otherwise). HF's ``num_items_in_batch`` (the
+    Trainer's count of ``labels`` not ``-100``, for gradient accumulation) is not taken:
+    HF's classification forwards pass it to no loss, and its Trainer counts none for a
+    question-answering batch (which holds no ``labels``); for a token-weighted mean over
+    microbatches see ``ft.losses.WeightedMean``.
+
     Example:
       >>> import functree as ft, jax, numpy as np
       >>> config = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "vocab_size": 11,
@@ -568,7 +723,7 @@ def task_loss(model: Any, logits: Any, labels: Any) -> jax.Array:
     """
     if not isinstance(model, TaskModel):
         raise TypeError(NOT_A_TASK_MODEL.format(covered=", ".join(TASKS), given=type(model).__name__))
-    return model._loss(jnp.asarray(logits), jnp.asarray(labels))
+    return model._loss(*model._arrays(logits, labels))
 
 
 def _bad(model: Any, problem: str, expected: str, labels: jax.Array, logits: jax.Array, wrong: str,
@@ -597,7 +752,7 @@ def _sequence_loss(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Arra
         if not jnp.issubdtype(labels.dtype, jnp.floating):
             raise _bad(model, problem, "floating targets (torch's MSELoss refuses integer ones)", labels, logits,
                        "model.loss(logits, jnp.array([1, 0]))", "model.loss(logits, jnp.array([1.0, 0.0]))")
-        wide = jnp.promote_types(logits.dtype, jnp.float32)
+        wide = _wide(logits.dtype)
         x, y = logits.astype(wide), labels.astype(wide)
         if count == 1:
             x, y = jnp.squeeze(x), jnp.squeeze(y)
@@ -615,7 +770,7 @@ def _sequence_loss(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Arra
     if labels.shape != logits.shape or not jnp.issubdtype(labels.dtype, jnp.floating):
         raise _bad(model, problem, f"floating 0/1 targets shaped like the logits {list(logits.shape)}", labels, logits,
                    "model.loss(logits, classes)", "model.loss(logits, targets.astype(jnp.float32))   # [batch, num_labels]")
-    wide = jnp.promote_types(logits.dtype, jnp.float32)
+    wide = _wide(logits.dtype)
     x, y = logits.astype(wide), labels.astype(wide)
     return jnp.mean(jnp.maximum(x, 0) - x * y + jnp.log1p(jnp.exp(-jnp.abs(x))))
 
@@ -628,20 +783,26 @@ def _token_loss(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Array:
     return _cross_entropy(model, logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def _cross_entropy(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """torch's ``cross_entropy(logits, labels, ignore_index=-100)`` in float32 (or wider):
+def _wide(dtype: Any) -> Any:
+    """float32, or ``dtype`` where it is wider (float64: ``jnp.promote_types`` refuses the pair
+    under strict promotion)."""
+    return dtype if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
+
+
+def _cross_entropy(model: Any, logits: jax.Array, labels: jax.Array, ignore: int = IGNORE_INDEX) -> jax.Array:
+    """torch's ``cross_entropy(logits, labels, ignore_index=ignore)`` in float32 (or wider):
     the mean over the labels kept (NaN where none is, as torch)."""
     count = logits.shape[-1]
     values = concrete(labels)
     if values is not None:
-        outside = (values != IGNORE_INDEX) & ((values < 0) | (values >= count))
+        outside = (values != ignore) & ((values < 0) | (values >= count))
         if outside.any():
             at = int(np.argwhere(outside)[0][0])
             raise _bad(model, "cross-entropy", f"class ids in [0, {count}) or -100 (ignored)", labels, logits,
                        f"labels holding {int(values[at])}", "labels in range (torch raises on the others)")
-    wide = jnp.promote_types(logits.dtype, jnp.float32)
+    wide = _wide(logits.dtype)
     x = logits.astype(wide)
-    kept = labels != IGNORE_INDEX
+    kept = labels != ignore
     picked = jnp.take_along_axis(x, jnp.where(kept, labels, 0)[:, None], axis=-1)[:, 0]
     nll = jax.nn.logsumexp(x, axis=-1) - picked
     return jnp.sum(jnp.where(kept, nll, 0)) / jnp.sum(kept).astype(wide)
@@ -657,11 +818,19 @@ def check_head_tensors(family: type[HFModel], config: Any, unexpected: Any,
         return
     roots = {str(n).split(".")[0] for n in unexpected}
     tasks = [name for name, task in TASKS.items()
-             if getattr(task, "body_class", None) is family and roots <= set(getattr(task, "head_roots", ()))
-             and fits(task)]
+             if getattr(task, "body_class", None) is family and roots <= _roots(task) and fits(task)]
     if tasks:
-        raise ValueError(HEAD_TENSORS.format(extra=sorted(unexpected)[:3], listed=getattr(config, "architectures", None),
+        heads = set(getattr(TASKS[tasks[0]], "head_roots", ()))
+        extra = sorted(n for n in unexpected if str(n).split(".")[0] in heads)[:3]
+        raise ValueError(HEAD_TENSORS.format(extra=extra, listed=getattr(config, "architectures", None),
                                              hf_class=family.hf_class, tasks=" or ".join(tasks), task=tasks[0]))
+
+
+def _roots(task: Any) -> set[str]:
+    """The first name parts a task model's own tensors have beside its family's: its head's,
+    and its body's where HF names it otherwise (Llama's QA class: ``transformer``)."""
+    alias = getattr(task, "body_alias", None)
+    return set(getattr(task, "head_roots", ())) | ({alias[0]} if alias else set())
 
 
 def with_head_dropout(model: Any, config: Any, dropout: bool) -> Any:
@@ -675,15 +844,17 @@ def with_head_dropout(model: Any, config: Any, dropout: bool) -> Any:
 # ---- the table: which heads each model type has in transformers 5.24, and their classes
 
 _DECODER: Mapping[str, type[TaskModel]] = {"ForSequenceClassification": LastTokenClassifier, "ForTokenClassification": TokenClassifier}
+_DECODER_QA: Mapping[str, type[TaskModel]] = {**_DECODER, "ForQuestionAnswering": QuestionAnswering}
 _SEQUENCE_ONLY: Mapping[str, type[TaskModel]] = {"ForSequenceClassification": LastTokenClassifier}
 
 # model type -> HF class suffix -> the head. A family not listed has none yet (one row adds them).
 HEADS: dict[str, Mapping[str, type[TaskModel]]] = {
-    "gpt2": _DECODER, "llama": _DECODER, "qwen2": _DECODER, "mistral": _DECODER, "ministral": _DECODER,
-    "gemma": _DECODER, "phi3": _DECODER, "olmo": _SEQUENCE_ONLY, "qwen3": _DECODER, "olmo2": _SEQUENCE_ONLY,
-    "gemma2": _DECODER, "gemma3_text": _SEQUENCE_ONLY, "gpt_neox": _DECODER, "opt": _SEQUENCE_ONLY,
+    "gpt2": _DECODER_QA, "llama": _DECODER_QA, "qwen2": _DECODER_QA, "mistral": _DECODER_QA,
+    "ministral": _DECODER_QA, "gemma": _DECODER, "phi3": _DECODER, "olmo": _SEQUENCE_ONLY, "qwen3": _DECODER_QA,
+    "olmo2": _SEQUENCE_ONLY, "gemma2": _DECODER, "gemma3_text": _SEQUENCE_ONLY, "gpt_neox": _DECODER_QA,
+    "opt": {**_SEQUENCE_ONLY, "ForQuestionAnswering": QuestionAnswering},
     "bert": {"ForSequenceClassification": PooledClassifier, "ForTokenClassification": TokenClassifier,
-             "ForMaskedLM": MaskedLM},
+             "ForMaskedLM": MaskedLM, "ForQuestionAnswering": QuestionAnswering},
 }
 # HF's module name of a token classifier where it is not the generic class's "score".
 _CLASSIFIER_NAMED = ("gpt2", "gpt_neox", "bert")
@@ -692,6 +863,10 @@ _CLASSIFIER_NAMED = ("gpt2", "gpt_neox", "bert")
 _COUNTED_POSITIONS = ("opt",)
 # HF's base_model_prefix of an encoder family (a decoder's causal LM names its body already).
 _BODY_PREFIX = {"bert": "bert."}
+# (head, model type) -> HF's attribute of the body where it is not the causal LM's: transformers
+# 5.24's Llama, Qwen2, Ministral and Qwen3 QA classes keep base_model_prefix "transformer" (their
+# older checkpoints' name; Mistral's is "model").
+_BODY_NAMED = {("ForQuestionAnswering", t): "transformer" for t in ("llama", "qwen2", "ministral", "qwen3")}
 
 
 # HF's name of a family's task classes where it is not its causal LM's (Gemma3ForSequenceClassification
@@ -721,15 +896,18 @@ def task_class(head: type[TaskModel], family: type[HFModel]) -> type[TaskModel]:
     rename = dict(head.head_rename)
     if head is TokenClassifier and family.model_type in _CLASSIFIER_NAMED:
         roots, rename = ("classifier",), {}
+    named = _BODY_NAMED.get((head.suffix, family.model_type))
+    alias = None if named is None else (named, "model")
     if prefix:
         rename[prefix[:-1]] = "body"
     else:  # the causal LM's own modules (model, transformer, gpt_neox) under body
-        rename.update({f: f"body.{f}" for f in family.__ft_fields__
+        rename.update({_swapped(f, "model", named) if named else f: f"body.{f}" for f in family.__ft_fields__
                        if f not in ("lm_head", "hf_config") and f not in family.__ft_static__})
-    rename.update({prefix + k: f"body.{v}" for k, v in family.hf_rename.items()})
+    rename.update({prefix + (_swapped(k, "model", named) if named else k): f"body.{v}"
+                   for k, v in family.hf_rename.items()})
     namespace = {
         "__module__": __name__, "__qualname__": name, "hf_class": name, "body_class": family,
-        "body_prefix": prefix, "head_roots": roots, "hf_rename": rename,
+        "body_prefix": prefix, "body_alias": alias, "head_roots": roots, "hf_rename": rename,
         "hf_layouts": {f"body.{k}": v for k, v in family.hf_layouts.items()},
         "hf_padded": None if family.hf_padded is None else f"body.{family.hf_padded}",
         "hf_residual": family.hf_residual,

@@ -584,6 +584,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         model, report = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts, strict=False,
                                       given_names=True, complete=True)
     except ShortStack as e:  # found in the weights' names alone: no layer walked, no array built
+        # (a task model's body under a name of its own, Llama's QA transformer.*: its class, not a layer count)
+        check_head_tensors(family, config, _foreign(cls, weights),
+                           fits=lambda task: _fits(task, config, given, dtype, attention))
         raise _layers_not_in_weights(e, config) from None
     if not report.ok:  # the fixes from_hf's caller has (load_torch_state_dict's rename= and strict= it has not)
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
@@ -593,6 +596,13 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
     model = family.hf_values(model, config)  # the template's non-weight leaves (abstract) set from the config
     return with_head_dropout(with_dropout(model.replace(hf_config=carried), config, dropout, key), config, dropout)
+
+
+def _foreign(cls: type[HFModel], weights: Mapping[str, Any]) -> list[str]:
+    """The names of ``weights`` under no module of ``cls`` (neither a field nor a renamed name's
+    first part): another class's tensors."""
+    known = set(getattr(cls, "__ft_fields__", ())) | {k.split(".")[0] for k in cls.hf_rename}
+    return [k for k in weights if k.split(".")[0] not in known]
 
 
 def _fits(task: type[HFModel], config: Any, given: Any, dtype: Any, attention: str) -> bool:

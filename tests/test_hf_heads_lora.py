@@ -1,9 +1,9 @@
 """LoRA on Hugging Face task models (functree/hf/_heads.py) round-trips with PEFT.
 
-PEFT's ``task_type="SEQ_CLS"`` / ``"TOKEN_CLS"`` keep the classifier (``score``,
-``classifier``) whole in ``modules_to_save`` and never adapt it; its ``"all-linear"`` leaves
-the head out under ``SEQ_CLS`` (and fails with a TypeError under ``TOKEN_CLS``, adapting the
-head and then wrapping it). So ``ft.nn.lora(task_model, "all-linear")`` leaves the head out,
+PEFT's ``task_type="SEQ_CLS"`` / ``"TOKEN_CLS"`` / ``"QUESTION_ANS"`` keep the classifier
+(``score``, ``classifier``, ``qa_outputs``) whole in ``modules_to_save`` and never adapt it;
+its ``"all-linear"`` leaves the head out under ``SEQ_CLS`` (and fails with a TypeError under
+``TOKEN_CLS`` and ``QUESTION_ANS``, adapting the head and then wrapping it). So ``ft.nn.lora(task_model, "all-linear")`` leaves the head out,
 ``ft.hf.save_lora`` writes it whole as PEFT's ``save_pretrained`` does, and a head holding
 adapters is refused by name. Each HF model is built from a tiny config with random weights
 moved by N(0, 0.3); the adapters and the head are moved as if trained. Logits agree to 2e-5
@@ -36,8 +36,8 @@ SMALL = {"vocab_size": 24, "hidden_size": 16, "intermediate_size": 32, "num_hidd
 IDS = np.array([[5, 6, 7, 8, 9, 1, 1], [1, 1, 3, 4, 5, 9, 2]], np.int32)  # right and left padding
 MASK = (IDS != PAD).astype(np.int32)
 CONFIGS = {
-    "Llama": lambda: transformers.LlamaConfig(**SMALL, num_key_value_heads=2),
-    "Bert": lambda: transformers.BertConfig(**SMALL, max_position_embeddings=16),
+    "Llama": lambda **k: transformers.LlamaConfig(**{**SMALL, "num_key_value_heads": 2, **k}),
+    "Bert": lambda **k: transformers.BertConfig(**{**SMALL, "max_position_embeddings": 16, **k}),
 }
 # class -> (PEFT's task type, the classifier's HF module and its key path here)
 CLASSES = {
@@ -45,12 +45,15 @@ CLASSES = {
     "LlamaForTokenClassification": ("TOKEN_CLS", "score", "classifier"),
     "BertForSequenceClassification": ("SEQ_CLS", "classifier", "classifier"),
     "BertForTokenClassification": ("TOKEN_CLS", "classifier", "classifier"),
+    "LlamaForQuestionAnswering": ("QUESTION_ANS", "qa_outputs", "qa_outputs"),  # (its body: transformer.*)
+    "BertForQuestionAnswering": ("QUESTION_ANS", "qa_outputs", "qa_outputs"),
 }
 
 
 def hf_model(name):
     torch.manual_seed(0)
-    hf = getattr(transformers, name)(CONFIGS[name.split("For")[0]]())
+    labels = {"num_labels": 2} if name.endswith("QuestionAnswering") else {}  # (BERT's QA head: 2 outputs)
+    hf = getattr(transformers, name)(CONFIGS[name.split("For")[0]](**labels))
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -67,13 +70,16 @@ forward = jax.jit(lambda m, i, a: m(i, a))
 
 
 def ours(model):
-    out = np.asarray(forward(model, IDS, MASK))
+    out = forward(model, IDS, MASK)
+    out = np.stack(out, -1) if isinstance(out, tuple) else np.asarray(out)  # a QA model's (start, end)
     return out[MASK.astype(bool)] if out.ndim == 3 else out  # a token's logits: the real tokens
 
 
 def theirs(peft_model):
     with torch.no_grad():
-        out = peft_model(torch.from_numpy(IDS).long(), attention_mask=torch.from_numpy(MASK).long()).logits.numpy()
+        given = peft_model(torch.from_numpy(IDS).long(), attention_mask=torch.from_numpy(MASK).long())
+    out = np.stack([given.start_logits.numpy(), given.end_logits.numpy()], -1) if "start_logits" in given \
+        else given.logits.numpy()
     return out[MASK.astype(bool)] if out.ndim == 3 else out
 
 
@@ -120,8 +126,8 @@ def test_all_linear_selects_what_peft_selects_and_round_trips(ported, name, tmp_
     ft.hf.save_lora(adapted, tmp_path)
     config, keys = saved(tmp_path)
     assert config["task_type"] == task_type and config["modules_to_save"] == [head]
-    # PEFT's "all-linear": the head left out under SEQ_CLS; TOKEN_CLS fails in PEFT 0.21 (it adapts
-    # the head, then cannot wrap it), so there: the modules PEFT's plain "all-linear" adapts but the head.
+    # PEFT's "all-linear": the head left out under SEQ_CLS; TOKEN_CLS and QUESTION_ANS fail in PEFT 0.21
+    # (it adapts the head, then cannot wrap it), so there: the modules PEFT's plain "all-linear" adapts but the head.
     if task_type == "SEQ_CLS":
         _, expected, _ = peft_modules(hf, task_type, "all-linear")
     else:

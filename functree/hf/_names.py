@@ -70,15 +70,19 @@ class TorchNames(NamedTuple):
 
 
 # PEFT's task_type of functree.hf._heads' task models, by their HF class suffix (PEFT has
-# none for a masked LM): under these PEFT keeps the classifier whole (modules_to_save).
-TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS"}
+# none for a masked LM): under these PEFT keeps the classifier whole (modules_to_save;
+# QUESTION_ANS: its qa_outputs, PeftModelForQuestionAnswering's).
+TASK_TYPES = {"ForSequenceClassification": "SEQ_CLS", "ForTokenClassification": "TOKEN_CLS",
+              "ForQuestionAnswering": "QUESTION_ANS"}
 
 
 def classifier_of(model: Any) -> str | None:
-    """The torch module of a task model's classifier (``score``, ``classifier``: its
-    ``head_roots``), for a sequence or token classifier of :mod:`functree.hf._heads` at the
-    root; None for other models. PEFT's ``SEQ_CLS`` / ``TOKEN_CLS`` keep it whole in
-    ``modules_to_save``, and its ``"all-linear"`` leaves it out under ``SEQ_CLS``."""
+    """The torch module of a task model's classifier (``score``, ``classifier``,
+    ``qa_outputs``: its ``head_roots``), for a sequence or token classifier or a question
+    answerer of :mod:`functree.hf._heads` at the root; None for other models. PEFT's
+    ``SEQ_CLS`` / ``TOKEN_CLS`` / ``QUESTION_ANS`` keep it whole in ``modules_to_save``, and
+    its ``"all-linear"`` leaves it out under ``SEQ_CLS`` (and fails under the other two,
+    adapting the head and then wrapping it)."""
     family = family_of(model)
     if family is None or getattr(family, "suffix", "") not in TASK_TYPES:
         return None

@@ -273,11 +273,57 @@ def bert_config(**changes):
     ({"problem_type": "ranking"}, r"problem_type is one of regression, single_label_classification, "
                                   r"multi_label_classification .*got 'ranking'"),
     ({"num_labels": 1, "problem_type": "single_label_classification"}, r"with num_labels 1 \(HF refuses it"),
-    ({"architectures": ["BertForMaskedLM"], "tie_word_embeddings": False}, r"tie_word_embeddings=false"),
 ])
 def test_a_config_hf_refuses_or_reads_otherwise_is_refused_by_name(changes, message):
     with pytest.raises(ValueError, match=message):
         ft.nn.from_hf(bert_config(**changes), key=jax.random.key(0))
+
+
+def test_an_untied_masked_lm_is_hfs_its_decoder_its_own_in_float64(tmp_path):
+    """tie_word_embeddings=false (was refused): transformers 5.24 unties the decoder's weight
+    and its bias (cls.predictions.bias stays, unread); logits, the labels= loss and every
+    gradient HF's in float64 (measured 2.9e-15, 4.4e-16, 8.3e-16; tolerance 1e-13 of the
+    scale), save_hf read back by from_pretrained as the same tensors, HF's initialization,
+    and "all-linear" leaves the decoder out as PEFT's does (its get_output_embeddings())."""
+    config = CONFIGS["Bert"](tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.BertForMaskedLM(config).double()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    hf.eval()
+    assert hf.cls.predictions.decoder.bias is not hf.cls.predictions.bias
+    labels = np.where(MASK == 1, (IDS * 3) % 24, -100)
+    expected = hf(torch.from_numpy(IDS).long(), attention_mask=torch.from_numpy(MASK).long(),
+                  labels=torch.from_numpy(labels).long())
+    expected.loss.backward()
+    with jax.enable_x64(True):
+        model = ft.nn.from_hf(hf, dtype=jnp.float64)
+        assert type(model.cls.predictions.decoder) is ft.nn.Dense
+        logits = expected.logits.detach().numpy()
+        np.testing.assert_allclose(np.asarray(model(IDS, MASK)), logits, rtol=0, atol=1e-13 * np.abs(logits).max())
+        loss, grads = jax.value_and_grad(lambda m: m.loss(m(IDS, MASK), labels))(model)
+        np.testing.assert_allclose(float(loss), expected.loss.item(), rtol=1e-13)
+        ours = ft.nn.to_hf_state_dict(grads, numpy=True)
+        theirs = {n: p.grad.numpy() for n, p in hf.named_parameters() if p.grad is not None}
+        assert "cls.predictions.decoder.weight" in theirs and "cls.predictions.bias" not in theirs  # (unread)
+        scale = max(float(np.abs(g).max()) for g in theirs.values())
+        for name, g in theirs.items():
+            np.testing.assert_allclose(ours[name], g, rtol=0, atol=1e-13 * scale, err_msg=name)
+        assert sorted(ft.nn.to_hf_state_dict(model, numpy=True)) == sorted(hf.state_dict())
+        ft.nn.save_hf(model, tmp_path / "untied")
+        back = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "untied", dtype=torch.float64)
+        for k, v in hf.state_dict().items():
+            np.testing.assert_array_equal(back.state_dict()[k].numpy(), v.numpy(), err_msg=k)
+        np.testing.assert_array_equal(np.asarray(ft.nn.from_hf(tmp_path / "untied", dtype=jnp.float64)(IDS, MASK)),
+                                      np.asarray(model(IDS, MASK)))
+    fresh = ft.nn.from_hf({**bert_config(architectures=["BertForMaskedLM"]), "tie_word_embeddings": False,
+                           "initializer_range": 0.5}, key=jax.random.key(0))
+    decoder = fresh.cls.predictions.decoder
+    assert decoder is not None and 0.4 < float(jnp.std(decoder.weight)) < 0.6 and not np.any(decoder.bias)
+    adapted = ft.nn.lora(fresh, "all-linear", rank=2, key=jax.random.key(1))
+    assert type(adapted.cls.predictions.decoder) is ft.nn.Dense  # PEFT's all-linear leaves it out too
+    assert type(adapted.cls.predictions.transform.dense) is ft.nn.LoraDense
 
 
 def test_hf_refuses_a_single_label_head_of_one_label_too():

@@ -28,7 +28,8 @@ The heads (``h`` the body's last hidden state ``[batch, T, d]``):
 * :class:`PooledClassifier` (BERT's ``ForSequenceClassification``):
   ``classifier(dropout(pooler(h[:, 0])))``;
 * :class:`MaskedLM` (BERT's ``ForMaskedLM``): ``LayerNorm(act(dense(h))) E^T + bias``, the
-  decoder tied to the word embedding and its bias to ``cls.predictions.bias``;
+  decoder tied to the word embedding and its bias to ``cls.predictions.bias`` (a config with
+  ``tie_word_embeddings=false``: a decoder of its own, as HF unties both);
 * :class:`QuestionAnswering` (``ForQuestionAnswering``): ``qa_outputs(h)`` at every token,
   its two outputs the answer span's start and end logits (:class:`SpanLogits`); HF's body
   under ``transformer.`` for Llama, Qwen2, Ministral and Qwen3 (their QA classes'
@@ -65,7 +66,7 @@ from functree.nn._stack import Stack
 from functree.nn._state import salted
 
 __all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "MaskedLM",
-           "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES"]
+           "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "tied_copies", "check_tied_copies", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES"]
 
 NO_PAD_TOKEN = """\
 {model}: the config has no pad_token_id, so the last token of each row is its class token, \
@@ -99,14 +100,6 @@ labels' dtype, as Hugging Face does), got {given!r}{why}.
     wrong:  "problem_type": {given_json}
     right:  "problem_type": "single_label_classification"      # num_labels > 1, integer labels
        or:  "problem_type": "regression"                       # num_labels = 1: a single-output head
-"""
-
-MLM_UNTIED = """\
-ft.nn.from_hf: the BERT config sets tie_word_embeddings=false, so HF's BertForMaskedLM keeps \
-a decoder of its own; functree's port ties the decoder to the word embedding (the \
-checkpoints' way) and has no place for another.
-
-    right:  "tie_word_embeddings": true     # the decoder is the word embedding (BERT's checkpoints)
 """
 
 TIED_COPY_DIFFERS = """\
@@ -273,6 +266,14 @@ class TaskModel(HFModel):
         body, head = jax.random.split(key)
         return body, head
 
+    def hf_tied(self) -> tuple[tuple[str, str], ...]:
+        """The ``(copy, tensor)`` ties of ``hf_ties`` this model has (:func:`tied_copies`)."""
+        return type(self).hf_ties
+
+    def hf_output_head(self) -> str | None:
+        """HF's output embedding where it is a Dense of this model (PEFT's ``"all-linear"`` leaves it out)."""
+        return None
+
     def loss(self, logits: Any, labels: Any) -> jax.Array:
         """Hugging Face's ``outputs.loss`` for ``labels`` (:func:`task_loss`)."""
         return task_loss(self, logits, labels)
@@ -297,6 +298,34 @@ def _swapped(name: str, old: str, new: str) -> str:
     """``name`` with its first part ``old`` as ``new`` (``transformer.norm.weight`` ->
     ``model.norm.weight``); another name as it is."""
     return new + name[len(old):] if name == old or name.startswith(old + ".") else name
+
+
+def tied_copies(family: Any, model: Any) -> tuple[tuple[str, str], ...]:
+    """The ``(copy, tensor)`` names HF's ``state_dict()`` holds twice for ``model`` (a
+    family's ``hf_ties``, as the model has them: BERT's masked LM ties its decoder unless
+    its config unties it)."""
+    tied: Callable[[], tuple[tuple[str, str], ...]] | None = getattr(model, "hf_tied", None)
+    return tied() if callable(tied) else tuple(family.hf_ties)
+
+
+def check_tied_copies(family: Any, model: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` without the copies of :func:`tied_copies` (``state_dict()`` holds them, a
+    ``save_pretrained`` file does not): each checked equal to its tensor
+    (:data:`TIED_COPY_DIFFERS`), or taken as it where the tensor is absent."""
+    for copy, source in tied_copies(family, model):
+        if copy not in weights:
+            continue
+        value = weights.pop(copy)
+        if source not in weights:
+            weights[source] = value
+            continue
+        a, b = _numpy(value), _numpy(weights[source])
+        if a.shape != b.shape or not np.array_equal(a, b):
+            difference = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) \
+                if a.shape == b.shape else float("inf")
+            raise ValueError(TIED_COPY_DIFFERS.format(copy=copy, source=source, difference=difference,
+                                                      hf_class=family.hf_class))
+    return weights
 
 
 def _tokens(body: Any) -> Any:
@@ -444,13 +473,16 @@ class BertPredictionHeadTransform(Module):
 
 
 class BertLMPredictionHead(Module):
-    """The transform and the output bias; the decoder is the word embedding (tied)."""
+    """The transform and the output bias; the decoder is the word embedding (tied), or with
+    ``tie_word_embeddings=false`` a ``Dense(d, vocab)`` of its own (``decoder``), whose bias
+    is the logits' (HF's untied model keeps ``bias`` too, unread by its forward)."""
 
     transform: BertPredictionHeadTransform
     bias: jax.Array
+    decoder: Dense | None = None
 
-    def __init__(self, transform: BertPredictionHeadTransform, bias: jax.Array):
-        self.transform, self.bias = transform, bias
+    def __init__(self, transform: BertPredictionHeadTransform, bias: jax.Array, decoder: Dense | None = None):
+        self.transform, self.bias, self.decoder = transform, bias, decoder
 
 
 class BertOnlyMLMHead(Module):
@@ -464,7 +496,10 @@ class BertOnlyMLMHead(Module):
 
 class MaskedLM(TaskModel):
     """BERT's ``ForMaskedLM``: ``transform(h) E^T + bias`` at every token, ``[batch, T,
-    vocab]``; ``E`` the body's word embedding (HF ties ``cls.predictions.decoder`` to it)."""
+    vocab]``; ``E`` the body's word embedding (HF ties ``cls.predictions.decoder`` to it).
+    A config with ``tie_word_embeddings=false`` unties both of HF's ties: the logits are
+    ``decoder(transform(h))``, the decoder's weight and bias its own
+    (``cls.predictions.decoder``), and ``cls.predictions.bias`` is kept as HF keeps it, unread."""
 
     body: Any
     cls: BertOnlyMLMHead
@@ -478,42 +513,34 @@ class MaskedLM(TaskModel):
     def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
         from functree.hf._options import activation
 
-        if not getattr(config, "tie_word_embeddings", True):
-            raise ValueError(MLM_UNTIED)
         vocab = int(_tokens(body).embeddings.shape[0])
-        transform = BertPredictionHeadTransform(Dense(width, width, activation(config, "hidden_act"), key=key,
+        k1, k2 = jax.random.split(key)
+        transform = BertPredictionHeadTransform(Dense(width, width, activation(config, "hidden_act"), key=k1,
                                                       dtype=dtype),
                                                 LayerNorm(width, epsilon=config.layer_norm_eps, dtype=dtype))
-        return cls(body, BertOnlyMLMHead(BertLMPredictionHead(transform, jnp.zeros((vocab,), dtype))))
+        # (transformers 5.24 unties the decoder's weight and its bias alike: both read the flag)
+        decoder = None if getattr(config, "tie_word_embeddings", True) else Dense(width, vocab, key=k2, dtype=dtype)
+        return cls(body, BertOnlyMLMHead(BertLMPredictionHead(transform, jnp.zeros((vocab,), dtype), decoder)))
 
     def __init__(self, body: Any, cls: BertOnlyMLMHead, hf_config: HFConfig | None = None):
         self.body, self.cls, self.hf_config = body, cls, hf_config
 
-    @classmethod
-    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
-        """:meth:`TaskModel.hf_names`, the tied copies (``state_dict()`` holds them, a
-        ``save_pretrained`` file does not) checked equal to their tensor and dropped."""
-        weights = super().hf_names(weights)
-        for copy, source in cls.hf_ties:
-            if copy not in weights:
-                continue
-            value = weights.pop(copy)
-            if source not in weights:
-                weights[source] = value
-                continue
-            a, b = _numpy(value), _numpy(weights[source])
-            if a.shape != b.shape or not np.array_equal(a, b):
-                difference = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) \
-                    if a.shape == b.shape else float("inf")
-                raise ValueError(TIED_COPY_DIFFERS.format(copy=copy, source=source, difference=difference,
-                                                          hf_class=cls.hf_class))
-        return weights
+    def hf_tied(self) -> tuple[tuple[str, str], ...]:
+        """The ties of ``hf_ties`` this model has: both, or none where its decoder is its own."""
+        return () if self.cls.predictions.decoder is not None else type(self).hf_ties
+
+    def hf_output_head(self) -> str | None:
+        """HF's ``get_output_embeddings()`` where it is a layer of this model's (an untied
+        decoder), which PEFT's ``"all-linear"`` leaves out; a tied one is the embedding."""
+        return "cls.predictions.decoder" if self.cls.predictions.decoder is not None else None
 
     def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, *,
                  key: jax.Array | None = None) -> jax.Array:
         h = self._hidden(input_ids, attention_mask, token_type_ids, key)
         head = self.cls.predictions
         x = head.transform.LayerNorm(head.transform.dense(h))
+        if head.decoder is not None:
+            return head.decoder(x)
         table = self.body.embeddings.word_embeddings.embeddings
         return x @ table.T.astype(x.dtype) + head.bias.astype(x.dtype)
 

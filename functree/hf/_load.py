@@ -45,7 +45,12 @@ from functree.hf._files import (
     read_weights,
     refuse_quantized,
 )
-from functree.hf._heads import check_head_tensors, with_head_dropout  # (defines TASKS)
+from functree.hf._heads import (  # (defines TASKS)
+    check_head_tensors,
+    check_tied_copies,
+    tied_copies,
+    with_head_dropout,
+)
 from functree.hf._options import causal
 from functree.interop._ports import PORTS, Port
 from functree.interop._safetensors import INDEX_NAME, SINGLE_NAME
@@ -348,8 +353,9 @@ def _untie(family: type[HFModel], model: Any, weights: Mapping[str, Any], prefix
            ) -> dict[str, Any]:
     """The weights without a tied head's copy of the embedding (checked equal to it; else
     :data:`TIED_HEAD_DIFFERS`, or with ``prefix``, the port's place in a model given to
-    ``load_torch_state_dict``, :data:`TIED_HEAD_DIFFERS_LOADED`)."""
-    weights = dict(weights)
+    ``load_torch_state_dict``, :data:`TIED_HEAD_DIFFERS_LOADED`), and without the other tied
+    copies ``model`` has (BERT's masked LM: :func:`~functree.hf._heads.check_tied_copies`)."""
+    weights = check_tied_copies(family, model, dict(weights))  # (BERT's masked LM: its decoder's copies)
     tied = tied_head(family, model)
     if tied is None:
         return weights
@@ -681,7 +687,7 @@ def to_hf_state_dict(model: Any, *, numpy: bool = False) -> dict[str, Any]:
     tied = tied_head(family, model)
     if tied is not None and tied[1] in out:  # (a partial gradient without the embedding: neither)
         out[tied[0]] = out[tied[1]]
-    for tie, source in family.hf_ties:  # (BERT's masked LM decoder: the word embedding and the bias)
+    for tie, source in tied_copies(family, model):  # (BERT's masked LM decoder: the word embedding and the bias)
         if source in out:
             out[tie] = out[source]
     if numpy:

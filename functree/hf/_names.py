@@ -189,7 +189,8 @@ def _converted(marked: Any, torch_too: bool) -> tuple[bool, str | None, dict[str
     ``PreTrainedModel`` root alone)."""
     family = family_of(marked)
     if family is not None:
-        head = family.hf_head[0].rpartition(".")[0] if family.hf_head is not None else None
+        head = family.hf_head[0].rpartition(".")[0] if family.hf_head is not None else \
+            getattr(marked, "hf_output_head", lambda: None)()  # (an untied BERT masked LM's decoder)
         return True, head, to_hf_state_dict(marked, numpy=True)
     nested = holds_port(marked)
     if nested or torch_too:

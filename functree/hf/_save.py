@@ -31,6 +31,7 @@ from functree._tree import dotted_name
 from functree.hf._dropout import without_dropout
 from functree.hf._family import family_of
 from functree.hf._files import read_config
+from functree.hf._heads import tied_copies
 from functree.hf._load import FAMILIES, _template, tied_head, to_hf_state_dict
 from functree.interop._processes import on_primary
 from functree.interop._safetensors import save_file
@@ -317,7 +318,7 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
     tied = tied_head(family, model)
     if tied is not None:
         del weights[tied[0]]  # tied: stored once, under the embedding's name (HF's save_pretrained)
-    for copy, _ in family.hf_ties:  # (BERT's masked LM: its decoder's weight and bias, stored once too)
+    for copy, _ in tied_copies(family, model):  # (BERT's masked LM: its decoder's weight and bias, stored once too)
         weights.pop(copy, None)
     on_primary(lambda: _write_directory(directory, model, family, weights, limit), "ft.nn.save_hf")
 

@@ -200,6 +200,8 @@ def test_a_config_dict_naming_the_class_builds_it_initialized_as_hf_and_its_weig
     again = ft.nn.from_hf(config, weights)
     for a, b in zip(again(IDS, MASK), model(IDS, MASK)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match=r"token_type_ids are BERT's segment ids; functree's decoder bodies take none"):
+        model(IDS, MASK, np.zeros_like(IDS))
 
 
 # ---- refusals

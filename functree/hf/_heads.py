@@ -126,8 +126,9 @@ loss is the next token's cross-entropy:
 """
 
 DECODER_TOKEN_TYPES = """\
-{model}: token_type_ids are BERT's segment ids; a decoder's body takes none (HF's {model} \
-has no such input).
+{model}: token_type_ids are BERT's segment ids; functree's decoder bodies take none (HF's \
+GPT-2 classes add wte(token_type_ids) to the input, which is not ported; GPT-NeoX's \
+question-answering class takes them and reads none; the others have no such input).
 
     wrong:  model(input_ids, attention_mask, token_type_ids)
     right:  model(input_ids, attention_mask)

@@ -66,7 +66,8 @@ from functree.nn._stack import Stack
 from functree.nn._state import salted
 
 __all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "MaskedLM",
-           "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "tied_copies", "check_tied_copies", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES"]
+           "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "tied_copies", "check_tied_copies",
+           "check_body_name", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES"]
 
 NO_PAD_TOKEN = """\
 {model}: the config has no pad_token_id, so the last token of each row is its class token, \
@@ -159,6 +160,19 @@ BAD_SPANS = """\
 
     wrong:  {wrong}
     right:  {right}
+"""
+
+BODY_NAMED_OTHERWISE = """\
+ft.nn.from_hf: Hugging Face's {hf_class} keeps its body as {alias}.* (the class's \
+base_model_prefix), but the weights name it {own}.* (a {family}'s checkpoint, or another task \
+class's). transformers' {hf_class}.from_pretrained reads none of them into it: the body \
+stays randomly initialized (a warning says so); functree does not build that model. To start \
+from the checkpoint's body with a fresh head:
+
+    wrong:  ft.nn.from_hf(config, weights)                       # {own}.layers.0... beside no {alias}.*
+    right:  fresh = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)))   # HF's initialization
+            body = {{"{alias}." + k.removeprefix("{own}."): v for k, v in weights.items() if k.startswith("{own}.")}}
+            model = ft.nn.from_hf(config, {{**fresh, **body}})     # the checkpoint's body, a fresh qa_outputs
 """
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -852,6 +866,20 @@ def check_head_tensors(family: type[HFModel], config: Any, unexpected: Any,
         extra = sorted(n for n in unexpected if str(n).split(".")[0] in heads)[:3]
         raise ValueError(HEAD_TENSORS.format(extra=extra, listed=getattr(config, "architectures", None),
                                              hf_class=family.hf_class, tasks=" or ".join(tasks), task=tasks[0]))
+
+
+def check_body_name(family: Any, weights: Mapping[str, Any]) -> None:
+    """Raise :data:`BODY_NAMED_OTHERWISE` where ``family`` names its body otherwise than
+    its family (``body_alias``: Llama's QA class, ``transformer``) and ``weights`` hold the
+    family's name alone (``model.*``: a causal LM's checkpoint), which HF's loader leaves
+    unread."""
+    alias = getattr(family, "body_alias", None)
+    if alias is None:
+        return
+    named, own = (any(str(k).startswith(n + ".") for k in weights) for n in alias)
+    if own and not named:
+        raise ValueError(BODY_NAMED_OTHERWISE.format(hf_class=family.hf_class, alias=alias[0], own=alias[1],
+                                                     family=family.body_class.hf_class))
 
 
 def _roots(task: Any) -> set[str]:

@@ -46,6 +46,7 @@ from functree.hf._files import (
     refuse_quantized,
 )
 from functree.hf._heads import (  # (defines TASKS)
+    check_body_name,
     check_head_tensors,
     check_tied_copies,
     tied_copies,
@@ -583,6 +584,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         return with_head_dropout(with_dropout(built, config, dropout, key), config, dropout)
     given = weights
     weights = family.hf_names(dict(read_weights(weights)))  # older names as the class's state_dict has them
+    check_body_name(family, weights)  # (Llama's QA body is transformer.*: a causal LM's model.* is not it)
     template = _template(family, config, set(weights), dtype, attention)
     weights = _untie(family, template, weights)
     cls = type(template)

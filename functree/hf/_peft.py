@@ -453,9 +453,9 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     ``alpha_pattern``: each Stack member's own rank, zero padding trimmed, and scale; the
     first adapter's dropout),
     ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a model with an
-    ``lm_head`` (GPT-2, Llama), ``"SEQ_CLS"`` / ``"TOKEN_CLS"`` for a task model of
-    :mod:`functree.hf._heads`, else none. Under ``SEQ_CLS`` / ``TOKEN_CLS`` a task model's
-    classifier (``score``, ``classifier``) is written whole in ``modules_to_save``, whatever
+    ``lm_head`` (GPT-2, Llama), ``"SEQ_CLS"`` / ``"TOKEN_CLS"`` / ``"QUESTION_ANS"`` for a task model of
+    :mod:`functree.hf._heads`, else none. Under these a task model's
+    head (``score``, ``classifier``, ``qa_outputs``) is written whole in ``modules_to_save``, whatever
     ``modules_to_save`` says, as PEFT's ``PeftModelForSequenceClassification`` saves it
     (``base_model.model.score.weight``; PEFT fails to load such a file without it, and the
     head's training would be lost); a classifier holding adapters is refused
@@ -516,9 +516,9 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         ranks[module], alphas[module] = a.shape[0], written_alpha(scale, a.shape[0])
     if task_type == "auto":
         task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and names.is_hf else \
-            TASK_TYPES.get(getattr(family_of(model), "suffix", ""))  # a task model's: SEQ_CLS, TOKEN_CLS
+            TASK_TYPES.get(getattr(family_of(model), "suffix", ""))  # a task model's: SEQ_CLS, TOKEN_CLS, QUESTION_ANS
     head = classifier_of(model) if task_type in TASK_TYPES.values() else None
-    if head is not None:  # PEFT keeps it whole under SEQ_CLS / TOKEN_CLS, and fails to load a file without it
+    if head is not None:  # PEFT keeps it whole under SEQ_CLS / TOKEN_CLS / QUESTION_ANS, and fails to load a file without it
         if head in by_module:
             field = next(m for m, n in names.members.items() if n.module == head)  # its key path here
             raise ValueError(HEAD_ADAPTED.format(head=head, field=field, hf_class=type(model).__name__,

@@ -10,8 +10,11 @@
   adapters of ``ft.nn.lora``.
 * :func:`task_loss` is Hugging Face's ``labels=`` loss of a task model ``from_hf`` builds
   (``LlamaForSequenceClassification``, ``BertForMaskedLM``: :mod:`functree.hf._heads`).
+* :func:`with_head` gives a loaded model's body a fresh task head, as transformers'
+  ``AutoModelForSequenceClassification.from_pretrained(causal_lm, num_labels=3)``.
 
-Each but :func:`task_loss` is also ``ft.nn.<name>``, where it was first documented. A family is one class
+Each but :func:`task_loss` and :func:`with_head` is also ``ft.nn.<name>``, where it was
+first documented. A family is one class
 (``functree/hf/_family.py``; one module per architecture: ``_llama.py``, ``_gpt2.py``,
 ``_neox.py``, ``_opt.py``, ``_bert.py``); see docs/development/layout.md, "How to add".
 """
@@ -20,5 +23,6 @@ from functree.hf._heads import task_loss
 from functree.hf._load import from_hf, to_hf_state_dict
 from functree.hf._peft import load_lora, save_lora
 from functree.hf._save import save_hf
+from functree.hf._with_head import with_head
 
-__all__ = ["from_hf", "to_hf_state_dict", "save_hf", "load_lora", "save_lora", "task_loss"]
+__all__ = ["from_hf", "to_hf_state_dict", "save_hf", "load_lora", "save_lora", "task_loss", "with_head"]

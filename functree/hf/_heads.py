@@ -167,12 +167,11 @@ ft.nn.from_hf: Hugging Face's {hf_class} keeps its body as {alias}.* (the class'
 base_model_prefix), but the weights name it {own}.* (a {family}'s checkpoint, or another task \
 class's). transformers' {hf_class}.from_pretrained reads none of them into it: the body \
 stays randomly initialized (a warning says so); functree does not build that model. To start \
-from the checkpoint's body with a fresh head:
+from the checkpoint's body with a fresh head (HF's initialization):
 
     wrong:  ft.nn.from_hf(config, weights)                       # {own}.layers.0... beside no {alias}.*
-    right:  fresh = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)))   # HF's initialization
-            body = {{"{alias}." + k.removeprefix("{own}."): v for k, v in weights.items() if k.startswith("{own}.")}}
-            model = ft.nn.from_hf(config, {{**fresh, **body}})     # the checkpoint's body, a fresh qa_outputs
+    right:  model = ft.hf.with_head(ft.nn.from_hf({{**config, "architectures": [{family!r}]}}, weights),
+                                    {suffix!r}, key=jax.random.key(0))   # the checkpoint's body, a fresh head
 """
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -879,7 +878,7 @@ def check_body_name(family: Any, weights: Mapping[str, Any]) -> None:
     named, own = (any(str(k).startswith(n + ".") for k in weights) for n in alias)
     if own and not named:
         raise ValueError(BODY_NAMED_OTHERWISE.format(hf_class=family.hf_class, alias=alias[0], own=alias[1],
-                                                     family=family.body_class.hf_class))
+                                                     family=family.body_class.hf_class, suffix=family.suffix))
 
 
 def _roots(task: Any) -> set[str]:

@@ -1,0 +1,266 @@
+"""A pretrained body with a fresh task head: :func:`with_head`, transformers'
+``AutoModelFor<Task>.from_pretrained(causal_lm_dir, num_labels=3)``.
+
+transformers loads the checkpoint's body into the task class, leaves the checkpoint's own
+head out (``lm_head.weight``: unexpected) and initializes the task head with the class's
+``_init_weights`` (every ``Linear`` ``normal(0, initializer_range)``, OPT's ``init_std``,
+biases zero, a LayerNorm the identity), warning that it is new; its config takes
+``num_labels`` (``id2label = {i: "LABEL_i"}``, ``label2id`` its inverse) or the ``id2label``
+given, and ``save_pretrained`` writes ``architectures`` as the task class. :func:`with_head`
+does the same to a loaded functree model: the task model's ``body`` holds the given model's
+own arrays (no copy, nothing read again), its head drawn as HF draws it
+(:func:`functree.hf._load._hf_initialized`, the initialization ``from_hf(config, key=)``
+gives a whole model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from functree._activations import tanh
+from functree.hf._bert import BertModel
+from functree.hf._causal import CausalLM
+from functree.hf._config import HFConfig
+from functree.hf._dropout import dropout_attention
+from functree.hf._family import FAMILIES, TASKS, HFModel, family_of
+from functree.hf._files import read_config
+from functree.hf._heads import (
+    HEADS,
+    MaskedLM,
+    QuestionAnswering,
+    TaskModel,
+    _blocks,
+    _tokens,
+    with_head_dropout,
+)
+from functree.hf._heads import num_labels as _count
+from functree.hf._load import _check_pad_token, _hf_initialized
+from functree.nn._linear import Dense
+
+__all__ = ["with_head"]
+
+NOT_A_BODY = """\
+ft.hf.with_head takes a model of ft.nn.from_hf (a covered family's causal LM, BertModel, or \
+a task model of one: {covered}), got {given}.
+
+    wrong:  ft.hf.with_head({wrong}, "ForSequenceClassification", num_labels=3, key=key)
+    right:  ft.hf.with_head(ft.nn.from_hf({source}), "ForSequenceClassification", num_labels=3, key=key)
+"""
+
+NO_CONFIG = """\
+ft.hf.with_head: the {cls} given carries no hf_config (built by its constructor, not by \
+ft.nn.from_hf), so the head's size, initializer_range and the config save_hf writes are unknown.
+
+    wrong:  ft.hf.with_head({cls}(...), "{head}", key=key)
+    right:  ft.hf.with_head(ft.nn.from_hf(path_or_hf_model), "{head}", key=key)
+"""
+
+NO_SUCH_HEAD = """\
+ft.hf.with_head: {family} has no {given!r} head in transformers 5.24 (functree.hf._heads.HEADS, \
+as transformers: {model_type!r} has {heads}).
+
+    wrong:  ft.hf.with_head(model, {given!r}, key=key)
+    right:  ft.hf.with_head(model, {first!r}, key=key)     # one of {heads}
+"""
+
+NEEDS_KEY = """\
+ft.hf.with_head draws the new head's weights (Hugging Face's normal(0, initializer_range)) \
+and needs a PRNG key for them.
+
+    wrong:  ft.hf.with_head(model, {head!r}{labels})
+    right:  ft.hf.with_head(model, {head!r}{labels}, key=jax.random.key(0))
+"""
+
+LABELS_CONFLICT = """\
+ft.hf.with_head: {what}; the head's size would be ambiguous (Hugging Face keeps id2label's \
+{count} and a label2id of another length, warning).
+
+    wrong:  ft.hf.with_head(model, head, {wrong}, key=key)
+    right:  ft.hf.with_head(model, head, id2label={{0: "negative", 1: "positive"}}, key=key)   # its size and names
+       or:  ft.hf.with_head(model, head, num_labels=2, key=key)                              # LABEL_0, LABEL_1
+"""
+
+BAD_NUM_LABELS = """\
+ft.hf.with_head: num_labels is the head's number of outputs, a positive int, got {given!r}.
+
+    wrong:  ft.hf.with_head(model, head, num_labels={given!r}, key=key)
+    right:  ft.hf.with_head(model, head, num_labels=3, key=key)
+"""
+
+NO_LABELS_HERE = """\
+ft.hf.with_head: {hf_class}'s head has {outputs}, whatever the labels; {given} would be \
+recorded in its config and read by nothing (or break Hugging Face's forward).
+
+    wrong:  ft.hf.with_head(model, {head!r}, {given}, key=key)
+    right:  ft.hf.with_head(model, {head!r}, key=key)
+"""
+
+# The heads whose size no label count sets: (class, its outputs, the label counts allowed).
+_FIXED = {MaskedLM: ("one logit per vocabulary entry", ()), QuestionAnswering: ("two outputs (start, end)", (2,))}
+
+
+def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels: int | None = None,
+              id2label: Mapping[Any, str] | None = None, label2id: Mapping[str, int] | None = None,
+              problem_type: str | None = None, pad_token_id: int | None = None) -> Any:
+    """``model``'s body with a fresh task head: Hugging Face's
+    ``AutoModelFor<head>.from_pretrained(checkpoint, num_labels=...)`` for a loaded model.
+
+    ``model`` is a :func:`ft.nn.from_hf` model: a decoder family's causal LM (its ``lm_head``
+    dropped, as HF leaves ``lm_head.weight`` unread), a ``BertModel``, or a task model of the
+    same family (its head dropped: another head, or the same class with other labels). ``head``
+    is HF's class suffix (``"ForSequenceClassification"``, ``"ForTokenClassification"``,
+    ``"ForQuestionAnswering"``, ``"ForMaskedLM"``) or the class's name
+    (``"LlamaForSequenceClassification"``); the family's heads are
+    :data:`functree.hf._heads.HEADS`' row. The result's ``body`` holds ``model``'s own arrays
+    (not copied); its head is drawn as HF's ``_init_weights`` draws it for the missing
+    tensors: every weight ``normal(0, initializer_range)`` (OPT: ``init_std``), biases zero,
+    a LayerNorm the identity; BERT's pooler is the body's where it has one, else drawn the
+    same way (``BertForSequenceClassification`` from a ``BertModel`` saved without one), and
+    dropped for the heads that have none (HF's ``add_pooling_layer=False``).
+
+    ``hf_config`` is ``model``'s with ``architectures`` the task class (as ``save_pretrained``
+    writes it) and the labels as HF's config derives them: ``num_labels=n`` gives ``id2label
+    = {i: "LABEL_i"}``; ``id2label`` gives its own (``label2id`` its inverse unless given);
+    neither keeps the config's (2 labels where it has none). ``problem_type`` and
+    ``pad_token_id`` are set where given, as ``from_pretrained``'s keyword arguments set them
+    (the pad id is the decoder classifier's end-of-row marker and the embedding's padding
+    row). A body built with ``dropout=True`` gets HF's classifier dropout too. The
+    generation config is left out, as HF's task classes have none.
+
+    Refused by name: a head the family has not, a model that is not a ``from_hf`` model, no
+    ``key``, ``num_labels`` beside an ``id2label`` of another length (HF keeps the latter,
+    warning), labels for ``ForMaskedLM`` or other than 2 for ``ForQuestionAnswering``.
+
+    Where HF differs: the Llama, Qwen2, Ministral and Qwen3 question-answering classes keep
+    their body as ``transformer.*``, so HF's ``from_pretrained`` of a causal LM's checkpoint
+    (``model.*``) reads none of it and the body stays random; here the body is the model's.
+
+    Example:
+      >>> import functree as ft, jax, numpy as np
+      >>> config = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 16,
+      ...           "num_hidden_layers": 1, "num_attention_heads": 2, "pad_token_id": 0}
+      >>> lm = ft.nn.from_hf(config, key=jax.random.key(0))      # or ft.nn.from_hf("path/to/causal-lm")
+      >>> clf = ft.hf.with_head(lm, "ForSequenceClassification", num_labels=3, key=jax.random.key(1))
+      >>> type(clf).__name__, clf.score.weight.shape, clf.body.model is lm.model
+      ('LlamaForSequenceClassification', (8, 3), True)
+      >>> clf.hf_config["architectures"], clf.hf_config["id2label"]["2"]
+      (('LlamaForSequenceClassification',), 'LABEL_2')
+      >>> clf(np.array([[5, 6, 7, 0]], np.int32)).shape
+      (1, 3)
+    """
+    family, body = _body_of(model, head)
+    task = _task(family, head)
+    labels = (num_labels, id2label, label2id)
+    if key is None:
+        shown = "".join(f", {n}={v!r}" for n, v in zip(("num_labels", "id2label", "label2id"), labels) if v is not None)
+        raise ValueError(NEEDS_KEY.format(head=head, labels=shown))
+    values = _values(model.hf_config, task, head, labels, problem_type, pad_token_id)
+    config = read_config(values)
+    _count(config)  # the labels' and problem_type's checks from_hf makes
+    _check_pad_token(task, config)
+    k_build, k_init, k_pool = jax.random.split(key, 3)
+    body = _fitted(task, body, config, k_pool)
+    width = int(_tokens(body).embeddings.shape[1])  # OPT: word_embed_proj_dim
+    built = task.build(body, width, config, _tokens(body).embeddings.dtype, k_build)
+    own = {n: getattr(built, n) for n in type(built).__ft_fields__
+           if n != "body" and n not in type(built).__ft_static__}
+    fresh = _hf_initialized(task, own, config, k_init)
+    out = built.replace(**fresh, hf_config=HFConfig(values))
+    return with_head_dropout(out, config, dropout_attention(_blocks(body).layers) is not None)
+
+
+
+def _body_of(model: Any, head: str) -> tuple[type[HFModel], Any]:
+    """``model``'s family and its body as a task model holds it (a causal LM without its
+    ``lm_head``; a task model's ``body``); :data:`NOT_A_BODY` or :data:`NO_CONFIG` otherwise."""
+    family = family_of(model)
+    if family is None:
+        covered = ", ".join(f.__name__ for f in FAMILIES.values())
+        hf = hasattr(model, "state_dict") and hasattr(model, "config")  # a transformers model
+        raise TypeError(NOT_A_BODY.format(covered=covered, given=type(model).__name__,
+                                          wrong="hf_model" if hf else "model",
+                                          source="hf_model" if hf else "path"))
+    if getattr(model, "hf_config", None) is None:
+        raise ValueError(NO_CONFIG.format(cls=type(model).__name__, head=head))
+    if issubclass(family, TaskModel):
+        return family.body_class, model.body.replace(hf_config=None)
+    body = model.replace(lm_head=None) if isinstance(model, CausalLM) else model
+    return family, body.replace(hf_config=None)  # (a task model's body carries none: its own is read)
+
+
+def _task(family: type[HFModel], head: str) -> type[TaskModel]:
+    """The task class of ``head`` (a suffix, or the class's name) on ``family``; :data:`NO_SUCH_HEAD`."""
+    heads = HEADS.get(str(family.model_type), {})
+    named = {str(getattr(TASKS[n], "suffix", "")): n for n in TASKS
+             if getattr(TASKS[n], "body_class", None) is family and getattr(TASKS[n], "suffix", None) in heads}
+    for suffix, name in named.items():
+        if head in (suffix, name):
+            return TASKS[name]  # type: ignore[return-value]
+    listed = sorted(named) or ["none"]
+    raise ValueError(NO_SUCH_HEAD.format(family=family.__name__, given=head, model_type=family.model_type,
+                                         heads=", ".join(listed), first=listed[0]))
+
+
+def _values(carried: HFConfig, task: type[TaskModel], head: str, labels: tuple[Any, Any, Any],
+            problem_type: str | None, pad_token_id: int | None) -> dict[str, Any]:
+    """The task model's config.json: ``carried``'s with the task class as ``architectures``
+    and the labels as HF's config derives them (module docstring)."""
+    values = carried.to_dict()
+    values["architectures"] = [task.hf_class]
+    count, id2label, label2id = labels
+    fixed = next((v for k, v in _FIXED.items() if issubclass(task, k)), None)
+    given = [f"{n}={v!r}" for n, v in zip(("num_labels", "id2label", "label2id"), labels) if v is not None]
+    size = count if count is not None else (len(id2label) if id2label is not None else None)
+    if fixed is not None and given and size not in fixed[1]:
+        raise ValueError(NO_LABELS_HERE.format(hf_class=task.hf_class, outputs=fixed[0], given=", ".join(given),
+                                               head=head))
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
+        raise ValueError(BAD_NUM_LABELS.format(given=count))
+    if id2label is not None and count is not None and len(id2label) != count:
+        raise ValueError(LABELS_CONFLICT.format(what=f"num_labels={count} beside an id2label of {len(id2label)}",
+                                                count=len(id2label), wrong=", ".join(given)))
+    if label2id is not None and id2label is None and count is None:
+        raise ValueError(LABELS_CONFLICT.format(what="label2id alone does not say the labels' order (id2label does)",
+                                                count="labels", wrong=", ".join(given)))
+    if id2label is not None:
+        names = {str(k): str(v) for k, v in id2label.items()}  # config.json's keys are strings
+        inverse = {v: int(k) for k, v in names.items()} if all(_int(k) for k in names) else None
+        values["id2label"], values["label2id"] = names, dict(label2id) if label2id is not None else inverse
+    elif count is not None:
+        values["id2label"] = {str(i): f"LABEL_{i}" for i in range(count)}
+        values["label2id"] = dict(label2id) if label2id is not None else {f"LABEL_{i}": i for i in range(count)}
+    elif "id2label" not in values:  # HF's default: 2 labels
+        values["id2label"] = {"0": "LABEL_0", "1": "LABEL_1"}
+        values.setdefault("label2id", {"LABEL_0": 0, "LABEL_1": 1})
+    if given:
+        values.pop("num_labels", None)  # (HF derives it from id2label; a dict config's own would contradict it)
+    if problem_type is not None:
+        values["problem_type"] = problem_type
+    if pad_token_id is not None:
+        values["pad_token_id"] = pad_token_id
+    return values
+
+
+def _int(key: str) -> bool:
+    try:
+        int(key)
+    except ValueError:
+        return False
+    return True
+
+
+def _fitted(task: type[TaskModel], body: Any, config: Any, key: jax.Array) -> Any:
+    """BERT's body as ``task`` holds it: its pooler for the pooled classifier (drawn as HF
+    draws a missing one where the body has none), none for the other heads."""
+    if not isinstance(body, BertModel):
+        return body
+    if not task.pooled:
+        return body.replace(pooler=None)
+    if body.pooler is not None:
+        return body
+    width = int(_tokens(body).embeddings.shape[1])
+    pooler = Dense(width, width, tanh, key=key, dtype=_tokens(body).embeddings.dtype)
+    return body.replace(pooler=_hf_initialized(task, {"pooler": pooler}, config, key)["pooler"])

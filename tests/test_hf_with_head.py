@@ -1,0 +1,296 @@
+"""``ft.hf.with_head`` (functree/hf/_with_head.py) against transformers'
+``AutoModelFor<Task>.from_pretrained(causal_lm_dir, num_labels=n)``, in float64.
+
+A tiny causal LM (or BertModel) with random weights is saved by HF; functree loads it and adds
+the head, HF loads the directory into the task class. The body's tensors must be the
+checkpoint's (HF's, bit for bit), the head shaped and typed as HF's with zero biases and
+HF's ``normal(0, initializer_range)`` (a 64x64 head: its std within 8% and its share
+within one std that of a normal, not ft's own uniform init); with HF's head copied in, the
+logits and the loss equal HF's: measured at most 7.0e-16 of the logits' scale for the
+learned-position families (GPT-2, OPT, BERT) and 1.2e-7 for Llama (HF's float32 rotary
+tables), the loss within 2.7e-16 and 1.1e-9; allowed 3e-14 and 3e-6 (as tests/test_hf_qa.py). save_hf of the result is read by HF with no missing or unexpected key.
+"""
+
+import json
+import os
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.hf import _with_head
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PAD = 1
+SIZES = {
+    "Llama": dict(vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=PAD),
+    "GPT2": dict(vocab_size=24, n_embd=16, n_layer=1, n_head=4, n_positions=16, pad_token_id=PAD, bos_token_id=0,
+                 eos_token_id=0),
+    "OPT": dict(vocab_size=24, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=4,
+                word_embed_proj_dim=8, max_position_embeddings=16, pad_token_id=PAD),
+    "Bert": dict(vocab_size=24, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                 max_position_embeddings=16, pad_token_id=PAD),
+}
+CLASSES = {"Llama": "LlamaForCausalLM", "GPT2": "GPT2LMHeadModel", "OPT": "OPTForCausalLM", "Bert": "BertModel"}
+
+
+def causal_lm(family, **config):
+    cls = getattr(transformers, CLASSES[family])
+    return cls(cls.config_class(**{**SIZES[family], **config}))
+
+
+# (family, head, num_labels): the head's module(s) in HF's names.
+CASES = [("Llama", "ForSequenceClassification", 3, ("score",)),
+         ("GPT2", "ForTokenClassification", 5, ("classifier",)),
+         ("OPT", "ForSequenceClassification", 3, ("score",)),
+         ("Bert", "ForSequenceClassification", 3, ("classifier",)),
+         ("Bert", "ForMaskedLM", None, ("cls",)),
+         ("Llama", "ForQuestionAnswering", None, ("qa_outputs",))]  # HF's body: transformer.* (not read by HF)
+IDS = np.array([[5, 6, 7, 8, 9, 1, 1], [4, 3, 2, 8, 7, 6, 5]], np.int32)  # right padding, none
+MASK = (IDS != PAD).astype(np.int32)
+
+
+def hf_quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def saved(tmp_path, family, **config):
+    torch.manual_seed(0)
+    causal = causal_lm(family, **config).double()
+    with torch.no_grad():
+        for p in causal.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    path = tmp_path / "causal"
+    hf_quiet(causal.save_pretrained, path)
+    return causal, path
+
+
+def hf_task(path, head, **kwargs):
+    auto = getattr(transformers, "AutoModel" + head)
+    return hf_quiet(auto.from_pretrained, path, dtype=torch.float64, output_loading_info=True, **kwargs)
+
+
+def labels_of(head, n) -> dict[str, Any]:
+    return {} if n is None else {"num_labels": n}
+
+
+def hf_outputs(hf, head, labels):
+    ids, mask = torch.from_numpy(IDS).long(), torch.from_numpy(MASK).long()
+    if head == "ForQuestionAnswering":
+        out = hf(ids, attention_mask=mask, start_positions=torch.tensor(labels[0]), end_positions=torch.tensor(labels[1]))
+        return np.stack([out.start_logits.detach().numpy(), out.end_logits.detach().numpy()]), out.loss.item()
+    out = hf(ids, attention_mask=mask, labels=torch.from_numpy(np.asarray(labels)).long())
+    return out.logits.detach().numpy(), out.loss.item()
+
+
+def labels_for(head, n):
+    if head == "ForQuestionAnswering":
+        return np.array([2, 1]), np.array([4, 3])
+    if head == "ForSequenceClassification":
+        return np.array([2, 0])
+    count = 24 if head == "ForMaskedLM" else n
+    labels = np.arange(IDS.size).reshape(IDS.shape) % count
+    return np.where(MASK == 1, labels, -100)
+
+
+def ours_outputs(model, head, labels):
+    out = model(IDS, MASK)
+    logits = np.stack([out.start_logits, out.end_logits]) if head == "ForQuestionAnswering" else np.asarray(out)
+    return logits, float(model.loss(out, labels))
+
+
+def tolerance(family):
+    return 3e-6 if family == "Llama" else 3e-14
+
+
+@pytest.mark.parametrize(("family", "head", "n", "roots"), CASES, ids=[f"{c[0]}{c[1]}" for c in CASES])
+def test_body_is_the_checkpoint_s_head_hf_s_and_logits_hf_s(tmp_path, family, head, n, roots):
+    causal, path = saved(tmp_path, family)
+    hf, info = hf_task(path, head, **labels_of(head, n))
+    assert not info["mismatched_keys"]
+    hf_quiet(hf.save_pretrained, tmp_path / "hf")  # (before a call with labels: HF records the problem_type it infers)
+    with jax.enable_x64(True):
+        lm = ft.nn.from_hf(path, dtype=jnp.float64)
+        model = ft.hf.with_head(lm, head, key=jax.random.key(0), **labels_of(head, n))
+        assert type(model).__name__ == type(hf).__name__
+        # the body is the loaded model's arrays, not copies
+        body_leaves = {id(x) for x in jax.tree.leaves(model.body)}
+        assert body_leaves <= {id(x) for x in jax.tree.leaves(lm)}
+        ours = ft.nn.to_hf_state_dict(model, numpy=True)
+        theirs = {k: v.numpy() for k, v in hf.state_dict().items()}
+        assert sorted(ours) == sorted(theirs)
+        head_names = [k for k in theirs if k.split(".")[0] in roots]
+        alias = family == "Llama" and head == "ForQuestionAnswering"
+        hf_new = {k for k in info["missing_keys"] if not (alias and k.startswith("transformer."))}
+        assert head_names and set(head_names) >= hf_new and (not alias or "transformer.embed_tokens.weight" in
+                                                              info["missing_keys"])  # (HF's quirk: its body random)
+        checkpoint = {k: v.numpy() for k, v in causal.state_dict().items()}
+        for name, value in ours.items():
+            if name in head_names and name not in ("cls.predictions.decoder.weight",):  # (BERT's: the tied embedding)
+                assert value.shape == theirs[name].shape and value.dtype == theirs[name].dtype == np.float64, name
+                if name.endswith("bias"):
+                    assert not value.any() and not theirs[name].any(), name
+                continue
+            # the checkpoint's body: HF's own name, or (Llama's QA) HF's transformer.* for model.*
+            source = name.replace("transformer.", "model.", 1) if alias else name
+            source = "bert.embeddings.word_embeddings.weight" if name == "cls.predictions.decoder.weight" else source
+            source = source.removeprefix("bert.")
+            np.testing.assert_array_equal(value, checkpoint[source], err_msg=name)
+            if not alias:  # (HF leaves that body random)
+                np.testing.assert_array_equal(value, theirs[name], err_msg=name)
+
+        # HF's head copied in: the same logits and loss (HF given our body where it lacks it)
+        hf.load_state_dict({**{k: torch.from_numpy(np.array(v)) for k, v in ours.items() if k not in head_names},
+                            **{k: hf.state_dict()[k] for k in head_names}})
+        hf.eval()
+        copied = ft.nn.from_hf(model.hf_config.to_dict(), {k: v.numpy() for k, v in hf.state_dict().items()},
+                               dtype=jnp.float64)
+        labels = labels_for(head, n)
+        expected, expected_loss = hf_outputs(hf, head, labels)
+        logits, loss = ours_outputs(copied, head, labels)
+        scale = float(np.abs(expected).max())  # (no left padding: every token's logits are HF's)
+        np.testing.assert_allclose(logits, expected, rtol=0, atol=tolerance(family) * scale)
+        np.testing.assert_allclose(loss, expected_loss, rtol=0, atol=tolerance(family) * abs(expected_loss))
+
+        # save_hf: read back by HF with no missing or unexpected key, its config HF's
+        out = tmp_path / "tuned"
+        ft.nn.save_hf(model, out)
+        back, info = hf_task(out, head)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        for name, value in back.state_dict().items():
+            np.testing.assert_array_equal(value.numpy(), ours[name], err_msg=name)
+        mine, hfs = (json.loads((p / "config.json").read_text()) for p in (out, tmp_path / "hf"))
+        for field in ("architectures", "id2label", "label2id", "problem_type"):
+            if field in hfs:  # (HF leaves out the default 2 labels; functree writes them)
+                assert mine.get(field) == hfs[field], field
+        assert not (out / "generation_config.json").exists()
+
+
+def fraction_within_one_std(x, std):
+    return float(np.mean(np.abs(x) < std))
+
+
+@pytest.mark.parametrize(("family", "head", "module", "config"), [
+    ("Llama", "ForTokenClassification", "score", {"initializer_range": 0.37}),
+    ("OPT", "ForSequenceClassification", "score", {"init_std": 0.37}),
+    ("Bert", "ForMaskedLM", "cls.predictions.transform.dense", {"initializer_range": 0.37}),
+    ("Bert", "ForSequenceClassification", "bert.pooler.dense", {"initializer_range": 0.37}),  # saved without one
+])
+def test_the_new_head_is_drawn_as_hf_draws_it(tmp_path, family, head, module, config):
+    """A 64x64 head: HF's and functree's draws both normal(0, 0.37): std within 8%, 68% of
+    the draws within one std (a uniform init of that std: 58%), mean ~0, biases zero."""
+    sizes = {"Llama": {"hidden_size": 64, "intermediate_size": 8, "num_attention_heads": 4},
+             "OPT": {"hidden_size": 64, "ffn_dim": 8, "word_embed_proj_dim": 64},
+             "Bert": {"hidden_size": 64, "intermediate_size": 8, "num_attention_heads": 4}}[family]
+    torch.manual_seed(0)
+    built = causal_lm(family, **sizes, **config)
+    if module.endswith("pooler.dense"):
+        built = transformers.BertModel(built.config, add_pooling_layer=False)
+    hf_quiet(built.double().save_pretrained, tmp_path)
+    n = None if head == "ForMaskedLM" else 64
+    hf, info = hf_task(tmp_path, head, **labels_of(head, n))
+    assert module + ".weight" in info["missing_keys"]
+    with jax.enable_x64(True):
+        model = ft.hf.with_head(ft.nn.from_hf(tmp_path, dtype=jnp.float64), head, key=jax.random.key(3),
+                                **labels_of(head, n))
+        ours = ft.nn.to_hf_state_dict(model, numpy=True)
+    for weights in (ours, {k: v.numpy() for k, v in hf.state_dict().items()}):
+        w = weights[module + ".weight"]
+        assert w.shape[0] == 64 and w.dtype == np.float64
+        assert abs(float(w.std()) / 0.37 - 1) < 0.08, float(w.std())
+        assert abs(fraction_within_one_std(w, 0.37) - 0.6827) < 0.04
+        assert abs(float(w.mean())) < 4 * 0.37 / 64
+        if module + ".bias" in weights:
+            assert not weights[module + ".bias"].any()
+
+
+def test_a_training_step_moves_the_head_and_the_body(tmp_path):
+    _, path = saved(tmp_path, "Llama")
+    model = ft.hf.with_head(ft.nn.from_hf(path), "ForSequenceClassification", num_labels=3, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adamw(1e-2))
+    step = ft.train.train_step(lambda m, b: m.loss(m(b[0], b[1]), b[2]), opt)
+    tuned, _, metrics = step(model, opt.init(model), (IDS, MASK, np.array([2, 0])))
+    assert np.isfinite(float(metrics["loss"]))
+    assert not np.array_equal(tuned.score.weight, model.score.weight)
+    assert not np.array_equal(tuned.body.model.embed_tokens.embeddings, model.body.model.embed_tokens.embeddings)
+    assert not np.array_equal(tuned.body.model.layers.layers.mlp.up_proj.weight, model.body.model.layers.layers.mlp.up_proj.weight)
+
+
+def test_a_task_model_gets_another_head_and_bert_s_pooler_follows_the_class(tmp_path):
+    _, path = saved(tmp_path, "Bert")
+    bert = ft.nn.from_hf(path)
+    clf = ft.hf.with_head(bert, "ForSequenceClassification", id2label={0: "no", 1: "yes"}, key=jax.random.key(0))
+    assert clf.body.pooler is bert.pooler and clf.hf_config["label2id"]["yes"] == 1
+    tokens = ft.hf.with_head(clf, "BertForTokenClassification", num_labels=4, key=jax.random.key(1))
+    assert tokens.body.pooler is None and tokens.body.encoder is bert.encoder
+    assert tokens.classifier.weight.shape == (16, 4) and tokens.hf_config["architectures"] == ("BertForTokenClassification",)
+    relabeled = ft.hf.with_head(clf, "ForSequenceClassification", num_labels=5, problem_type="multi_label_classification",
+                                key=jax.random.key(2))
+    assert relabeled.classifier.weight.shape == (16, 5) and relabeled.hf_config["problem_type"] == "multi_label_classification"
+    assert len(relabeled.hf_config["id2label"]) == 5 and "no" not in relabeled.hf_config["label2id"]
+
+
+def test_dropout_and_pad_token_id_follow_from_pretrained(tmp_path):
+    _, path = saved(tmp_path, "GPT2")
+    dropped = ft.nn.from_hf(path, dropout=True, key=jax.random.key(0))
+    tokens = ft.hf.with_head(dropped, "ForTokenClassification", num_labels=2, key=jax.random.key(1))
+    assert tokens.dropout == 0.1  # GPT-2's classifier_dropout default, as HF's
+    plain = ft.hf.with_head(ft.nn.from_hf(path), "ForTokenClassification", key=jax.random.key(1))
+    assert plain.dropout == 0.0 and plain.classifier.weight.shape == (16, 2)  # HF's default 2 labels
+    padded = ft.hf.with_head(ft.nn.from_hf(path), "ForSequenceClassification", pad_token_id=3, key=jax.random.key(1))
+    assert padded.hf_config["pad_token_id"] == 3
+
+
+def test_refusals_name_the_fix(tmp_path):
+    _, path = saved(tmp_path, "OPT")
+    lm = ft.nn.from_hf(path)
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"(?s)OPTForCausalLM has no 'ForTokenClassification' head.*"
+                                         r"'opt' has ForQuestionAnswering, ForSequenceClassification"):
+        ft.hf.with_head(lm, "ForTokenClassification", key=key)
+    with pytest.raises(ValueError, match=r"has no 'BertForSequenceClassification' head"):
+        ft.hf.with_head(lm, "BertForSequenceClassification", key=key)
+    with pytest.raises(ValueError, match=r"(?s)needs a PRNG key.*right:  ft.hf.with_head\(model, "
+                                         r"'ForSequenceClassification', num_labels=3, key=jax.random.key\(0\)\)"):
+        ft.hf.with_head(lm, "ForSequenceClassification", num_labels=3)
+    with pytest.raises(TypeError, match=r"(?s)got LlamaForCausalLM\..*wrong:  ft.hf.with_head\(hf_model.*"
+                                        r"right:  ft.hf.with_head\(ft.nn.from_hf\(hf_model\)"):
+        ft.hf.with_head(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)),
+            "ForSequenceClassification", key=key)
+    with pytest.raises(TypeError, match=r"got Dense"):
+        ft.hf.with_head(ft.nn.Dense(2, 2, key=key), "ForSequenceClassification", key=key)
+    with pytest.raises(ValueError, match=r"the BertModel given carries no hf_config"):
+        ft.hf.with_head(ft.nn.from_hf(causal_lm("Bert")).replace(hf_config=None), "ForMaskedLM", key=key)
+    with pytest.raises(ValueError, match=r"num_labels=4 beside an id2label of 3"):
+        ft.hf.with_head(lm, "ForSequenceClassification", num_labels=4, id2label={0: "a", 1: "b", 2: "c"}, key=key)
+    with pytest.raises(ValueError, match=r"label2id alone does not say the labels' order"):
+        ft.hf.with_head(lm, "ForSequenceClassification", label2id={"a": 0, "b": 1}, key=key)
+    bad: Any
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=r"num_labels is the head's number of outputs, a positive int"):
+            ft.hf.with_head(lm, "ForSequenceClassification", num_labels=bad, key=key)
+    with pytest.raises(ValueError, match=r"OPTForQuestionAnswering's head has two outputs \(start, end\)"):
+        ft.hf.with_head(lm, "ForQuestionAnswering", num_labels=3, key=key)
+    assert ft.hf.with_head(lm, "ForQuestionAnswering", num_labels=2, key=key).qa_outputs.weight.shape == (8, 2)
+    with pytest.raises(ValueError, match=r"(?s)label2id has 3.*"):
+        ft.hf.with_head(lm, "ForSequenceClassification", id2label={0: "a", 1: "b"}, label2id={"a": 0, "b": 1, "c": 2},
+                        key=key)
+    with pytest.raises(ValueError, match=r"problem_type is one of"):
+        ft.hf.with_head(lm, "ForSequenceClassification", problem_type="ranking", key=key)
+    with pytest.raises(ValueError, match=r"pad_token_id is 99, outside its vocabulary"):
+        ft.hf.with_head(lm, "ForSequenceClassification", pad_token_id=99, key=key)
+    bert = ft.nn.from_hf(causal_lm("Bert"))
+    with pytest.raises(ValueError, match=r"BertForMaskedLM's head has one logit per vocabulary entry"):
+        ft.hf.with_head(bert, "ForMaskedLM", num_labels=3, key=key)
+    assert _with_head.NOT_A_BODY and _with_head.NO_SUCH_HEAD  # (each constant raised above)

@@ -247,6 +247,10 @@ def test_dropout_and_pad_token_id_follow_from_pretrained(tmp_path):
     assert tokens.dropout == 0.1  # GPT-2's classifier_dropout default, as HF's
     plain = ft.hf.with_head(ft.nn.from_hf(path), "ForTokenClassification", key=jax.random.key(1))
     assert plain.dropout == 0.0 and plain.classifier.weight.shape == (16, 2)  # HF's default 2 labels
+    counted = ft.hf.with_head(ft.nn.from_hf({**plain.hf_config.to_dict(), "id2label": None, "label2id": None,
+                                             "num_labels": 4, "architectures": None}, key=jax.random.key(0)),
+                              "ForTokenClassification", key=jax.random.key(1))
+    assert counted.classifier.weight.shape == (16, 4) and "num_labels" not in counted.hf_config  # a dict config's count
     padded = ft.hf.with_head(ft.nn.from_hf(path), "ForSequenceClassification", pad_token_id=3, key=jax.random.key(1))
     assert padded.hf_config["pad_token_id"] == 3
 

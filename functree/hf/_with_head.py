@@ -232,11 +232,12 @@ def _values(carried: HFConfig, task: type[TaskModel], head: str, labels: tuple[A
     elif count is not None:
         values["id2label"] = {str(i): f"LABEL_{i}" for i in range(count)}
         values["label2id"] = dict(label2id) if label2id is not None else {f"LABEL_{i}": i for i in range(count)}
-    elif "id2label" not in values:  # HF's default: 2 labels
-        values["id2label"] = {"0": "LABEL_0", "1": "LABEL_1"}
-        values.setdefault("label2id", {"LABEL_0": 0, "LABEL_1": 1})
-    if given:
-        values.pop("num_labels", None)  # (HF derives it from id2label; a dict config's own would contradict it)
+    elif values.get("id2label") is None:  # a dict config's num_labels, else HF's default: 2 labels
+        count = int(values.get("num_labels") or 2)
+        values["id2label"] = {str(i): f"LABEL_{i}" for i in range(count)}
+        if values.get("label2id") is None:
+            values["label2id"] = {f"LABEL_{i}": i for i in range(count)}
+    values.pop("num_labels", None)  # (HF derives it from id2label; the source's own may contradict the new one)
     if problem_type is not None:
         values["problem_type"] = problem_type
     if pad_token_id is not None:

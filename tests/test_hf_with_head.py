@@ -140,6 +140,8 @@ def test_body_is_the_checkpoint_s_head_hf_s_and_logits_hf_s(tmp_path, family, he
                 assert value.shape == theirs[name].shape and value.dtype == theirs[name].dtype == np.float64, name
                 if name.endswith("bias"):
                     assert not value.any() and not theirs[name].any(), name
+                if name.endswith("LayerNorm.weight"):  # (BERT's masked LM head: HF's init, the identity)
+                    assert (value == 1).all() and (theirs[name] == 1).all(), name
                 continue
             # the checkpoint's body: HF's own name, or (Llama's QA) HF's transformer.* for model.*
             source = name.replace("transformer.", "model.", 1) if alias else name

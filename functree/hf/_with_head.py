@@ -172,7 +172,6 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
     return with_head_dropout(out, config, dropout_attention(_blocks(body).layers) is not None)
 
 
-
 def _body_of(model: Any, head: str) -> tuple[type[HFModel], Any]:
     """``model``'s family and its body as a task model holds it (a causal LM without its
     ``lm_head``; a task model's ``body``); :data:`NOT_A_BODY` or :data:`NO_CONFIG` otherwise."""

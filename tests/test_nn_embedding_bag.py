@@ -44,6 +44,31 @@ def test_embedding_bag_matches_torchs_in_float64(mode, layout, padding):
     assert set(ft.nn.torch_state_dict(layer, numpy=True)) == {"weight"}
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("last", [5, 8])
+def test_include_last_offset_below_the_end_is_torchs(mode, last):
+    """include_last_offset=True with a last offset below len(indices): torch 2.13 ignores that
+    entry, its last bag runs to the end (indices 5.. here, with [0, 2, 2, 5, 8] too); output and
+    the gradients of the weight and of per_sample_weights as torch's, in float64."""
+    torch.manual_seed(0)
+    module = torch.nn.EmbeddingBag(VOCAB, DIM, mode=mode, include_last_offset=True, dtype=torch.float64)
+    offsets = np.append(OFFSETS, last)
+    weights = np.linspace(-1.0, 2.0, INDICES.size) if mode == "sum" else None
+    tweights = None if weights is None else torch.tensor(weights, requires_grad=True)
+    out = module(torch.from_numpy(INDICES), torch.from_numpy(offsets), tweights)
+    out.backward(torch.from_numpy(np.cos(out.detach().numpy())))
+    with jax.enable_x64(True):
+        layer = ft.nn.EmbeddingBag(VOCAB, DIM, mode, key=jax.random.key(0), dtype=jnp.float64,
+                                   include_last_offset=True)
+        layer = ft.nn.load_torch_state_dict(layer, module.state_dict())
+        ours, pull = jax.vjp(lambda m, w: m(INDICES, offsets, w), layer, weights)
+        grad, grad_weights = pull(jnp.cos(ours))
+    np.testing.assert_allclose(ours, out.detach().numpy(), rtol=0, atol=1e-15)
+    np.testing.assert_allclose(grad.embeddings, module.weight.grad.numpy(), rtol=0, atol=1e-14)
+    if tweights is not None:
+        np.testing.assert_allclose(grad_weights, tweights.grad.numpy(), rtol=0, atol=1e-14)
+
+
 def test_embedding_bag_refusals():
     bag = ft.nn.EmbeddingBag(VOCAB, DIM, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"mode must be \"sum\", \"mean\" or \"max\", got 'avg'"):
@@ -57,8 +82,10 @@ def test_embedding_bag_refusals():
     with pytest.raises(ValueError, match=r"starting at 0, nondecreasing, at most len\(indices\) = 3 .*, got \[1, 2\]"):
         bag(jnp.array([1, 2, 3]), jnp.array([1, 2]))
     closed = ft.nn.EmbeddingBag(VOCAB, DIM, key=jax.random.key(0), include_last_offset=True)
-    with pytest.raises(ValueError, match=r"ending at 3; torch's rule\), got \[0, 2\]"):
-        closed(jnp.array([1, 2, 3]), jnp.array([0, 2]))  # torch reads the last bag to the end regardless
+    with pytest.raises(ValueError, match=r"at least two, B \+ 1 for B bags\), got \[0\]"):
+        closed(jnp.array([1, 2, 3]), jnp.array([0]))  # torch 2.13: a segmentation fault
+    with pytest.raises(ValueError, match=r"at most len\(indices\) = 3 .*, got \[0, 4\]"):
+        closed(jnp.array([1, 2, 3]), jnp.array([0, 4]))  # torch: "offsets[-1] can not be greater than"
     with pytest.raises(ValueError, match=r"mode='mean' takes none"):
         bag(jnp.array([[1, 2]]), per_sample_weights=jnp.ones((1, 2)))
     summed = ft.nn.EmbeddingBag(VOCAB, DIM, "sum", key=jax.random.key(0))

@@ -33,7 +33,7 @@ ft.nn.EmbeddingBag: {why}
 NEEDS_OFFSETS = "1-D indices need offsets= (where each bag starts); a [B, N] array needs none."
 OFFSETS_WITH_2D = "offsets= is for 1-D indices; the rows of a 2-D [B, N] array are its bags already."
 BAD_OFFSETS = ("offsets must be 1-D integers starting at 0, nondecreasing, at most len(indices) = {n} "
-               "(with include_last_offset=True: ending at {n}; torch's rule), got {given}.")
+               "(with include_last_offset=True: at least two, B + 1 for B bags), got {given}.")
 
 SUM_ONLY = """\
 ft.nn.EmbeddingBag: per_sample_weights= weighs each index's row in a sum; mode={mode!r} takes none \
@@ -62,7 +62,8 @@ class EmbeddingBag(Layer):
     ``bag(indices)`` with ``[B, N]`` integer indices: row ``b`` is a bag. ``bag(indices,
     offsets)`` with 1-D indices and ``offsets [B]``: bag ``b`` is ``indices[offsets[b]:
     offsets[b + 1]]`` (the last to the end; ``include_last_offset=True``: ``offsets`` has
-    ``B + 1`` entries, the last equal to ``len(indices)``). Returns ``[B, embedding_size]``; an
+    ``B + 1`` entries, the last normally ``len(indices)``; as torch's, a last entry below it is
+    read as ``len(indices)``: the last bag still runs to the end). Returns ``[B, embedding_size]``; an
     empty bag is zeros. ``per_sample_weights`` (the indices' shape; ``"sum"`` only) weighs each
     row. ``padding_index=p`` (torch's ``padding_idx``): row ``p`` starts at zeros, and its
     entries are left out of their bags (not counted by the mean, never the max) and get no
@@ -150,20 +151,21 @@ class EmbeddingBag(Layer):
         return weights
 
     def _bags(self, indices: jax.Array, offsets: Any) -> tuple[jax.Array, int]:
-        """Each index's bag number (``len(offsets)`` or beyond: dropped) and the number of bags."""
+        """Each index's bag number and the number of bags."""
         offsets = jnp.asarray(offsets)
         n = indices.shape[0]
         given = concrete(offsets)
-        ok = offsets.ndim == 1 and jnp.issubdtype(offsets.dtype, jnp.integer) and offsets.shape[0] >= 1
+        least = 2 if self.include_last_offset else 1  # torch 2.13 crashes on include_last_offset with [0]
+        ok = offsets.ndim == 1 and jnp.issubdtype(offsets.dtype, jnp.integer) and offsets.shape[0] >= least
         if ok and given is not None:
             ok = int(given[0]) == 0 and bool(np.all(np.diff(given) >= 0)) and int(given[-1]) <= n
-            ok = ok and (not self.include_last_offset or int(given[-1]) == n)
         if not ok:
             raise ValueError(BAGS.format(why=BAD_OFFSETS.format(n=n, given=short_array(offsets) if given is None
                                                                  else given.tolist())))
-        count = offsets.shape[0] - (1 if self.include_last_offset else 0)
+        if self.include_last_offset:  # torch 2.13 ignores the last entry: the last bag runs to the end
+            offsets = offsets[:-1]
         bags = jnp.searchsorted(offsets, jnp.arange(n, dtype=offsets.dtype), side="right") - 1
-        return bags, count
+        return bags, offsets.shape[0]
 
     def _reduce(self, indices: jax.Array, bags: jax.Array, n: int, weights: jax.Array | None) -> jax.Array:
         w = self.embeddings

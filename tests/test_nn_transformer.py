@@ -2,6 +2,8 @@
 state dict both ways, masks (bool and float, key padding, causal), gradients, dropout's
 statistics, and the refusals. Tiny sizes (d_model 8, 2 heads, 1-2 layers), one compile a case."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,6 +247,43 @@ def test_refusals_name_the_argument():
     dec = ft.nn.TransformerDecoderLayer(E, HEADS, FF, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"batch of tgt \(3\) differs from that of memory \(2\)"):
         dec(jnp.ones((L, 3, E)), jnp.ones((S, 2, E)))
+
+
+def _causal_cases(ours: bool):
+    """(module, args, flag, mask argument) for every is_causal flag of every port; ours or torch's."""
+    tiny: dict[str, Any] = dict(dim_feedforward=FF, dropout=0.0)
+    if ours:
+        enc = ft.nn.TransformerEncoderLayer(E, HEADS, key=jax.random.key(0), **tiny)
+        dec = ft.nn.TransformerDecoderLayer(E, HEADS, key=jax.random.key(0), **tiny)
+        model = ft.nn.Transformer(E, HEADS, 1, 1, key=jax.random.key(0), **tiny)
+        encoder, decoder = ft.nn.TransformerEncoder(enc, 1), ft.nn.TransformerDecoder(dec, 1)
+        src, tgt = jnp.ones((S, N, E)), jnp.ones((L, N, E))
+    else:
+        enc = torch.nn.TransformerEncoderLayer(E, HEADS, **tiny)
+        dec = torch.nn.TransformerDecoderLayer(E, HEADS, **tiny)
+        model = torch.nn.Transformer(E, HEADS, 1, 1, **tiny)
+        encoder = torch.nn.TransformerEncoder(enc, 1, enable_nested_tensor=False)
+        decoder = torch.nn.TransformerDecoder(dec, 1)
+        src, tgt = torch.ones((S, N, E)), torch.ones((L, N, E))
+    return [(enc, (src,), "is_causal", "src_mask"), (encoder, (src,), "is_causal", "mask"),
+            (dec, (tgt, src), "tgt_is_causal", "tgt_mask"), (dec, (tgt, src), "memory_is_causal", "memory_mask"),
+            (decoder, (tgt, src), "tgt_is_causal", "tgt_mask"), (decoder, (tgt, src), "memory_is_causal", "memory_mask"),
+            (model, (src, tgt), "src_is_causal", "src_mask"), (model, (src, tgt), "tgt_is_causal", "tgt_mask"),
+            (model, (src, tgt), "memory_is_causal", "memory_mask")]
+
+
+def test_is_causal_without_its_mask_is_refused_as_torch_refuses_it():
+    """torch 2.13 raises on every is_causal=True (tgt_/memory_/src_) given without its mask,
+    with or without a key padding mask ("Need attn_mask if specifying the is_causal hint");
+    ours applied a causal band silently. Each refused by name, the mask in the fix; with the
+    mask given the hint is taken, as torch's (test_state_dict_written_loads_...)."""
+    for (theirs, t_args, flag, _), (ours, o_args, _, name) in zip(_causal_cases(False), _causal_cases(True)):
+        with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):
+            theirs(*t_args, **{flag: True})
+        with pytest.raises(ValueError, match=rf"{type(ours).__name__}: {flag}=True is torch's hint that {name} "
+                                             rf"[\s\S]*right: .*{name}=ft.nn.Transformer.generate_square"):
+            ours(*o_args, **{flag: True})
+        ours(*o_args, **{flag: False})  # False (or None) needs no mask
 
 
 def test_attention_bias_refusals():

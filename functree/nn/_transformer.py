@@ -18,8 +18,8 @@ Masks as torch takes them: ``*_mask`` is ``[L, S]`` or ``[N * nhead, L, S]`` and
 ``*_key_padding_mask`` ``[N, S]``; boolean ones are True where attention is *not* allowed
 (torch's sense, the opposite of ``ft.nn.MultiheadAttention``'s ``mask``), floating ones are
 added to the scaled logits (``generate_square_subsequent_mask``'s ``-inf``). ``is_causal=True``
-applies the causal mask (with any mask given: torch takes it as a hint that the mask is that
-one).
+applies the causal mask along with the mask given (torch takes it as a hint that the mask is
+that one); without the mask it is refused, as torch 2.13 refuses it (:data:`CAUSAL_NEEDS_MASK`).
 """
 
 from __future__ import annotations
@@ -83,6 +83,17 @@ the batch is axis {axis}).
     wrong:  model(src, tgt)     # src {src_shape}, tgt {tgt_shape}
     right:  model(src, tgt)     # both [{layout}] with one N"""
 
+CAUSAL_NEEDS_MASK = """\
+{cls}: {flag}=True is torch's hint that {name} is the causal mask, and {name} is not given; torch \
+2.13 raises there ("Need attn_mask if specifying the is_causal hint") rather than guess. Pass the \
+mask itself (the hint may stay):
+
+    wrong:  {call}({flag}=True)
+    right:  {call}({name}=ft.nn.Transformer.generate_square_subsequent_mask(L), {flag}=True)   # L: {what}"""
+
+_CALLS = {"TransformerEncoder": "encoder(src, ", "TransformerDecoderLayer": "layer(tgt, memory, ",
+          "TransformerDecoder": "decoder(tgt, memory, ", "Transformer": "model(src, tgt, "}
+
 _ACTIVATIONS: dict[str, Callable[[Any], Any]] = {"relu": relu, "gelu": gelu_exact}
 
 
@@ -107,6 +118,20 @@ def _activation(cls: str, activation: Any) -> Callable[[Any], Any]:
     if callable(activation) and not isinstance(activation, str):
         return activation
     raise ValueError(BAD_ACTIVATION.format(cls=cls, given=activation))
+
+
+def _causal_needs_mask(module: Any, flag: str, name: str, is_causal: Any, mask: Any, what: str) -> None:
+    """Refuse ``flag=True`` without the mask ``name`` (torch's hint with nothing to hint at)."""
+    if is_causal and mask is None:
+        cls = type(module).__name__
+        call = _CALLS.get(cls, "layer(src, ")
+        raise ValueError(CAUSAL_NEEDS_MASK.format(cls=cls, flag=flag, name=name, call=call, what=what))
+
+
+def _decoder_hints(module: Any, tgt_mask: Any, memory_mask: Any, tgt_is_causal: Any, memory_is_causal: Any) -> None:
+    _causal_needs_mask(module, "tgt_is_causal", "tgt_mask", tgt_is_causal, tgt_mask, "the target's length")
+    _causal_needs_mask(module, "memory_is_causal", "memory_mask", memory_is_causal, memory_mask,
+                       "the target's length; memory_mask is [L, S]")
 
 
 def _check_heads(cls: str, d_model: int, nhead: Any) -> None:
@@ -245,6 +270,7 @@ class TransformerEncoderLayer(Layer):
         self, src: Any, src_mask: Any | None = None, src_key_padding_mask: Any | None = None,
         is_causal: bool | None = False, *, key: jax.Array | None = None,
     ) -> jax.Array:
+        _causal_needs_mask(self, "is_causal", "src_mask", is_causal, src_mask, "the source's length")
         x = _batch_major(self, src, self.batch_first, self.linear1.weight.shape[0])
         n, length = x.shape[:2]
         mask, bias = attention_masks(self, ("src_mask", "src_key_padding_mask"), src_mask, src_key_padding_mask,
@@ -289,7 +315,7 @@ class TransformerDecoderLayer(Layer):
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> layer = ft.nn.TransformerDecoderLayer(8, 2, dim_feedforward=16, key=jax.random.key(0))
       >>> tgt, memory = jnp.ones((4, 3, 8)), jnp.ones((6, 3, 8))   # [L, N, E], [S, N, E]
-      >>> layer(tgt, memory, tgt_is_causal=True).shape
+      >>> layer(tgt, memory, tgt_mask=ft.nn.Transformer.generate_square_subsequent_mask(4), tgt_is_causal=True).shape
       (4, 3, 8)
     """
 
@@ -332,6 +358,7 @@ class TransformerDecoderLayer(Layer):
         memory_is_causal: bool = False, *, key: jax.Array | None = None,
     ) -> jax.Array:
         d_model = self.linear1.weight.shape[0]
+        _decoder_hints(self, tgt_mask, memory_mask, tgt_is_causal, memory_is_causal)
         x = _batch_major(self, tgt, self.batch_first, d_model)
         mem = _batch_major(self, memory, self.batch_first, d_model)
         (n, length), source = x.shape[:2], mem.shape[1]
@@ -410,7 +437,7 @@ class TransformerEncoder(Layer):
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> make = lambda k: ft.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True, key=k)
       >>> encoder = ft.nn.TransformerEncoder(make, 2, ft.nn.LayerNorm(8), key=jax.random.key(0))
-      >>> encoder(jnp.ones((3, 5, 8)), is_causal=True).shape
+      >>> encoder(jnp.ones((3, 5, 8)), ft.nn.Transformer.generate_square_subsequent_mask(5), is_causal=True).shape
       (3, 5, 8)
       >>> ft.nn.torch_state_dict(encoder, numpy=True)["layers.1.self_attn.in_proj_weight"].shape
       (24, 8)
@@ -431,6 +458,7 @@ class TransformerEncoder(Layer):
         self, src: Any, mask: Any | None = None, src_key_padding_mask: Any | None = None,
         is_causal: bool | None = None, *, key: jax.Array | None = None,
     ) -> jax.Array:
+        _causal_needs_mask(self, "is_causal", "mask", is_causal, mask, "the source's length")
         x = self.layers(src, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=bool(is_causal),
                         key=key)
         return x if self.norm is None else self.norm(x)
@@ -447,7 +475,8 @@ class TransformerDecoder(Layer):
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> layer = ft.nn.TransformerDecoderLayer(8, 2, 16, norm_first=True, key=jax.random.key(0))
       >>> decoder = ft.nn.TransformerDecoder(layer, 2, ft.nn.LayerNorm(8))
-      >>> decoder(jnp.ones((4, 3, 8)), jnp.ones((6, 3, 8)), tgt_is_causal=True).shape
+      >>> causal = ft.nn.Transformer.generate_square_subsequent_mask(4)
+      >>> decoder(jnp.ones((4, 3, 8)), jnp.ones((6, 3, 8)), tgt_mask=causal, tgt_is_causal=True).shape
       (4, 3, 8)
     """
 
@@ -468,6 +497,7 @@ class TransformerDecoder(Layer):
         memory_key_padding_mask: Any | None = None, tgt_is_causal: bool | None = None,
         memory_is_causal: bool = False, *, key: jax.Array | None = None,
     ) -> jax.Array:
+        _decoder_hints(self, tgt_mask, memory_mask, tgt_is_causal, memory_is_causal)
         x = self.layers(tgt, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
                         tgt_key_padding_mask=tgt_key_padding_mask, memory_key_padding_mask=memory_key_padding_mask,
                         tgt_is_causal=bool(tgt_is_causal), memory_is_causal=bool(memory_is_causal), key=key)
@@ -536,6 +566,8 @@ class Transformer(Layer):
         src_is_causal: bool | None = None, tgt_is_causal: bool | None = None, memory_is_causal: bool = False,
         *, key: jax.Array | None = None,
     ) -> jax.Array:
+        _causal_needs_mask(self, "src_is_causal", "src_mask", src_is_causal, src_mask, "the source's length")
+        _decoder_hints(self, tgt_mask, memory_mask, tgt_is_causal, memory_is_causal)
         axis = 0 if self.batch_first else 1
         src, tgt = jnp.asarray(src), jnp.asarray(tgt)
         if src.ndim == 3 and jnp.ndim(tgt) == 3 and src.shape[axis] != tgt.shape[axis]:

@@ -80,11 +80,35 @@ def test_bad_value_is_refused():
     (ft.nn.ReflectionPad1D(3), 3, r"length >= 4.*too short for ReflectionPad1D's pad \(3, 3\)"),
     (ft.nn.CircularPad1D(4), 3, r"length >= 4.*wraps the axis around at most once"),
     (ft.nn.ReplicationPad1D(1), 0, r"no edge to repeat"),
-    (ft.nn.ZeroPad1D(-2), 3, r"length >= 4.*cropped to -1"),
+    (ft.nn.ZeroPad1D(-2), 3, r"length >= 4.*cropped by 4 by the negative pads of \(-2, -2\)"),
 ])
 def test_too_short_axis_is_refused(layer, size, match):
     with pytest.raises(ft.nn.LayerInputError, match=f"(?s){match}"):
         layer(jnp.ones((1, size, 2)))
+
+
+@pytest.mark.parametrize("kind", ["ZeroPad", "ConstantPad"])
+def test_over_crop_is_refused_as_torch_refuses_it(kind):
+    """torch crops (narrow) before it pads: a negative pad beyond the axis raises even where the
+    other side's pad would leave a length >= 0 ((-4, 1), (2, -4) on 3); ours padded then cropped
+    into the padding ([0, 0] for (-5, 4)). Cropping exactly all of it is torch's empty axis;
+    (-3, 3) is three fills. In 1-D, 2-D (height) and 3-D (depth)."""
+    for n in (1, 2, 3):
+        shape = (1, *(3, 2, 2)[:n], 1)
+        x = np.arange(1.0, 1.0 + np.prod(shape)).reshape(shape)
+        for lo, hi in [(-4, 1), (2, -4), (-5, 4), (-2, -2), (-3, 3), (-3, 0), (-1, -2), (-1, -1)]:
+            pads = ((lo, hi),) + ((0, 0),) * (n - 1)
+            flat = _torch_flat(pads)
+            extra = (2.0,) if kind == "ConstantPad" else ()
+            layer = getattr(ft.nn, f"{kind}{n}D")(pads if n > 1 else (lo, hi), *extra)
+            try:
+                expected = np.moveaxis(getattr(torch.nn, f"{kind}{n}d")(flat, *extra)(_channels_first(x)).numpy(), 1, -1)
+            except RuntimeError as e:
+                assert "narrow(): length must be non-negative" in str(e)
+                with pytest.raises(ft.nn.LayerInputError, match=rf"(?s)cropped by {-min(lo, 0) - min(hi, 0)} by"):
+                    layer(jnp.asarray(x))
+                continue
+            np.testing.assert_array_equal(np.asarray(layer(jnp.asarray(x))), expected, err_msg=f"{n}-D {(lo, hi)}")
 
 
 def test_missing_channel_axis_is_refused():

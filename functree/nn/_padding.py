@@ -10,7 +10,7 @@ other way, last axis first (``ZeroPad2d((left, right, top, bottom))``), so a fla
 order it would pad another axis, silently. A 1-D pad takes torch's ``(left, right)`` as it is.
 
 Modes (``jnp.pad``'s names in brackets): zeros / a constant (``lax.pad``: a negative pad
-crops, as torch's), reflection without the edge (``reflect``: ``[a b c]`` padded 2 is ``[c b a
+crops, as torch's; the crops of an axis at most its length, as torch's), reflection without the edge (``reflect``: ``[a b c]`` padded 2 is ``[c b a
 b c b a]``; each pad less than the axis), replication of the edge (``edge``) and circular
 (``wrap``; each pad at most the axis).
 """
@@ -67,8 +67,9 @@ Its {axis} ({size}) is too short for {cls}'s pad {pads}: {why} (torch raises her
     right:  ft.nn.{replicate}({padding!r})(x)     # or an input whose {axis} is >= {need}"""
 
 CROPS_ALL = """\
-Its {axis} ({size}) is cropped to {out} by the pads {pads}: an axis cannot be shorter than 0 \
-(torch raises "resulted in a negative output size").
+Its {axis} ({size}) is cropped by {crop} by the negative pads of {pads}: a crop cannot remove more \
+than the axis holds, whatever the other side pads (torch crops first and raises "narrow(): length \
+must be non-negative").
 
     wrong:  ft.nn.{cls}({padding!r})(x)     # x's {axis}: {size}
     right:  ft.nn.{cls}({padding!r})(x)     # x with {axis} >= {need}, or pads that crop less"""
@@ -176,12 +177,11 @@ class _Pad(Layer):
         lengths = jnp.shape(x)[jnp.ndim(x) - n - 1:-1]
         for axis, length, (lo, hi) in zip(names, lengths, self.padding):
             if self._mode == "constant":
-                if length + lo + hi < 0:
-                    need = -(lo + hi)
+                need = -min(lo, 0) - min(hi, 0)  # torch crops before it pads: (-4, 1) on 3 is refused, not [0, 0]
+                if length < need:
                     raise LayerInputError(self, f"{pattern} with {axis} >= {need}", short_array(x),
-                                          CROPS_ALL.format(axis=axis, size=length, out=length + lo + hi,
-                                                           pads=(lo, hi), cls=name, padding=_show(self.padding),
-                                                           need=need))
+                                          CROPS_ALL.format(axis=axis, size=length, crop=need, pads=(lo, hi), cls=name,
+                                                           padding=_show(self.padding), need=need))
                 continue
             _, fits, need, why = _MODES[self._mode]
             if not fits(length, lo, hi):

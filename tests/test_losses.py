@@ -30,7 +30,7 @@ REGRESSION = [
     (ft.losses.mean_squared_logarithmic_error,
      lambda p, e: (np.log1p(np.maximum(p, 0)) - np.log1p(np.maximum(e, 0))) ** 2, "mean"),
     (ft.losses.mean_absolute_percentage_error,
-     lambda p, e: 100 * np.abs((e - p) / np.maximum(np.abs(e), np.finfo(np.float32).eps)), "mean"),
+     lambda p, e: 100 * np.abs((e - p) / np.maximum(np.abs(e), 1e-7)), "mean"),
     (ft.losses.log_cosh, lambda p, e: np.log(np.cosh(p - e)), "mean"),
     (ft.losses.hinge, lambda p, e: np.maximum(0, 1 - e * p), "mean"),
     (ft.losses.squared_hinge, lambda p, e: np.maximum(0, 1 - e * p) ** 2, "mean"),
@@ -44,6 +44,21 @@ def test_regression_losses_and_reductions(loss, elementwise, default):
     np.testing.assert_allclose(loss(P, E, reduction="sum"), values.sum(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss(P, E, reduction="mean"), values.mean(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss(P, E), getattr(values, default)(), rtol=1e-5, atol=1e-6)
+
+
+def test_mean_absolute_percentage_error_is_keras_at_the_floor_and_at_a_zero_error():
+    """Keras 3.15's definition, 100 * mean(|t - p| / max(|t|, 1e-7)): its epsilon() 1e-7 in
+    float64 too (ours floored at finfo's eps, 2.2e-16: 9.0e8 here; the formula 18.2, Keras's
+    JAX backend 18.200001120567322, its terms rounded through float32: 6.2e-8 apart); the
+    gradient at a zero error (entry 2) 0, as mean_absolute_error's (it was -10, jnp.abs's 1)."""
+    t, p = np.array([1e-9, 0.0, 2.0, -3e-8, 5e-8]), np.array([0.0, 1e-8, 2.0, 0.0, 1e-7])
+    with jax.enable_x64(True):
+        value, grad = jax.value_and_grad(ft.losses.mean_absolute_percentage_error)(p, t)
+    np.testing.assert_allclose(value, 100 * np.mean(np.abs(t - p) / np.maximum(np.abs(t), 1e-7)), rtol=1e-15)
+    np.testing.assert_allclose(value, 18.200001120567322, rtol=1e-7)  # keras.losses.mean_absolute_percentage_error
+    np.testing.assert_allclose(grad, [-2e8, 2e8, 0.0, 2e8, 2e8], rtol=1e-15)  # Keras's but 0 at the zero error
+    value32 = ft.losses.mean_absolute_percentage_error(p.astype(np.float32), t.astype(np.float32))
+    np.testing.assert_allclose(value32, 18.199999, rtol=1e-6)  # Keras's in float32: the same floor
 
 
 def test_poisson():

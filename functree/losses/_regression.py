@@ -180,7 +180,9 @@ def mean_squared_logarithmic_error(predicted: Any, expected: Any, *, reduction: 
 
 
 def mean_absolute_percentage_error(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
-    """``100 * mean(|(expected - predicted) / expected|)`` (``|expected|`` floored at machine epsilon).
+    """Keras's ``100 * mean(|expected - predicted| / max(|expected|, 1e-7))`` (``1e-7``:
+    Keras's ``epsilon()``, in every dtype). The gradient at a zero error is 0 (``sign(0)``, as
+    :func:`mean_absolute_error`'s and Keras's on TensorFlow or torch; ``jnp.abs``'s would be 1).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -247,8 +249,8 @@ def _squared_log_error(predicted: jax.Array, expected: jax.Array) -> jax.Array:
 
 
 def _percentage_error(predicted: jax.Array, expected: jax.Array) -> jax.Array:
-    eps = jnp.finfo(predicted.dtype).eps
-    return 100 * jnp.abs((expected - predicted) / jnp.maximum(jnp.abs(expected), eps))
+    floor = jnp.asarray(1e-7, predicted.dtype)  # Keras's backend.epsilon(), in every dtype (not finfo's eps)
+    return 100 * _signed_absolute(predicted, expected) / jnp.maximum(jnp.abs(expected), floor)  # 0 grad at 0 error
 
 
 def _poisson(predicted: jax.Array, expected: jax.Array) -> jax.Array:

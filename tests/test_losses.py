@@ -61,6 +61,22 @@ def test_mean_absolute_percentage_error_is_keras_at_the_floor_and_at_a_zero_erro
     np.testing.assert_allclose(value32, 18.199999, rtol=1e-6)  # Keras's in float32: the same floor
 
 
+def test_hinge_gradients_at_the_kink_are_tfs():
+    """Keras's hinge losses are tf.maximum(z, 0), whose gradient goes to z where z >= 0 (TF's
+    _MaximumGrad, greater_equal): at a margin met exactly, d hinge/dp = -y / n (relu's 0 here
+    before); squared_hinge's 0 there; categorical_hinge's -1 on the true class and +1 on the
+    largest wrong one (split between tied ones)."""
+    p, y = np.array([1.0, -1.0, 0.5, 2.0]), np.array([1.0, -1.0, 1.0, 1.0])  # entries 0, 1 at the kink
+    with jax.enable_x64(True):
+        grad = jax.grad(ft.losses.hinge)(p, y)
+        squared = jax.grad(ft.losses.squared_hinge)(p, y)
+        scores = np.array([[1.5, 0.5, -1.0], [2.0, 1.0, 1.0]])  # margins 1 + 0.5 - 1.5, 1 + 1 - 2: at the kink
+        categorical = jax.grad(ft.losses.categorical_hinge)(scores, np.array([[1.0, 0.0, 0.0]] * 2))
+    np.testing.assert_array_equal(grad, [-0.25, 0.25, -0.25, 0.0])
+    np.testing.assert_array_equal(squared, [0.0, 0.0, -0.25, 0.0])  # 2 * 0.5 * -1 / 4 at entry 2
+    np.testing.assert_array_equal(categorical, [[-0.5, 0.5, 0.0], [-0.5, 0.25, 0.25]])
+
+
 def test_poisson():
     rates, counts = np.abs(P) + 0.1, np.round(np.abs(E) * 3)
     values = rates - counts * np.log(rates)

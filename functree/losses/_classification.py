@@ -17,6 +17,7 @@ import optax
 
 from functree._repr import short_array
 from functree.losses._checks import element_weight
+from functree.losses._hinge import clamp_min_zero
 from functree.losses._reduction import (
     check_float,
     check_reduction,
@@ -570,6 +571,11 @@ def _check_signed_labels(loss: str, expected: Any, term: str) -> None:
 def hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
     """``mean(max(0, 1 - expected * predicted))`` for labels in {-1, 1}, elementwise.
 
+    At the kink (``expected * predicted = 1``) the derivative is ``-expected``: TF's, on which
+    Keras's ``maximum(1 - y * p, 0)`` runs (``tf.maximum``'s gradient goes to its first
+    argument where they are equal), and torch's ``clamp_min``'s; a margin met exactly still
+    learns (``jax.nn.relu``'s 0 there would not; Keras on JAX splits it, ``-expected / 2``).
+
     Concrete 0/1 labels (all 0 or 1, some 0) raise :data:`ZERO_ONE_LABELS`: their 0s would
     each add a constant 1, silently; give ``2 * labels - 1``. Traced labels are not checked.
 
@@ -587,7 +593,8 @@ def squared_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
     """``mean(max(0, 1 - expected * predicted)^2)`` for labels in {-1, 1}, elementwise.
 
     Concrete 0/1 labels raise :data:`ZERO_ONE_LABELS`, as :func:`hinge`'s (traced ones are
-    not checked): give ``2 * labels - 1``.
+    not checked): give ``2 * labels - 1``. The derivative at the kink is 0 (``2 max(0, z)``
+    is 0 there, whatever convention the ``max`` takes).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -601,7 +608,9 @@ def squared_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> 
 
 def categorical_hinge(predicted: Any, expected: Any, *, reduction: str = "mean") -> jax.Array:
     """``max(0, 1 + max_c((1 - expected) * predicted) - sum_c(expected * predicted))`` per
-    example, for one-hot ``expected`` over the last axis.
+    example, for one-hot ``expected`` over the last axis (Keras's). At the kink (the margin
+    met exactly) the outer ``max(0, .)`` passes the gradient, as TF's ``tf.maximum`` (see
+    :func:`hinge`); tied largest wrong scores share it equally, as TF's ``reduce_max``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -613,15 +622,18 @@ def categorical_hinge(predicted: Any, expected: Any, *, reduction: str = "mean")
 
 
 # The hinge losses' terms (module-level: each keys its compiled program; see reduced).
+# Keras's max(z, 0) is tf.maximum(z, 0), whose gradient goes to z where z >= 0 (TF's
+# _MaximumGrad: greater_equal): at the kink z = 0 the derivative is 1, torch's clamp_min's
+# too (relu's is 0). squared_hinge's derivative there is 0 whichever (2 max(z, 0)).
 def _hinge_terms(predicted: jax.Array, expected: jax.Array) -> jax.Array:
-    return jax.nn.relu(1 - expected * predicted)
+    return clamp_min_zero(1 - expected * predicted)
 
 
 def _squared_hinge_terms(predicted: jax.Array, expected: jax.Array) -> jax.Array:
-    return jnp.square(jax.nn.relu(1 - expected * predicted))
+    return jnp.square(clamp_min_zero(1 - expected * predicted))
 
 
 def _categorical_hinge_terms(predicted: jax.Array, expected: jax.Array) -> jax.Array:
     positive = jnp.sum(expected * predicted, axis=-1)
-    negative = jnp.max((1 - expected) * predicted, axis=-1)
-    return jax.nn.relu(1 + negative - positive)
+    negative = jnp.max((1 - expected) * predicted, axis=-1)  # tied maxima share the gradient, as TF's reduce_max
+    return clamp_min_zero(1 + negative - positive)

@@ -207,7 +207,8 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attenti
      ("query_key_value",)),
     (lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
                                     ffn_dim=2 * D, bos_token_id=0, eos_token_id=0, pad_token_id=1), ()),
-], ids=["qwen2", "gemma", "phi3", "gpt_neox", "opt"])
+    (lambda: gemma3_config(), ()),
+], ids=["qwen2", "gemma", "phi3", "gpt_neox", "opt", "gemma3_text"])
 def test_every_dense_layer_finds_its_hf_module(config, fused):
     """Each Dense member of a from_hf model (abstract: no weights) names its own torch.nn.Linear
     of the Hugging Face model, or a fused one shared with its siblings (which save_lora refuses)."""
@@ -238,6 +239,16 @@ def neox_hf():
     return randomized(lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * D,
         rotary_pct=0.5, bos_token_id=0, eos_token_id=0)))
+
+
+def gemma3_config():
+    """Gemma 3's text config: layers sliding (window 3), full; local rope base 100, global 1000."""
+    return transformers.Gemma3TextConfig(**DECODER, head_dim=8, sliding_window=3, sliding_window_pattern=2,
+                                         query_pre_attn_scalar=6, rope_local_base_freq=100.0, rope_theta=1000.0)
+
+
+def gemma3_hf():
+    return randomized(lambda: transformers.Gemma3ForCausalLM(gemma3_config()))
 
 
 def phi3_hf():
@@ -332,7 +343,7 @@ def test_a_block_form_without_the_record_splits_where_b_shows_the_blocks(tmp_pat
     np.testing.assert_array_equal(ft.get(loaded, name), ft.get(model, name))
 
 
-@pytest.mark.parametrize("make_hf", [llama, gpt2_hf], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("make_hf", [llama, gpt2_hf, gemma3_hf], ids=["llama", "gpt2", "gemma3_text"])
 def test_all_linear_adapts_what_peft_adapts(make_hf, tmp_path):
     """PEFT's "all-linear": every Linear / Conv1D but the output head (GPT-2's fused c_attn
     included); saved, the config lists the same modules PEFT's would."""

@@ -50,13 +50,21 @@ def fuzz(n):
 
 @functools.cache
 def lm(family):
-    """The HF model and its port: EOS 2, pad 0, 48 tokens, width 32, 1 layer."""
+    """The HF model and its port: EOS 2, pad 0, 48 tokens, width 32, 1 layer (Gemma 3: 2)."""
     if family == "llama":
         config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                           max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS,
                                           bos_token_id=1)
         make = transformers.LlamaForCausalLM
+    elif family == "gemma3_text":  # layer 0 sliding (window 3), layer 1 full; local rope base 100, global 1000
+        config = transformers.Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               head_dim=8, max_position_embeddings=64, sliding_window=3,
+                                               sliding_window_pattern=2, query_pre_attn_scalar=6,
+                                               final_logit_softcapping=10.0, rope_local_base_freq=100.0,
+                                               rope_theta=1000.0, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1)
+        make = transformers.Gemma3ForCausalLM
     else:
         config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
                                          pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1)
@@ -331,6 +339,25 @@ def test_sampled_scores_are_hf_processed_log_probabilities(data):
     DRAWS["sampled"] += 1
     DRAWS["sampled pairs"] += compared_sampled(family, ids, mask, new, options, data.draw(st.integers(0, 2**16)))
 
+
+
+WINDOW_PROMPT = np.array([[0, 0, 17, 5, 30, 9], [11, 40, 23, 8, 14, 33]])  # 4 and 6 real tokens
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_gemma3_text_past_its_window_equals_hf(sampled):
+    """Gemma 3's text model (layer 0 sliding, window 3; layer 1 full; a rope base per layer
+    type) on prompts of 4 (left-padded) and 6 real tokens and 6 new ones, each step past the
+    window: greedy tokens and scores equal HF's generate, sampled ones (temperature, top-k,
+    top-p) lie in HF's kept set with HF's log-probabilities; every (row, step) compared."""
+    mask = (np.arange(WIDTH) >= [[2], [0]]).astype(np.int64)
+    options = {"eos_token_id": [], "repetition_penalty": 1.3}
+    if sampled:
+        compared = compared_sampled("gemma3_text", WINDOW_PROMPT, mask, 6,
+                                    {**options, "temperature": 1.5, "top_k": 12, "top_p": 0.9}, 3)
+    else:
+        compared = compared_greedy("gemma3_text", WINDOW_PROMPT, mask, 6, options)
+    assert compared == 12
 
 
 def lengths(new_tokens, options):

@@ -10,7 +10,10 @@ at the margin (torch's ``clamp_min`` passes it, relu's was 0), L1's at a zero er
 0, was 1), cosine_embedding's eps (torch's is the float 1e-12), triplet_margin's margin <= 0
 (torch refuses it), ``pairwise_distance(p=0)`` (a bare ZeroDivisionError) and its gradient
 for ``p < 1`` at a zero component (NaN, torch's 0), a float16 and a float32 Transformer mask
-summed in float16, PReLU's one slope turning a scalar input into ``[1]``.
+summed in float16, PReLU's one slope turning a scalar input into ``[1]``. Added after the
+next audit (each would have been caught here): EmbeddingBag's short last offset with
+include_last_offset=True (refused; torch reads the last bag to the end) and zero pads
+cropping past the axis ([0, 0] here; torch refuses).
 """
 
 import functools
@@ -288,3 +291,38 @@ def test_pads_pools_and_folds_are_torchs_at_their_edges(case):
             return
         got = ours(x)
     _close(got, expected)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(st.data())
+def test_embedding_bag_offsets_are_torchs(data):
+    """1-D indices with offsets, include_last_offset either way (its last entry anywhere from
+    the previous one to len(indices): torch reads the last bag to the end), empty bags, every
+    mode, per_sample_weights with "sum": the output and the gradients of the table and the
+    weights. Rows drawn apart (no tie for "max", where torch's and ours would pick apart)."""
+    mode = data.draw(st.sampled_from(["sum", "mean", "max"]))
+    last = data.draw(st.booleans())
+    n = data.draw(st.integers(0 if not last else 1, 7))
+    indices = np.array(data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)), np.int64)
+    starts = sorted(data.draw(st.lists(st.integers(0, n), min_size=1, max_size=4)))
+    offsets = np.array([0, *starts[1:]] + ([data.draw(st.integers(starts[-1], n))] if last else []), np.int64)
+    weights = _grid(data.draw, (n,)) if mode == "sum" and data.draw(st.booleans()) else None
+    table = np.random.default_rng(n).standard_normal((6, 3))
+    module = torch.nn.EmbeddingBag(6, 3, mode=mode, include_last_offset=last, dtype=torch.float64)
+    with torch.no_grad():
+        module.weight.copy_(torch.from_numpy(table))
+    tweights = None if weights is None else torch.tensor(weights, requires_grad=True)
+    out = module(torch.from_numpy(indices), torch.from_numpy(offsets), tweights)
+    out.sum().backward()
+    with jax.enable_x64(True):
+        layer = ft.nn.EmbeddingBag(6, 3, mode, key=jax.random.key(0), dtype=jnp.float64, include_last_offset=last)
+        layer = layer.replace(embeddings=jnp.asarray(table))
+        def run(m, w):  # one program an example (op by op: a compile per operation)
+            out = m(indices, offsets, w)
+            return out.sum(), out
+
+        (_, ours), (grad, grad_weights) = jax.jit(jax.value_and_grad(run, argnums=(0, 1), has_aux=True))(layer, weights)
+    _close(ours, out.detach().numpy())
+    _close(grad.embeddings, module.weight.grad.numpy())
+    if tweights is not None:
+        _close(grad_weights, tweights.grad.numpy())

@@ -5,7 +5,7 @@ modeling code read (sizes, grouped-query heads, ``head_dim`` other than ``d / he
 tied heads, activations, norm epsilons, rope types and their fields, partial rotary,
 sliding windows and layer types (mixed sliding and full layers too: Qwen2, Qwen3), OLMo's ``clip_qkv``,
 Qwen3's and OLMo2's q/k norms (built by every draw of theirs), Gemma 2's soft-caps, query scalar and
-sandwich norms, GPT-2's
+sandwich norms, Gemma 3's sliding-window pattern and rope per layer type, GPT-2's
 attention scalings, OPT's projections and post-norm blocks, BERT's
 segments, pad ids, the file's dtype). HF's model is built from it (``torch.manual_seed``,
 weights moved off HF's small initialization so biases and norms are not zeros and ones),
@@ -92,7 +92,7 @@ def _rope(draw, head_dim, max_positions, kinds=ROPE_KINDS):
 
 @st.composite
 def llama_like(draw, model_type):
-    """A Llama-family config: llama, qwen2, mistral, gemma, phi3, olmo, qwen3, olmo2, gemma2."""
+    """A Llama-family config: llama, qwen2, mistral, gemma, phi3, olmo, qwen3, olmo2, gemma2, gemma3_text."""
     heads = draw(st.sampled_from((1, 2, 4)))
     kv = draw(st.sampled_from([k for k in (1, 2, 4) if heads % k == 0]))
     d = draw(st.sampled_from((8, 16, 24, 32)))
@@ -153,9 +153,41 @@ def llama_like(draw, model_type):
         if draw(st.booleans()):
             c["layer_types"] = [draw(st.sampled_from(("full_attention", "sliding_attention")))
                                 for _ in range(c["num_hidden_layers"])]
+    if model_type == "gemma3_text":
+        _gemma3(draw, c, rotary_dim)
     if draw(st.integers(0, 12)) == 0:
         c["is_causal"] = draw(st.booleans())
     return c
+
+
+def _gemma3(draw, c, rotary_dim):
+    """Gemma 3's text keys on a drawn Llama-like config ``c``: its activation's key, the query
+    scalar, the final cap (the attention cap, which HF's Gemma 3 does not apply, drawn too),
+    sliding windows in a pattern (``sliding_window_pattern``, HF's default 6, or
+    ``layer_types``) and a rope per layer type: ``rope_parameters`` keyed by layer type, or an
+    older file's ``rope_theta`` / ``rope_scaling`` (the full layers') and ``rope_local_base_freq``."""
+    c["hidden_activation"] = c.pop("hidden_act")
+    c["query_pre_attn_scalar"] = draw(st.sampled_from((rotary_dim, 3, 16, 256)))
+    c["final_logit_softcapping"] = draw(st.sampled_from((None, 1.0, 30.0)))
+    if draw(st.booleans()):
+        c["attn_logit_softcapping"] = draw(st.sampled_from((None, 0.5, 50.0)))
+    # 3 layers at most, as Gemma 2's (the tolerance's measured depth): 4 sliding layers with a
+    # scalar of 3 and quick_gelu measured 4.1e-5 of the scale against HF's float32 (float32 rounding
+    # grown with depth: 2 layers, gelu or a scalar of 16 each bring it to 4e-6 or less)
+    c["num_hidden_layers"] = draw(st.integers(1, 3))
+    c["sliding_window"] = draw(st.sampled_from((2, 3, 5, 64)))
+    if draw(st.booleans()):
+        c["sliding_window_pattern"] = draw(st.sampled_from((1, 2, 3, 6)))  # 6: every layer here slides
+    elif draw(st.booleans()):
+        c["layer_types"] = [draw(st.sampled_from(("full_attention", "sliding_attention")))
+                            for _ in range(c["num_hidden_layers"])]
+    full = c.pop("rope_parameters", None)
+    if full is not None or ("rope_theta" not in c and draw(st.booleans())):  # new format: a dict per layer type
+        local = _rope(draw, rotary_dim, c["max_position_embeddings"], ("default", "linear"))
+        c["rope_parameters"] = {"full_attention": full or {"rope_type": "default", "rope_theta": 1000.0},
+                                "sliding_attention": local}
+    elif draw(st.booleans()):
+        c["rope_local_base_freq"] = draw(st.sampled_from((100.0, 10000.0)))
 
 
 @st.composite
@@ -331,7 +363,7 @@ def _port(directory, values):
 
 STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "opt": opt, "bert": bert,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
-                                                          "olmo2", "gemma2")}}
+                                                          "olmo2", "gemma2", "gemma3_text")}}
 
 
 # One HF build, one save, one from_hf and one call per draw (about 1.5 CPU-s): 6 draws in CI,

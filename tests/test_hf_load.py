@@ -1209,3 +1209,24 @@ def test_the_same_config_builds_again_without_a_trace_or_a_compile():
         np.testing.assert_array_equal(a, b)
     bf16 = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(0), dtype=jnp.bfloat16)
     assert {a.dtype for a in jax.tree.leaves(bf16)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_opt_padding_tokens_take_hfs_position_in_the_causal_lm():
+    """OPT's forward puts a padding token at ``cumsum(mask) * mask - 1`` (its table's row 1):
+    a right-padded row's every logit, padding too, is HF's (was the last real token's position:
+    0.14 off), as its task models' (a question-answering loss reads them). float64: measured
+    5.6e-17 of the logits' scale; a left-padded row's padding queries see no key (the attention's
+    convention, not positions') and are compared at its real tokens only."""
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=24, hidden_size=16, ffn_dim=32, num_hidden_layers=1,
+                                    num_attention_heads=4, max_position_embeddings=16, pad_token_id=1)
+    hf = transformers.OPTForCausalLM(config).double().eval()
+    ids = np.array([[5, 6, 7, 1, 1], [1, 1, 8, 9, 10]])
+    mask = (ids != 1).astype(np.int64)
+    with torch.no_grad():
+        expected = hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    with jax.enable_x64(True):
+        logits = np.asarray(ft.nn.from_hf(hf, dtype=jnp.float64)(ids, mask))
+    atol = 1e-12 * float(np.abs(expected).max())
+    np.testing.assert_allclose(logits[0], expected[0], rtol=0, atol=atol)
+    np.testing.assert_allclose(logits[1, 2:], expected[1, 2:], rtol=0, atol=atol)

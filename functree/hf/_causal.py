@@ -249,7 +249,8 @@ def padding_mask(model: Any, ids: jax.Array, attention_mask: Any, cached: bool) 
 
 
 def _positions(model: Any, ids: jax.Array, mask: jax.Array | None, positions: Any, cached: bool) -> jax.Array:
-    """Given positions (checked), else ``cumsum(mask) - 1`` (Hugging Face's for left padding), else ``0..T-1``."""
+    """Given positions (checked), else ``cumsum(mask) - 1`` (Hugging Face's for left padding;
+    a padding token at the family's ``padding_position``, else its row's count), else ``0..T-1``."""
     if positions is not None:
         pos = jnp.asarray(positions)
         try:
@@ -264,7 +265,9 @@ def _positions(model: Any, ids: jax.Array, mask: jax.Array | None, positions: An
         raise ValueError(NEEDS_POSITIONS.format(model=type(model).__name__))
     if mask is None:
         return jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+    counted = jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1
+    padding = getattr(model, "padding_position", None)
+    return jnp.maximum(counted, 0) if padding is None else jnp.where(mask, counted, padding)
 
 
 def _real_positions(pos: jax.Array, mask: jax.Array | None, cached: bool) -> jax.Array:
@@ -449,6 +452,9 @@ class CausalLM(HFModel):
     # generate's protocol: the positions (learned ones: max_positions) count each row's real
     # tokens, so a left-padded prompt's padding takes none of the table (HF's cumsum(mask) - 1)
     positions_count_real_tokens: ClassVar[bool] = True
+    # an uncached call's padding token's position (a mask, no positions): None, its row's real
+    # tokens before it; OPT's forward puts it at -1 (HF's cumsum(mask) * mask - 1: its own table row)
+    padding_position: ClassVar[int | None] = None
 
     def _tokens(self) -> Embedding:
         """The token embedding (the vocabulary; a tied head's weight)."""

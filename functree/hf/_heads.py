@@ -258,8 +258,8 @@ class TaskModel(HFModel):
         body._check_call(input_ids, None)
         ids = check_ids(self, input_ids)
         # HF's forward without position_ids: 0..T-1 in every row, left padding too (GPT-2's
-        # learned table reads them; OPT's alone counts each row's real tokens)
-        positions = _counted(ids, attention_mask) if self.body_class.model_type in _COUNTED_POSITIONS else \
+        # learned table reads them); OPT's counts each row's real tokens, as its causal LM's call
+        positions = None if self.body_class.model_type in _COUNTED_POSITIONS else \
             jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
         tokens = body._tokens()
         return _run(body, ids, attention_mask, positions, None, vocab=tokens.embeddings.shape[0],
@@ -294,18 +294,6 @@ class TaskModel(HFModel):
 
     def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
         raise NotImplementedError
-
-
-def _counted(ids: jax.Array, attention_mask: Any) -> jax.Array | None:
-    """OPT's positions as its forward makes them, ``cumsum(mask) * mask - 1``: a padding
-    token at -1 (row 1 of the table), where _run's ``cumsum(mask) - 1`` gives it its
-    neighbour's (a right padding token's logits 0.12 off HF's, which a question-answering
-    loss reads: its softmax runs over every token). A mask not shaped as the ids: None (the
-    call refuses it, naming the mask)."""
-    if attention_mask is None or np.shape(attention_mask) != ids.shape:
-        return None
-    mask = jnp.asarray(attention_mask).astype(jnp.int32)
-    return jnp.cumsum(mask, axis=-1) * mask - 1
 
 
 def _swapped(name: str, old: str, new: str) -> str:

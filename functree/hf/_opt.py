@@ -113,7 +113,8 @@ OPT_OFFSET = 2  # OPT's learned positions start at row 2 of embed_positions
 class OPTForCausalLM(CausalLM):
     """Hugging Face's ``OPTForCausalLM`` as a functree model (built by :func:`ft.nn.from_hf`).
 
-    Learned positions (``cumsum(attention_mask) - 1``, row ``p + 2``; more than
+    Learned positions (``cumsum(attention_mask) - 1``, row ``p + 2``; a padding token at
+    -1, row 1, as HF's forward; more than
     ``max_position_embeddings`` tokens raise), pre-norm blocks (:class:`OPTDecoderLayer`;
     post-norm with ``pre_norm=False``: ``do_layer_norm_before: false``, OPT-350m, which has no
     final layer norm), a head tied to ``embed_tokens`` (``lm_head`` None) or not;
@@ -131,6 +132,7 @@ class OPTForCausalLM(CausalLM):
     hf_layouts: ClassVar[dict[str, Any]] = {
         "model.decoder.layers.*.self_attn": ("q_proj", "k_proj", "v_proj", "out_proj")}
     rotates = False
+    padding_position = -1  # HF's cumsum(mask) * mask - 1: a padding token reads row 1 of embed_positions
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *,
                  activation: Any, use_bias: bool = True, tied: bool = True, key: jax.Array, dtype: Any = jnp.float32,

@@ -545,6 +545,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
         "layer_types": Derived(None, _gemma3_layer_types), "final_logit_softcapping": None,
         "attn_logit_softcapping": None, "use_bidirectional_attention": False},
+    # GraniteConfig: Llama's fields but pretraining_tp and head_dim (its attention reads hidden / heads), four multipliers
+    "granite": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": KV_HEADS, "hidden_act": "silu", "max_position_embeddings": 2048,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": None, "bos_token_id": 1,
+        "eos_token_id": 2, "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False,
+        "attention_dropout": 0.0, "mlp_bias": False, "embedding_multiplier": 1.0, "logits_scaling": 1.0,
+        "residual_multiplier": 1.0, "attention_multiplier": 1.0},
 }
 # GPT-2's standard names for its own fields (its config class's attribute_map).
 ALIASES: dict[str, dict[str, str]] = {

@@ -59,6 +59,9 @@ CONFIGS = {
             {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "hidden_size": 64, "num_attention_heads": 4},  # OPT-350m's
             {"_remove_final_layer_norm": True, "word_embed_proj_dim": 64, "layer_norm_elementwise_affine": False}],
     "bert": [{}, {"hidden_act": "relu", "type_vocab_size": 1}],
+    "roberta": [{}, {"type_vocab_size": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5}],  # roberta-base's
+    "xlm-roberta": [{}, {"vocab_size": 250002, "type_vocab_size": 1, "max_position_embeddings": 514,
+                         "layer_norm_eps": 1e-5}],
     "olmo": [{}, {"num_key_value_heads": None, "hidden_size": 64, "num_attention_heads": 4, "attention_bias": True,
                   "tie_word_embeddings": True, "rope_theta": 5e5},
              {"clip_qkv": 8.0}],
@@ -79,6 +82,11 @@ CONFIGS = {
                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                          "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
                      "attention_bias": True, "attn_logit_softcapping": 50.0, "sliding_window_pattern": 2}],
+    # granite-3.0-8b-base's multipliers; integer multipliers (GraniteConfig's float | int), a tied head
+    "granite": [{}, {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                     "logits_scaling": 16.0, "num_key_value_heads": 8, "rope_theta": 1e7},
+                {"embedding_multiplier": 2, "logits_scaling": 3, "tie_word_embeddings": True, "attention_bias": True,
+                 "mlp_bias": True}],
 }
 CASES = [(model_type, i) for model_type, configs in CONFIGS.items() for i in range(len(configs))]
 

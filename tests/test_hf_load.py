@@ -518,6 +518,9 @@ FAMILIES = {
     "gemma3_text": lambda: transformers.Gemma3TextConfig(**DECODER, head_dim=8, sliding_window=WINDOW,
                                                          sliding_window_pattern=2, query_pre_attn_scalar=6,
                                                          rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    # every multiplier away from 1 (embedding, residual, attention logits, final logits)
+    "granite": lambda: transformers.GraniteConfig(**DECODER, embedding_multiplier=3.0, residual_multiplier=0.3,
+                                                  attention_multiplier=0.3, logits_scaling=2.5),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * D,
         max_position_embeddings=32, rotary_pct=0.5, bos_token_id=0, eos_token_id=0),

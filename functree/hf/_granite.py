@@ -162,11 +162,9 @@ def _multiplier(config: Any, option: str) -> float:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if number and math.isfinite(value) and not (option == "logits_scaling" and value == 0):
         return float(value)
-    if not number:
-        why, outcome = "a multiplier is a number.", "no model (its config refuses the type)"
-    elif option == "logits_scaling" and value == 0:
+    if number and option == "logits_scaling" and value == 0:
         why, outcome = "the logits are divided by it, so it must not be 0.", "infinite or NaN logits (x / 0)"
-    else:
-        why, outcome = "it must be a finite number.", "infinite or NaN logits"
+    else:  # (a config.json's string or null is refused by its reader first, as HF's config class does)
+        why, outcome = "it must be a finite number.", "infinite or NaN logits" if number else "no model"
     raise ValueError(MULTIPLIER.format(option=option, value=value, why=why, outcome=outcome, example=example,
                                        value_json=json.dumps(value, default=str), default=default))

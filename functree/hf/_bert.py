@@ -146,12 +146,8 @@ class BertModel(HFModel):
                  key: jax.Array | None = None) -> jax.Array:
         e = self.embeddings
         ids = check_ids(self, input_ids, e.word_embeddings.embeddings.shape[0])
-        check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
+        x = self._embed(ids, token_type_ids)
         mask = padding_mask(self, ids, attention_mask, False)
-        types = _token_types(self, ids, token_type_ids, e.token_type_embeddings.embeddings.shape[0])
-        pad = padding_row(self, e.word_embeddings.embeddings.shape[0])
-        x = (lookup_rows(e.word_embeddings, ids, pad) + e.position_embeddings(jnp.arange(ids.shape[1]))
-             + lookup_rows(e.token_type_embeddings, types))
         x = e.LayerNorm(x)
         extra: dict[str, Any] = {} if mask is None else {"mask": mask[:, None, None, :]}
         dropping = top_keys(self.encoder.layer, key)
@@ -160,6 +156,16 @@ class BertModel(HFModel):
             if dropping[2] is not None:
                 extra["key"] = dropping[2]
         return self.encoder.layer(x, **extra)
+
+    def _embed(self, ids: jax.Array, token_type_ids: Any) -> jax.Array:
+        """The embeddings' sum before their LayerNorm: word, position ``0..T-1`` and segment
+        rows (RoBERTa's positions: :meth:`functree.hf._roberta.RobertaModel._embed`)."""
+        e = self.embeddings
+        check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
+        types = _token_types(self, ids, token_type_ids, e.token_type_embeddings.embeddings.shape[0])
+        pad = padding_row(self, e.word_embeddings.embeddings.shape[0])
+        return (lookup_rows(e.word_embeddings, ids, pad) + e.position_embeddings(jnp.arange(ids.shape[1]))
+                + lookup_rows(e.token_type_embeddings, types))
 
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:

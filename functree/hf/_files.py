@@ -151,7 +151,7 @@ refuses this config ("embed_dim must be divisible by num_heads"), so no checkpoi
 """
 
 # The families whose HF attention splits the hidden size into equal heads (no head_dim of its own).
-EQUAL_HEADS = ("gpt2", "opt", "bert", "gpt_neox")
+EQUAL_HEADS = ("gpt2", "opt", "bert", "gpt_neox", "roberta", "xlm-roberta")
 
 ROPE_VALUE = """\
 ft.nn.from_hf: the {model_type} config's {key} (at its top level or in rope_parameters / \
@@ -508,6 +508,18 @@ DEFAULTS: dict[str, dict[str, Any]] = {
              "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 0, "use_cache": True,
              "classifier_dropout": None, "is_decoder": False, "add_cross_attention": False, "bos_token_id": None,
              "eos_token_id": None, "tie_word_embeddings": True},
+    "roberta": {"vocab_size": 50265, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                "intermediate_size": 3072, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+                "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+                "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 1, "bos_token_id": 0,
+                "eos_token_id": 2, "use_cache": True, "classifier_dropout": None, "is_decoder": False,
+                "add_cross_attention": False, "tie_word_embeddings": True},
+    "xlm-roberta": {"vocab_size": 30522, "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
+                    "intermediate_size": 3072, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+                    "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+                    "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 1, "bos_token_id": 0,
+                    "eos_token_id": 2, "use_cache": True, "classifier_dropout": None, "is_decoder": False,
+                    "add_cross_attention": False, "tie_word_embeddings": True},
     "gpt2": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
              "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
              "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "summary_type": "cls_index",

@@ -900,12 +900,12 @@ HEADS: dict[str, Mapping[str, type[TaskModel]]] = {
              "ForMaskedLM": MaskedLM, "ForQuestionAnswering": QuestionAnswering},
 }
 # HF's module name of a token classifier where it is not the generic class's "score".
-_CLASSIFIER_NAMED = ("gpt2", "gpt_neox", "bert")
+_CLASSIFIER_NAMED = ("gpt2", "gpt_neox", "bert", "roberta", "xlm-roberta")
 # The families whose HF forward counts each row's real tokens for positions (OPT's
 # cumsum(attention_mask) - 1); the others take 0..T-1 whatever the mask.
 _COUNTED_POSITIONS = ("opt",)
 # HF's base_model_prefix of an encoder family (a decoder's causal LM names its body already).
-_BODY_PREFIX = {"bert": "bert."}
+_BODY_PREFIX = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta."}
 # (head, model type) -> HF's attribute of the body where it is not the causal LM's: transformers
 # 5.24's Llama, Qwen2, Ministral and Qwen3 QA classes keep base_model_prefix "transformer" (their
 # older checkpoints' name; Mistral's is "model").
@@ -961,16 +961,22 @@ def task_class(head: type[TaskModel], family: type[HFModel]) -> type[TaskModel]:
     return cls  # type: ignore[return-value]
 
 
-def _register_all() -> None:
+def register_heads(model_type: str) -> None:
+    """Make and register the class of each of ``HEADS[model_type]``'s heads on the family
+    (:data:`TASKS`, and this module's attribute: pickles and checkpoints name it here)."""
     module = sys.modules[__name__]
-    for model_type, heads in HEADS.items():
-        family = FAMILIES.get(model_type)
-        if family is None:
-            continue
-        for head in heads.values():
-            cls = task_class(head, family)
-            TASKS[cls.hf_class] = cls
-            setattr(module, cls.__name__, cls)  # pickles and checkpoints name it here
+    family = FAMILIES.get(model_type)
+    if family is None:
+        return
+    for head in HEADS[model_type].values():
+        cls = task_class(head, family)
+        TASKS[cls.hf_class] = cls
+        setattr(module, cls.__name__, cls)
 
 
-_register_all()
+for _model_type in list(HEADS):
+    register_heads(_model_type)
+
+# The heads written for one family (RoBERTa's classifier and LM head) are modules of their
+# own that subclass TaskModel above and add their HEADS rows (registering them) when imported.
+from functree.hf import _roberta_heads  # noqa: E402, F401

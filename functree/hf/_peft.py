@@ -586,13 +586,16 @@ def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str]
     layers = {m: (layer, i) for layer in dense_layers(model) for i, m in enumerate(member_layer_names(layer))}
     out: dict[str, tuple[DenseLayer, int]] = {}
     for entry in modules_to_save:
-        matched = sorted(m for m in names.modules if m.endswith(entry))
+        matched = sorted(m for m in names.modules if saved_under(m, entry))
         if not matched and what == "load_lora":
             continue
         if not matched:
             raise ValueError(SAVED_MODULE.format(what=what, module=entry, problem="which is no module of this model",
                                                  right='modules_to_save=["lm_head"]'))
+        held = {n.module for n in names.members.values() if n.weight_param}
         for module in matched:
+            if module not in held and any(m.startswith(module + ".") and m in held for m in matched):
+                continue  # a module enclosing the Dense layers saved (RoBERTa's classifier): they are its tensors
             member = next((m for m, n in names.members.items() if n.module == module and n.weight_param), None)
             if member is None or names.members[member].shared_with:
                 problem = ("a fused projection (held here as Dense layers of its parts: q, k and v)"
@@ -607,6 +610,15 @@ def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str]
                 raise ValueError(SAVED_MODULE.format(what=what, module=module, problem=problem, right=right))
             out[module] = layers[member]
     return out
+
+
+def saved_under(module: str, entry: str) -> bool:
+    """Whether PEFT's ``modules_to_save`` entry ``entry`` keeps ``module`` whole: the module's
+    name, or an enclosing module's, ends with it (``_set_trainable`` wraps the first module
+    matched, its layers with it: RoBERTa's ``classifier`` holds ``classifier.dense`` and
+    ``classifier.out_proj``)."""
+    parts = module.split(".")
+    return any(".".join(parts[:k]).endswith(entry) for k in range(1, len(parts) + 1))
 
 
 def _full_tensors(module: str, layer: DenseLayer, i: int, names: TorchNames) -> dict[str, np.ndarray]:
@@ -960,7 +972,8 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     saved = _saved_modules(model, names, config["modules_to_save"], "load_lora") if config.get("modules_to_save") \
         else {}
     head = classifier_of(model)
-    if config.get("task_type") in TASK_TYPES.values() and head is not None and head not in saved:
+    if config.get("task_type") in TASK_TYPES.values() and head is not None \
+            and not any(saved_under(m, head) for m in saved):
         # PEFT keeps the classifier whole there: its from_pretrained fails on such a file too
         raise ValueError(HEAD_NOT_SAVED.format(directory=directory, task_type=config["task_type"], head=head,
                                                hf_class=type(model).__name__))
@@ -988,7 +1001,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     if saved:  # the adapters remember them (those found here): save_lora writes the trained modules again
         listed = config["modules_to_save"]
         entries = tuple(e for e in ((listed,) if isinstance(listed, str) else listed)
-                        if any(m.endswith(e) for m in saved))
+                        if any(saved_under(m, e) for m in saved))
         wrapped = {path: node.replace(saved_modules=entries) if isinstance(node, LoraDense) else node
                    for path, node in wrapped.items()}
 

@@ -38,6 +38,7 @@ from functree.hf._heads import (
 )
 from functree.hf._heads import num_labels as _count
 from functree.hf._load import _check_pad_token, _hf_initialized
+from functree.hf._roberta_heads import LMHeadMaskedLM
 from functree.nn._linear import Dense
 
 __all__ = ["with_head"]
@@ -99,7 +100,8 @@ recorded in its config and read by nothing (or break Hugging Face's forward).
 """
 
 # The heads whose size no label count sets: (class, its outputs, the label counts allowed).
-_FIXED = {MaskedLM: ("one logit per vocabulary entry", ()), QuestionAnswering: ("two outputs (start, end)", (2,))}
+_FIXED = {MaskedLM: ("one logit per vocabulary entry", ()), LMHeadMaskedLM: ("one logit per vocabulary entry", ()),
+          QuestionAnswering: ("two outputs (start, end)", (2,))}
 
 
 def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels: int | None = None,

@@ -62,9 +62,6 @@ CONFIGS = {
     "roberta": [{}, {"type_vocab_size": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5}],  # roberta-base's
     "xlm-roberta": [{}, {"vocab_size": 250002, "type_vocab_size": 1, "max_position_embeddings": 514,
                          "layer_norm_eps": 1e-5}],
-    "roberta": [{}, {"type_vocab_size": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5}],  # roberta-base's
-    "xlm-roberta": [{}, {"vocab_size": 250002, "type_vocab_size": 1, "max_position_embeddings": 514,
-                         "layer_norm_eps": 1e-5}],
     "olmo": [{}, {"num_key_value_heads": None, "hidden_size": 64, "num_attention_heads": 4, "attention_bias": True,
                   "tie_word_embeddings": True, "rope_theta": 5e5},
              {"clip_qkv": 8.0}],

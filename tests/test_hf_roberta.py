@@ -302,3 +302,18 @@ def test_dropout_true_reads_hfs_classifier_rate_and_is_hfs_eval_in_inference():
     assert not np.allclose(train[0], expected, atol=1e-3)
     rates = ft.nn.from_hf(hf_model("RobertaForSequenceClassification"), dropout=True, key=jax.random.key(0))
     assert rates.dropout == 0.1  # hidden_dropout_prob where classifier_dropout is null
+
+
+def test_a_masked_lm_file_holding_the_bodys_pooler_is_refused_naming_the_tensors_and_the_fix(tmp_path):
+    """roberta-base's and xlm-roberta-base's RobertaForMaskedLM files hold roberta.pooler.*,
+    which HF's class (built without a pooler) leaves unread, warning; from_hf reads every
+    tensor it is given, so it names the two and the filter that loads the rest."""
+    hf = hf_model("RobertaForMaskedLM")
+    pooler = {"roberta." + k: v for k, v in hf_model("RobertaModel").state_dict().items() if k.startswith("pooler.")}
+    weights = {**hf.state_dict(), **pooler}
+    config = {**hf.config.to_dict(), "architectures": ["RobertaForMaskedLM"]}  # (as its config.json names it)
+    with pytest.raises(ValueError, match=r"(?s)has not: \['roberta.pooler.dense.bias', "
+                                         r"'roberta.pooler.dense.weight'\].*leave them out.*if k not in \["):
+        ft.nn.from_hf(config, weights)
+    model = ft.nn.from_hf(config, {k: v for k, v in weights.items() if k not in pooler})
+    assert type(model).__name__ == "RobertaForMaskedLM"

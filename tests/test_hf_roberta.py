@@ -317,3 +317,23 @@ def test_a_masked_lm_file_holding_the_bodys_pooler_is_refused_naming_the_tensors
         ft.nn.from_hf(config, weights)
     model = ft.nn.from_hf(config, {k: v for k, v in weights.items() if k not in pooler})
     assert type(model).__name__ == "RobertaForMaskedLM"
+
+
+def test_from_config_zeroes_the_pad_rows_hf_zeroes():
+    """from_hf(config, key=): HF's initialization (tests/test_hf_load.py's for the other
+    families); RoBERTa's position table is built with padding_idx too, its row pad_token_id
+    zero as HF's (was drawn)."""
+    config = transformers.RobertaConfig(**{**SMALL, "num_labels": 3})
+    torch.manual_seed(0)
+    expected = {k: v.numpy() for k, v in transformers.RobertaForSequenceClassification(config).state_dict().items()}
+    config.architectures = ["RobertaForSequenceClassification"]
+    mine = ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True)
+    assert set(mine) == set(expected)
+    for name in ("roberta.embeddings.word_embeddings.weight", "roberta.embeddings.position_embeddings.weight"):
+        zero = np.flatnonzero(np.all(mine[name] == 0, axis=-1)).tolist()
+        assert zero == np.flatnonzero(np.all(expected[name] == 0, axis=-1)).tolist() == [PAD], name
+    for name, theirs in expected.items():  # the zeros and ones (biases, norms) equal; each drawn std HF's
+        if np.all(theirs == theirs.flat[0]):
+            np.testing.assert_array_equal(mine[name], theirs, err_msg=name)
+        else:  # within 5 sigma of the two estimates' ratio (sigma ~ 1 / sqrt(n))
+            assert abs(mine[name].std() / theirs.std() - 1) < 5 / np.sqrt(theirs.size), name

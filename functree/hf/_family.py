@@ -110,6 +110,7 @@ class HFModel(Module):
     hf_head: ClassVar[tuple[str, str] | None] = None  # a tied head's (head, embedding) weight names
     hf_ties: ClassVar[tuple[tuple[str, str], ...]] = ()  # other tied (copy, tensor) names: state_dict() holds both
     hf_padded: ClassVar[str | None] = None  # the embedding HF builds with padding_idx (its row zeroed at init)
+    hf_padded_also: ClassVar[tuple[str, ...]] = ()  # other tables built with padding_idx = pad_token_id (RoBERTa's positions)
     hf_residual: ClassVar[tuple[str, ...]] = ()  # the layers HF initializes at std / sqrt(2 * n_layer)
     hf_layouts: ClassVar[dict[str, Any]] = {}  # ft.nn.load_torch_state_dict's layouts=
     hf_rename: ClassVar[dict[str, str]] = {}  # ft.nn.load_torch_state_dict's rename=

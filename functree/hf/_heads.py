@@ -953,6 +953,7 @@ def task_class(head: type[TaskModel], family: type[HFModel]) -> type[TaskModel]:
         "body_prefix": prefix, "body_alias": alias, "head_roots": roots, "hf_rename": rename,
         "hf_layouts": {f"body.{k}": v for k, v in family.hf_layouts.items()},
         "hf_padded": None if family.hf_padded is None else f"body.{family.hf_padded}",
+        "hf_padded_also": tuple(f"body.{p}" for p in family.hf_padded_also),
         "hf_residual": family.hf_residual,
         "__doc__": f"Hugging Face's ``{name}``: :class:`{head.__name__}` on ``{family.__name__}``'s body.",
     }

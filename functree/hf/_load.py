@@ -389,7 +389,7 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
     std = next((float(v) for v in (getattr(config, "initializer_range", None), getattr(config, "init_std", None))
                 if v is not None), 0.02)
     pad = getattr(config, "pad_token_id", None)
-    padded = None if family.hf_padded is None else family.hf_padded.removesuffix(".weight")  # HF's names are kept
+    padded = {p.removesuffix(".weight") for p in (family.hf_padded, *family.hf_padded_also) if p}  # HF's names kept
 
     def normal(i: int, like: jax.Array, scale: float) -> jax.Array:
         drawn = jax.random.normal(flat_key(jax.random.fold_in(key, i)), like.shape, jnp.float32)  # functree/_random.py
@@ -399,7 +399,7 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
         name = dotted_name(path)
         if isinstance(node, Embedding):
             table = normal(i, node.embeddings, std)
-            row = padding_index(pad, table.shape[0]) if name == padded else None
+            row = padding_index(pad, table.shape[0]) if name in padded else None
             if row is not None:
                 table = table.at[row].set(0)
             return node.replace(embeddings=table)

@@ -110,6 +110,7 @@ class RobertaModel(BertModel):
 
     embeddings: RobertaEmbeddings  # type: ignore[assignment]  # (BERT's, with its padding_idx)
     model_type = "roberta"
+    hf_padded_also = ("embeddings.position_embeddings.weight",)  # HF's padding_idx there too: zeroed at init
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *,
                  padding_idx: int = 1, types: int = 2, activation: Any = None, epsilon: float = 1e-12,

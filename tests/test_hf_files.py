@@ -87,6 +87,10 @@ CONFIGS = {
                      "logits_scaling": 16.0, "num_key_value_heads": 8, "rope_theta": 1e7},
                 {"embedding_multiplier": 2, "logits_scaling": 3, "tie_word_embeddings": True, "attention_bias": True,
                  "mlp_bias": True}],
+    # SmolLM3: the default theta (2e6) and NoPE layers; sliding NoPE layers; a list of its own, longer than the layers
+    "smollm3": [{}, {"num_hidden_layers": 8, "use_sliding_window": True, "sliding_window": 64, "rope_theta": 5e6},
+                {"num_hidden_layers": 3, "no_rope_layers": [0, 1, 1, 0], "no_rope_layer_interval": 2,
+                 "num_key_value_heads": None, "tie_word_embeddings": False}],
 }
 CASES = [(model_type, i) for model_type, configs in CONFIGS.items() for i in range(len(configs))]
 

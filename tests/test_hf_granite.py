@@ -68,7 +68,7 @@ def widened(hf):
 
     rotary.forward = rope
     for module in hf.modules():
-        if type(module).__name__ == "GraniteRMSNorm":
+        if type(module).__name__.endswith("RMSNorm"):  # GraniteRMSNorm, SmolLM3RMSNorm (Llama's formula)
             module.forward = lambda x, m=module: m.weight * (
                 x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
     return hf

@@ -521,6 +521,9 @@ FAMILIES = {
     # every multiplier away from 1 (embedding, residual, attention logits, final logits)
     "granite": lambda: transformers.GraniteConfig(**DECODER, embedding_multiplier=3.0, residual_multiplier=0.3,
                                                   attention_multiplier=0.3, logits_scaling=2.5),
+    # 4 layers: layer 3 NoPE (no_rope_layer_interval 4) and sliding (window 5), the others rotating and full
+    "smollm3": lambda: transformers.SmolLM3Config(**{**DECODER, "num_hidden_layers": 4}, use_sliding_window=True,
+                                                  sliding_window=WINDOW),
     "gpt_neox": lambda: transformers.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * D,
         max_position_embeddings=32, rotary_pct=0.5, bos_token_id=0, eos_token_id=0),
@@ -606,10 +609,10 @@ def test_a_llama_like_family_is_one_subclass(llama_variant):
 def test_every_family_is_its_class():
     """FAMILIES maps each model type to its class (a class's name is its HF class's), in the order defined."""
     assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "ministral", "gemma", "phi3", "olmo", "qwen3",
-                                  "olmo2", "gemma2", "gemma3_text", "granite", "gpt_neox", "opt", "bert", "roberta",
+                                  "olmo2", "gemma2", "gemma3_text", "granite", "smollm3", "gpt_neox", "opt", "bert", "roberta",
                                   "xlm-roberta"]
     for model_type, family in _hf.FAMILIES.items():  # a class added after the split keeps its module's name
-        later = {"granite": "functree.hf._granite", "roberta": "functree.hf._roberta",
+        later = {"granite": "functree.hf._granite", "smollm3": "functree.hf._smollm3", "roberta": "functree.hf._roberta",
                  "xlm-roberta": "functree.hf._roberta"}.get(model_type, "functree.hf._llama")
         home = "functree.nn._hf_models" if family in _hf_models.RECORDED else later
         assert issubclass(family, _hf_family.HFModel) and family.__module__ == home

@@ -449,6 +449,24 @@ def _gemma3_layer_types(values: Mapping[str, Any]) -> list[str] | None:
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
+def _smollm3_no_rope(values: Mapping[str, Any]) -> list[int] | None:
+    """SmolLM3Config's ``no_rope_layers`` when none is given: every ``no_rope_layer_interval``-th layer 0 (NoPE)."""
+    layers, interval = values.get("num_hidden_layers"), values.get("no_rope_layer_interval")
+    if not isinstance(layers, int) or not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+        return None
+    return [int((i + 1) % interval != 0) for i in range(layers)]
+
+
+def _smollm3_layer_types(values: Mapping[str, Any]) -> list[str] | None:
+    """SmolLM3Config's ``layer_types`` when none is given: the NoPE layers slide where
+    ``use_sliding_window`` and a ``sliding_window`` are set, every other layer is full."""
+    layers, rope = values.get("num_hidden_layers"), values.get("no_rope_layers")
+    if not isinstance(layers, int) or not isinstance(rope, list) or len(rope) < layers:
+        return None
+    sliding = bool(values.get("use_sliding_window")) and values.get("sliding_window") is not None
+    return ["sliding_attention" if sliding and not rope[i] else "full_attention" for i in range(layers)]
+
+
 # Each covered model type's config class fields and their defaults (transformers v5); a
 # Derived value: the field HF's __post_init__ derives when it is None (its rule).
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -565,6 +583,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "eos_token_id": 2, "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False,
         "attention_dropout": 0.0, "mlp_bias": False, "embedding_multiplier": 1.0, "logits_scaling": 1.0,
         "residual_multiplier": 1.0, "attention_multiplier": 1.0},
+    # SmolLM3Config: no_rope_layers from no_rope_layer_interval, layer_types from them (sliding: the NoPE layers)
+    "smollm3": {
+        "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+        "num_attention_heads": 16, "num_key_value_heads": Derived(4, _heads), "hidden_act": "silu",
+        "max_position_embeddings": 32768, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "pad_token_id": 128004, "bos_token_id": 128000, "eos_token_id": 128001, "rope_parameters": None,
+        "use_sliding_window": False, "sliding_window": None, "no_rope_layers": Derived(None, _smollm3_no_rope),
+        "no_rope_layer_interval": 4, "layer_types": Derived(None, _smollm3_layer_types), "attention_bias": False,
+        "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": True},
 }
 # GPT-2's standard names for its own fields (its config class's attribute_map).
 ALIASES: dict[str, dict[str, str]] = {
@@ -585,7 +612,7 @@ GENERATION_OPTIONS = frozenset((
 _DEFAULT_THETA = 10_000.0
 # each rope key's value where the file gives none (the model type's, else every model type's)
 _ROPE_DEFAULTS: dict[Any, float] = {"rope_theta": _DEFAULT_THETA, "partial_rotary_factor": 1.0,
-                                    ("gpt_neox", "partial_rotary_factor"): 0.25}
+                                    ("gpt_neox", "partial_rotary_factor"): 0.25, ("smollm3", "rope_theta"): 2e6}
 _SCALED_ROPES = ("llama3", "yarn", "longrope")  # the rope types that keep the pretraining length
 
 
@@ -664,7 +691,8 @@ _TYPES = ((bool, "a boolean", (bool,)), (int, "an integer", (int,)), (float, "a 
 NULLABLE: dict[str, type] = {"num_key_value_heads": int, "head_dim": int, "n_inner": int, "sliding_window": int,
                              "word_embed_proj_dim": int, "rope_parameters": dict,
                              "layer_types": list, "clip_qkv": float, "classifier_dropout": float,
-                             "use_bidirectional_attention": bool, "summary_activation": str}
+                             "use_bidirectional_attention": bool, "summary_activation": str,
+                             "no_rope_layers": list}
 # The layer types a covered family computes (HF's layer_type_validation takes more, for other
 # families): one per hidden layer.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -963,8 +991,9 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
     elif model_type == "phi3":
         params.setdefault("rope_theta", values.pop("rope_theta", _DEFAULT_THETA))
         params.setdefault("partial_rotary_factor", given.get("partial_rotary_factor", 1.0))
-    else:
-        params.setdefault("rope_theta", values.pop("rope_theta", _DEFAULT_THETA))
+    else:  # the config class's default_theta (SmolLM3's 2e6)
+        params.setdefault("rope_theta", values.pop("rope_theta", _ROPE_DEFAULTS.get((model_type, "rope_theta"),
+                                                                                   _DEFAULT_THETA)))
         if "partial_rotary_factor" in given:  # a null one is no factor, as HF's standardize_rope_params reads it
             factor = values.pop("partial_rotary_factor")
             if factor is not None:

@@ -217,7 +217,10 @@ class MultiheadAttention(Layer):
     ``rotary=ft.nn.RopeScaling(...)`` with scaled frequencies (Llama 3, YaRN, ...);
     ``rotary=(rope_0, rope_1, ...)`` (a tuple of RopeScalings) with the one each ``Stack``
     member's ``member_rope`` (a ``no_derivative`` int32 index, one per member) picks: Gemma
-    3's local and global layers, each its own base and scaling.
+    3's local and global layers, each its own base and scaling. ``member_rotates`` (a
+    ``no_derivative`` int32 scalar per member) leaves a member's queries and keys unrotated
+    where 0 (SmolLM3's NoPE layers; the rotation computed and not selected, so the
+    Stack's members stay one program).
 
     ``causal=True`` lets query ``i`` attend to keys ``j <= i`` only (combined with
     ``mask``). ``window=W`` (sliding-window attention, Mistral's) also drops keys ``j <= i - W``
@@ -303,6 +306,7 @@ class MultiheadAttention(Layer):
     logit_scale: jax.Array | None = field(no_derivative=True, default=None)
     member_window: jax.Array | None = field(no_derivative=True, default=None)
     member_rope: jax.Array | None = field(no_derivative=True, default=None)
+    member_rotates: jax.Array | None = field(no_derivative=True, default=None)
     clip: float | None = field(static=True, default=None)
     q_norm: Any = None
     k_norm: Any = None
@@ -311,7 +315,8 @@ class MultiheadAttention(Layer):
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation")  # a restore's template decides them (how it trains, its kernel)
     # Fields added after checkpoints and pickles were written without them: read at their default (None).
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("logit_scale", "member_window", "clip", "q_norm", "k_norm",
-                                                      "qk_norm_per_head", "logit_softcap", "member_rope")
+                                                      "qk_norm_per_head", "logit_softcap", "member_rope",
+                                                      "member_rotates")
 
     def __init__(
         self,
@@ -400,7 +405,7 @@ class MultiheadAttention(Layer):
             q, k, v = _clipped((q, k, v), self.clip)
         if self.rotary is not None:
             at = jnp.arange(q.shape[-3])[:, None] if positions is None else positions[..., None]
-            q, k = (apply_rotary(a, at, base=self.rotary, choice=self.member_rope) for a in (q, k))
+            q, k = self._rotated(q, k, at)
         lead = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
         q, k, v = (jnp.broadcast_to(a, (*lead, *a.shape[-3:])) for a in (q, k, v))
         if mask is not None:
@@ -414,6 +419,20 @@ class MultiheadAttention(Layer):
             band = jnp.arange(k.shape[-3]) > jnp.arange(q.shape[-3])[:, None] - self.window
             mask = band if mask is None else mask & band
         return self._attend(q, k, v, mask, self.causal, key, bias)
+
+    def _rotated(self, q: jax.Array, k: jax.Array, at: jax.Array,
+                 per_slot: bool = False) -> tuple[jax.Array, jax.Array]:
+        """``q`` and ``k`` rotated at positions ``at`` (``per_slot``: ``at[..., None]``, the
+        cached call's, taken per operand as before); a member whose ``member_rotates`` is
+        0 keeps its own (a select: the unrotated values exactly)."""
+        rotary = self.rotary
+        assert rotary is not None  # (called where the attention rotates)
+        rotated = tuple(apply_rotary(a, at[..., None] if per_slot else at, base=rotary, choice=self.member_rope)
+                        for a in (q, k))
+        if self.member_rotates is None:
+            return rotated[0], rotated[1]
+        rotates = self.member_rotates != 0
+        return jnp.where(rotates, rotated[0], q), jnp.where(rotates, rotated[1], k)
 
     def _attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
@@ -463,7 +482,7 @@ class MultiheadAttention(Layer):
             q, k, v = _clipped((q, k, v), self.clip)
         if self.rotary is not None:
             at = positions if rotary_positions is None else self._positions(rotary_positions, (batch, t))
-            q, k = (apply_rotary(a, at[..., None], base=self.rotary, choice=self.member_rope) for a in (q, k))
+            q, k = self._rotated(q, k, at, per_slot=True)
         cache = KVCache(_write(cache.keys, k, positions), _write(cache.values, v, positions))
         allowed = jnp.arange(length, dtype=positions.dtype) <= positions[..., None]  # [batch, T, slots]
         if self.member_window is not None:  # a window held as data (a Stack member's own)

@@ -255,6 +255,39 @@ def test_dropout_true_drops_before_the_classifier_in_training_only():
         assert training(IDS, MASK).shape == plain.shape  # without a key: the blocks' own keys
 
 
+
+def test_the_heads_dropout_drops_when_the_body_drops_nothing():
+    """A Llama's default attention_dropout is 0, so its port's body draws no mask; HF's
+    LlamaForTokenClassification in train() still drops the classifier's input at 0.1. With
+    an identity classifier the training logits are the hidden states times m / 0.9, m a
+    Bernoulli(0.9) mask: about a tenth of them zero (was none: the head's dropout ran only
+    where the body dropped too), the masks fresh each step without a key (the first
+    member's key advanced as layer state), fixed by a key given."""
+    config = {**SMALL, "model_type": "llama", "architectures": ["LlamaForTokenClassification"],
+              "num_labels": SMALL["hidden_size"], "num_key_value_heads": 2}
+    model = ft.nn.from_hf(config, key=jax.random.key(0), dropout=True)
+    assert model.dropout == 0.1 and model.body.model.layers.layers.self_attn.rates == (0.0, 0.0, 0.0)
+    size = SMALL["hidden_size"]
+    model = model.replace(classifier=model.classifier.replace(weight=jnp.eye(size), bias=jnp.zeros(size)))
+    hidden = np.asarray(ft.nn.inference(model)(IDS, MASK))
+    training = ft.nn.training(model)
+    ratios = []
+    for _ in range(2):  # two steps, each drawing from the key the previous one recorded
+        dropped, updates = ft.nn.collect_state(lambda m: m(IDS, MASK), training)
+        training = ft.nn.apply_state(training, updates)
+        ratio = np.asarray(dropped) / hidden
+        np.testing.assert_allclose(ratio[ratio > 0.5], 1 / 0.9, rtol=1e-5)
+        ratios.append(ratio)
+    zeros = [float((r < 0.5).mean()) for r in ratios]
+    assert all(0.04 < z < 0.2 for z in zeros), zeros  # 224 elements at 0.1: 0.04-0.2 is 2.7 sigma either side
+    assert not np.array_equal(ratios[0] < 0.5, ratios[1] < 0.5)  # fresh masks each step
+    keyed = [np.asarray(training(IDS, MASK, key=jax.random.key(3))) for _ in range(2)]
+    np.testing.assert_array_equal(keyed[0], keyed[1])
+    keyless = ft.set(training, "body.model.layers.layers.self_attn.dropout_key", None)
+    with pytest.raises(ValueError, match=r"without a key for its dropout"):  # NO_DROPOUT_KEY, not a silent no-drop
+        keyless(IDS, MASK)
+
+
 # ---- refusals
 
 

@@ -57,13 +57,13 @@ from functree.hf import _models  # noqa: F401  (defines every family first)
 from functree.hf._bert import BertModel
 from functree.hf._causal import CausalLM, _run, check_ids
 from functree.hf._config import HFConfig
-from functree.hf._dropout import _dropping, drop, dropout_attention
+from functree.hf._dropout import NO_DROPOUT_KEY, _dropping, drop, dropout_attention
 from functree.hf._family import FAMILIES, TASKS, HFModel
 from functree.nn._check import concrete
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
-from functree.nn._state import salted
+from functree.nn._state import record_state, salted
 
 __all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "MaskedLM",
            "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "tied_copies", "check_tied_copies",
@@ -267,18 +267,29 @@ class TaskModel(HFModel):
                     limit=body._limit(), key=key)
 
     def _keys(self, key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
-        """(the body's key, the head dropout's key): the head's only where it drops."""
+        """(the body's key, the head dropout's key): the head's only where it drops (a rate
+        above 0, a port built with ``dropout=True``, training mode), whether or not the
+        body drops anything (HF's ``train()`` drops before the classifier whatever the
+        body's rates: a Llama's default ``attention_dropout`` is 0)."""
         rate = float(getattr(self, "dropout", 0.0))
         attention = dropout_attention(_blocks(self.body).layers)  # type: ignore[attr-defined]
-        if rate == 0.0 or attention is None or not _dropping(attention):
+        if rate == 0.0 or attention is None or not attention.training:
             return key, None
-        if key is None:  # the body's members draw from their own keys; the head from the first's, folded
-            if attention.dropout_key is None:
+        if key is not None:
+            body, head = jax.random.split(key)
+            return body, head
+        if attention.dropout_key is None:
+            if _dropping(attention):
                 return None, None  # (the body's call names the missing key: NO_DROPOUT_KEY)
-            first = jax.random.wrap_key_data(attention.dropout_key[0])
+            raise ValueError(NO_DROPOUT_KEY.format(cls=type(attention).__name__))
+        first = jax.random.wrap_key_data(attention.dropout_key[0])
+        if _dropping(attention):  # the body's members draw from their own keys, advancing the first
             return None, salted(jax.random.fold_in(first, _HEAD_STREAM))
-        body, head = jax.random.split(key)
-        return body, head
+        # The body draws nothing, so nothing advances the first member's key: the head draws
+        # from it and records its next value (layer state), fresh masks every step as above.
+        drawn, following = jax.random.split(first)
+        record_state(attention, dropout_key=attention.dropout_key.at[0].set(jax.random.key_data(following)))
+        return None, salted(jax.random.fold_in(drawn, _HEAD_STREAM))
 
     def hf_tied(self) -> tuple[tuple[str, str], ...]:
         """The ``(copy, tensor)`` ties of ``hf_ties`` this model has (:func:`tied_copies`)."""

@@ -338,10 +338,12 @@ def test_the_kernel_runs_except_for_attention_dropout_in_training(monkeypatch):
 # and OLMo2's q/k norms; the leaves' hashes unchanged again, checked against the tree before).
 # Then its logit_softcap (None; Gemma 2's attention soft-cap): the leaves' hashes unchanged again.
 # The twenty-eighth added its member_rope (None; Gemma 3's rope per layer type): the leaves' hashes
-# unchanged again (checked against the tree before, each family).
-TODAY = {"gpt2": "f3773af3dc99c1c4", "bert": "37761506eb0e2d6d", "opt": "238a522bc3adf3f3",
-         "gpt_neox": "651f751867c54bec", "llama": "baa86a05442330f9", "qwen2": "b1b0c390f8e1a69a",
-         "mistral": "f887643dcc761962", "gemma": "18f84b6364c363f7", "phi3": "49627245b1f95e1c"}
+# unchanged again (checked against the tree before, each family). The thirty-first added its
+# member_rotates (None; SmolLM3's NoPE layers): the leaves' hashes unchanged again (each family's
+# leaves hashed at 8c96ec5^ and after, equal; the fingerprints before it were the ones here then).
+TODAY = {"gpt2": "4948ba1ac88b0c93", "bert": "99d7ac672bacff30", "opt": "120ee3aa9b0a8327",
+         "gpt_neox": "f6ed4e0479ecbbb8", "llama": "50c9177d89ee6a8b", "qwen2": "1412799903529a39",
+         "mistral": "2d6924ced6c905c5", "gemma": "c2059943aa8b2c4a", "phi3": "740c396113fb1668"}
 SMALL = {
     "gpt2": {"n_positions": 32, "n_embd": 16, "n_layer": 2, "n_head": 4},
     "bert": {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 32,
@@ -500,7 +502,8 @@ def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_pa
                                          r"model's family reads") as info:
         ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))  # pyright: ignore[reportArgumentType]  # refused
     message = str(info.value)
-    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, ministral, gemma, olmo, qwen3, olmo2, gemma2, gemma3_text\n", message)
+    assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, ministral, gemma, olmo, qwen3, olmo2, gemma2, gemma3_text, "
+                     r"granite, smollm3\n", message)
     assert re.search(r"config\.hidden_dropout_prob = config\.attention_probs_dropout_prob = 0\.05 +# bert", message)
     config = configs(on=False)["llama"]  # the llama line and the call, as written
     code = [line for line in _or_lines(info.value).splitlines() if line in ("config.attention_dropout = 0.05",)

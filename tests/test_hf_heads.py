@@ -283,7 +283,11 @@ def test_the_heads_dropout_drops_when_the_body_drops_nothing():
     assert not np.array_equal(ratios[0] < 0.5, ratios[1] < 0.5)  # fresh masks each step
     keyed = [np.asarray(training(IDS, MASK, key=jax.random.key(3))) for _ in range(2)]
     np.testing.assert_array_equal(keyed[0], keyed[1])
-    keyless = ft.set(training, "body.model.layers.layers.self_attn.dropout_key", None)
+    layers = training.body.model.layers
+    attention = layers.layers.self_attn.replace(dropout_key=None)
+    body = training.body.replace(model=training.body.model.replace(
+        layers=layers.replace(layers=layers.layers.replace(self_attn=attention))))
+    keyless = training.replace(body=body)
     with pytest.raises(ValueError, match=r"without a key for its dropout"):  # NO_DROPOUT_KEY, not a silent no-drop
         keyless(IDS, MASK)
 

@@ -365,8 +365,9 @@ def test_weights_that_do_not_fit_the_config_name_the_tensor(gpt2):
 
 
 def test_a_task_heads_tensor_beside_the_body_names_from_hfs_own_fixes_and_both_work(tmp_path):
-    """A BertModel checkpoint with BertForPreTraining's ``cls.predictions.bias``: from_hf
-    refuses it naming the tensor and fixes it takes (was load_torch_state_dict's rename= and
+    """A BertModel checkpoint with a stray head tensor (``classifier.bias``, no head of
+    BERT's pre-training checkpoints: those are left unread, the next test): from_hf refuses
+    it naming the tensor and fixes it takes (was load_torch_state_dict's rename= and
     strict=False, which from_hf has not: a TypeError); each fix line, run as printed, loads
     the body transformers' BertModel.from_pretrained loads (it drops the tensor, warning)."""
     from safetensors.torch import save_file
@@ -374,13 +375,13 @@ def test_a_task_heads_tensor_beside_the_body_names_from_hfs_own_fixes_and_both_w
     config = bert_config(num_hidden_layers=1)
     hf = randomized(transformers.BertModel(config))
     config.save_pretrained(tmp_path)
-    save_file({**{k: v.contiguous() for k, v in hf.state_dict().items()}, "cls.predictions.bias": torch.ones(VOCAB)},
+    save_file({**{k: v.contiguous() for k, v in hf.state_dict().items()}, "classifier.bias": torch.ones(VOCAB)},
               str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError) as e:
         ft.nn.from_hf(str(tmp_path))
     message = str(e.value)
     assert message.startswith("ft.nn.from_hf: the weights do not fit the BertModel") and "load_torch_state_dict" not in message
-    assert "unexpected keys: ['cls.predictions.bias']" in message
+    assert "unexpected keys: ['classifier.bias']" in message
     assert "rename=" not in message and "strict=" not in message
     right = message.split("right:  ", 1)[1].split("\n       or:  ")
     namespace = {"ft": ft, "safetensors": __import__("safetensors.torch"), "transformers": transformers}
@@ -392,7 +393,34 @@ def test_a_task_heads_tensor_beside_the_body_names_from_hfs_own_fixes_and_both_w
     hidden = lambda m: np.asarray(forward(m, *batch()))  # noqa: E731  (the programs assert_equal_at_tokens compiled)
     np.testing.assert_array_equal(hidden(namespace["model"]), hidden(namespace["other"]))
     with pytest.raises(ValueError, match=r"(?s)wrong:  ft.nn.from_hf\(config, weights\)\n    right:  weights = \{k: v"):
-        ft.nn.from_hf(config, {**hf.state_dict(), "cls.predictions.bias": torch.ones(VOCAB)})
+        ft.nn.from_hf(config, {**hf.state_dict(), "classifier.bias": torch.ones(VOCAB)})
+
+
+def test_pretraining_heads_beside_the_models_tensors_are_left_unread_as_hf_does(tmp_path):
+    """bert-base-uncased's file is BertForPreTraining's (its config names BertForMaskedLM):
+    the pooler and the next-sentence head beside the masked LM's tensors. HF's
+    from_pretrained leaves them unread (its load report); from_hf did the same refusal as
+    for a stray tensor, so the most used BERT checkpoint did not load. Now it loads, warning
+    with the four names, to HF's logits; the body alone (BertModel) leaves cls.* unread."""
+    config = bert_config(num_hidden_layers=1)
+    pretraining = randomized(transformers.BertForPreTraining(config))
+    pretraining.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**written, "architectures": ["BertForMaskedLM"]}))
+    with pytest.warns(ft.hf.UnreadTensorsWarning, match=r"(?s)4 tensor.*'bert.pooler.dense.bias', "
+                      r"'bert.pooler.dense.weight', 'cls.seq_relationship.bias', 'cls.seq_relationship.weight'"):
+        model = ft.nn.from_hf(str(tmp_path))
+    assert type(model).__name__ == "BertForMaskedLM"
+    reference = transformers.BertForMaskedLM.from_pretrained(str(tmp_path)).eval()
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = reference(torch.as_tensor(ids), attention_mask=torch.as_tensor(mask)).logits.numpy()
+    got = np.asarray(model(ids, mask))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * (1 + np.abs(expected).max()))
+    config.architectures = None
+    with pytest.warns(ft.hf.UnreadTensorsWarning, match=r"(?s)tensor.*'cls.predictions.bias'"):
+        body = ft.nn.from_hf(config, pretraining.state_dict())
+    assert type(body).__name__ == "BertModel"
 
 
 def test_a_tied_head_that_differs_from_the_embedding(gpt2):

@@ -20,9 +20,10 @@ first documented. A family is one class
 """
 
 from functree.hf._heads import task_loss
-from functree.hf._load import from_hf, to_hf_state_dict
+from functree.hf._load import UnreadTensorsWarning, from_hf, to_hf_state_dict
 from functree.hf._peft import load_lora, save_lora
 from functree.hf._save import save_hf
 from functree.hf._with_head import with_head
 
-__all__ = ["from_hf", "to_hf_state_dict", "save_hf", "load_lora", "save_lora", "task_loss", "with_head"]
+__all__ = ["from_hf", "to_hf_state_dict", "save_hf", "load_lora", "save_lora", "task_loss", "with_head",
+           "UnreadTensorsWarning"]

@@ -129,6 +129,9 @@ class BertModel(HFModel):
     hf_layouts: ClassVar[dict[str, Any]] = {
         "encoder.layer.*.attention": ("self.query", "self.key", "self.value", "output.dense")}
     hf_rename: ClassVar[dict[str, str]] = BERT_RENAME
+    # BertForPreTraining's heads (bert-base-uncased's file, whose config names BertForMaskedLM): HF's
+    # classes without them leave them unread
+    hf_unread: ClassVar[tuple[str, ...]] = ("cls.predictions.", "cls.seq_relationship.", "bert.pooler.")
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *, types: int = 2,
                  activation: Any = None, epsilon: float = 1e-12, pooler: bool = True, key: jax.Array,

@@ -114,6 +114,10 @@ class HFModel(Module):
     hf_residual: ClassVar[tuple[str, ...]] = ()  # the layers HF initializes at std / sqrt(2 * n_layer)
     hf_layouts: ClassVar[dict[str, Any]] = {}  # ft.nn.load_torch_state_dict's layouts=
     hf_rename: ClassVar[dict[str, str]] = {}  # ft.nn.load_torch_state_dict's rename=
+    # Name prefixes of the tensors this family's checkpoints hold for heads a loaded class may lack
+    # (bert-base-uncased's NSP head and pooler in a masked LM's file): left unread with
+    # UnreadTensorsWarning, as transformers' loader leaves them (functree.hf._load).
+    hf_unread: ClassVar[tuple[str, ...]] = ()
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("hf_config",)  # a restore's template decides them (how it is saved and generates by default)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

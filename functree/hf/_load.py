@@ -31,6 +31,7 @@ from functree._naming import matches
 from functree._random import flat_key
 from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names, written_dtype
+from functree._warnings import warn
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
 from functree.hf._causal import CausalLM, padding_index
 from functree.hf._config import HFConfig, hf_config_of
@@ -60,7 +61,7 @@ from functree.nn._abstract import shapes_only
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 
-__all__ = ["from_hf", "to_hf_state_dict", "FAMILIES", "COVERED"]
+__all__ = ["from_hf", "to_hf_state_dict", "FAMILIES", "COVERED", "UnreadTensorsWarning", "UNREAD_TENSORS"]
 
 UNCOVERED_ARCHITECTURE = """\
 ft.nn.from_hf: {given} is not covered; covered: {covered}.
@@ -209,9 +210,9 @@ spell them).
 {report}
 {fix}"""
 
-# WEIGHTS_DO_NOT_FIT's fix where tensors are left over: another model's (a task head:
-# BertForPreTraining's cls.*). transformers' {hf_class}.from_pretrained skips them with a
-# warning; from_hf reads every tensor it is given (one left over may as well be a layer the
+# WEIGHTS_DO_NOT_FIT's fix where tensors are left over: another model's (a task head the
+# family's hf_unread does not name). transformers' {hf_class}.from_pretrained skips them with a
+# warning; from_hf reads every other tensor it is given (one left over may as well be a layer the
 # config lacks), so they are dropped by the caller.
 EXTRA_TENSORS_FIX = """The weights hold tensors the {hf_class} has not: {extra}. If they are another model's (a task \
 head), leave them out; if they are this model's, the config is not the weights' own.
@@ -504,8 +505,11 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     Older checkpoint names read as HF's
     loader reads them (GPT-2's body without ``transformer.`` and its mask buffers; BERT's
     ``bert.`` prefix and LayerNorm ``gamma``/``beta``; GPT-NeoX's ``embed_out``; OPT's
-    ``decoder.`` without ``model.``); a task head's tensors (BERT's ``cls.*``) are unexpected:
-    drop them first. A directory whose ``config.json`` names only uncovered task classes in
+    ``decoder.`` without ``model.``). The heads a family's checkpoints carry beside the class
+    loaded (bert-base-uncased's pooler and next-sentence head in its masked LM's file,
+    roberta-base's pooler: the family's ``hf_unread``) are left unread, as transformers'
+    loader leaves them, with :class:`UnreadTensorsWarning` naming them; any other tensor
+    the model has not is refused (it may be a layer the config lacks). A directory whose ``config.json`` names only uncovered task classes in
     ``architectures`` (``Qwen2ForSequenceClassification``) is refused naming its body, the
     part functree ports. ``from_hf(config, key=key)`` without weights builds the model with
     Hugging Face's initialization, as ``AutoModelForCausalLM.from_config(config)`` does (to
@@ -600,10 +604,41 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
         check_head_tensors(family, config, report.unexpected,  # a task model's weights, its class not named
                            fits=lambda task: _fits(task, config, given, dtype, attention))
-        explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
-        raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
+        if not _unread_heads(family, report):
+            explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
+            raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
     model = family.hf_values(model, config)  # the template's non-weight leaves (abstract) set from the config
     return with_head_dropout(with_dropout(model.replace(hf_config=carried), config, dropout, key), config, dropout)
+
+
+class UnreadTensorsWarning(UserWarning):
+    """``ft.nn.from_hf`` left tensors of the checkpoint unread: heads of the family's other
+    classes (:data:`UNREAD_TENSORS`), as transformers' loader leaves them."""
+
+
+UNREAD_TENSORS = """\
+ft.nn.from_hf: left unread {count} tensor(s) of heads the {hf_class} has not: {names}, as \
+transformers' {hf_class}.from_pretrained leaves them (its load report lists them as \
+unexpected); every tensor of the model was read. Checkpoints saved for pre-training carry \
+them (bert-base-uncased's next-sentence head and pooler beside its masked-LM head).
+
+    silence it:  warnings.filterwarnings("ignore", category=ft.hf.UnreadTensorsWarning)
+"""
+
+
+def _unread_heads(family: type[HFModel], report: FlatDictReport) -> bool:
+    """Whether the only tensors ``report`` has left over are heads of the family's other
+    classes (its ``hf_unread`` name prefixes) and nothing is missing or mismatched: then
+    they are left unread, saying so (:class:`UnreadTensorsWarning`). Any other tensor left
+    over may be a layer the config lacks: the caller refuses the weights."""
+    prefixes = getattr(family, "body_class", family).hf_unread
+    extra = report.unexpected
+    if report.missing or report.mismatched or not extra or not all(n.startswith(prefixes) for n in extra):
+        return False
+    names = sorted(extra)
+    warn(UNREAD_TENSORS.format(count=len(names), hf_class=family.hf_class,
+                               names=names[:4] + (["..."] if len(names) > 4 else [])), UnreadTensorsWarning)
+    return True
 
 
 def _foreign(cls: type[HFModel], weights: Mapping[str, Any]) -> list[str]:

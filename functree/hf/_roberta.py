@@ -111,6 +111,9 @@ class RobertaModel(BertModel):
     embeddings: RobertaEmbeddings  # type: ignore[assignment]  # (BERT's, with its padding_idx)
     model_type = "roberta"
     hf_padded_also = ("embeddings.position_embeddings.weight",)  # HF's padding_idx there too: zeroed at init
+    # roberta-base's and xlm-roberta-base's masked-LM files hold the body's pooler, which HF's
+    # RobertaForMaskedLM (no pooler) leaves unread; RobertaModel leaves the LM head unread
+    hf_unread = ("roberta.pooler.", "lm_head.")
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *,
                  padding_idx: int = 1, types: int = 2, activation: Any = None, epsilon: float = 1e-12,

@@ -243,6 +243,29 @@ def test_a_peft_seq_cls_adapter_round_trips_with_the_classifier_whole(tmp_path):
                                atol=2e-5 * float(np.abs(expected).max()))
 
 
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # transformers', in PEFT
+def test_all_linear_leaves_the_whole_classifier_to_modules_to_save_as_peft_does(tmp_path):
+    """PEFT's SEQ_CLS "all-linear" on RoBERTa wraps the whole classifier (dense and out_proj)
+    in modules_to_save, adapting neither; ft.nn.lora adapted classifier.dense (only a module
+    named the head itself was left out), so save_lora refused the model it had just made.
+    Now the two Dense layers stay whole: save_lora writes them and PEFT reads the same logits."""
+    peft = pytest.importorskip("peft")
+    hf = hf_model("RobertaForSequenceClassification")
+    adapted = ft.nn.lora(ft.nn.from_hf(hf), "all-linear", rank=4, key=jax.random.key(0))
+    assert not isinstance(adapted.classifier.dense, ft.nn.LoraDense)
+    assert not isinstance(adapted.classifier.out_proj, ft.nn.LoraDense)
+    keys = iter(jax.random.split(jax.random.key(1), 16))
+    adapted = jax.tree.map(lambda x: x.replace(lora_b=0.3 * jax.random.normal(next(keys), x.lora_b.shape))
+                           if isinstance(x, ft.nn.LoraDense) else x, adapted,
+                           is_leaf=lambda x: isinstance(x, ft.nn.LoraDense))
+    ft.hf.save_lora(adapted, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["modules_to_save"] == ["classifier"]
+    peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(hf).float(), str(tmp_path)).eval()
+    with torch.no_grad():
+        expected, _ = hf_out(peft_model)
+    np.testing.assert_allclose(ours(adapted), expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
+
+
 @pytest.mark.parametrize(("option", "value"), [("position_embedding_type", "relative_key"), ("is_decoder", True),
                                                ("add_cross_attention", True)])
 def test_a_config_functree_cannot_reproduce_is_refused_naming_the_option(option, value):

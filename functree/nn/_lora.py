@@ -399,10 +399,17 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
     return chosen
 
 
+def _inside(module: str | None, head: str) -> bool:
+    """Whether the torch ``module`` is the head or inside it (RoBERTa's ``classifier.dense``
+    and ``classifier.out_proj``: PEFT keeps the whole ``classifier`` in ``modules_to_save``)."""
+    return module is not None and (module == head or module.startswith(head + "."))
+
+
 def _all_linear(model: Any) -> dict[int, bool]:
     """PEFT's ``"all-linear"``: every Dense layer but a Hugging Face model's output head (its
-    ``get_output_embeddings()``, which PEFT leaves out) or a task model's classifier
-    (``score``, ``classifier``: PEFT's ``SEQ_CLS`` leaves it out and keeps it whole in
+    ``get_output_embeddings()``, which PEFT leaves out) or a task model's classifier and the
+    Dense layers inside it (``score``, ``classifier``; RoBERTa's ``classifier.dense`` and
+    ``classifier.out_proj``: PEFT's ``SEQ_CLS`` leaves it out and keeps it whole in
     ``modules_to_save``, as ``ft.hf.save_lora`` writes it; its ``TOKEN_CLS`` puts it there
     too); every Dense layer of other models."""
     names = foreign_names(model)
@@ -410,7 +417,7 @@ def _all_linear(model: Any) -> dict[int, bool]:
     layers = dense_layers(model)
     for j, layer in enumerate(layers):
         members = member_layer_names(layer)
-        if names.head is not None and any(names.modules.get(m) == names.head for m in members):
+        if names.head is not None and any(_inside(names.modules.get(m), names.head) for m in members):
             continue
         if isinstance(layer.node, LoraDense):
             raise ValueError(ALREADY_ADAPTED.format(pattern=ALL_LINEAR, name=layer.name))

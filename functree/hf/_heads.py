@@ -990,5 +990,5 @@ for _model_type in list(HEADS):
     register_heads(_model_type)
 
 # The heads written for one family (RoBERTa's classifier and LM head) are modules of their
-# own that subclass TaskModel above and add their HEADS rows (registering them) when imported.
-from functree.hf import _roberta_heads  # noqa: E402, F401
+# own that subclass TaskModel above and add their HEADS rows (registering them) when imported:
+# functree/hf/__init__.py imports them after this module.

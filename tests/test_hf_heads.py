@@ -292,6 +292,35 @@ def test_the_heads_dropout_drops_when_the_body_drops_nothing():
         keyless(IDS, MASK)
 
 
+
+@pytest.mark.parametrize(("body", "task"), [("LlamaForCausalLM", "LlamaForSequenceClassification"),
+                                            ("BertForPreTraining", "BertForTokenClassification")])
+def test_a_pretrained_bodys_weights_under_a_task_class_name_with_head_as_the_fix(body, task):
+    """A causal LM's or bert-base-uncased's (BertForPreTraining's) weights under a config
+    naming a task class: every tensor but the head is there. HF's from_pretrained draws the
+    head at random, warning; from_hf said the config was not the weights' own and that
+    dropping the left-over tensors would do (it would not: the head is still missing). It
+    now names the missing head and with_head; the fix, run as printed, gives the task model
+    with the checkpoint's body."""
+    hf = hf_model(body)
+    config = {**hf.config.to_dict(), "architectures": [task], "num_labels": 3}
+    weights = hf.state_dict()
+    with pytest.raises(ValueError, match=r"(?s)hold the body of the \w+ its config builds but not its head: "
+                                         r"missing \['(score|classifier)\..*ft\.hf\.with_head") as info:
+        ft.nn.from_hf(config, weights)
+    scope = {"ft": ft, "jax": jax, "config": config, "weights": weights}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ft.hf.UnreadTensorsWarning)  # bert-base-uncased's NSP head, unread
+        exec("\n".join(line.split("   #")[0].strip() for line in str(info.value).split("right:  ")[1].splitlines()),
+             scope)
+    model = scope["model"]
+    assert type(model).__name__ == task
+    embedding = model.body.model.embed_tokens.embeddings if body.startswith("Llama") else \
+        model.body.embeddings.word_embeddings.embeddings
+    name = "model.embed_tokens.weight" if body.startswith("Llama") else "bert.embeddings.word_embeddings.weight"
+    np.testing.assert_array_equal(np.asarray(embedding), weights[name].detach().numpy())
+
+
 # ---- refusals
 
 

@@ -67,7 +67,8 @@ from functree.nn._state import record_state, salted
 
 __all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "MaskedLM",
            "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "tied_copies", "check_tied_copies",
-           "check_body_name", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES"]
+           "check_body_name", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES",
+           "check_head_missing", "HEAD_NOT_IN_WEIGHTS"]
 
 NO_PAD_TOKEN = """\
 {model}: the config has no pad_token_id, so the last token of each row is its class token, \
@@ -172,6 +173,17 @@ from the checkpoint's body with a fresh head (HF's initialization):
     wrong:  ft.nn.from_hf(config, weights)                       # {own}.layers.0... beside no {alias}.*
     right:  model = ft.hf.with_head(ft.nn.from_hf({{**config, "architectures": [{family!r}]}}, weights),
                                     {suffix!r}, key=jax.random.key(0))   # the checkpoint's body, a fresh head
+"""
+
+HEAD_NOT_IN_WEIGHTS = """\
+ft.nn.from_hf: the weights hold the body of the {hf_class} its config builds but not its \
+head: missing {missing}. They are a pretrained model's (a {family}'s checkpoint{extra}); \
+transformers' {hf_class}.from_pretrained draws a missing head at random (a warning says so). \
+functree draws a new head where the code says so, with HF's initialization:
+
+    wrong:  ft.nn.from_hf(config, weights)                       # a {suffix} whose head is not in them
+    right:  model = ft.hf.with_head(ft.nn.from_hf({{**config, "architectures": [{family!r}]}}, weights),
+                                    {suffix!r}, num_labels={labels}, key=jax.random.key(0))   # the body, a fresh head
 """
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -878,6 +890,20 @@ def check_body_name(family: Any, weights: Mapping[str, Any]) -> None:
     if own and not named:
         raise ValueError(BODY_NAMED_OTHERWISE.format(hf_class=family.hf_class, alias=alias[0], own=alias[1],
                                                      family=family.body_class.hf_class, suffix=family.suffix))
+
+
+def check_head_missing(family: Any, config: Any, missing: Any, unexpected: Any) -> None:
+    """Raise :data:`HEAD_NOT_IN_WEIGHTS` where a task model's weights lack exactly its head
+    (every missing tensor under its ``head_roots``): a pretrained body's checkpoint (a causal
+    LM's, bert-base-uncased's) read under a task class, whose fresh head is ``with_head``'s."""
+    roots = tuple(f"{r}." for r in getattr(family, "head_roots", ()))
+    if not roots or not missing or not all(str(n).startswith(roots) for n in missing):
+        return
+    extra = f": {sorted(unexpected)[:2]} left over" if unexpected else ""
+    labels = getattr(config, "num_labels", None) or 2
+    raise ValueError(HEAD_NOT_IN_WEIGHTS.format(hf_class=family.hf_class, missing=sorted(missing)[:3], extra=extra,
+                                                family=family.body_class.hf_class, suffix=family.suffix,
+                                                labels=labels))
 
 
 def _roots(task: Any) -> set[str]:

@@ -48,6 +48,7 @@ from functree.hf._files import (
 )
 from functree.hf._heads import (  # (defines TASKS)
     check_body_name,
+    check_head_missing,
     check_head_tensors,
     check_tied_copies,
     tied_copies,
@@ -604,6 +605,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
         check_head_tensors(family, config, report.unexpected,  # a task model's weights, its class not named
                            fits=lambda task: _fits(task, config, given, dtype, attention))
+        check_head_missing(family, config, report.missing, report.unexpected)  # a body's checkpoint: with_head
         if not _unread_heads(family, report):
             explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
             raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)

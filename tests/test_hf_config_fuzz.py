@@ -153,6 +153,18 @@ def llama_like(draw, model_type):
         if draw(st.booleans()):
             c["layer_types"] = [draw(st.sampled_from(("full_attention", "sliding_attention")))
                                 for _ in range(c["num_hidden_layers"])]
+    if model_type == "granite":  # its four multipliers: 0-ish, negative and large values too
+        for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            c[key] = draw(st.sampled_from((1.0, 0.5, 12.0, 1e-3, -0.7)))
+    if model_type == "smollm3":  # NoPE layers by list or interval; windows
+        c["num_hidden_layers"] = draw(st.integers(1, 3))
+        if draw(st.booleans()):
+            c["no_rope_layers"] = [draw(st.sampled_from((0, 1))) for _ in range(c["num_hidden_layers"])]
+        else:
+            c["no_rope_layer_interval"] = draw(st.sampled_from((1, 2, 4)))
+        if draw(st.booleans()):
+            c["use_sliding_window"] = True
+            c["sliding_window"] = draw(st.sampled_from((2, 3, 64)))
     if model_type == "gemma3_text":
         _gemma3(draw, c, rotary_dim)
     if draw(st.integers(0, 12)) == 0:
@@ -365,7 +377,7 @@ def _port(directory, values):
 
 STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "opt": opt, "bert": bert,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
-                                                          "olmo2", "gemma2", "gemma3_text")}}
+                                                          "olmo2", "gemma2", "gemma3_text", "granite", "smollm3")}}
 
 
 # One HF build, one save, one from_hf and one call per draw (about 1.5 CPU-s): 6 draws in CI,

@@ -269,9 +269,21 @@ def bert(draw):
     return c
 
 
+@st.composite
+def roberta(draw):  # BERT's keys; positions counted from the ids past pad_token_id
+    c = draw(bert())
+    c["pad_token_id"] = draw(st.sampled_from((1, 0, 3)))
+    c["type_vocab_size"] = draw(st.sampled_from((1, 2)))
+    c["max_position_embeddings"] = T + c["pad_token_id"] + draw(st.sampled_from((1, 2, 8)))
+    return c
+
+
+ENCODERS = ("bert", "roberta", "xlm-roberta")
+
+
 def _hf_model(model_type, config):
     """HF's model of ``config`` (eager attention), weights moved off its initialization."""
-    cls = transformers.AutoModel if model_type == "bert" else transformers.AutoModelForCausalLM
+    cls = transformers.AutoModel if model_type in ENCODERS else transformers.AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = cls.from_config(config, attn_implementation="eager")
@@ -286,7 +298,7 @@ def _inputs(seed, model_type):
     ids = rng.integers(0, VOCAB, size=(2, T)).astype(np.int64)
     mask = np.ones((2, T), np.int64)
     pads = int(rng.integers(1, T - 1))
-    if model_type == "bert":
+    if model_type in ENCODERS:
         mask[1, T - pads:] = 0  # right padding, as a tokenizer pads an encoder's batch
     else:
         mask[1, :pads] = 0  # left padding, as generate's
@@ -295,11 +307,11 @@ def _inputs(seed, model_type):
 
 def _hf_outputs(hf, model_type, ids, mask):
     kwargs = {}
-    if mask is not None and model_type not in ("bert", "opt"):  # HF's positions for left padding
+    if mask is not None and model_type not in (*ENCODERS, "opt"):  # HF's positions for left padding
         kwargs["position_ids"] = torch.as_tensor(np.maximum(np.cumsum(mask, axis=1) - 1, 0))
     with torch.no_grad():
         out = hf(torch.as_tensor(ids), attention_mask=None if mask is None else torch.as_tensor(mask), **kwargs)
-    values = out.last_hidden_state if model_type == "bert" else out.logits
+    values = out.last_hidden_state if model_type in ENCODERS else out.logits
     return values.float().numpy()
 
 
@@ -375,7 +387,7 @@ def _port(directory, values):
         return None
 
 
-STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "opt": opt, "bert": bert,
+STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
                                                           "olmo2", "gemma2", "gemma3_text", "granite", "smollm3")}}
 

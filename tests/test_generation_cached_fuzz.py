@@ -1,11 +1,12 @@
 """``ft.nn.generate``'s key-value cache, drawn at random, against HF's cached ``generate`` and
-functree's own uncached forward, for the thirteen causal families ``ft.nn.from_hf`` ports.
+functree's own uncached forward, for the fifteen causal families ``ft.nn.from_hf`` ports.
 
 Each family is one tiny HF model (two layers, 48 tokens, weights moved off HF's
 initialization and its head sharpened, ``torch.manual_seed(0)``; Mistral and Qwen2 with a
 sliding window of 3, shorter than most prompts drawn; Qwen3 with it on its second layer
 only, Gemma 2 on its first, its attention and final logits soft-capped, Gemma 3 on its first,
-each layer type its own rope base), ported by ``ft.nn.from_hf``. Hypothesis
+each layer type its own rope base; Granite with its four multipliers off 1; SmolLM3 sliding on
+both layers, its second without rotary positions), ported by ``ft.nn.from_hf``. Hypothesis
 draws a batch of left-padded prompts (1 to 3 rows of 1 to 6 real tokens; 11 in the bucket
 test: a longer cache), ``max_new_tokens`` and whether rows end at EOS, and checks that greedy
 tokens
@@ -81,6 +82,11 @@ CONFIGS = {
     "gemma3_text": {**LLAMA_LIKE, "head_dim": 8, "sliding_window": WINDOW, "sliding_window_pattern": 2,
                     "query_pre_attn_scalar": 6, "final_logit_softcapping": 10.0, "rope_local_base_freq": 100.0,
                     "rope_theta": 1000.0},
+    # its four multipliers off 1 (the attention's in place of 1/sqrt(head_dim))
+    "granite": {**LLAMA_LIKE, "embedding_multiplier": 2.0, "attention_multiplier": 0.3, "residual_multiplier": 0.5,
+                "logits_scaling": 2.0},
+    # layer 0 rotary, layer 1 NoPE; every layer sliding
+    "smollm3": {**LLAMA_LIKE, "no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": WINDOW},
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
     "gpt_neox": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "rotary_pct": 0.5, "max_position_embeddings": 64},
@@ -90,7 +96,7 @@ CONFIGS = {
 FAMILIES = sorted(CONFIGS)
 LONG = 2 * WIDTH - 1  # a prompt width in the next bucket (16): a longer cache
 LONGEST = LONG + 2 * NEW  # the uncached loop's one width
-WINDOWED = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+WINDOWED = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3")
 
 
 @functools.cache
@@ -269,8 +275,8 @@ def test_bucketed_sizes_give_the_exact_sizes_tokens(family, prompt, new, eos):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_sliding_window_prompts_longer_than_the_window(family):
-    """Mistral and Qwen2 (every layer), Qwen3 (its second layer), Gemma 2 and Gemma 3 (their first)
-    attend the last 3 positions: prompts
+    """Mistral, Qwen2 and SmolLM3 (every layer), Qwen3 (its second layer), Gemma 2 and Gemma 3
+    (their first) attend the last 3 positions: prompts
     of 6 and 4 real tokens (one left-padded) and 6 new tokens, cached, equal HF's cached
     generate (its sliding-window cache layers) and functree's uncached loop."""
     hf, model = lm(family)

@@ -115,7 +115,7 @@ BERT = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "in
 
 def _config(model_type):
     from test_generation_cached_fuzz import CONFIGS, VOCAB
-    sizes = BERT if model_type == "bert" else CONFIGS[model_type]
+    sizes = BERT if model_type in ("bert", "roberta", "xlm-roberta") else CONFIGS[model_type]
     return transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, pad_token_id=0, **sizes)
 
 

@@ -617,7 +617,7 @@ for name, model, row, key_path in (("gpt2", gpt2, np.arange(1, 7, dtype=np.int32
     w = np.random.default_rng(5).standard_normal(one.shape[1:]).astype(np.float32)
     for k in (1, 2):
         batch = (np.tile(row[None], (8 * k, 1)),)  # identical rows: k per device
-        opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k)
+        opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=k, wrt="*")  # (LoRA: every parameter, deliberately)
         metrics = {f"row{i}": (lambda o, i=i: jnp.sum(o.aux[i] * w)) for i in range(8 * k)}
         new, _, values = ft.train.train_step(loss_fn, opt, mesh=mesh, donate=False, metrics=metrics)(
             model, opt.init(model), batch)

@@ -10,6 +10,7 @@ are tested in test_hf_peft, on this module's model.
 
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -426,7 +427,7 @@ def test_dropout_under_accumulation_draws_each_microbatch_its_own_mask(accumulat
     # for any k (a job's keys do not depend on it).
     model = adapted_with_dropout()
     x = np.tile(np.arange(6, dtype=np.float32)[None], (2, 1))  # two identical rows
-    opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=accumulate)
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.0), accumulate=accumulate, wrt="*.lora_*")
 
     def loss_fn(m, x):
         out = m(x)
@@ -473,3 +474,32 @@ def test_a_bfloat16_lora_dense_adds_its_bias_as_dense_does():
     expected = 16 * 256 * w
     np.testing.assert_allclose(np.asarray(grad, np.float64), expected, rtol=0, atol=0.017 * np.max(np.abs(expected)))
     assert np.array_equal(np.asarray(adapted(x), np.float32), np.asarray(dense(x), np.float32))
+
+
+def test_an_optimizer_without_wrt_warns_that_the_adapted_weights_train_too(tmp_path):
+    """The silent mistake: ``Optimizer(tx)`` over a LoRA model trains the base weights too,
+    ``save_lora`` writes the adapters alone, and PEFT's model (the untrained base plus them)
+    is not the trained one. ``init`` warns, naming the base weights and both fixes; any
+    ``wrt`` given (``"*"`` too: everything, deliberately) and a model without adapters do not."""
+    model = ft.nn.Sequential(ft.nn.Dense(4, 4, jax.nn.relu, key=jax.random.key(0)),
+                             ft.nn.Dense(4, 2, key=jax.random.key(1)))
+    adapted = ft.nn.lora(model, "layers.*", rank=2, alpha=4, key=jax.random.key(2))
+    with pytest.warns(ft.nn.LoraBaseWarning) as caught:
+        state = ft.optim.Optimizer(ft.optim.sgd(0.1)).init(adapted)
+    message = str(caught[0].message)
+    assert "layers.0.weight, layers.1.weight" in message and "layers.0.lora_a" in message, message
+    assert 'wrt="*.lora_*"' in message and 'wrt="*"' in message and "merge_lora" in message, message
+    # what the warning is about: the step moves the base weights, which save_lora leaves out
+    x, y = jnp.ones((3, 4)), jnp.zeros((3, 2))
+    loss_fn = lambda m, x, y: jnp.mean((m(x) - y) ** 2)  # noqa: E731
+    trained, _, _ = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="*").minimize(loss_fn, adapted, state, x, y)
+    assert not np.array_equal(np.asarray(trained.layers[1].weight), np.asarray(adapted.layers[1].weight))
+    batch_loss = lambda m, batch: loss_fn(m, *batch)  # noqa: E731
+    with pytest.warns(ft.nn.LoraBaseWarning):  # the Trainer's optimizer too
+        ft.train.Trainer(adapted, ft.optim.sgd(0.1), batch_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for wrt in ("*.lora_*", "*", ["*.lora_*", "layers.1.bias"]):
+            ft.optim.Optimizer(ft.optim.sgd(0.1), wrt=wrt).init(adapted)
+        ft.optim.Optimizer(ft.optim.sgd(0.1)).init(model)
+        ft.train.Trainer(adapted, ft.optim.sgd(0.1), batch_loss, wrt="*.lora_*")

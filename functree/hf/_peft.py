@@ -471,6 +471,11 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     ``LoraDense.saved_modules``), so a loaded head goes back out with its adapters; ``[]``
     writes the adapters alone.
 
+    The adapters alone are written, not the weights under them: train them alone
+    (``ft.optim.Optimizer(tx, wrt="*.lora_*")``; an optimizer without ``wrt=`` warns,
+    :class:`~functree.nn.LoraBaseWarning`), or merge and write the whole model
+    (``ft.nn.save_hf(ft.nn.merge_lora(model), directory)``) when the base trained too.
+
     The write is atomic per file, and a crash between the two files leaves a directory that
     :func:`load_lora` refuses (the weights record the config they were saved with).
 

@@ -67,7 +67,7 @@ from functree.nn._embedding import Embedding
 from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._fold import Fold, Unfold
 from functree.nn._linear import Dense
-from functree.nn._lora import LoraDense, lora, merge_lora
+from functree.nn._lora import LoraBaseWarning, LoraDense, lora, merge_lora
 from functree.nn._lp_pool import LPPool1D, LPPool2D, LPPool3D
 from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
@@ -305,6 +305,7 @@ __all__ = [
     "save_hf",
     # LoRA
     "LoraDense",
+    "LoraBaseWarning",
     "lora",
     "merge_lora",
     "save_lora",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -51,7 +52,7 @@ from functree.nn._linear import Dense, add_bias
 from functree.nn._mode import Layer
 from functree.nn._state import record_state, salted
 
-__all__ = ["LoraDense", "lora", "merge_lora", "ADDED_FIELDS"]
+__all__ = ["LoraDense", "LoraBaseWarning", "lora", "merge_lora", "check_base_untrained", "ADDED_FIELDS"]
 
 NOTHING_SELECTED = """\
 ft.nn.lora: the pattern {pattern!r} selects no Dense layer. Closest layer names: {close}.
@@ -59,6 +60,22 @@ Patterns are globs over dotted layer names (ft.to_flat_dict(model, unstack=True)
 the leaves; a from_hf model's layers answer to Hugging Face's names too).
     wrong:  ft.nn.lora(model, {pattern!r}, ...)
     right:  ft.nn.lora(model, {right!r}, ...)"""
+
+BASE_TRAINED = """\
+{call}: the model holds LoRA adapters ({adapters}) and no wrt= says what trains, so every \
+parameter does, the adapted layers' own weights too ({base}). ft.hf.save_lora writes the \
+adapters alone: a PEFT model read from it adds them to the untrained base, and its outputs \
+are not the trained model's. Train the adapters alone, as PEFT does (a task model's head \
+whole beside them: wrt=["*.lora_*", "score.*"]), or say that everything trains (then fold \
+the adapters in with ft.nn.merge_lora and write the whole model with ft.nn.save_hf).
+    wrong:  {call}(tx)
+    right:  {call}(tx, wrt="*.lora_*")
+    or:     {call}(tx, wrt="*")"""
+
+
+class LoraBaseWarning(UserWarning):
+    """An optimizer without ``wrt=`` trains the weights under LoRA adapters (:data:`BASE_TRAINED`)."""
+
 
 BAD_LORA_DTYPE = """\
 {call}: dtype is the adapters' floating dtype (jnp.float32, jnp.bfloat16, jnp.float16; \
@@ -531,6 +548,22 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
         return wrapped.get(tuple(path), x)
 
     return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x))
+
+
+def check_base_untrained(model: Any, wrt: Any, call: str = "ft.optim.Optimizer") -> None:
+    """Warn (:class:`LoraBaseWarning`) when ``wrt`` is None and ``model`` holds LoRA
+    adapters: the optimizer would train their base weights too, which ``save_lora`` does not
+    write (PEFT's adapters train alone). Any ``wrt`` given, ``"*"`` too, is the user's choice."""
+    if wrt is not None:
+        return
+    adapted = [layer for layer in dense_layers(model) if isinstance(layer.node, LoraDense)]
+    if not adapted:
+        return
+    names = [layer.info.name for layer in adapted]
+    shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+    layer = _layer_name(names[0])
+    warnings.warn(BASE_TRAINED.format(call=call, adapters=f"{layer}.lora_a, {layer}.lora_b ...",
+                                      base=shown), LoraBaseWarning, stacklevel=3)
 
 
 def merge_lora(model: Any) -> Any:

@@ -47,6 +47,7 @@ from functree._tangent import move
 from functree._tree import dotted_name
 from functree._where import placement_of, put
 from functree.losses._weighted import WeightedMean, loss_value
+from functree.nn._lora import check_base_untrained
 from functree.nn._mode import in_mode, mode_free
 from functree.nn._state import apply_state, collect_state
 from functree.optim._accumulate import accumulated_gradients, leading_dimension
@@ -430,7 +431,12 @@ class Optimizer:
         :func:`~functree.optim.per_member` or :func:`~functree.optim.whole_stack`. No leaf
         shares a buffer with the model or another leaf, so a step may donate both. The state does not depend on the model's mode: one made before
         ``ft.nn.training(model)`` (NNX's order) serves the model in training mode too.
+        A model holding LoRA adapters with no ``wrt=`` warns
+        (:class:`~functree.nn.LoraBaseWarning`): its base weights would train too, which
+        ``ft.hf.save_lora`` does not write; ``wrt="*.lora_*"`` trains the adapters alone,
+        ``wrt="*"`` everything.
         """
+        check_base_untrained(model, self.wrt)  # LoRA without wrt=: save_lora would lose the base's training
         params = mode_free(trained_view(model, self.wrt))
         with jax.numpy_dtype_promotion("standard"), named_structure_errors(MASK_IN_TRAINING_MODE):  # optax mixes floats and ints
             inner = self._transform.init(params)

@@ -62,12 +62,14 @@ the leaves; a from_hf model's layers answer to Hugging Face's names too).
     right:  ft.nn.lora(model, {right!r}, ...)"""
 
 BASE_TRAINED = """\
-{call}: the model holds LoRA adapters ({adapters}) and no wrt= says what trains, so every \
-parameter does, the adapted layers' own weights too ({base}). ft.hf.save_lora writes the \
-adapters alone: a PEFT model read from it adds them to the untrained base, and its outputs \
-are not the trained model's. Train the adapters alone, as PEFT does (a task model's head \
-whole beside them: wrt=["*.lora_*", "score.*"]), or say that everything trains (then fold \
-the adapters in with ft.nn.merge_lora and write the whole model with ft.nn.save_hf).
+{call}: the model holds LoRA adapters ({adapters}) and no wrt= says what trains, so the \
+optimizer differentiates and updates every parameter, the adapted layers' own weights too \
+({base}), unless its transform zeroes their updates. ft.hf.save_lora writes the adapters \
+alone: a PEFT model read from it adds them to the untrained base, and its outputs are not \
+the trained model's. Train the adapters alone, as PEFT does (no gradient of a frozen weight \
+is computed; a task model's head whole beside them: wrt=["*.lora_*", "score.*"]), or say \
+that everything trains (then fold the adapters in with ft.nn.merge_lora and write the whole \
+model with ft.nn.save_hf).
     wrong:  {call}(tx)
     right:  {call}(tx, wrt="*.lora_*")
     or:     {call}(tx, wrt="*")"""

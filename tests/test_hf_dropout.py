@@ -84,6 +84,7 @@ def configs(on=True):
 
 
 def hf_model(config):
+    torch.manual_seed(0)  # HF's initialization draws from torch's global generator: one draw in any test order
     cls = transformers.AutoModel if config.model_type == "bert" else transformers.AutoModelForCausalLM
     return randomized(cls.from_config(config, attn_implementation="eager"))
 

@@ -70,6 +70,10 @@ def test_loads_from_every_source_with_hf_logits(tmp_path):
     attention = model.model.layers.layers.self_attn
     assert attention.member_window.tolist() == [3, 0] and attention.logit_softcap == 1.5
     np.testing.assert_allclose(attention.logit_scale, [6 ** -0.5] * 2, rtol=0, atol=1e-7)
+    with jax.enable_x64(True):  # a float64 port's factor is HF's Python float, not rounded to float32
+        wide = ft.nn.from_hf(hf.double(), dtype=jnp.float64).model.layers.layers.self_attn.logit_scale
+        assert wide.dtype == jnp.float64 and wide.tolist() == [6 ** -0.5] * 2, wide
+    hf.float()
     assert model.final_logit_softcapping == 3.0 and model.lm_head is None  # tied, as Gemma's
     real = batch(12)[1].astype(bool)
     layers = model.model.layers

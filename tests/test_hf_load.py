@@ -562,6 +562,9 @@ FAMILIES = {
 
 
 def hf_model(config):
+    # HF's initialization draws from torch's global generator: unseeded, each test order (xdist's
+    # workers) drew other weights (a float16 test failed on one draw in twelve)
+    torch.manual_seed(0)
     return randomized(transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
 
 
@@ -1052,8 +1055,9 @@ def skip_without_xla_float16():
 @pytest.mark.parametrize("family", ["gpt2", "llama", *FAMILIES])
 def test_float16_runs_on_a_cpu_as_torch_float16(family):
     """The issue: every float16 forward failed on a CPU (XLA's CPU dot has no F16_F16_F32).
-    Logits against HF's float16 model on the CPU; measured: 2.3e-3 of the largest logit at
-    most (phi3), where torch's own float16 logits differ from its float32 ones by 2.3e-3."""
+    Logits against HF's float16 model on the CPU; measured over 12 initializations of each
+    family: 5.7e-3 of the largest logit at most (llama), where torch's own float16 logits
+    differ from its float32 ones by up to 7.6e-3 (smollm3); the bound is twice the former."""
     skip_without_xla_float16()
     config = ({"gpt2": gpt2_config, "llama": llama_config}.get(family) or FAMILIES[family])()
     hf = hf_model(config)
@@ -1068,7 +1072,7 @@ def test_float16_runs_on_a_cpu_as_torch_float16(family):
     assert actual.dtype == np.float16
     real = mask.astype(bool)
     np.testing.assert_allclose(actual.astype(np.float32)[real], expected[real], rtol=0,
-                               atol=5e-3 * float(np.abs(expected).max()))
+                               atol=1.2e-2 * float(np.abs(expected).max()))
 
 
 def test_a_non_float_dtype_is_refused_at_the_call():

@@ -243,6 +243,23 @@ def test_gpt2_each_attention_scaling_matches_hf(changes):
     assert_generates_as_hf(model, hf)
 
 
+@pytest.mark.parametrize("changes", [{"scale_attn_weights": False}, {"scale_attn_by_inverse_layer_idx": True}],
+                         ids=["unscaled", "by_layer"])
+def test_gpt2_attention_factors_of_a_float64_port_are_hf_python_floats(changes):
+    """HF's factor is a Python float (a double): a float64 port holds it in float64, not
+    rounded to float32 (measured: 1.0e-11 of max|logits| with float32 factors, 1.4e-16 now;
+    float64's own rounding over these sums: 1e-14 is ~100 times it)."""
+    hf = hf_of(gpt2_config(**changes)).double()
+    ids, mask = batch()
+    expected = hf_logits(hf, ids, mask)
+    with jax.enable_x64(True):
+        model = ft.nn.from_hf(hf, dtype=jnp.float64)
+        assert model.transformer.h.layers.attn.logit_scale.dtype == jnp.float64
+        got = np.asarray(model(ids, attention_mask=mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], expected[real], rtol=0, atol=1e-14 * float(np.abs(expected[real]).max()))
+
+
 def test_gpt2_default_scaling_holds_no_leaf_and_a_fresh_port_has_the_scales():
     """HF's default scaling is the attention's own (no leaf: today's tree and program); a port
     built from the config alone (no weights) has the factors too."""

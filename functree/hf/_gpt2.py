@@ -17,6 +17,7 @@ from functree.nn._attention import MultiheadAttention
 from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
+from functree.nn._precision import statistics_dtype
 from functree.nn._stack import Stack
 
 __all__ = ["GPT2LMHeadModel", "GPT2Model", "GPT2Block", "GPT2MLP", "attention_scales"]
@@ -78,7 +79,7 @@ class GPT2Model(Module):
         h = Stack(lambda k: GPT2Block(d, heads, hidden, activation, epsilon, key=k, dtype=dtype,
                                       attention=attention), layers, key=k3)
         if scales is not None:  # each member its own factor (a no_derivative leaf: no weight)
-            h = with_member_values(h, "attn", logit_scale=jnp.asarray(scales, jnp.float32))
+            h = with_member_values(h, "attn", logit_scale=jnp.asarray(scales, statistics_dtype(self.wte.embeddings.dtype)))
         self.h = h
         self.ln_f = LayerNorm(d, epsilon=epsilon, dtype=dtype)
 
@@ -169,7 +170,8 @@ class GPT2LMHeadModel(CausalLM):
         scales = attention_scales(config)
         if scales is None:
             return model
-        h = with_member_values(model.transformer.h, "attn", logit_scale=jnp.asarray(scales, jnp.float32))
+        wide = statistics_dtype(model.transformer.wte.embeddings.dtype)  # HF's Python float for float64 weights
+        h = with_member_values(model.transformer.h, "attn", logit_scale=jnp.asarray(scales, wide))
         return model.replace(transformer=model.transformer.replace(h=h))
 
     @classmethod

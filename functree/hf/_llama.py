@@ -321,8 +321,8 @@ def _with_layer_options(model: LlamaModel, windows: tuple[int, ...] | None, clip
                         query_scale: float | None = None, softcap: float | None = None,
                         ropes: tuple[int, ...] | None = None) -> LlamaModel:
     """``model`` with its layers' attention options: one window per layer (``member_window``,
-    int32, 0: full attention), one logit factor per layer (``logit_scale``, float32: Gemma 2's
-    ``query_pre_attn_scalar ** -0.5``), one rope per layer (``member_rope``, int32: the entry
+    int32, 0: full attention), one logit factor per layer (``logit_scale``, float32, float64
+    for float64 weights: Gemma 2's ``query_pre_attn_scalar ** -0.5``, HF's Python float), one rope per layer (``member_rope``, int32: the entry
     of the attention's tuple ``rotary``, Gemma 3's), the ``clip`` and the logit ``softcap`` of
     every layer; none given: ``model`` itself."""
     layers = model.layers
@@ -331,7 +331,8 @@ def _with_layer_options(model: LlamaModel, windows: tuple[int, ...] | None, clip
     if ropes is not None:
         layers = with_member_values(layers, "self_attn", member_rope=jnp.asarray(ropes, jnp.int32))
     if query_scale is not None:
-        layers = with_member_values(layers, "self_attn", logit_scale=jnp.full((layers.n,), query_scale, jnp.float32))
+        wide = statistics_dtype(model.embed_tokens.embeddings.dtype)
+        layers = with_member_values(layers, "self_attn", logit_scale=jnp.full((layers.n,), query_scale, wide))
     if clip is not None or softcap is not None:
         block = layers.layers
         static = {"clip": None if clip is None else float(clip), "logit_softcap": None if softcap is None else float(softcap)}

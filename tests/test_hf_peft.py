@@ -983,3 +983,21 @@ def test_embedding_layers_peft_saves_whole_load_where_they_are_the_model_s(tmp_p
                                          rf"{VOCAB + 6} rows for the model's {VOCAB}: a resized vocabulary.*"
                                          rf"resize_token_embeddings\({VOCAB + 6}\)"):
         ft.nn.load_lora(base, tmp_path / "resized")  # (the route: PEFT's logits to 4e-7, measured)
+
+
+def test_member_scales_of_a_float64_model_are_peft_python_floats(tmp_path):
+    """PEFT's per-layer scales (``alpha_pattern``) are Python floats: a float64 model holds its
+    members' scales in float64 (``member_scale``), not rounded to float32 (16/3 and 7/3 are not
+    float32 numbers). GPT-2: no rotary, whose float32 cos/sin would hide the difference.
+    Measured: 5.8e-8 of max|logits| with float32 scales, 5.4e-16 now."""
+    double = lambda: gpt2_hf().double()  # noqa: E731
+    peft_model = peft_adapter(double, tmp_path, r=3, lora_alpha=16, target_modules=["c_fc"], fan_in_fan_out=True,
+                              alpha_pattern={"transformer.h.1.mlp.c_fc": 7})
+    ids = tokens()
+    expected = hf_logits(peft_model, ids)
+    with jax.enable_x64(True):
+        model = ft.nn.load_lora(ft.nn.from_hf(double(), dtype=jnp.float64), tmp_path)
+        scales = model.transformer.h.layers.mlp.c_fc.member_scale
+        assert scales.dtype == jnp.float64 and scales.tolist() == [16 / 3, 7 / 3], scales
+        got = np.asarray(model(ids))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-14 * float(np.abs(expected).max()))

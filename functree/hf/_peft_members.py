@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree.nn._lora import DenseLayer, LoraDense, member_layer_names
+from functree.nn._precision import statistics_dtype
 
 __all__ = ["member_arrays", "chosen_adapter", "adapter_dtype", "loaded_layer", "member_adapters", "written_alpha"]
 
@@ -123,11 +124,12 @@ def loaded_layer(layer: DenseLayer, given: list[tuple[int, tuple[str, np.ndarray
         b_all[i, : b.shape[0], :] = b
         scales[i] = s
     uniform = bool(np.all(scales == scales[0]))
+    wide = statistics_dtype(layer.node.weight.dtype)  # PEFT's Python floats: float64 beside float64 weights
     node = LoraDense(layer.node, rank, 1.0, dropout, key=jax.random.key(0) if key is None else key)
     return node.replace(lora_a=jnp.asarray(a_all.reshape((*sizes, n_in, rank))),
                         lora_b=jnp.asarray(b_all.reshape((*sizes, rank, n_out))),
                         alpha=float(scales[0]) * rank, dropout_key=None if key is None else node.dropout_key,
-                        member_scale=None if uniform else jnp.asarray(scales.reshape(sizes), jnp.float32))
+                        member_scale=None if uniform else jnp.asarray(scales.reshape(sizes), wide))
 
 
 def member_adapters(layer: DenseLayer) -> Iterator[tuple[str, np.ndarray, np.ndarray, float]]:

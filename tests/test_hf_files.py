@@ -435,11 +435,12 @@ def test_an_index_that_omits_a_tensor_its_shard_holds_is_named_not_the_config(tm
 
 @pytest.mark.parametrize(("task", "config_class", "covered", "body"), [
     ("GPT2DoubleHeadsModel", "GPT2Config", "GPT2LMHeadModel", "transformer"),
-    ("BertForMultipleChoice", "BertConfig", "BertModel", "bert")])
+    ("BertForNextSentencePrediction", "BertConfig", "BertModel", "bert")])
 def test_a_task_class_directory_is_refused_naming_its_body_as_the_portable_part(tmp_path, task, config_class,
                                                                               covered, body):
     """A task checkpoint's directory of a head functree does not cover (classification and
-    question-answering heads are covered: tests/test_hf_heads.py, tests/test_hf_qa.py): from_hf's fix dropped its head tensors, which
+    question-answering and multiple-choice heads are covered: tests/test_hf_heads.py, tests/test_hf_qa.py,
+    tests/test_hf_multiple_choice.py): from_hf's fix dropped its head tensors, which
     built a causal LM (the head tied to the embedding) or a BERT named as the checkpoint.
     config.json's architectures names the uncovered class now; the fix's body is the
     checkpoint's, hidden states equal to transformers' body of the task model."""

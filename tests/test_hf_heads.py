@@ -435,9 +435,9 @@ def test_labels_that_do_not_fit_the_problem_are_refused(ported):
 
 
 def test_a_directory_of_an_uncovered_head_is_still_refused_naming_its_body(tmp_path):
-    hf = transformers.BertForMultipleChoice(CONFIGS["Bert"]())  # (question answering is covered: test_hf_qa.py)
+    hf = transformers.BertForNextSentencePrediction(CONFIGS["Bert"]())  # (QA, multiple choice: covered)
     hf.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"BertForMultipleChoice is not covered"):
+    with pytest.raises(ValueError, match=r"BertForNextSentencePrediction is not covered"):
         ft.nn.from_hf(tmp_path)
 
 

@@ -300,3 +300,48 @@ def test_refusals_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"BertForMaskedLM's head has one logit per vocabulary entry"):
         ft.hf.with_head(bert, "ForMaskedLM", num_labels=3, key=key)
     assert _with_head.NOT_A_BODY and _with_head.NO_SUCH_HEAD  # (each constant raised above)
+
+
+def _with_pooler_beside(tmp_path, family):
+    """A masked LM's directory whose file holds the body's pooler too (bert-base-uncased's
+    file is BertForPreTraining's, config naming BertForMaskedLM; roberta-base's masked LM
+    file holds roberta.pooler): the pooler's tensors and the directory."""
+    import safetensors.torch
+
+    config = getattr(transformers, f"{family}Config")(**{**SIZES["Bert"], "max_position_embeddings": 20})
+    torch.manual_seed(0)
+    with_pooler = getattr(transformers, f"{family}Model")(config)  # add_pooling_layer=True
+    masked = getattr(transformers, f"{family}ForMaskedLM")(config)
+    masked.save_pretrained(tmp_path)
+    prefix = "bert." if family == "Bert" else "roberta."
+    tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    pooler = {f"{prefix}pooler.dense.{n}": p.detach().clone() for n, p in with_pooler.pooler.dense.named_parameters()}
+    safetensors.torch.save_file({**tensors, **pooler}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    return pooler
+
+
+@pytest.mark.parametrize(("family", "head"), [("Bert", "ForSequenceClassification"), ("Roberta", "ForMultipleChoice")])
+def test_a_directory_s_pooler_is_read_where_its_class_leaves_it_unread(tmp_path, family, head):
+    """with_head(directory, ...) is HF's AutoModelFor<head>.from_pretrained(directory): the
+    pooler the masked LM's file holds is the classifier's, bit for bit (it was drawn: a tiny
+    BERT's pooler 0.095 off HF's, on the canonical fine-tuning start); the loaded masked LM
+    given instead has none to keep, and its head draws one."""
+    pooler = _with_pooler_beside(tmp_path, family)
+    labels = {"num_labels": 3} if head == "ForSequenceClassification" else {}
+    with pytest.warns(ft.hf.UnreadTensorsWarning):  # from_hf's read of the masked LM's class
+        model = ft.hf.with_head(tmp_path, head, key=jax.random.key(0), **labels)
+    assert type(model).__name__ == f"{family}{head}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = getattr(transformers, f"AutoModel{head}").from_pretrained(tmp_path, **labels)
+    prefix = "bert." if family == "Bert" else "roberta."
+    theirs = {k: v.numpy() for k, v in hf.state_dict().items() if not k.startswith("classifier.")}
+    ours = {k: v for k, v in ft.nn.to_hf_state_dict(model, numpy=True).items() if not k.startswith("classifier.")}
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():  # the body, its pooler too: the file's
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
+    np.testing.assert_array_equal(ours[f"{prefix}pooler.dense.weight"], pooler[f"{prefix}pooler.dense.weight"].numpy())
+    with pytest.warns(ft.hf.UnreadTensorsWarning):
+        masked = ft.nn.from_hf(tmp_path)
+    drawn = ft.hf.with_head(masked, head, key=jax.random.key(0), **labels)
+    assert not np.array_equal(np.asarray(drawn.body.pooler.weight), np.asarray(model.body.pooler.weight))

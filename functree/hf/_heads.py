@@ -65,7 +65,7 @@ from functree.nn._normalization import LayerNorm
 from functree.nn._stack import Stack
 from functree.nn._state import record_state, salted
 
-__all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "MaskedLM",
+__all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "PooledMultipleChoice", "MaskedLM",
            "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "tied_copies", "check_tied_copies",
            "check_body_name", "task_class", "with_head_dropout", "check_head_tensors", "PROBLEM_TYPES",
            "check_head_missing", "HEAD_NOT_IN_WEIGHTS"]
@@ -184,6 +184,14 @@ functree draws a new head where the code says so, with HF's initialization:
     wrong:  ft.nn.from_hf(config, weights)                       # a {suffix} whose head is not in them
     right:  model = ft.hf.with_head(ft.nn.from_hf({{**config, "architectures": [{family!r}]}}, weights),
                                     {suffix!r}, num_labels={labels}, key=jax.random.key(0))   # the body, a fresh head
+"""
+
+CHOICES_SHAPE = """\
+{model}: {name} is {expected} (a row's choices, each a sequence of its own, as HF's \
+multiple-choice classes take them), got {given}.
+
+    wrong:  model(ids)                                     # ids [batch, T]: one sequence per row
+    right:  model(jnp.stack([first, second, third], axis=1))   # [batch, num_choices, T], masks alike
 """
 
 PROBLEM_TYPES = ("regression", "single_label_classification", "multi_label_classification")
@@ -485,6 +493,85 @@ class PooledClassifier(TaskModel):
 
     def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
         return _sequence_loss(self, logits, labels)
+
+
+class PooledMultipleChoice(TaskModel):
+    """BERT's and RoBERTa's ``ForMultipleChoice``: each of a row's choices a sequence of its
+    own, scored ``classifier(dropout(pooler(h[:, 0])))`` (``classifier``: ``Dense(d, 1)``),
+    ``[batch, num_choices]``. ``input_ids``, ``attention_mask`` and ``token_type_ids`` are
+    ``[batch, num_choices, T]`` (:data:`CHOICES_SHAPE` otherwise), run as ``batch *
+    num_choices`` sequences through the body (HF's ``view(-1, T)``). The dropout's rate is
+    BERT's ``classifier_dropout`` (else ``hidden_dropout_prob``), RoBERTa's
+    ``hidden_dropout_prob``. ``model.loss(logits, labels)`` is HF's: the softmax cross-entropy
+    over the choices, ``labels`` the right choice per row, int ``[batch]`` (-100: ignored).
+
+    Example:
+      >>> import functree as ft, jax, numpy as np
+      >>> config = {"model_type": "bert", "architectures": ["BertForMultipleChoice"], "vocab_size": 11,
+      ...           "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+      ...           "max_position_embeddings": 8}
+      >>> model = ft.nn.from_hf(config, key=jax.random.key(0))
+      >>> ids = np.array([[[2, 5, 6, 3], [2, 5, 7, 3], [2, 5, 8, 3]]], np.int32)  # 1 row, 3 choices, T 4
+      >>> logits = model(ids)
+      >>> logits.shape, float(model.loss(logits, np.array([2]))) > 0
+      ((1, 3), True)
+    """
+
+    body: Any
+    classifier: Dense
+    hf_config: HFConfig | None = field(static=True, default=None)
+    dropout: float = field(static=True, default=0.0)
+    suffix = "ForMultipleChoice"
+    head_roots = ("classifier",)
+    pooled = True
+
+    @classmethod
+    def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
+        return cls(body, Dense(width, 1, key=key, dtype=dtype))
+
+    @classmethod
+    def head_dropout(cls, config: Any) -> float:
+        if cls.body_class.model_type in ("roberta", "xlm-roberta"):  # HF's RobertaForMultipleChoice reads no classifier_dropout
+            return _classifier_rate(config, "hidden_dropout_prob", default=0.1)
+        return _classifier_rate(config, "classifier_dropout", "hidden_dropout_prob", default=0.1)
+
+    def __init__(self, body: Any, classifier: Dense, hf_config: HFConfig | None = None, dropout: float = 0.0):
+        self.body, self.classifier, self.hf_config, self.dropout = body, classifier, hf_config, dropout
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, token_type_ids: Any = None, *,
+                 key: jax.Array | None = None) -> jax.Array:
+        ids = _choices(self, input_ids, "input_ids", None)
+        batch, choices, length = ids.shape
+        mask = _choices(self, attention_mask, "attention_mask", ids.shape)
+        types = _choices(self, token_type_ids, "token_type_ids", ids.shape)
+        def flat(x: Any) -> Any:
+            return None if x is None else x.reshape(batch * choices, length)
+
+        body_key, head_key = self._keys(key)
+        h = self._hidden(flat(ids), flat(mask), flat(types), body_key)
+        pooled = self.body.pooler(h[:, 0])
+        scores = self.classifier(drop(pooled, self.dropout, head_key) if head_key is not None else pooled)
+        return scores.reshape(batch, choices)
+
+    def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
+        if logits.ndim != 2 or labels.shape != logits.shape[:1] or not jnp.issubdtype(labels.dtype, jnp.integer):
+            raise _bad(self, "multiple choice", f"the right choice's index per row, int [{logits.shape[0]}] (-100: ignored), "
+                       f"for logits [batch, num_choices]", labels, logits,
+                       "model.loss(logits, jax.nn.one_hot(answers, num_choices))", "model.loss(logits, answers)   # int [batch]")
+        return _cross_entropy(self, logits, labels)
+
+
+def _choices(model: Any, given: Any, name: str, shape: tuple[int, ...] | None) -> Any:
+    """``given`` as an array ``[batch, num_choices, T]`` (``shape``: input_ids', which the
+    others must have); None stays None (:data:`CHOICES_SHAPE`)."""
+    if given is None:
+        return None
+    x = jnp.asarray(given) if not hasattr(given, "shape") else given
+    if x.ndim != 3 or (shape is not None and tuple(x.shape) != tuple(shape)):
+        expected = "[batch, num_choices, T]" if shape is None else f"input_ids' shape {list(shape)}"
+        raise ValueError(CHOICES_SHAPE.format(model=type(model).__name__, name=name, expected=expected,
+                                              given=short_array(x)))
+    return x
 
 
 class BertPredictionHeadTransform(Module):
@@ -934,7 +1021,8 @@ HEADS: dict[str, Mapping[str, type[TaskModel]]] = {
     "olmo2": _SEQUENCE_ONLY, "gemma2": _DECODER, "gemma3_text": _SEQUENCE_ONLY, "smollm3": _DECODER_QA, "gpt_neox": _DECODER_QA,
     "opt": {**_SEQUENCE_ONLY, "ForQuestionAnswering": QuestionAnswering},
     "bert": {"ForSequenceClassification": PooledClassifier, "ForTokenClassification": TokenClassifier,
-             "ForMaskedLM": MaskedLM, "ForQuestionAnswering": QuestionAnswering},
+             "ForMaskedLM": MaskedLM, "ForQuestionAnswering": QuestionAnswering,
+             "ForMultipleChoice": PooledMultipleChoice},
 }
 # HF's module name of a token classifier where it is not the generic class's "score".
 _CLASSIFIER_NAMED = ("gpt2", "gpt_neox", "bert", "roberta", "xlm-roberta")

@@ -469,7 +469,9 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     ``Dense`` layers whole (a head trained in full beside the adapters). Left at None, it is
     the ``modules_to_save`` of the adapter :func:`load_lora` loaded (the adapters record it:
     ``LoraDense.saved_modules``), so a loaded head goes back out with its adapters; ``[]``
-    writes the adapters alone.
+    writes the adapters alone. A multiple-choice model's ``classifier`` (PEFT has no task type
+    for it, and its users list the new head in ``modules_to_save``) is written whole where
+    None is given and the classifier holds no adapters.
 
     The adapters alone are written, not the weights under them: train them alone
     (``ft.optim.Optimizer(tx, wrt="*.lora_*")``; an optimizer without ``wrt=`` warns,
@@ -529,6 +531,11 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
             raise ValueError(HEAD_ADAPTED.format(head=head, field=field, hf_class=type(model).__name__,
                                                  task_type=task_type))
         modules_to_save = list(dict.fromkeys([*(modules_to_save or ()), head]))
+    family = family_of(model)
+    if modules_to_save is None and getattr(family, "suffix", "") == "ForMultipleChoice" and "classifier" not in by_module:
+        # PEFT has no multiple-choice task type (its users list the new head themselves): the
+        # model's own classifier, written whole, so that PEFT's model scores as this one
+        modules_to_save = ["classifier"]
     saved = _saved_modules(model, names, modules_to_save, "save_lora") if modules_to_save else {}
     for module, (layer, i) in saved.items():
         if module in by_module or isinstance(layer.node, LoraDense):

@@ -29,6 +29,7 @@ from functree.hf._config import HFConfig
 from functree.hf._dropout import drop
 from functree.hf._heads import (
     HEADS,
+    PooledMultipleChoice,
     QuestionAnswering,
     TaskModel,
     TokenClassifier,
@@ -169,7 +170,8 @@ class LMHeadMaskedLM(TaskModel):
 
 _ROBERTA: dict[str, type[TaskModel]] = {"ForSequenceClassification": FirstTokenClassifier,
                                         "ForTokenClassification": TokenClassifier, "ForMaskedLM": LMHeadMaskedLM,
-                                        "ForQuestionAnswering": QuestionAnswering}
+                                        "ForQuestionAnswering": QuestionAnswering,
+                                        "ForMultipleChoice": PooledMultipleChoice}
 for _model_type in ("roberta", "xlm-roberta"):
     HEADS[_model_type] = _ROBERTA
     register_heads(_model_type)

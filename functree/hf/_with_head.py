@@ -15,12 +15,16 @@ gives a whole model).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from functree._activations import tanh
+from functree._module import from_fields
 from functree.hf._bert import BertModel
 from functree.hf._causal import CausalLM
 from functree.hf._config import HFConfig
@@ -28,6 +32,7 @@ from functree.hf._dropout import dropout_attention
 from functree.hf._family import FAMILIES, TASKS, HFModel, family_of
 from functree.hf._files import read_config
 from functree.hf._heads import (
+    _BODY_PREFIX,
     HEADS,
     MaskedLM,
     QuestionAnswering,
@@ -37,8 +42,9 @@ from functree.hf._heads import (
     with_head_dropout,
 )
 from functree.hf._heads import num_labels as _count
-from functree.hf._load import _check_pad_token, _hf_initialized
+from functree.hf._load import _check_pad_token, _hf_initialized, from_hf
 from functree.hf._roberta_heads import LMHeadMaskedLM
+from functree.interop._safetensors import load_checkpoint
 from functree.nn._linear import Dense
 
 __all__ = ["with_head"]
@@ -112,7 +118,13 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
 
     ``model`` is a :func:`ft.nn.from_hf` model: a decoder family's causal LM (its ``lm_head``
     dropped, as HF leaves ``lm_head.weight`` unread), a ``BertModel``, or a task model of the
-    same family (its head dropped: another head, or the same class with other labels). ``head``
+    same family (its head dropped: another head, or the same class with other labels); or a
+    ``save_pretrained`` directory, read by ``from_hf`` and, for a head over BERT's pooler
+    (``BertForSequenceClassification``, the multiple-choice classes), with the pooler its
+    file holds where the class it names has none: bert-base-uncased's and roberta-base's
+    masked-LM files carry one, which ``from_hf`` leaves unread as their class does and HF's
+    ``AutoModelFor<head>.from_pretrained(directory)`` reads (given the loaded masked LM
+    instead, the pooler is drawn). ``head``
     is HF's class suffix (``"ForSequenceClassification"``, ``"ForTokenClassification"``,
     ``"ForQuestionAnswering"``, ``"ForMaskedLM"``) or the class's name
     (``"LlamaForSequenceClassification"``); the family's heads are
@@ -153,6 +165,8 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
       >>> clf(np.array([[5, 6, 7, 0]], np.int32)).shape
       (1, 3)
     """
+    if isinstance(model, (str, os.PathLike)):
+        model = _from_directory(model, head)
     family, body = _body_of(model, head)
     task = _task(family, head)
     labels = (num_labels, id2label, label2id)
@@ -172,6 +186,33 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
     fresh = _hf_initialized(task, own, config, k_init)
     out = built.replace(**fresh, hf_config=HFConfig(values))
     return with_head_dropout(out, config, dropout_attention(_blocks(body).layers) is not None)
+
+
+def _from_directory(path: str | os.PathLike[str], head: str) -> Any:
+    """The model of a ``save_pretrained`` directory as ``ft.nn.from_hf`` reads it, with the
+    checkpoint's pooler where ``head`` is one over BERT's pooler and the class the file names
+    has none (bert-base-uncased's ``BertForMaskedLM``, roberta-base's ``RobertaForMaskedLM``:
+    their files hold the pooler their class leaves unread), as HF's
+    ``AutoModelFor<head>.from_pretrained(directory)`` reads it."""
+    model = from_hf(path)
+    family = family_of(model)
+    body = getattr(model, "body", model) if isinstance(model, TaskModel) else model
+    if family is None or not isinstance(body, BertModel) or body.pooler is not None:
+        return model
+    base = family.body_class if issubclass(family, TaskModel) else family
+    if not _task(base, head).pooled:
+        return model
+    weights = load_checkpoint(path, "ft.hf.with_head")
+    prefix = _BODY_PREFIX.get(str(base.model_type), "")
+    weight, bias = (weights.get(f"{prefix}pooler.dense.{n}") for n in ("weight", "bias"))
+    width = int(_tokens(body).embeddings.shape[1])
+    if weight is None or bias is None or weight.shape != (width, width) or bias.shape != (width,):
+        return model  # no pooler of this body's width in the file: drawn, as HF initializes a missing one
+    dtype = _tokens(body).embeddings.dtype
+    pooler = from_fields(Dense, {"weight": jnp.asarray(np.asarray(weight).T, dtype),
+                                 "bias": jnp.asarray(np.asarray(bias), dtype), "activation": tanh})
+    body = body.replace(pooler=pooler)
+    return model.replace(body=body) if isinstance(model, TaskModel) else body
 
 
 def _body_of(model: Any, head: str) -> tuple[type[HFModel], Any]:

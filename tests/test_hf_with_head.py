@@ -341,7 +341,8 @@ def test_a_directory_s_pooler_is_read_where_its_class_leaves_it_unread(tmp_path,
     for name, value in theirs.items():  # the body, its pooler too: the file's
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
     np.testing.assert_array_equal(ours[f"{prefix}pooler.dense.weight"], pooler[f"{prefix}pooler.dense.weight"].numpy())
-    with pytest.warns(ft.hf.UnreadTensorsWarning):
+    with pytest.warns(ft.hf.UnreadTensorsWarning, match=r"(?s)pooler is a classifier's input.*"
+                                                        r"right:  ft.hf.with_head\(directory, "):  # the way here
         masked = ft.nn.from_hf(tmp_path)
     drawn = ft.hf.with_head(masked, head, key=jax.random.key(0), **labels)
     assert not np.array_equal(np.asarray(drawn.body.pooler.weight), np.asarray(model.body.pooler.weight))

@@ -627,6 +627,13 @@ them (bert-base-uncased's next-sentence head and pooler beside its masked-LM hea
     silence it:  warnings.filterwarnings("ignore", category=ft.hf.UnreadTensorsWarning)
 """
 
+POOLER_UNREAD = """The pooler is a classifier's input: ft.hf.with_head reads it from the directory, as HF's \
+AutoModelForSequenceClassification.from_pretrained(directory) does (given this model, it \
+can only draw a fresh one).
+
+    right:  ft.hf.with_head(directory, "ForSequenceClassification", num_labels=n, key=key)
+"""
+
 
 def _unread_heads(family: type[HFModel], report: FlatDictReport) -> bool:
     """Whether the only tensors ``report`` has left over are heads of the family's other
@@ -638,8 +645,11 @@ def _unread_heads(family: type[HFModel], report: FlatDictReport) -> bool:
     if report.missing or report.mismatched or not extra or not all(n.startswith(prefixes) for n in extra):
         return False
     names = sorted(extra)
-    warn(UNREAD_TENSORS.format(count=len(names), hf_class=family.hf_class,
-                               names=names[:4] + (["..."] if len(names) > 4 else [])), UnreadTensorsWarning)
+    message = UNREAD_TENSORS.format(count=len(names), hf_class=family.hf_class,
+                                    names=names[:4] + (["..."] if len(names) > 4 else []))
+    if any(".pooler." in f".{n}" for n in names) and getattr(family, "pooled", True) is False:
+        message += "\n" + POOLER_UNREAD  # (a masked LM's file: the next step is often a classifier)
+    warn(message, UnreadTensorsWarning)
     return True
 
 

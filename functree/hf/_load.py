@@ -28,7 +28,7 @@ import numpy as np
 
 from functree._jit import unchecked_jit
 from functree._naming import matches
-from functree._random import flat_key
+from functree._random import normal_runs
 from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names, written_dtype
 from functree._warnings import warn
@@ -387,20 +387,26 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
     padding id's embedding row zero (a negative id wrapped, as torch's ``padding_idx``: -1 is
     the last row), norms as built (scale 1, Gemma's offset 0). Independent normal draws are
     the same whatever the layout, so each ``Dense`` and ``Embedding`` is drawn as it is
-    (fused or split projections, stacked layers); it traces (``jax.jit`` of a build)."""
+    (fused or split projections, stacked layers), sliced from a few flat runs of draws
+    (:func:`~functree._random.normal_runs`: one hash to compile, not one an array); it
+    traces (``jax.jit`` of a build)."""
     std = next((float(v) for v in (getattr(config, "initializer_range", None), getattr(config, "init_std", None))
                 if v is not None), 0.02)
     pad = getattr(config, "pad_token_id", None)
     padded = {p.removesuffix(".weight") for p in (family.hf_padded, *family.hf_padded_also) if p}  # HF's names kept
 
-    def normal(i: int, like: jax.Array, scale: float) -> jax.Array:
-        drawn = jax.random.normal(flat_key(jax.random.fold_in(key, i)), like.shape, jnp.float32)  # functree/_random.py
-        return (scale * drawn).astype(like.dtype)
+    nodes, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, (Dense, Embedding)))
+    drawn = [node.embeddings if isinstance(node, Embedding) else node.weight for _, node in nodes
+             if isinstance(node, (Dense, Embedding))]
+    draws = iter(normal_runs(key, [like.shape for like in drawn]))  # functree/_random.py: one hash, few compiles
 
-    def fresh(i: int, path: Any, node: Any) -> Any:
+    def normal(like: jax.Array, scale: float) -> jax.Array:
+        return (scale * next(draws)).astype(like.dtype)
+
+    def fresh(path: Any, node: Any) -> Any:
         name = dotted_name(path)
         if isinstance(node, Embedding):
-            table = normal(i, node.embeddings, std)
+            table = normal(node.embeddings, std)
             row = padding_index(pad, table.shape[0]) if name in padded else None
             if row is not None:
                 table = table.at[row].set(0)
@@ -409,11 +415,10 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
             residual = any(matches(name, pattern) for pattern in family.hf_residual)
             scale = std / math.sqrt(2 * config.num_hidden_layers) if residual else std
             bias = None if node.bias is None else jnp.zeros_like(node.bias)
-            return node.replace(weight=normal(i, node.weight, scale), bias=bias)
+            return node.replace(weight=normal(node.weight, scale), bias=bias)
         return node  # a norm's leaf: as built
 
-    nodes, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, (Dense, Embedding)))
-    return treedef.unflatten([fresh(i, path, node) for i, (path, node) in enumerate(nodes)])
+    return treedef.unflatten([fresh(path, node) for path, node in nodes])
 
 
 def _from_config(family: type[HFModel], config: Any, values: HFConfig, dtype: Any, key: jax.Array,

@@ -101,17 +101,32 @@ def test_a_mistral_config_with_layer_types_is_read_as_the_ministral_transformers
         ft.nn.from_hf(_config("mistral", sliding_window=3, layer_types=["sliding_attention"]), key=jax.random.key(0))
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("changes, words", [
     ({"sliding_window": 3}, r"null \(use_sliding_window is false, which makes Hugging Face's sliding_window 3 null\)"),
     ({"sliding_window": None, "use_sliding_window": True}, r"null: a sliding layer"),
 ])
-def test_a_sliding_layer_without_a_window_is_refused_naming_the_layer(changes, words):
-    """Qwen2 layer types naming a sliding layer while the window is null: HF's forward fails
-    on it (a bare TypeError); functree read every layer as full attention."""
-    given = _config("qwen2", layer_types=["full_attention", "sliding_attention"], **changes)
-    with pytest.raises(ValueError, match=rf"(?s)the qwen2 config's layer_types make layer 1 \"sliding_attention\", "
-                                         rf"but its sliding window is {words}.*wrong:  .*right:  "):
+def test_a_sliding_layer_without_a_window_is_refused_naming_the_layer(model_type, changes, words):
+    """Qwen2 / Qwen3 layer types naming a sliding layer while the window is null: HF's forward
+    fails on it (a bare TypeError); functree read every layer as full attention (Qwen3's until
+    2026-12-03: its config.json kept the window use_sliding_window false drops)."""
+    given = _config(model_type, layer_types=["full_attention", "sliding_attention"], **changes)
+    with pytest.raises(ValueError, match=rf"(?s)the {model_type} config's layer_types make layer 1 "
+                                         rf"\"sliding_attention\", but its sliding window is {words}.*wrong:  .*right:  "):
         ft.nn.from_hf(given, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_a_transformers_config_with_a_sliding_layer_and_no_window_is_refused(model_type):
+    """The same config as transformers' object (its window already null): refused, not built
+    as full attention (HF's model fails on it)."""
+    transformers = pytest.importorskip("transformers")
+    given = _config(model_type, layer_types=["full_attention", "sliding_attention"], sliding_window=3)
+    config = transformers.AutoConfig.for_model(**given)
+    assert config.sliding_window is None
+    with pytest.raises(ValueError, match=rf"the {model_type} config's layer_types make layer 1 \"sliding_attention\", "
+                                         r"but its sliding window is null"):
+        ft.nn.from_hf(config, key=jax.random.key(0))
 
 
 @pytest.mark.parametrize("rope", [{"type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}])

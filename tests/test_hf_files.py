@@ -66,7 +66,8 @@ CONFIGS = {
                   "tie_word_embeddings": True, "rope_theta": 5e5},
              {"clip_qkv": 8.0}],
     "qwen3": [{}, {"use_sliding_window": True, "num_hidden_layers": 4, "max_window_layers": 2, "sliding_window": 64},
-              {"sliding_window": 64, "layer_types": ["sliding_attention"] * 32},  # no use_sliding_window: no window
+              # no use_sliding_window: no window (sliding layer types then: refused, tests/test_files_hostile.py)
+              {"sliding_window": 64, "layer_types": ["full_attention"] * 32},
               {"num_key_value_heads": 8, "head_dim": 32, "attention_bias": True, "rope_theta": 1e6}],
     "olmo2": [{}, {"num_key_value_heads": None, "hidden_size": 64, "num_attention_heads": 4, "attention_bias": True,
                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True}],

@@ -332,9 +332,10 @@ def bert_config(**changes):
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"id2label": {"0": "a", "1": "b"}}, r"id2label has 2 entries but its num_labels is 3"),
+    ({"id2label": {"0": "a", "1": "b"}}, r"id2label has 2 entries but its num_labels is 3; Hugging Face's config warns "
+                                         r"and takes num_labels, naming its labels LABEL_0 \.\. LABEL_2"),
     ({"num_labels": None, "id2label": {"0": "a", "1": "b"}, "label2id": {"a": 0}},
-     r"id2label has 2 entries but its label2id has 1"),
+     r"id2label has 2 entries but its label2id has 1; Hugging Face's config keeps id2label's labels"),
     ({"num_labels": None, "id2label": {"zero": "a"}}, r"id2label keys are label ids"),
     ({"problem_type": "ranking"}, r"problem_type is one of regression, single_label_classification, "
                                   r"multi_label_classification .*got 'ranking'"),

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, TypeGuard
 
 from functree.hf._family import FAMILIES
+from functree.hf._options import sliding_without_window
 from functree.interop._safetensors import index_omits, load_checkpoint
 
 BAD_CONFIG = """\
@@ -98,16 +99,6 @@ would compute NaNs or another model (transformers reads the file and computes th
 
     wrong:  {wrong}
     right:  the value the checkpoint was trained with (the file as save_pretrained wrote it: download it again)
-"""
-
-SLIDING_WITHOUT_WINDOW = """\
-ft.nn.from_hf: the {model_type} config's layer_types make layer {layer} "sliding_attention", \
-but its sliding window is null{why}: a sliding layer without a window size, which \
-Hugging Face's {model_type} fails on ("'NoneType' object cannot be interpreted as an integer"); \
-read as full attention it would be another model, so none was built.
-
-    wrong:  {wrong}
-    right:  {right}
 """
 
 PHI3_ROPE_TYPE = """\
@@ -901,14 +892,7 @@ def _check_windows(model_type: str, values: Mapping[str, Any], given: Mapping[st
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if sliding and size is None:
         off = "use_sliding_window" in values and not values["use_sliding_window"] and given.get("sliding_window")
-        why = (f' (use_sliding_window is false, which makes Hugging Face\'s sliding_window {given["sliding_window"]} '
-               "null)") if off else ""
-        wrong = '"use_sliding_window": false, "layer_types": [..., "sliding_attention", ...]' if off else \
-            '"sliding_window": null, "layer_types": [..., "sliding_attention", ...]'
-        right = '"use_sliding_window": true       # the window on the sliding layers' if off else \
-            '"sliding_window": 4096             # the window the checkpoint was trained with'
-        raise ValueError(SLIDING_WITHOUT_WINDOW.format(model_type=model_type, layer=sliding[0], why=why, wrong=wrong,
-                                                       right=right))
+        raise sliding_without_window(model_type, sliding[0], given["sliding_window"] if off else None)
 
 
 def _check_layer_types(model_type: str, values: Mapping[str, Any]) -> None:
@@ -958,9 +942,9 @@ def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -
     for key, default in DEFAULTS[model_type].items():  # the row's Derived fields
         if isinstance(default, Derived) and values.get(key) is None:
             values[key] = default.rule(values)
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):  # (both configs null the window unless use_sliding_window)
         values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else None
-        if values.get("layer_types") is None:
+        if model_type == "qwen2" and values.get("layer_types") is None:
             values["layer_types"] = [
                 "sliding_attention" if values["sliding_window"] is not None and i >= values["max_window_layers"]
                 else "full_attention" for i in range(int(values["num_hidden_layers"]))]

@@ -81,12 +81,16 @@ handle batch sizes > 1 if no padding token is defined").
 """
 
 LABELS_DIFFER = """\
-ft.nn.from_hf: the config's {a} has {n} entries but its {b} {m}; Hugging Face's config reads \
-the number of labels from id2label, so the two describe different heads.
+ft.nn.from_hf: the config's {a} has {n} entries but its {b} {m}; {why}, so the two describe \
+different heads and which one the checkpoint holds is not known.
 
     wrong:  {wrong}
     right:  "id2label": {{"0": "NEGATIVE", "1": "POSITIVE"}}, "label2id": {{"NEGATIVE": 0, "POSITIVE": 1}}   # one entry per label
 """
+
+# (transformers warns "You passed `num_labels=...` which is incompatible", then num_labels' setter renames)
+NUM_LABELS_WINS = ("Hugging Face's config warns and takes num_labels, naming its labels LABEL_0 .. "
+                   "LABEL_{last} (id2label's names dropped)")
 
 BAD_ID2LABEL = """\
 ft.nn.from_hf: the config's id2label keys are label ids (strings of integers in config.json, \
@@ -760,8 +764,8 @@ def _numpy(x: Any) -> np.ndarray:
 def num_labels(config: Any) -> int:
     """HF's ``config.num_labels``: ``len(id2label)`` where the config has one (config.json's
     keys are strings: ``int(key)``), else ``num_labels`` (2 where absent); a ``num_labels`` or
-    a ``label2id`` of another length is refused (:data:`LABELS_DIFFER`; HF warns and keeps
-    id2label's), and so is a ``problem_type`` HF refuses (:data:`BAD_PROBLEM_TYPE`)."""
+    a ``label2id`` of another length is refused (:data:`LABELS_DIFFER`; HF warns, then takes
+    num_labels and renames the labels, or keeps id2label beside the other label2id), and so is a ``problem_type`` HF refuses (:data:`BAD_PROBLEM_TYPE`)."""
     id2label = getattr(config, "id2label", None)
     given = _given_num_labels(config)
     if id2label is None:
@@ -772,10 +776,12 @@ def num_labels(config: Any) -> int:
         count = len(id2label)
         if given is not None and given != count:
             raise ValueError(LABELS_DIFFER.format(a="id2label", n=count, b="num_labels", m=f"is {given}",
+                                                  why=NUM_LABELS_WINS.format(given=given, last=given - 1),
                                                   wrong=f'"num_labels": {given}, "id2label": {{{count} entries}}'))
     label2id = getattr(config, "label2id", None)
     if isinstance(label2id, dict) and id2label is not None and len(label2id) != count:
         raise ValueError(LABELS_DIFFER.format(a="id2label", n=count, b="label2id", m=f"has {len(label2id)}",
+                                              why="Hugging Face's config keeps id2label's labels and its label2id as given",
                                               wrong=f'"id2label": {{{count} entries}}, "label2id": '
                                                     f'{{{len(label2id)} entries}}'))
     problem = getattr(config, "problem_type", None)

@@ -599,9 +599,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
-        # HF's Qwen3Config drops sliding_window unless use_sliding_window: read here first (a
-        # config.json read without transformers keeps the file's sliding_window).
-        sizes = window(config, layer_types=True) if getattr(config, "use_sliding_window", False) else None
+        # HF's Qwen3Config drops sliding_window unless use_sliding_window (an older one kept it)
+        sizes = window(config, layer_types=True, enabled=bool(getattr(config, "use_sliding_window", False)))
         windows = {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
         return {"qk_norm": "head", **windows}
 

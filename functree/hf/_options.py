@@ -277,15 +277,46 @@ def _check_rotated_pairs(config: Any, partial: float, hf_class: str) -> None:
                                            even=rotated + 1, fix=(rotated - 1 if rotated > 1 else 2) / head))
 
 
-def window(config: Any, layer_types: bool = False) -> int | tuple[int, ...] | None:
+SLIDING_WITHOUT_WINDOW = """\
+ft.nn.from_hf: the {model_type} config's layer_types make layer {layer} "sliding_attention", \
+but its sliding window is null{why}: a sliding layer without a window size, which \
+Hugging Face's {model_type} fails on ("'NoneType' object cannot be interpreted as an integer"); \
+read as full attention it would be another model, so none was built.
+
+    wrong:  {wrong}
+    right:  {right}
+"""
+
+
+def sliding_without_window(model_type: str, layer: int, dropped: Any = None) -> ValueError:
+    """:data:`SLIDING_WITHOUT_WINDOW` for ``layer``; ``dropped``: the window ``use_sliding_window``
+    false made null (Qwen2's and Qwen3's configs), or None."""
+    why = (f" (use_sliding_window is false, which makes Hugging Face's sliding_window {dropped} null)"
+           if dropped is not None else "")
+    wrong = '"use_sliding_window": false, "layer_types": [..., "sliding_attention", ...]' if dropped is not None else \
+        '"sliding_window": null, "layer_types": [..., "sliding_attention", ...]'
+    right = '"use_sliding_window": true       # the window on the sliding layers' if dropped is not None else \
+        '"sliding_window": 4096             # the window the checkpoint was trained with'
+    return ValueError(SLIDING_WITHOUT_WINDOW.format(model_type=model_type, layer=layer, why=why, wrong=wrong,
+                                                    right=right))
+
+
+def window(config: Any, layer_types: bool = False, enabled: bool = True) -> int | tuple[int, ...] | None:
     """The sliding window of every layer (None: full attention): ``sliding_window``
     (Mistral, Phi-3); with ``layer_types=True`` (Qwen2) where the config's ``layer_types``
     make every layer ``sliding_attention``; where they mix sliding and full layers, one
-    window per layer (0: full attention), as HF's Qwen2 gives each layer its type's mask."""
-    size = getattr(config, "sliding_window", None)
+    window per layer (0: full attention), as HF's Qwen2 gives each layer its type's mask.
+    ``enabled=False`` (Qwen3's ``use_sliding_window`` false): the window is null. A
+    ``sliding_attention`` layer with a null window is refused (:data:`SLIDING_WITHOUT_WINDOW`:
+    Hugging Face's model fails on it; read as full attention it would be another model)."""
+    given = getattr(config, "sliding_window", None)
+    size = given if enabled else None
     types = getattr(config, "layer_types", None)
     if types is not None and layer_types:
         kinds = set(types)
+        if "sliding_attention" in kinds and size is None:  # (a transformers config object: config.json's are checked read)
+            raise sliding_without_window(config.model_type, list(types).index("sliding_attention"),
+                                         None if enabled else given)
         if len(kinds) > 1 and size is not None:
             return tuple(int(size) if t == "sliding_attention" else 0 for t in types)
         return None if size is None or kinds != {"sliding_attention"} else int(size)

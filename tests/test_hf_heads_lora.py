@@ -193,6 +193,28 @@ def test_head_holding_adapters_is_refused_and_the_fixes_load_in_peft(ported, tmp
     close(theirs(plain), ours(untrained_head))
 
 
+def test_a_roberta_classifier_holding_adapters_is_refused_naming_task_type_none(tmp_path):
+    """RoBERTa's classifier is a module of two Dense layers (classifier.dense, out_proj): with
+    adapters on them save_lora said only 'modules_to_save names classifier.dense, which holds
+    adapters', with no word of the task_type=None route; now the head's own message, whose
+    first fix (the head merged, written whole) gives PEFT the same logits."""
+    torch.manual_seed(0)
+    config = transformers.RobertaConfig(**{**SMALL, "max_position_embeddings": 16})
+    hf = transformers.RobertaForSequenceClassification(config).eval()
+    adapted = jax.tree.map(  # queries, values and the classifier's two layers adapted; lora_b moved off zero
+        lambda x: x.replace(lora_b=0.3 * jax.random.normal(jax.random.key(x.lora_b.size), x.lora_b.shape))
+        if isinstance(x, ft.nn.LoraDense) else x,
+        ft.nn.lora(ft.nn.from_hf(hf), ["*.query", "*.value", "classifier.*"], rank=2, key=jax.random.key(0)),
+        is_leaf=lambda x: isinstance(x, ft.nn.LoraDense))
+    assert isinstance(adapted.classifier.dense, ft.nn.LoraDense)
+    with pytest.raises(ValueError, match=r"(?s)classifier 'classifier' of this RobertaForSequenceClassification holds "
+                                         r"LoRA.*'base_model.model.classifier.dense.weight'.*task_type=None") as e:
+        ft.hf.save_lora(adapted, tmp_path)
+    assert "model.replace(classifier=ft.nn.merge_lora(model.classifier))" in str(e.value)
+    ft.hf.save_lora(adapted.replace(classifier=ft.nn.merge_lora(adapted.classifier)), tmp_path / "merged")
+    close(theirs(peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "merged")).eval()), ours(adapted))
+
+
 def test_a_task_adapter_without_its_head_is_refused(ported, tmp_path):
     """A SEQ_CLS file without the classifier (ft.hf.save_lora's before this fix): PEFT fails on
     it, and load_lora names it rather than pairing the adapters with the model's own head."""

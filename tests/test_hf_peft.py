@@ -1001,3 +1001,97 @@ def test_member_scales_of_a_float64_model_are_peft_python_floats(tmp_path):
         assert scales.dtype == jnp.float64 and scales.tolist() == [16 / 3, 7 / 3], scales
         got = np.asarray(model(ids))
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-14 * float(np.abs(expected).max()))
+
+
+def test_a_float64_rslora_adapter_saved_again_keeps_its_scale_to_the_last_bit(tmp_path):
+    """An rslora adapter's scale alpha / sqrt(r) is no short decimal: save_lora wrote the
+    shortest lora_alpha giving the float32 scale (12.124356 for 7 / sqrt(3) at rank 3), and a
+    float64 model read back (by PEFT or functree) was 3.3e-8 of max|logits| off. A float64
+    adapter's alpha now gives its float64 scale exactly; PEFT reads the file as the original."""
+    double = lambda: gpt2_hf().double()  # noqa: E731
+    peft_model = peft_adapter(double, tmp_path / "peft", r=3, lora_alpha=7, use_rslora=True, target_modules=["c_fc"],
+                              fan_in_fan_out=True)
+    ids = tokens()
+    expected = hf_logits(peft_model, ids)
+    with jax.enable_x64(True):
+        model = ft.nn.load_lora(ft.nn.from_hf(double(), dtype=jnp.float64), tmp_path / "peft")
+        ft.nn.save_lora(model, tmp_path / "again")
+    with open(tmp_path / "again" / "adapter_config.json") as f:
+        written = json.load(f)
+    assert written["lora_alpha"] / written["r"] == 7 / np.sqrt(3), written["lora_alpha"]
+    again = peft.PeftModel.from_pretrained(double(), str(tmp_path / "again")).eval()
+    np.testing.assert_allclose(hf_logits(again, ids), expected, rtol=0, atol=1e-14 * float(np.abs(expected).max()))
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_an_adapter_on_a_masked_lms_tied_decoder_is_refused_as_a_tied_head(family, tmp_path):
+    """PEFT adapts BERT's cls.predictions.decoder (RoBERTa's lm_head.decoder), tied to the word
+    embeddings. load_lora refused it as "not a Dense layer" and offered merge_and_unload, whose
+    merge moves the embeddings the decoder shares: logits 1.04 (RoBERTa 0.73) of scale off
+    PEFT's. Now it is refused as a tied head, with the untied port, which loads PEFT's logits."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                 max_position_embeddings=16, pad_token_id=1)
+    kind = {"bert": transformers.BertForMaskedLM, "roberta": transformers.RobertaForMaskedLM}[family]
+    hf_model = kind(transformers.AutoConfig.for_model(family, **sizes)).eval()
+    weights = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    config = {**hf_model.config.to_dict(), "architectures": [kind.__name__]}
+    decoder = "cls.predictions.decoder" if family == "bert" else "lm_head.decoder"
+    adapted = peft.get_peft_model(hf_model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "decoder"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    adapted.save_pretrained(str(tmp_path))
+    ids = np.random.default_rng(0).integers(2, 40, (2, 7)).astype(np.int32)
+    expected = hf_logits(adapted.eval(), ids)
+    with pytest.raises(ValueError, match=rf"(?s)selects \['{decoder}'\]: the tied output head.*exclude_modules="
+                                         rf"\['{decoder}'\].*\"tie_word_embeddings\": False") as refused:
+        ft.nn.load_lora(ft.nn.from_hf(config, weights), str(tmp_path))
+    assert "merge_and_unload" not in str(refused.value)
+    untied = ft.nn.from_hf({**config, "tie_word_embeddings": False}, key=jax.random.key(0))  # the fix it names
+    untied = ft.nn.load_torch_state_dict(untied, weights)
+    assert_close(logits(ft.nn.load_lora(untied, str(tmp_path)), ids), expected)
+
+
+@pytest.mark.parametrize("family", ["roberta", "xlm-roberta"])
+def test_save_lora_of_a_roberta_masked_lm_writes_no_causal_task_type(family, tmp_path):
+    """RoBERTa's masked LM names its head lm_head, and save_lora's "auto" wrote task_type
+    CAUSAL_LM for it: PEFT then failed to load the file ('RobertaForMaskedLM' object has no
+    attribute 'prepare_inputs_for_generation'). A masked LM gets none, and PEFT's logits."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                 max_position_embeddings=16, pad_token_id=1)
+    kind = {"roberta": transformers.RobertaForMaskedLM, "xlm-roberta": transformers.XLMRobertaForMaskedLM}[family]
+    hf_model = kind(transformers.AutoConfig.for_model(family, **sizes)).eval()
+    model = ft.nn.lora(ft.nn.from_hf(hf_model), ["*.query", "*.value"], rank=2, alpha=4, key=jax.random.key(1))
+    model = jax.tree_util.tree_map_with_path(  # the adapters moved off their zero start
+        lambda p, x: x + 0.3 * jax.random.normal(jax.random.key(len(jax.tree_util.keystr(p))), x.shape, x.dtype)
+        if "lora_b" in jax.tree_util.keystr(p) else x, model)
+    ft.nn.save_lora(model, str(tmp_path))
+    with open(tmp_path / "adapter_config.json") as f:
+        assert json.load(f)["task_type"] is None
+    ids = np.random.default_rng(0).integers(2, 40, (2, 7)).astype(np.int32)
+    read = peft.PeftModel.from_pretrained(copy.deepcopy(hf_model), str(tmp_path)).eval()  # the same base weights
+    expected = hf_logits(read, ids)
+    assert np.abs(expected - hf_logits(hf_model, ids)).max() > 1e-3  # the adapters move the logits
+    assert_close(logits(model, ids), expected)
+
+
+def test_no_target_modules_and_a_named_adapters_folder_are_refused_with_their_fixes(tmp_path):
+    """target_modules null: PEFT adapts its table's default modules for the model type (the
+    refusal said PEFT refused it); the fix names the modules the file's tensors adapt. A
+    directory whose adapter PEFT wrote in a folder of its name (save_pretrained of an adapter
+    not called "default"): the refusal names the folder."""
+    peft_adapter(llama, tmp_path / "adapter", r=2, target_modules=["q_proj", "v_proj"])
+    edit_config(tmp_path / "adapter", target_modules=None)
+    base = ft.nn.from_hf(llama())
+    with pytest.raises(ValueError, match=r'(?s)has no target_modules \(null or absent\). PEFT then adapts its default '
+                                         r'.*right:  "target_modules": \["q_proj", "v_proj"\]'):
+        ft.nn.load_lora(base, tmp_path / "adapter")
+    os.makedirs(tmp_path / "outer")
+    os.rename(tmp_path / "adapter", tmp_path / "outer" / "second")
+    with pytest.raises(ValueError, match=r"no adapter_config.json; its subfolders \['second'\] hold adapters .*"
+                                         r"ft.nn.load_lora\(model, '.*outer/second'\)"):
+        ft.nn.load_lora(base, tmp_path / "outer")

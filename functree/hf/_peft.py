@@ -47,7 +47,9 @@ import numpy as np
 
 from functree._tree import dotted_name, join_names
 from functree._where import placed_like
+from functree.hf._causal import CausalLM
 from functree.hf._family import family_of
+from functree.hf._heads import tied_copies
 from functree.hf._load import tied_head, to_hf_state_dict
 from functree.hf._names import TASK_TYPES, TorchNames, classifier_of, torch_names, unwrapped
 from functree.hf._peft_blocks import BLOCKS, member_columns, read_blocks
@@ -254,6 +256,14 @@ modules are named like {known} ...
     wrong:  ft.nn.load_lora(other_model, directory)
     right:  ft.nn.load_lora(ft.nn.from_hf(base_model_it_was_trained_on), directory)"""
 
+NO_TARGETS = """\
+ft.nn.load_lora: adapter_config.json has no target_modules (null or absent). PEFT then adapts \
+its default modules for the model type (peft.utils.constants.\
+TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: Llama's q_proj and v_proj), a table of \
+PEFT's version that functree does not keep. The file's tensors adapt {modules}: name them.
+    wrong:  "target_modules": null
+    right:  "target_modules": {right}"""
+
 NOT_IN_FILE = """\
 ft.nn.load_lora: adapter_config.json's target_modules selects {modules}, but \
 adapter_model.safetensors holds no lora_A / lora_B for {them} (PEFT would leave them at \
@@ -351,7 +361,7 @@ HEAD_ADAPTED = """\
 ft.nn.save_lora: the classifier {head!r} of this {hf_class} holds LoRA adapters, and the \
 adapter is saved with task_type={task_type!r}, under which PEFT keeps the classifier whole \
 (modules_to_save) and never adapts it: PEFT's from_pretrained fails on such a file \
-(KeyError 'base_model.model.{head}.weight'). Fold the head's adapters into its weight (PEFT \
+(KeyError 'base_model.model.{weight}.weight'). Fold the head's adapters into its weight (PEFT \
 then loads the head whole, the same logits), or adapt the layers without the head:
 
     wrong:  ft.hf.save_lora(model, directory)                # {head}: a LoraDense
@@ -452,8 +462,8 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     ``lora_dropout`` (the most common rank and alpha; others in ``rank_pattern`` /
     ``alpha_pattern``: each Stack member's own rank, zero padding trimmed, and scale; the
     first adapter's dropout),
-    ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a model with an
-    ``lm_head`` (GPT-2, Llama), ``"SEQ_CLS"`` / ``"TOKEN_CLS"`` / ``"QUESTION_ANS"`` for a task model of
+    ``bias="none"``; ``task_type`` ``"auto"`` is ``"CAUSAL_LM"`` for a causal LM (GPT-2,
+    Llama), none for a masked LM (BERT's, RoBERTa's: PEFT has no task type for them), ``"SEQ_CLS"`` / ``"TOKEN_CLS"`` / ``"QUESTION_ANS"`` for a task model of
     :mod:`functree.hf._heads`, else none. Under these a task model's
     head (``score``, ``classifier``, ``qa_outputs``) is written whole in ``modules_to_save``, whatever
     ``modules_to_save`` says, as PEFT's ``PeftModelForSequenceClassification`` saves it
@@ -520,15 +530,17 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         if fused is not None:
             blocks[module] = fused
         tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
-        ranks[module], alphas[module] = a.shape[0], written_alpha(scale, a.shape[0])
+        ranks[module], alphas[module] = a.shape[0], written_alpha(scale, a.shape[0], a.dtype)
     if task_type == "auto":
-        task_type = "CAUSAL_LM" if getattr(model, "lm_head", False) is not False and names.is_hf else \
+        # (a causal LM's, not every lm_head's: RoBERTa's masked LM names its head lm_head too)
+        task_type = "CAUSAL_LM" if isinstance(model, CausalLM) and names.is_hf else \
             TASK_TYPES.get(getattr(family_of(model), "suffix", ""))  # a task model's: SEQ_CLS, TOKEN_CLS, QUESTION_ANS
     head = classifier_of(model) if task_type in TASK_TYPES.values() else None
     if head is not None:  # PEFT keeps it whole under SEQ_CLS / TOKEN_CLS / QUESTION_ANS, and fails to load a file without it
-        if head in by_module:
-            field = next(m for m, n in names.members.items() if n.module == head)  # its key path here
-            raise ValueError(HEAD_ADAPTED.format(head=head, field=field, hf_class=type(model).__name__,
+        adapted = [m for m in by_module if m == head or m.startswith(head + ".")]  # (RoBERTa's: classifier.dense)
+        if adapted:
+            field = _field_of(head, adapted[0], names)
+            raise ValueError(HEAD_ADAPTED.format(head=head, weight=adapted[0], field=field, hf_class=type(model).__name__,
                                                  task_type=task_type))
         modules_to_save = list(dict.fromkeys([*(modules_to_save or ()), head]))
     family = family_of(model)
@@ -698,7 +710,13 @@ def _read_adapter(directory: str) -> tuple[dict[str, Any], dict[str, np.ndarray]
         if path == weights_path and not os.path.isfile(path) and os.path.isfile(os.path.join(directory, PICKLED)):
             raise ValueError(PICKLED_WEIGHTS.format(directory=directory))
         if not os.path.isfile(path):
-            raise ValueError(NOT_PEFT.format(directory=directory, problem=f"no {os.path.basename(path)}"))
+            problem = f"no {os.path.basename(path)}"
+            named = sorted(d for d in os.listdir(directory) if os.path.isfile(os.path.join(directory, d, CONFIG_FILE))) \
+                if path == config_path and os.path.isdir(directory) else []
+            if named:  # PEFT's save_pretrained of a named adapter (not "default") writes it in a folder of its name
+                problem += (f"; its subfolders {named} hold adapters (PEFT writes a named adapter in a folder of its "
+                            f"name): ft.nn.load_lora(model, {os.path.join(directory, named[0])!r})")
+            raise ValueError(NOT_PEFT.format(directory=directory, problem=problem))
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
@@ -1079,6 +1097,14 @@ def _finite(number: float) -> bool:
         return False
 
 
+def _field_of(module: str, inner: str, names: TorchNames) -> str:
+    """The key path here of torch module ``module``, from that of ``inner``, a Dense layer in
+    it or itself (``classifier`` from ``classifier.dense``'s)."""
+    path = next(m for m, n in names.members.items() if n.module == inner)
+    tail = inner[len(module):]
+    return path[:-len(tail)] if tail and path.endswith(tail) else path
+
+
 def _not_dense(targets: Any, modules: list[str], model: Any) -> ValueError:
     """:data:`TIED_HEAD_TARGET` where ``modules`` include a port's tied head, else :data:`NOT_DENSE_TARGET`."""
     option = f"target_modules={targets!r}"
@@ -1100,13 +1126,19 @@ def _tied_heads(model: Any) -> list[str]:
 
 
 def _tied_pairs(model: Any) -> list[tuple[str, str]]:
-    """``(head, embedding)`` torch module names of each tied from_hf port in ``model``."""
+    """``(head, embedding)`` torch module names of each tied from_hf port in ``model``: a
+    decoder's ``lm_head``, and a masked LM's decoder tied to the word embeddings (BERT's
+    ``cls.predictions.decoder``, RoBERTa's ``lm_head.decoder``: their ``hf_ties``)."""
     pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: family_of(x) is not None)
     out = []
     for path, node in pairs:
-        tied = tied_head(family_of(node), node) if family_of(node) is not None else None  # type: ignore[arg-type]
-        if tied is not None:
-            out.append(tuple(join_names(dotted_name(path), name.rpartition(".")[0]) for name in tied))
+        family = family_of(node)
+        if family is None:
+            continue
+        tied = tied_head(family, node)  # type: ignore[arg-type]
+        ties = ([tied] if tied is not None else []) + [
+            (copy, source) for copy, source in tied_copies(family, node) if copy.endswith(".weight")]
+        out.extend(tuple(join_names(dotted_name(path), name.rpartition(".")[0]) for name in pair) for pair in ties)
     return out  # type: ignore[return-value]
 
 
@@ -1115,6 +1147,10 @@ def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str,
     """The targeted modules, checked against the file's tensors and the model's Dense layers."""
     dense = {n.module for n in names.members.values() if n.weight_param}
     targets = config.get("target_modules")
+    if targets is None:
+        ends = sorted({m.rpartition(".")[2] for m in pairs})
+        raise ValueError(NO_TARGETS.format(modules=sorted(pairs)[:4] + (["..."] if len(pairs) > 4 else []),
+                                           right=json.dumps(ends)))
     unknown = sorted(m for m in pairs if m not in dense)
     if unknown and all(m in names.modules for m in unknown):  # an embedding, a tied head: adapters of another kind
         raise _not_dense(targets, unknown, model)

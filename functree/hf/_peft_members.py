@@ -147,15 +147,18 @@ def member_adapters(layer: DenseLayer) -> Iterator[tuple[str, np.ndarray, np.nda
         yield name, a[:, :r], b[:r], float(s)
 
 
-def written_alpha(scale: float, rank: int) -> float:
+def written_alpha(scale: float, rank: int, dtype: Any = np.float32) -> float:
     """The ``lora_alpha`` of an adapter of scale ``scale`` at rank ``rank``: ``scale · rank``,
-    in its shortest decimal form that gives the same float32 scale (the scale a float32
-    adapter computes with): ``10.0`` for a scale of ``10 / 3`` held in float32, not
-    ``10.000000476837158``."""
+    in its shortest decimal form that gives the same scale in the adapter's ``dtype`` (the
+    scale it computes with; float32 at least): ``10.0`` for a scale of ``10 / 3`` held in
+    float32, not ``10.000000476837158``; a float64 adapter's scale to the last bit (an rslora
+    adapter's ``7 / sqrt(3)``: 12.12435565298214 at rank 3, not float32's 12.124356, which
+    moved a float64 model's logits 3.3e-8 of scale)."""
     exact = scale * rank
-    target = np.float32(scale)
-    for digits in range(10):
+    kind = np.float64 if np.dtype(dtype).itemsize >= 8 else np.float32
+    target = kind(scale)
+    for digits in range(17 if kind is np.float64 else 10):
         short = round(exact, digits)
-        if np.float32(short / rank) == target:
+        if kind(short / rank) == target:
             return short
     return exact

@@ -419,6 +419,26 @@ def _close_names(name: str, public: list[str]) -> list[str]:
     return list(dict.fromkeys([*within[:3], *spelled]))[:3]
 
 
+# torch's and Hugging Face's names of a layer's parts -> functree's field, by class (the
+# names a user who reads a state dict types: attn.q_proj, embed_tokens.weight, norm.weight)
+TORCH_FIELDS: dict[str, dict[str, str]] = {
+    "MultiheadAttention": {"q_proj": "query_projection", "k_proj": "key_projection", "v_proj": "value_projection",
+                           "o_proj": "output_projection", "out_proj": "output_projection", "query": "query_projection",
+                           "key": "key_projection", "value": "value_projection", "dense": "output_projection"},
+    "Embedding": {"weight": "embeddings", "padding_idx": "padding_index"},
+    "LayerNorm": {"weight": "scale", "bias": "offset", "eps": "epsilon", "variance_epsilon": "epsilon"},
+    "RMSNorm": {"weight": "scale", "eps": "epsilon", "variance_epsilon": "epsilon"},
+}
+
+TORCH_FIELD = """\
+'{cls}' object has no attribute {name!r}: torch and Hugging Face call it {name}, functree's \
+{cls} calls it {field} (ft.to_flat_dict(model) lists every parameter's key path; \
+ft.nn.to_hf_state_dict gives Hugging Face's names).
+
+    wrong:  layer.{name}
+    right:  layer.{field}"""
+
+
 def missing_attribute(obj: Any, name: str, table: dict[str, tuple[str, str, str]] = FOREIGN_METHODS) -> AttributeError:
     """The error for ``model.<name>`` that the class lacks: another library's method
     (:data:`FOREIGN_METHODS`) with functree's equivalent, else Python's own message.
@@ -437,6 +457,10 @@ def missing_attribute(obj: Any, name: str, table: dict[str, tuple[str, str, str]
     if name in table:  # (an optimizer's table: OPTIMIZER_METHODS)
         why, wrong, right = table[name]
         text = FOREIGN_METHOD.format(cls=cls.__name__, name=name, why=why, wrong=wrong, right=right)
+    elif (field := next((TORCH_FIELDS[k.__name__][name] for k in cls.__mro__
+                         if name in TORCH_FIELDS.get(k.__name__, {}) and k.__module__.startswith("functree.")),
+                        None)) is not None:
+        text = TORCH_FIELD.format(cls=cls.__name__, name=name, field=field)
     elif any("setup" in vars(k) for k in cls.__mro__[:-1] if k.__module__.split(".")[0] != "functree"):
         text = LINEN_SETUP.format(cls=cls.__name__, name=name)
     else:

@@ -36,3 +36,32 @@ def test_the_traceback_suggests_no_private_module():
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("AttributeError: module 'functree' has no attribute 'paths': did you mean ft.all_key_paths")
     assert "'_paths'" not in run.stderr
+
+
+@pytest.mark.parametrize("build, name, field", [
+    (lambda k: ft.nn.MultiheadAttention(8, 2, key=k), "q_proj", "query_projection"),
+    (lambda k: ft.nn.MultiheadAttention(8, 2, key=k), "out_proj", "output_projection"),
+    (lambda k: ft.nn.Embedding(5, 4, key=k), "weight", "embeddings"),
+    (lambda k: ft.nn.LayerNorm(4), "bias", "offset"),
+    (lambda k: ft.nn.RMSNorm(4), "weight", "scale"),
+])
+def test_a_torch_name_of_a_layers_part_names_functrees_field(build, name, field):
+    """A user reading a Hugging Face state dict types attn.q_proj, embed_tokens.weight: the
+    error names functree's field (Python's "did you mean" finds none of them)."""
+    import jax
+
+    layer = build(jax.random.key(0))
+    with pytest.raises(AttributeError, match=rf"(?s)has no attribute '{name}': torch and Hugging Face call it {name}, "
+                                             rf"functree's \w+ calls it {field}.*right:  layer.{field}"):
+        getattr(layer, name)
+    getattr(layer, field)  # the field it names exists
+
+
+def test_a_hf_ports_attention_names_its_fields():
+    import jax
+
+    config = {"model_type": "llama", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
+              "num_hidden_layers": 1, "num_attention_heads": 2}
+    attention = ft.nn.from_hf(config, key=jax.random.key(0)).model.layers.layers.self_attn
+    with pytest.raises(AttributeError, match=r"calls it key_projection"):
+        attention.k_proj  # noqa: B018

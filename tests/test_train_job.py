@@ -592,6 +592,34 @@ def test_a_model_checkpoint_s_fixes_run(tmp_path):
     np.testing.assert_array_equal(trainer.model.bias, saved.bias)
 
 
+def test_a_model_and_optimizer_checkpoint_is_no_job_for_a_trainer(tmp_path):
+    """A user's loop saved model and optimizer state by epoch (manager.save(epoch, m, s));
+    trainer.restore(path) read the step label 2 as steps_run and stood at step 2 of epoch 1
+    (the optimizer's context at step 12): fit(epochs=3) trained 3 more epochs. Refused now;
+    optimizer_state=False continues the model in a fresh job."""
+    loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+    x = jnp.linspace(-1.0, 1.0, 24).reshape(8, 3)
+    batches = [(x, x[:, :2])] * 6
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
+    model = ft.nn.Dense(3, 2, key=jax.random.key(7))
+    state = opt.init(model)
+    with ft.train.CheckpointManager(tmp_path / "plain") as manager:
+        for epoch in (1, 2):
+            for batch in batches:
+                model, state, _ = opt.minimize(loss, model, state, batch)
+            manager.save(epoch, model, state)
+    make = lambda: ft.train.Trainer(ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.optim.adam(1e-2), loss)  # noqa: E731
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)step 2 is a checkpoint of a model .*no job position.*"
+                                                       r"right:  trainer.restore\(path, optimizer_state=False\)"):
+        make().restore(tmp_path / "plain")
+    trainer = make().restore(tmp_path / "plain", optimizer_state=False)
+    np.testing.assert_array_equal(trainer.model.weight, model.weight)
+    assert (trainer.steps_run, trainer.epoch, trainer.batch_in_epoch) == (0, 0, 0)
+    assert int(ft.optim.context(trainer.opt_state).step) == 0  # this trainer's optimizer state
+    trainer.fit(batches, epochs=1, progress=False)
+    assert trainer.steps_run == 6
+
+
 def test_callbacks_see_the_job_state_read_only():
     seen = []
 

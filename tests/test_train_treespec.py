@@ -921,11 +921,14 @@ def test_a_partial_with_its_keywords_in_another_order_is_the_same_partial(tmp_pa
         ft.train.load(tmp_path / "m", other)
 
 
-def test_a_lambda_activation_is_stored_by_its_name_and_any_lambda_template_reads_it(tmp_path):
-    # a lambda's body is not stored (its name, ...<lambda>, is): two lambdas cannot be told apart, as before
+def test_a_lambda_activation_is_stored_by_its_name_and_code_and_only_the_same_lambda_reads_it(tmp_path):
+    # a lambda's name (...<lambda>) with its code's digest (2026-12-04; before, any lambda
+    # template read it: tests/test_checkpoint_function_code.py)
     ft.train.save(tmp_path / "m", ft.nn.Dense(3, 4, lambda v: v * 3, key=jax.random.key(0)))
-    back = ft.train.load(tmp_path / "m", ft.nn.Dense(3, 4, lambda v: v * 5, key=jax.random.key(1)))
-    assert back.activation(1.0) == 5.0
+    with pytest.raises(ft.train.CheckpointError, match=r"activation: saved .*<lambda> \(code"):
+        ft.train.load(tmp_path / "m", ft.nn.Dense(3, 4, lambda v: v * 5, key=jax.random.key(1)))
+    back = ft.train.load(tmp_path / "m", ft.nn.Dense(3, 4, lambda v: v * 3, key=jax.random.key(1)))
+    assert back.activation(1.0) == 3.0
 
 
 def test_a_leafless_module_holding_a_partial_saved_in_another_process_loads_into_the_same_one(

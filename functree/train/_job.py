@@ -72,6 +72,17 @@ Read it as a checkpoint, or continue its model in a Trainer:
     right:  ft.train.CheckpointManager(path).restore().model
        or:  trainer.restore(path, optimizer_state=False)   # a Trainer continues its model (a fresh optimizer state)"""
 
+MODEL_NOT_A_JOB = """\
+{path} step {step} is a checkpoint of a model (written by CheckpointManager.save or \
+ft.train.save, not by a Trainer): it holds no job position, and its step label {step} may \
+count steps, epochs or anything. Restored with its optimizer state, the trainer would stand \
+at step {step} of epoch 1 while the optimizer's own count says otherwise, and fit(epochs=N) \
+would train N more epochs. Continue its model in a fresh job, or keep the loop that wrote it:
+
+    wrong:  trainer.restore(path)
+    right:  trainer.restore(path, optimizer_state=False)   # its model; this trainer's optimizer state, from step 0
+       or:  ckpt = ft.train.CheckpointManager(path).restore(template=model, opt_state_template=opt_state)"""
+
 UNSTORED_FIELD = """\
 functree.train._job: Position's fields {missing} have no entry in STORED (and STORED's \
 {extra} name no field). Each field of the position needs its key in a checkpoint's \

@@ -56,6 +56,7 @@ from functree.train._history import History
 from functree.train._interrupts import Interrupts
 from functree.train._job import (
     JOB_ATTRIBUTES,
+    MODEL_NOT_A_JOB,
     PLACED,
     JobState,
     add_readers,
@@ -934,13 +935,19 @@ class Trainer(Evaluation):
 
         ``optimizer_state=False`` restores the model, position and key only and keeps this
         trainer's optimizer state: a saved model continued with new optimizer options
-        (CNTK's new learners); the learning context then starts from this trainer's.
+        (CNTK's new learners); the learning context then starts from this trainer's. A
+        model's checkpoint (``CheckpointManager.save``: no job position) is read so only:
+        its model, the rest this trainer's (with its optimizer state: :data:`MODEL_NOT_A_JOB`).
         """
         if not isinstance(manager, CheckpointManager):
             with CheckpointManager(manager) as owned:
                 return self.restore(owned, step, optimizer_state=optimizer_state, callbacks=callbacks)
         job, checkpoint = read_job(manager, step, self._job, optimizer_state=optimizer_state,
                                    callbacks=callbacks, placement=self.train_step.placement)
+        if "trainer" not in checkpoint.config:  # a model's checkpoint (CheckpointManager.save): no position
+            if optimizer_state:
+                raise CheckpointError(MODEL_NOT_A_JOB.format(path=manager.directory, step=checkpoint.step))
+            job = self._job._replace(model=job.model)  # the model alone: this job's position, key and history
         self._check_means(job, f"{manager.directory}/{checkpoint.step}")
         self._job, self.checkpoint = job, checkpoint
         job = self._job  # its arrays (PLACED) on the model's devices, whatever the reader placed them by

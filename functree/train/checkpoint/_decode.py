@@ -28,6 +28,7 @@ from functree._paths import KeyPath
 from functree._tree import child_name
 from functree.hf._config import HFConfig
 from functree.train.checkpoint._errors import MALFORMED, SpecError
+from functree.train.checkpoint._function_code import same_function, shown, with_code
 from functree.train.checkpoint._registry import (
     current_definitions,
     lookup_function,
@@ -187,9 +188,13 @@ def _decode_static(code: Any, path: str) -> Any:
     if tag == "module" and isinstance(value, dict) and value.get("kind") == "module":
         return _decode(value, {}, path)  # no arrays: a leaf in it is damage
     if tag == "function" and isinstance(value, str):
-        fn = lookup_function(value)
+        base = value.partition("@")[0]  # a lambda's or local function's code digest (_function_code.py)
+        fn = lookup_function(value) or lookup_function(base)
         if fn is None:
-            why = f"the function {value!r} is not registered"
+            why = f"the function {shown(value)!r} is not registered"
+            raise StaticNeedsTemplateError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
+        if not same_function(value, with_code(fn, base)):
+            why = f"the function registered as {base!r} has other code than the saved one ({shown(value)})"
             raise StaticNeedsTemplateError(NO_TEMPLATE.format(what="a static value", path=path, why=why))
         return fn
     if tag == "repr":

@@ -52,6 +52,7 @@ from functree.train.checkpoint._decode import (
     safe_dtype,
 )
 from functree.train.checkpoint._errors import MALFORMED, CheckpointError, SpecError
+from functree.train.checkpoint._function_code import same_function, shown, with_code
 from functree.train.checkpoint._registry import (
     default_name,
     function_name,
@@ -114,7 +115,9 @@ def _encode_static(value: Any) -> dict[str, Any]:
         return {"scalar_type": np.dtype(value).name}
     name = function_name(value)
     if name is None and callable(value) and hasattr(value, "__qualname__"):
-        name = default_name(value)  # loadable once the loading process registers it
+        # loadable once the loading process registers it; a lambda's or a local function's
+        # name with its code's digest (functree/train/checkpoint/_function_code.py)
+        name = with_code(value, default_name(value))
     return {"function": name} if name else {"repr": repr(value)}
 
 
@@ -332,7 +335,7 @@ def static_differences(spec: Any, template: Any, path: str = "", *, texts: bool 
         out += _static_fields_differ(spec, template, path, texts)
     elif kind == "function" and callable(template):  # a function at a leaf: the template's is kept
         mine = _encode_static(template)
-        if mine != {"function": spec.get("name")} and "repr" not in mine:
+        if not ("function" in mine and same_function(spec.get("name"), mine["function"])) and "repr" not in mine:
             out.append((path, str(spec.get("name")), _shown(mine)))
     for name, child in _named_children(spec, path):
         found, value = _template_child(template, name)
@@ -365,6 +368,8 @@ def _static_fields_differ(spec: dict[str, Any], template: Any, path: str,
             differ = texts and not _same_text(code, mine)
         elif "module" in code and "module" in mine:  # a leafless Module may hold a partial's text, addresses and all
             differ = not _same_text(code, mine)
+        elif "function" in code and "function" in mine:  # a lambda's code compared too, where it can be
+            differ = not same_function(code["function"], mine["function"])
         else:
             differ = not same_code(code, mine) and not _stored_before(code, mine, value)
         if differ:
@@ -538,4 +543,6 @@ def _shown(code: Any) -> str:
         return f"{str(value.get('class')).rsplit('.', 1)[-1]}({fields})"
     if tag == "repr":  # a text only a template gives back: without its memory addresses (another per process)
         return _ADDRESS.sub("", str(value))
+    if tag == "function" and isinstance(value, str):
+        return shown(value)
     return repr(value) if tag == "json" else str(value)

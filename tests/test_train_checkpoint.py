@@ -1107,7 +1107,14 @@ def test_restoring_where_nothing_was_saved_shows_the_restart_guard(tmp_path):
     message = str(info.value)
     assert message.startswith(f"No checkpoint at all in {tmp_path / 'run'}: nothing has been saved there yet")
     assert "right:  if manager.latest_step() is not None:" in message and "one of []" not in message
+    assert not (tmp_path / "run").exists()  # a restore writes nothing (the manager it opened created it)
     assert CheckpointManager(tmp_path / "run").latest_step() is None  # the guard the message shows
+
+
+def test_loading_a_path_that_does_not_exist_says_so(tmp_path):
+    """ft.train.load of a missing path said it "is corrupted or incomplete"."""
+    with pytest.raises(CheckpointError, match=r"No checkpoint at .*missing: there is no such file or directory"):
+        ft.train.load(tmp_path / "missing")
 
 
 # --- save(overwrite=True) onto a symlink or a plain file; only functree's own names removed ----

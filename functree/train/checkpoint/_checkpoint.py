@@ -106,6 +106,13 @@ No checkpoint at step {step} in {path} (steps present: {steps}).
     wrong:  manager.restore({step})
     right:  manager.restore()          # the latest, or one of {steps}"""
 
+NO_TREE = """\
+No checkpoint at {path}: there is no such file or directory (ft.train.save writes a tree \
+there; a CheckpointManager's directory holds one folder per step).
+
+    wrong:  ft.train.load("{path}")
+    right:  ft.train.load(path_given_to_ft_train_save)   # or ft.train.CheckpointManager(directory).restore()"""
+
 NOTHING_SAVED = """\
 No checkpoint at all in {path}: nothing has been saved there yet, so there is nothing to
 restore (or the job saves into another directory). A job's first run starts fresh: restore
@@ -577,6 +584,8 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
     target = placement({"": template}, mesh, sharding, data_axis)
     old = _siblings(path)[1]
     where = old if not path.exists() and old.is_dir() else path  # an overwrite killed mid-swap
+    if not where.exists():  # (orbax's reader calls it damaged: nothing is there)
+        raise CheckpointError(NO_TREE.format(path=path))
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             arrays, meta = _read(lambda args: checkpointer.restore(where, args=args), where, target)

@@ -29,8 +29,8 @@ class CheckpointError(ValueError):
       >>> try:
       ...     ft.train.load(tempfile.mkdtemp() + "/missing")
       ... except ft.train.CheckpointError as e:
-      ...     print(str(e).splitlines()[-1])
-      Pass the directory written by ft.train.save(path, tree).
+      ...     print(str(e).splitlines()[0])
+      No checkpoint at ...missing: there is no such file or directory ...
     """
 
     __module__ = _SHOWN_IN

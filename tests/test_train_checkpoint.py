@@ -266,6 +266,17 @@ def test_a_managers_directory_and_a_saved_tree_name_each_other(tmp_path):
     ft.train.save(tmp_path / "tree", model)
     with pytest.raises(CheckpointError, match=r"one tree written by ft.train.save.*\n.*\n.*\n.*ft.train.load"):
         CheckpointManager(tmp_path / "tree")
+    # A step's folder given for the manager's directory: the directory and the step, both ways in
+    with pytest.raises(CheckpointError, match=r"(?s)run/4 is step 4 of the checkpoints in .*/run, not a directory"
+                                              r".*right:  trainer.restore\(\".*/run\", step=4\)"
+                                              r".*right:  ft.train.CheckpointManager\(\".*/run\"\).restore\(4, "):
+        CheckpointManager(tmp_path / "run" / "4")
+    assert_same(CheckpointManager(tmp_path / "run").restore(4, template=model).model, model)  # the call it shows
+    (tmp_path / "saves").mkdir()
+    ft.train.save(tmp_path / "saves" / "3", model)
+    (tmp_path / "saves" / "notes.txt").write_text("not a manager's")  # numbered saves beside other files
+    with pytest.raises(CheckpointError, match=r"one tree written by ft.train.save"):
+        CheckpointManager(tmp_path / "saves" / "3")
 
 
 KILLED_SAVE = textwrap.dedent(

@@ -620,6 +620,19 @@ def test_a_model_and_optimizer_checkpoint_is_no_job_for_a_trainer(tmp_path):
     assert trainer.steps_run == 6
 
 
+def test_restoring_a_step_folder_names_the_directory_and_the_step(tmp_path):
+    """trainer.restore("run/3") (a step's folder, as `ls run` shows it) said the folder was one
+    tree written by ft.train.save and pointed at ft.train.load: the job's fix is the manager's
+    directory and the step, which then restores step 3."""
+    t = job.trainer()
+    t.fit(job.data("list", 4), steps=6, log_every=LOG, progress=False,
+          callbacks=[ft.train.ModelCheckpoint(tmp_path / "run", every_steps=3)])
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)run/3 is step 3 of the checkpoints in .*/run"
+                                                       r".*right:  trainer.restore\(\".*/run\", step=3\)"):
+        job.trainer().restore(tmp_path / "run" / "3")
+    assert job.trainer().restore(tmp_path / "run", step=3).steps_run == 3
+
+
 def test_callbacks_see_the_job_state_read_only():
     seen = []
 

@@ -51,6 +51,14 @@ read it with ft.train.load:
     wrong:  ft.train.CheckpointManager("{path}").restore()
     right:  ft.train.load("{path}", template)      # or without a template: the tree as saved"""
 
+STEP_OF_A_MANAGER = """\
+{path} is step {step} of the checkpoints in {parent}, not a directory of steps: give the
+checkpoints' directory and the step.
+
+    wrong:  trainer.restore("{path}")                       # or CheckpointManager("{path}")
+    right:  trainer.restore("{parent}", step={step})
+    right:  ft.train.CheckpointManager("{parent}").restore({step}, template=model)"""
+
 NOT_A_DIRECTORY = """\
 {path} exists and is a file, not a directory. Nothing was written.
 
@@ -74,10 +82,17 @@ def check_directory(path: Path) -> None:
     foreign = sorted(e.name for e in path.iterdir() if not (
         STEP_DIR.match(e.name) or TMP in e.name or e.name.startswith(LOCK_NAME))) if path.exists() else []
     if (path / "meta").is_dir() and (path / "arrays").is_dir():
+        if STEP_DIR.match(path.name) and _holds_steps(path.parent):
+            raise CheckpointError(STEP_OF_A_MANAGER.format(path=path, step=int(path.name), parent=path.parent))
         raise CheckpointError(SAVED_TREE.format(path=path))
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
         raise CheckpointError(NOT_A_CHECKPOINT_DIRECTORY.format(path=path, entries=shown))
+
+
+def _holds_steps(directory: Path) -> bool:
+    """Whether ``directory`` holds only what a CheckpointManager writes (steps, locks, leftovers)."""
+    return all(STEP_DIR.match(e.name) or TMP in e.name or e.name.startswith(LOCK_NAME) for e in directory.iterdir())
 
 
 def remove_leftovers(directory: Path) -> None:

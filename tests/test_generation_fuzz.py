@@ -140,22 +140,6 @@ def processors(draw, new, beams=False):
     return o
 
 
-# min_length counts the prompt's left padding (HF's input_ids) and forced_bos_token_id acts after a
-# one-token prompt: a padded row run alone by HF would count otherwise, so they are dropped there.
-WIDTH_SENSITIVE = ("min_length", "forced_bos_token_id")
-
-
-def alone(options, mask):
-    """``options`` for HF running each row alone (unpadded): without the width-sensitive ones
-    where a row is padded."""
-    return options if mask.all() else {k: v for k, v in options.items() if k not in WIDTH_SENSITIVE}
-
-
-# HF counts the left padding's ids as tokens of an n-gram or a bad word's (or biased
-# sequence's) prefix; functree does not (docs/guides/generation.md): with these and padded rows, HF runs each row unpadded.
-PADDING_SENSITIVE = ("no_repeat_ngram_size", "bad_words_ids", "sequence_bias")
-
-
 def hf_generate(hf, ids, mask, new, **options):
     """HF's greedy generate: its new tokens ``[rows, steps]`` and processed scores ``[rows,
     steps, vocab]`` (steps < new where every row ended)."""
@@ -167,11 +151,10 @@ def hf_generate(hf, ids, mask, new, **options):
 
 
 def splits(ids, mask, options):
-    """``[(rows, ids, mask)]`` for HF: the batch, or each row alone and unpadded where a
-    padding-sensitive control meets a padded row."""
-    if not (set(options) & set(PADDING_SENSITIVE)) or mask.all():
-        return [(np.arange(len(ids)), ids, mask)]
-    return [(np.array([r]), ids[r:r + 1, mask[r] == 1], mask[r:r + 1, mask[r] == 1]) for r in range(len(ids))]
+    """``[(rows, ids, mask)]`` for HF: the whole padded batch (every control sees what HF's
+    sees: min_length counts the left padding, n-grams, bad words and sequence biases match its
+    pad ids, the repetition penalty skips it)."""
+    return [(np.arange(len(ids)), ids, mask)]
 
 
 def references(hf, ids, mask, new, options):
@@ -246,8 +229,6 @@ def test_greedy_controls_equal_hf_generate(data):
     ids, mask = data.draw(prompts())
     new = data.draw(st.integers(1, 6))
     options = data.draw(processors(new))
-    if set(options) & set(PADDING_SENSITIVE):
-        options = alone(options, mask)
     DRAWS["greedy"] += 1
     DRAWS["greedy pairs"] += compared_greedy(family, ids, mask, new, options)
 
@@ -271,14 +252,15 @@ def warpers(draw):
     return o
 
 
-def hf_processors(hf, prompt, new, options):
+def hf_processors(hf, prompt, new, options, mask=None):
     """HF's own processor list (``_get_logits_processor``: its order and conditions) for one
-    unpadded prompt ``[1, P]`` and ``options``, sampling."""
+    prompt ``[1, P]`` (left-padded where ``mask`` says so) and ``options``, sampling."""
     config = copy.deepcopy(hf.generation_config)
     config.update(do_sample=True, max_length=prompt.shape[1] + new, **options)
     hf._prepare_special_tokens(config, True, device="cpu")
+    mask = torch.ones_like(prompt) if mask is None else mask
     return hf._get_logits_processor(config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
-                                    device="cpu", model_kwargs={"attention_mask": torch.ones_like(prompt)})
+                                    device="cpu", model_kwargs={"attention_mask": mask})
 
 
 @functools.cache
@@ -289,8 +271,8 @@ def forward(family):
 
 def compared_sampled(family, ids, mask, new, options, seed):
     """Each sampled token lies in HF's kept set on the teacher-forced logits and its score is
-    HF's log_softmax there, row by row (unpadded: the padding-sensitive controls compare as the
-    row alone); a step where HF's processors keep another set on our own logits than on HF's
+    HF's log_softmax there, row by row (HF's processors see the row with its left padding, as
+    in HF's padded batch; the logits are the unpadded row's); a step where HF's processors keep another set on our own logits than on HF's
     (a token at a threshold, numerics) ends that row's comparison. The (row, step) pairs compared."""
     hf, model = lm(family)
     try:
@@ -310,9 +292,10 @@ def compared_sampled(family, ids, mask, new, options, seed):
         P = len(row) - new
         with torch.no_grad():
             theirs = hf(torch.from_numpy(row[None]), attention_mask=torch.ones(1, len(row), dtype=torch.long)).logits.float()
-        processors = hf_processors(hf, torch.from_numpy(row[None, :P]), new, options)
+        padded = np.concatenate([ids[r], tokens[r]])[None]  # the row as HF's padded batch holds it
+        processors = hf_processors(hf, torch.from_numpy(ids[r:r + 1]), new, options, torch.from_numpy(mask[r:r + 1]))
         for t in range(new):
-            before = torch.from_numpy(row[None, :P + t])
+            before = torch.from_numpy(padded[:, :ids.shape[1] + t])
             expected = processors(before, theirs[:, P + t - 1].clone())
             at = full.shape[1] - new + t - 1
             if not torch.equal(torch.isfinite(expected), torch.isfinite(processors(before, mine[r:r + 1, at].clone()))):
@@ -335,7 +318,7 @@ def test_sampled_scores_are_hf_processed_log_probabilities(data):
     family = data.draw(st.sampled_from(["llama", "gpt2"]))
     ids, mask = data.draw(prompts())
     new = data.draw(st.integers(1, 6))
-    options = alone({**data.draw(processors(new)), **data.draw(warpers())}, mask)
+    options = {**data.draw(processors(new)), **data.draw(warpers())}
     DRAWS["sampled"] += 1
     DRAWS["sampled pairs"] += compared_sampled(family, ids, mask, new, options, data.draw(st.integers(0, 2**16)))
 
@@ -425,8 +408,6 @@ def test_beam_search_controls_equal_hf_generate(data):
     ids, mask = data.draw(prompts())
     new = data.draw(st.integers(1, 6))
     options = data.draw(processors(new, beams=True))
-    if set(options) & set(PADDING_SENSITIVE):
-        options = alone(options, mask)
     beams = data.draw(st.integers(2, 3))
     options.update(num_beams=beams, num_return_sequences=data.draw(st.integers(1, beams)))
     if data.draw(st.booleans()):

@@ -46,7 +46,6 @@ from functree.generation._logits import (
     check_in_vocabulary,
     ngram_completions,
     prompt_tokens,
-    real_before,
     word_matches,
 )
 
@@ -233,10 +232,12 @@ class Now(NamedTuple):
     t: Any
     tokens: jax.Array
 
-    def real(self) -> jax.Array:
-        """bool ``[rows, W + new]``: the real tokens before new token ``t``."""
-        made = real_before(self.loop.prompt_mask, self.loop.new, self.loop.prompt, self.t)
-        return made if self.loop.beams == 1 else jnp.repeat(made, self.loop.beams, axis=0)
+    def row(self) -> jax.Array:
+        """bool ``[rows, W + new]``: the row's tokens before new token ``t``, its left padding
+        included: Hugging Face's ``input_ids``, which its n-grams, bad words and sequence biases
+        are matched against (pad ids and all; its repetition penalty alone skips the padding)."""
+        slots = jnp.arange(self.tokens.shape[1])
+        return jnp.broadcast_to(slots < self.loop.prompt + self.t, self.tokens.shape)
 
 
 class Options(NamedTuple):
@@ -295,8 +296,9 @@ class Control:
 @dataclass(frozen=True)
 class SequenceBias(Control):
     """``sequence_bias`` (HF's ``SequenceBiasLogitsProcessor``, first of all): each sequence's
-    bias is added to its last token's score where the row's real tokens end with the others (a
-    one-token sequence: always); biases of sequences ending in one token add up, and a sequence
+    bias is added to its last token's score where the row ends with the others (a one-token
+    sequence: always; the row's left padding is matched too, its pad ids, as HF matches its
+    ``input_ids``); biases of sequences ending in one token add up, and a sequence
     given twice keeps its last bias (HF's dict)."""
 
     words: tuple[tuple[int, ...], ...]
@@ -316,7 +318,7 @@ class SequenceBias(Control):
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         check_in_vocabulary("sequence_bias", [i for word in self.words for i in word], scores.shape[-1], nested=True)
-        match = word_matches(now.tokens, now.real(), now.loop.prompt + now.t, self.words)  # [rows, words]
+        match = word_matches(now.tokens, now.row(), now.loop.prompt + now.t, self.words)  # [rows, words]
         last = np.asarray([word[-1] for word in self.words])
         added = jnp.where(match, self.biases, jnp.float32(0.0))
         return scores + jnp.zeros_like(scores).at[:, last].add(added)
@@ -368,7 +370,9 @@ class RepetitionPenalty(Control):
 @record()
 @dataclass(frozen=True)
 class NoRepeatNGram(Control):
-    """``no_repeat_ngram_size=n``: a token completing an ``n``-gram already in the row is removed."""
+    """``no_repeat_ngram_size=n``: a token completing an ``n``-gram already in the row is
+    removed (the row's left padding included, its pad ids forming n-grams, as in HF's
+    ``input_ids``)."""
 
     n: int
     keywords = ("no_repeat_ngram_size",)
@@ -383,7 +387,7 @@ class NoRepeatNGram(Control):
         return cls(int(value)) if value else None
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        banned = ngram_completions(now.tokens, now.real(), now.loop.prompt + now.t, self.n, now.loop.vocab)
+        banned = ngram_completions(now.tokens, now.row(), now.loop.prompt + now.t, self.n, now.loop.vocab)
         return _removed(banned, scores)
 
 
@@ -391,7 +395,8 @@ class NoRepeatNGram(Control):
 @dataclass(frozen=True)
 class BadWords(Control):
     """``bad_words_ids``: the last token of a sequence whose others end the row is removed (a
-    one-token sequence that is an EOS id is ignored, as HF does)."""
+    one-token sequence that is an EOS id is ignored, as HF does; a prefix may reach into the
+    row's left padding, matching its pad ids, as HF's ``input_ids``)."""
 
     words: tuple[tuple[int, ...], ...]
     keywords = ("bad_words_ids",)
@@ -403,7 +408,7 @@ class BadWords(Control):
         return cls(words) if words else None
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        banned = bad_word_ends(now.tokens, now.real(), now.loop.prompt + now.t, self.words, now.loop.vocab)
+        banned = bad_word_ends(now.tokens, now.row(), now.loop.prompt + now.t, self.words, now.loop.vocab)
         return _removed(banned, scores)
 
 

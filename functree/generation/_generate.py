@@ -310,17 +310,18 @@ def generate(
     Before choosing, the logits pass Hugging Face's processors in its order:
 
     - ``sequence_bias`` (HF's ``{(ids...): bias}`` or ``[[ids, bias], ...]``): each bias is added to
-      its sequence's last token wherever the row's real tokens end with the others (a one-token
-      sequence: always);
+      its sequence's last token wherever the row ends with the others (a one-token sequence:
+      always; the row is HF's ``input_ids``: a prefix may match the left padding's pad ids);
     - ``repetition_penalty=r``: the logit ``l`` of every token already in the row (the real
       prompt tokens, left padding excluded, and the tokens generated so far) becomes ``l / r``
       if ``l > 0``, else ``l * r`` (``r > 1`` discourages repeats);
     - ``no_repeat_ngram_size=n``: a token that would complete an ``n``-gram already in the
-      row (real prompt tokens and generated ones; left padding is not part of any) is
-      ``-inf``;
+      row (the prompt and generated tokens; as HF, the left padding's pad ids form n-grams
+      too) is ``-inf``;
     - ``bad_words_ids`` (token-id sequences, e.g. ``[[13], [7, 8]]``): the last token of a
       sequence is ``-inf`` wherever the row ends with the tokens before it (a one-token
-      sequence: always); a sequence that is just an EOS id is ignored, as HF does;
+      sequence: always; as HF, a prefix may match the left padding's pad ids); a sequence
+      that is just an EOS id is ignored, as HF does;
     - ``min_length=m``: the EOS ids' logits are ``-inf`` while the row (the whole prompt, its
       left padding included, as HF counts ``input_ids``) holds fewer than ``m`` tokens;
     - ``min_new_tokens=m``: the EOS ids' logits are ``-inf`` for the first ``m`` new tokens;

@@ -1,5 +1,5 @@
 """Generation's array helpers: the n-grams and bad words a row forbids next, the tokens seen,
-the real tokens before a step, and the stop-sequence windows. Pure functions of arrays, traced
+and the stop-sequence windows. Pure functions of arrays, traced
 inside the decode loops (``_decode.py``) and the controls' records (``_controls.py``)."""
 
 from __future__ import annotations
@@ -43,20 +43,11 @@ def word_matches(tokens: jax.Array, real: jax.Array, length: Any, words: tuple[t
     return jnp.all((tail[:, None, :] == prefixes) | (prefixes < 0), axis=-1)
 
 
-def real_before(prompt_mask: jax.Array, new: int, prompt: Any, t: Any) -> jax.Array:
-    """bool ``[batch, W + new]`` (``prompt_mask [batch, W]``: the prompt's real tokens, 0 from
-    slot ``prompt`` on, the bucket's padding): the real tokens before new token ``t`` (the
-    prompt's unpadded ones, then the ``t`` generated at slots ``prompt .. prompt + t - 1``)."""
-    slots = jnp.arange(prompt_mask.shape[1] + new)
-    generated = (slots >= prompt) & (slots < prompt + t)
-    padded = jnp.concatenate([prompt_mask != 0, jnp.zeros((prompt_mask.shape[0], new), bool)], axis=1)
-    return padded | generated
-
-
 def ngram_completions(tokens: jax.Array, real: jax.Array, length: Any, n: int, vocab: int) -> jax.Array:
     """bool ``[rows, vocab]``: the tokens that would complete an ``n``-gram already among the
-    first ``length`` tokens of each row (``tokens``/``real`` ``[rows, total]``; padding, not
-    ``real``, is part of no n-gram): Hugging Face's ``no_repeat_ngram_size``."""
+    first ``length`` tokens of each row (``tokens``/``real`` ``[rows, total]``; a token not
+    ``real`` is part of no n-gram): Hugging Face's ``no_repeat_ngram_size``, whose rows are
+    ``Now.row()``, the left padding's ids included as HF's ``input_ids`` hold them."""
     rows, total = tokens.shape
     if total < n:
         return jnp.zeros((rows, vocab), bool)
@@ -64,7 +55,7 @@ def ngram_completions(tokens: jax.Array, real: jax.Array, length: Any, n: int, v
     grams = jnp.stack([tokens[:, i:starts + i] for i in range(n)], axis=-1)  # [rows, starts, n]
     whole = jnp.stack([real[:, i:starts + i] for i in range(n)], axis=-1).all(-1)
     whole = whole & (jnp.arange(starts) + n <= length)  # n-grams that end before the next token
-    if n > 1:  # (a -2 in the tail, padding or before the row, equals no token)
+    if n > 1:  # (a -2 in the tail, not real or before the row, equals no token)
         whole = whole & jnp.all(grams[..., :-1] == _last(tokens, real, length, n - 1)[:, None, :], axis=-1)
     counts = jnp.zeros((rows, vocab), jnp.int32)
     counts = counts.at[jnp.arange(rows)[:, None], grams[..., -1]].add(whole.astype(jnp.int32))

@@ -76,3 +76,31 @@ def test_padding_ids_count_in_ngrams_bad_words_and_sequence_bias_as_in_hf(llama,
     ours = new_tokens(model, PADDED, PADDED_MASK, 4, **options, **extra)
     np.testing.assert_array_equal(ours[:, :expected.shape[1]], expected)
     assert (ours[:, expected.shape[1]:] == PAD).all()  # (HF stops once every row ended; we fill)
+
+
+# ---- a checkpoint's remove_invalid_values is named, not silently ignored ----------------------------
+
+def test_a_checkpoints_remove_invalid_values_is_named_not_ignored(llama):
+    """HF's remove_invalid_values=True (InfNanRemoveLogitsProcessor) turns a removed token's
+    -inf into float32's lowest, which exponential_decay_length_penalty then raises to +inf:
+    HF ends the row at its third token despite min_new_tokens=5. A generation config that set
+    it was decoded without it and without a word; it is named in the warning now, and refused
+    as a keyword (it was "unexpected keyword" with no reason)."""
+    hf, _ = llama
+    ids, mask = np.array([[7, 8, 9, 11]]), np.ones((1, 4), np.int64)
+    options = dict(eos_token_id=EOS, min_new_tokens=5, exponential_decay_length_penalty=(0, 2.0))
+    plain = hf_new_tokens(hf, ids, mask, 6, **options)
+    removed = hf_new_tokens(hf, ids, mask, 6, remove_invalid_values=True, **options)
+    assert removed.shape[1] == 3 and removed[0, -1] == EOS and plain.shape[1] == 6  # HF's tokens change
+    saved = hf.generation_config
+    hf.generation_config = transformers.GenerationConfig(eos_token_id=EOS, pad_token_id=PAD,
+                                                         remove_invalid_values=True)
+    try:
+        ported = ft.nn.from_hf(hf)
+    finally:
+        hf.generation_config = saved
+    with pytest.warns(UserWarning, match=r"sets remove_invalid_values=True, which Hugging Face's generate applies"):
+        ft.nn.generate(ported, ids.astype(np.int32), 2)
+    with pytest.raises(TypeError, match=r"'remove_invalid_values' \(Hugging Face's generate applies it; "
+                                        r"ft.nn.generate does not have it\)"):
+        ft.nn.generate(ported, ids.astype(np.int32), 2, remove_invalid_values=True)

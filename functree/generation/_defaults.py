@@ -45,6 +45,9 @@ HF_OPTIONS = {"min_length": 0, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cut
               "diversity_penalty": 0.0, "penalty_alpha": None, "encoder_repetition_penalty": 1.0,
               "encoder_no_repeat_ngram_size": 0,  # (HF applies both encoder_* to a decoder-only prompt)
               "guidance_scale": None, "stop_strings": None, "top_h": None,
+              # HF's InfNanRemoveLogitsProcessor: a removed token's -inf becomes float32's lowest,
+              # which exponential_decay_length_penalty raises to +inf (EOS before min_new_tokens)
+              "remove_invalid_values": False,
               # HF runs these through remote code or a tokenizer (watermarking biases the logits;
               # constraints, force_words_ids and dola_layers pick another decoding method;
               # token_healing rewrites the prompt's last token): a checkpoint's value is named too

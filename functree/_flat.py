@@ -331,6 +331,10 @@ class _Restructured(Exception):
     results have the program's tree definition runs in this program (JAX keeps its trace)."""
 
 
+# JAX's refusal of a call whose committed arguments lie on different devices (raised at
+# dispatch, before the program runs).
+_INCOMPATIBLE_DEVICES = "incompatible devices for jitted computation"
+
 _FLAT_ARGUMENT = re.compile(r"\bdonated\[(\d+)\]")
 _FLAT_OTHER = re.compile(r"\bothers\[(\d+)\]((?:\[[^\[\]]*\])*)")  # others[1][0] / others[1]['x']
 _FLAT_FUNCTION = re.compile(r"the function flat at \S+_flat\.py:\d+")
@@ -487,6 +491,12 @@ class FlatJit:
                     except (RuntimeError, ValueError, TypeError) as e:
                         if paused:
                             _gc_enable()
+                        if self._before is not None and _INCOMPATIBLE_DEVICES in str(e):
+                            # (refused before it ran: nothing donated) the arguments not
+                            # donated moved to other devices (a model put on device 5 for a
+                            # step that donates only its own log, still on device 2): the
+                            # full way, whose ``before`` places the step's own arguments
+                            return self._call(args, kwargs)
                         self._reraise(e, args, kwargs)
                         raise
                     results = program.build(leaves)

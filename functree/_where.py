@@ -35,8 +35,10 @@ from jax.sharding import (
     SingleDeviceSharding,
 )
 
+from functree._tree import dotted_name
+
 __all__ = ["placement_of", "put", "placed_like", "committed_sharding", "default_device", "devices_error", "INCOMPATIBLE_DEVICES",
-           "MESH_AXIS_TYPES"]
+           "MESH_AXIS_TYPES", "LEAVES_ON_DEVICES", "several_devices"]
 
 
 INCOMPATIBLE_DEVICES = """\
@@ -45,6 +47,15 @@ INCOMPATIBLE_DEVICES = """\
 uncommitted array there (NumPy, or made without a device) but never a committed one.
     wrong:  {wrong}    # another device than {first_name}'s
     right:  {fix}    # or pass NumPy arrays"""
+
+
+LEAVES_ON_DEVICES = """\
+{call}: {name}'s own arrays are committed to different devices: {first} is on {first_devices}, \
+{other} on {other_devices}. A model computes on one set of devices, and JAX never moves a \
+committed array (a leaf put apart, or set from an array that lives elsewhere); put the \
+whole tree on one device (or mesh).
+    wrong:  {name} = ft.set({name}, {other_path!r}, jax.device_put(value, jax.devices()[{other_id}]))
+    right:  {name} = jax.device_put({name}, {fix})    # every leaf there, {first_name}'s first one's placement"""
 
 
 MESH_AXIS_TYPES = """\
@@ -79,6 +90,8 @@ def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> 
                 first = (where, devices, name)
             elif devices != first[1]:
                 shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
+                if name == first[2]:  # one argument's own leaves apart (a model half moved)
+                    return ValueError(several_devices_message(call, name, first[0], first[1], path, devices))
                 target = next(iter(first[1])) if len(first[1]) == 1 else None
                 fix = (f"{name} = jax.device_put({name}, jax.devices()[{target.id}])" if target is not None else
                        f"{name} = jax.device_put({name}, {first[0]}.sharding)")
@@ -87,6 +100,34 @@ def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> 
                 return ValueError(INCOMPATIBLE_DEVICES.format(
                     call=call, first=first[0], first_devices=shown(first[1]), other=where, other_devices=shown(devices),
                     fix=fix, wrong=wrong, first_name=first[2]))
+    return None
+
+
+def several_devices_message(call: str, name: str, first: str, first_devices: Any, other_path: Any,
+                            other_devices: Any) -> str:
+    """:data:`LEAVES_ON_DEVICES` for ``name``'s leaf ``first`` on ``first_devices`` and its
+    leaf at key path ``other_path`` on ``other_devices`` (device sets)."""
+    shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
+    target = next(iter(first_devices)) if len(first_devices) == 1 else None
+    fix = f"jax.devices()[{target.id}]" if target is not None else f"{first}.sharding"
+    return LEAVES_ON_DEVICES.format(
+        call=call, name=name, first=first, first_devices=shown(first_devices),
+        other=f"{name}{jax.tree_util.keystr(other_path)}", other_devices=shown(other_devices),
+        other_path=dotted_name(other_path), other_id=min(d.id for d in other_devices), fix=fix, first_name=name)
+
+
+def several_devices(tree: Any, call: str, name: str) -> ValueError | None:
+    """:data:`LEAVES_ON_DEVICES` when ``tree``'s committed arrays lie on more than one set of
+    devices (the first such leaf, by key path, and the first committed one), else None."""
+    first = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        sharding = committed_sharding(leaf)
+        if sharding is None:
+            continue
+        if first is None:
+            first = (f"{name}{jax.tree_util.keystr(path)}", sharding.device_set)
+        elif sharding.device_set != first[1]:
+            return ValueError(several_devices_message(call, name, first[0], first[1], path, sharding.device_set))
     return None
 
 

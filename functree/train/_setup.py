@@ -14,7 +14,7 @@ import numpy as np
 from functree import nn
 from functree._module import Module
 from functree._tree import dotted_name
-from functree._where import put
+from functree._where import committed_sharding, default_device, put
 from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
@@ -33,6 +33,15 @@ from functree.train._step_factories import train_step as make_train_step
 __all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING", "in_training_mode",
            "warn_frozen_state", "FrozenStateWarning", "warn_step_in_inference", "STEP_IN_INFERENCE",
            "TrainingModeWarning"]
+
+TRAINER_ELSEWHERE = """\
+trainer.{name} = ...: its array {path} is committed to {devices}, and this trainer's job (its \
+model, optimizer state and key) lives on {here}. The trainer trains where its model was when it \
+was built; it would have moved the array back there without a word.
+    wrong:  trainer.{name} = jax.device_put(trainer.{name}, jax.devices()[{other_id}])    # the job stays on {here}
+    right:  trainer.{name} = jax.device_put(new_{name}, {fix})    # the trainer's devices (or NumPy arrays)
+       or:  trainer.save(path); trainer = ft.train.Trainer(jax.device_put(model, jax.devices()[{other_id}]), optimizer, loss_fn).restore(path)"""
+
 
 WRT_WITH_STEP = """\
 Trainer(wrt=...) cannot change a TrainStep instance's optimizer: the step was built with its own.
@@ -519,6 +528,27 @@ def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:
         raise ValueError(LOSS_TAKES_NO_KEY.format(name=name, signature=signature(loss_fn)))
 
 
+def check_placed(value: Any, name: str, where: Any) -> None:
+    """:data:`TRAINER_ELSEWHERE` when an array of ``value`` (set as ``trainer.<name>``) is
+    committed to other devices than the trainer's (``where``: its placement, None for the
+    default device): uncommitted arrays and NumPy go where the job is."""
+    here = default_device_set() if where is None else where.device_set
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        sharding = committed_sharding(leaf)
+        if sharding is None or sharding.device_set == here:
+            continue
+        shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
+        fix = (f"jax.devices()[{next(iter(here)).id}]" if len(here) == 1
+               else f"jax.tree.map(lambda x: x.sharding, trainer.{name})")
+        raise ValueError(TRAINER_ELSEWHERE.format(
+            name=name, path=f"{name}{jax.tree_util.keystr(path)}", devices=shown(sharding.device_set), here=shown(here),
+            other_id=min(d.id for d in sharding.device_set), fix=fix))
+
+
+def default_device_set() -> set[Any]:
+    return {default_device()}
+
+
 def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any], None] | None = None,
               arrays: bool = False) -> Any:
     """A property reading ``name`` of the current :class:`JobState` (setting it commits a
@@ -531,6 +561,7 @@ def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any]
         if check is not None:
             check(value)
         if arrays:
+            check_placed(value, name, self._where)
             value = put(value, self._where)
         self._job = self._job.replace(**{name: value})
 

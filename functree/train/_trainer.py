@@ -27,7 +27,7 @@ import numpy as np
 
 from functree._alias import warn_aliases
 from functree._jit import has_untraceable_leaves, unchecked_jit
-from functree._where import placement_of, put
+from functree._where import placement_of, put, several_devices
 from functree.losses import OTHER_NAMES
 from functree.optim import next_sweep
 from functree.optim._average import keeps_average
@@ -552,6 +552,9 @@ class Trainer(Evaluation):
         check_key(loss_fn, key, train_step)
         # An accidental tie (one array at two leaves) is named once here; the copy unties it.
         warn_aliases(model, what="The model given to ft.train.Trainer")
+        if getattr(self.train_step, "placement", None) is None and (
+                apart := several_devices(model, "ft.train.Trainer", "model")) is not None:
+            raise apart  # (it put every leaf on the first one's devices, without a word; a mesh's step places them)
         trained = in_training_mode(model, training)  # the user's per-submodule modes kept
         warn_frozen_state(model, trained, getattr(self.optimizer, "wrt", None), training)  # a switched frozen BatchNorm
         model = own_copy(trained)

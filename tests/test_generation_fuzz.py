@@ -350,9 +350,9 @@ def lengths(new_tokens, options):
 
 
 def compared_beams(family, ids, mask, new, options):
-    """Our beams against HF's beam search: each returned sequence up to its end (after it we
-    fill with the pad id; HF's beam search fills with ``pad_token_id or eos_token_id[0]``, the
-    EOS where the pad id is 0) and its beam score (HF's ``sequences_scores``; ours: the summed
+    """Our beams against HF's beam search: each returned sequence up to its end, then its fill
+    (HF's beam search fills with ``pad_token_id or eos_token_id[0]``, the EOS where the pad id
+    is 0, and so do we) and its beam score (HF's ``sequences_scores``; ours: the summed
     token scores over ``length ** length_penalty``). Where the sequences differ, both lists'
     scores must agree within the tie allowance (two beams numerics could order either way).
     The number of sequences compared."""
@@ -394,8 +394,8 @@ def compared_beams(family, ids, mask, new, options):
             np.testing.assert_allclose(ours_scores, theirs, rtol=0, atol=atol, err_msg="other beams, other scores")
             DRAWS["beam ties"] += 1
             continue  # a tie between beams: the order is numerics
-        np.testing.assert_array_equal(np.where(cut, PAD, tokens[picked]), PAD if "pad_token_id" not in options
-                                      else np.where(cut, PAD, options["pad_token_id"]))
+        fill = options.get("pad_token_id", PAD) or eos_ids(options)[0]  # (HF's `pad or eos[0]`)
+        np.testing.assert_array_equal(np.where(cut, -1, tokens[picked]), np.where(cut, -1, fill))
         np.testing.assert_allclose(ours_scores, theirs, rtol=0, atol=SCORES * max(1.0, float(np.abs(theirs).max())))
         compared += len(picked)
     return compared

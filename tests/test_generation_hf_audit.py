@@ -104,3 +104,25 @@ def test_a_checkpoints_remove_invalid_values_is_named_not_ignored(llama):
     with pytest.raises(TypeError, match=r"'remove_invalid_values' \(Hugging Face's generate applies it; "
                                         r"ft.nn.generate does not have it\)"):
         ft.nn.generate(ported, ids.astype(np.int32), 2, remove_invalid_values=True)
+
+
+# ---- beam search pads with HF's `pad_token_id or eos_token_id[0]` ---------------------------------
+
+@pytest.mark.parametrize("pad", [0, 5, None])
+def test_beam_search_fills_finished_beams_as_hf(llama, pad):
+    """HF's beam search fills a finished sequence with ``pad_token_id or eos_token_id[0]``: pad
+    id 0 (given, or the checkpoint's when unset) is falsy there and the EOS id fills. ft.nn.generate
+    filled with 0: the returned beams' tokens after their end were 0 where HF's are the EOS."""
+    hf, model = llama
+    ids = np.array([[7, 8, 9, 11], [0, 3, 4, 5]])
+    mask = np.array([[1, 1, 1, 1], [0, 1, 1, 1]])
+    options = dict(eos_token_id=41, num_beams=2, num_return_sequences=2)
+    if pad is not None:
+        options["pad_token_id"] = pad
+    expected = hf_new_tokens(hf, ids, mask, 6, **options)
+    assert expected.shape[1] == 6 and (expected[2:, -2:] == (pad or 41)).all()  # rows 2, 3 end early
+    np.testing.assert_array_equal(new_tokens(model, ids, mask, 6, **options), expected)
+    greedy = {k: v for k, v in options.items() if k not in ("num_beams", "num_return_sequences")}
+    ours_greedy = new_tokens(model, ids, mask, 6, **greedy)  # greedy fills with the pad id, 0 too (HF's)
+    np.testing.assert_array_equal(ours_greedy[:, :hf_new_tokens(hf, ids, mask, 6, **greedy).shape[1]],
+                                  hf_new_tokens(hf, ids, mask, 6, **greedy))

@@ -312,9 +312,10 @@ def generate(
     - ``sequence_bias`` (HF's ``{(ids...): bias}`` or ``[[ids, bias], ...]``): each bias is added to
       its sequence's last token wherever the row ends with the others (a one-token sequence:
       always; the row is HF's ``input_ids``: a prefix may match the left padding's pad ids);
-    - ``repetition_penalty=r``: the logit ``l`` of every token already in the row (the real
-      prompt tokens, left padding excluded, and the tokens generated so far) becomes ``l / r``
-      if ``l > 0``, else ``l * r`` (``r > 1`` discourages repeats);
+    - ``repetition_penalty=r``: the logit ``l`` of every token already in the row (the
+      prompt's tokens from its first real one on, left padding excluded: as HF, a masked token
+      after a real one counts; and the tokens generated so far) becomes ``l / r`` if ``l > 0``,
+      else ``l * r`` (``r > 1`` discourages repeats);
     - ``no_repeat_ngram_size=n``: a token that would complete an ``n``-gram already in the
       row (the prompt and generated tokens; as HF, the left padding's pad ids form n-grams
       too) is ``-inf``;
@@ -356,7 +357,8 @@ def generate(
     ``early_stopping`` (False: HF's heuristic, the default; True: once ``k`` are finished;
     ``"never"``) deciding when to stop. The result has ``num_return_sequences`` (default 1,
     at most ``k``) rows per prompt, best first: ``[batch * num_return_sequences, P + N]``,
-    padded with ``pad_token_id`` after each sequence's end. The beams are rows of one batch in
+    padded with ``pad_token_id`` after each sequence's end (as HF's beam search: the first EOS
+    id where the pad id is 0 or unset, HF's ``pad_token_id or eos_token_id[0]``). The beams are rows of one batch in
     the same compiled loop, the key-value cache reordered by each step's chosen beams.
 
     ``return_scores=True`` returns ``(tokens, scores)``, ``scores`` float32 ``[rows, N]``: each
@@ -632,8 +634,9 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
         raise ValueError(STOP_NEEDS_PAD.format(stop=stop))
     beams, returns, lp, early = _beam_options(o["num_beams"], o["num_return_sequences"], o["length_penalty"],
                                               o["early_stopping"], greedy, o)
-    # HF's fill is pad, else the first EOS id even outside the vocabulary (its pad = eos[0])
-    fill = pad[0] if pad else (given_eos[0] if given_eos else 0)
+    # HF's fill is pad, else the first EOS id even outside the vocabulary (its pad = eos[0]);
+    # its beam search fills with `pad or eos[0]`: pad id 0 is falsy there, the EOS fills
+    fill = pad[0] if pad and (pad[0] != 0 or beams == 1) else (given_eos[0] if given_eos else 0)
     if beams == 1 and returns > 1:  # sampling: each prompt `returns` times, HF's order (repeat_interleave)
         ids, mask = _repeated(ids, returns), _repeated(mask, returns)
     _check_streamer(streamer, beams, ids)

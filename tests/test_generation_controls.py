@@ -491,3 +491,30 @@ def test_the_guides_table_lists_every_control():
     order = [re.search(r"`(\w+)`", r).group(1) for r in rows if re.search(r"`(\w+)`", r)]  # pyright: ignore
     named = [n for n in order if n in {c.__name__ for c in _controls.CONTROLS}]
     assert named == [c.__name__ for c in _controls.CONTROLS]  # in CONTROLS' order
+
+
+# ---- the audit against transformers 5's generate (each test failed before its fix) ---------------
+
+GAPPED = np.array([[5, 6, 7, 8, 9, 11], [12, 13, 14, 15, 16, 17]], np.int32)
+GAPPED_MASK = np.array([[1, 0, 0, 0, 0, 1], [0, 1, 0, 0, 1, 1]], np.int32)  # zeros after a real token
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_repetition_penalty_counts_masked_tokens_after_the_first_real_one_as_hf(beams):
+    """HF's repetition penalty skips each row's tokens before its first real one (the left
+    padding: ``attention_mask``'s first 1) and counts every later token, masked or not.
+    ft.nn.generate counted only the real (mask 1) ones: with a 0 after a real token (a mask
+    HF and ft.nn.generate accept, or one inferred from a pad id inside the prompt) its tokens
+    differed, silently (row 0 at 0.01: 40 40 11 40 where HF gives 8 6 8 6)."""
+    hf, model = tiny_llama(4.0)
+    for penalty in (0.01, 100.0):
+        extra = {} if beams == 1 else {"num_beams": beams}
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = hf.generate(torch.from_numpy(GAPPED.astype(np.int64)), attention_mask=torch.from_numpy(
+                GAPPED_MASK.astype(np.int64)), max_new_tokens=4, do_sample=False, repetition_penalty=penalty,
+                eos_token_id=EOS, **extra)
+        expected = out.numpy()[:, GAPPED.shape[1]:]
+        ours = np.asarray(ft.nn.generate(model, GAPPED, 4, attention_mask=GAPPED_MASK, repetition_penalty=penalty,
+                                         eos_token_id=EOS, **extra))[:, GAPPED.shape[1]:]
+        np.testing.assert_array_equal(ours[:, :expected.shape[1]], expected, err_msg=f"penalty {penalty}")

@@ -343,7 +343,9 @@ def _bias_pairs(value: Any) -> list[tuple[tuple[int, ...], float]] | None:
 @dataclass(frozen=True)
 class RepetitionPenalty(Control):
     """``repetition_penalty=r``: a seen token's score ``l`` becomes ``l / r`` if ``l > 0``, else
-    ``l * r``; the state is bool ``[rows, vocab]``, the tokens in the row (real prompt ones)."""
+    ``l * r``; the state is bool ``[rows, vocab]``, the tokens in the row: the prompt's from its
+    first real token on (HF's ``prompt_ignore_length``, the left padding's width: a masked
+    token after a real one counts, as in HF), then the generated ones."""
 
     penalty: Any
     keywords = ("repetition_penalty",)
@@ -358,7 +360,10 @@ class RepetitionPenalty(Control):
         return None if value == 1.0 else cls(np.float32(value))
 
     def init(self, loop: Loop) -> Any:
-        return prompt_tokens(loop.ids, loop.prompt_mask, loop.vocab)
+        # from the first real slot to the prompt's end (slot `prompt` on: the bucket's padding)
+        slots = jnp.arange(loop.prompt_mask.shape[1])
+        counted = (jnp.cumsum(loop.prompt_mask != 0, axis=1) > 0) & (slots < loop.prompt)
+        return prompt_tokens(loop.ids, counted.astype(jnp.int32), loop.vocab)
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
         return jnp.where(state, jnp.where(scores < 0, scores * self.penalty, scores / self.penalty), scores)

@@ -24,7 +24,7 @@ import copy
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple, TypeGuard
 
 from functree.hf._family import FAMILIES
@@ -305,6 +305,74 @@ them with a head drawn at random (a warning), whose logits mean nothing; no mode
     right:  the causal LM's own checkpoint: {hf_class}.from_pretrained(...).save_pretrained(directory)
        or:  ft.nn.from_hf({{**config, "tie_word_embeddings": True}}, weights)   # if the head is the embedding (a tied model)
 """
+
+
+NOT_FLOATING = """\
+ft.nn.from_hf: the weights' {tensor!r} is {given} (shape {shape}), where the {hf_class} the config \
+builds has a floating weight ({expected}){more}. transformers' from_pretrained casts the \
+integers to floats without a word: another model (a quantized checkpoint's integers read \
+without their scales, or a file whose header was altered); nothing was built.
+
+    wrong:  {tensor!r}: {given}, shape {shape}
+    right:  {tensor!r}: float32, float16 or bfloat16, shape {shape}   # the checkpoint's floating file: download or save it again
+       or:  {load}weights[{tensor!r}] = weights[{tensor!r}]{cast}   # only where these integers are the values meant
+            model = ft.nn.from_hf(config, weights)
+"""
+
+PREFIXED_WEIGHTS = """\
+ft.nn.from_hf: the weights' names start with {prefix!r} (e.g. {example!r}), where the {hf_class} \
+the config builds names its weights without it ({expected!r}): a checkpoint saved from a model \
+wrapped in another (PEFT's base_model.model., DistributedDataParallel's module.) or its names \
+edited. transformers' from_pretrained does not strip it either: it initializes every weight \
+at random (its load report lists them all as missing), a model whose logits mean nothing; \
+nothing was built.
+
+    wrong:  {example!r}
+    right:  {expected!r}
+            {load}weights = {{k.removeprefix({prefix!r}): v for k, v in weights.items()}}
+            model = ft.nn.from_hf(config, weights)
+"""
+
+
+def _dtype_name(value: Any) -> str:
+    """A tensor's or array's dtype name, torch's or NumPy's ("int8", "bfloat16", "float8_e4m3fn")."""
+    return str(getattr(value, "dtype", "")).removeprefix("torch.")
+
+
+def not_floating(hf_class: str, weights: Mapping[str, Any], unexpected: Collection[str],
+                 mismatched: Collection[tuple[str, str, str]], load: str) -> ValueError | None:
+    """:data:`NOT_FLOATING` where a tensor the model reads as a floating weight is an integer,
+    boolean or complex one (``mismatched``: the load report's, which refused it), else None.
+    A quantized checkpoint's tensors left over (``unexpected``: scales beside integer weights)
+    are named by the caller's own error."""
+    refused = " ".join(given for _, _, given in mismatched)
+    wrong = [name for name, value in weights.items() if name not in unexpected
+             and not _dtype_name(value).startswith(("float", "bfloat"))
+             and f"dtype {_dtype_name(value)}" in refused]
+    if not wrong:
+        return None
+    first = weights[wrong[0]]
+    expected = next((want for _, want, given in mismatched if f"dtype {_dtype_name(first)}" in given), "floating")
+    more = f"; so are {wrong[1:4] + (['...'] if len(wrong) > 4 else [])}" if len(wrong) > 1 else ""
+    torch = bool(load) or type(first).__module__.startswith("torch")  # (a file's: safetensors.torch's reader)
+    return ValueError(NOT_FLOATING.format(tensor=wrong[0], given=_dtype_name(first), shape=tuple(first.shape),
+                                          hf_class=hf_class, expected=expected, more=more, load=load,
+                                          cast=".float()" if torch else ".astype(np.float32)"))
+
+
+def prefixed(hf_class: str, weights: Mapping[str, Any], stack: str, load: str) -> ValueError | None:
+    """:data:`PREFIXED_WEIGHTS` where no tensor's name starts with ``stack`` (the torch name of
+    the model's layers, ``model.layers``) but some name holds it after a prefix shared by
+    every name (``base_model.model.model.layers.0...``), else None."""
+    marker = f".{stack}."
+    example = next((name for name in weights if marker in name and not name.startswith(f"{stack}.")), None)
+    if example is None or any(name.startswith(f"{stack}.") for name in weights):
+        return None
+    prefix = example[:example.index(marker) + 1]
+    if not all(name.startswith(prefix) for name in weights):
+        return None
+    return ValueError(PREFIXED_WEIGHTS.format(prefix=prefix, example=example, expected=example.removeprefix(prefix),
+                                              hf_class=hf_class, load=load))
 
 
 QUANTIZED = """\

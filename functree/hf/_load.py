@@ -42,6 +42,8 @@ from functree.hf._files import (
     DEFAULTS,
     Config,
     missing_tensors,
+    not_floating,
+    prefixed,
     read_config,
     read_weights,
     refuse_quantized,
@@ -593,7 +595,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         built = _from_config(family, config, carried, dtype, key, attention).replace(hf_config=carried)
         return with_head_dropout(with_dropout(built, config, dropout, key), config, dropout)
     given = weights
-    weights = family.hf_names(dict(read_weights(weights)))  # older names as the class's state_dict has them
+    weights = family.hf_names(_base_stripped(family, dict(read_weights(weights))))  # older names as the class's state_dict has them
     check_body_name(family, weights)  # (Llama's QA body is transformer.*: a causal LM's model.* is not it)
     template = _template(family, config, set(weights), dtype, attention)
     weights = _untie(family, template, weights)
@@ -602,12 +604,19 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         model, report = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts, strict=False,
                                       given_names=True, complete=True)
     except ShortStack as e:  # found in the weights' names alone: no layer walked, no array built
+        wrapped = prefixed(family.hf_class, weights, e.torch, _loading(given))  # (base_model.model.model.layers.0 ...)
+        if wrapped is not None:
+            raise wrapped from None
         # (a task model's body under a name of its own, Llama's QA transformer.*: its class, not a layer count)
         check_head_tensors(family, config, _foreign(cls, weights),
                            fits=lambda task: _fits(task, config, given, dtype, attention))
         raise _layers_not_in_weights(e, config) from None
     if not report.ok:  # the fixes from_hf's caller has (load_torch_state_dict's rename= and strict= it has not)
         _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)
+        if not any(_QUANTIZER_TENSOR.fullmatch(n) for n in report.unexpected):  # (else a quantized checkpoint's)
+            integers = not_floating(family.hf_class, weights, report.unexpected, report.mismatched, _loading(given))
+            if integers is not None:
+                raise integers
         check_head_tensors(family, config, report.unexpected,  # a task model's weights, its class not named
                            fits=lambda task: _fits(task, config, given, dtype, attention))
         check_head_missing(family, config, report.missing, report.unexpected)  # a body's checkpoint: with_head
@@ -656,6 +665,22 @@ def _unread_heads(family: type[HFModel], report: FlatDictReport) -> bool:
         message += "\n" + POOLER_UNREAD  # (a masked LM's file: the next step is often a classifier)
     warn(message, UnreadTensorsWarning)
     return True
+
+
+def _base_stripped(family: type[HFModel], weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` without a second base-model prefix where every name has one
+    (``model.model.layers.0...``, ``model.lm_head.weight``: a causal LM saved under a wrapper's
+    ``model`` attribute), as transformers' loader reads them: it strips the base model's prefix
+    (``model``; GPT-2's ``transformer``) from a name when what is left is one of the model's.
+    Here every name's rest must start with a module of the class (else the names are kept, and
+    refused by name where they do not fit). The covered classes only (a task class's body has
+    a prefix of its own)."""
+    base = _BODY_PREFIX.get(str(family.model_type), "model") + "."
+    known = set(getattr(family, "__ft_fields__", ())) | {k.split(".")[0] for k in family.hf_rename}
+    if FAMILIES.get(str(family.model_type)) is not family or not weights \
+            or not all(k.startswith(base) and k[len(base):].split(".")[0] in known for k in weights):
+        return weights
+    return {k[len(base):]: v for k, v in weights.items()}
 
 
 def _foreign(cls: type[HFModel], weights: Mapping[str, Any]) -> list[str]:

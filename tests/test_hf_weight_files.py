@@ -1,0 +1,192 @@
+"""Weight files as the internet writes them: each tampered ``save_pretrained`` directory reads
+as transformers' ``from_pretrained`` reads it (the same logits), or is refused naming the
+tensor, what was expected and what was given, and the fix.
+
+Each directory is a tiny random model's ``save_pretrained`` output, its ``model.safetensors``
+rewritten with the ``safetensors`` library or its header edited byte by byte."""
+
+import json
+import re
+import struct
+import warnings
+
+import numpy as np
+import pytest
+
+import functree as ft
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+IDS = np.array([[1, 5, 9, 3, 7, 2]])
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _llama(dtype=torch.float32):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=61, n_embd=16, n_layer=2, n_head=4,
+                                                                n_positions=32)).eval()
+
+
+def _saved(model, path, change=None):
+    """``model``'s save_pretrained directory, its tensors passed through ``change``."""
+    model.save_pretrained(path)
+    if change is not None:
+        file = path / "model.safetensors"
+        tensors = change(safetensors_torch.load_file(file))
+        safetensors_torch.save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
+def _hf_logits(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits.float().numpy()
+
+
+def _close(ours, theirs, rtol):
+    scale = max(float(np.abs(theirs).max()), 1e-3)
+    np.testing.assert_allclose(np.asarray(ours, np.float32), theirs, atol=rtol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, config_dtype, rtol", [
+    (torch.float16, "bfloat16", 2e-2),   # an fp16 file with a bf16 config: HF casts to bf16, functree to float32
+    (torch.float32, "bfloat16", 2e-2),
+    (torch.float64, "float32", 1e-5),
+    (torch.float16, None, 2e-3),         # no dtype in config.json: HF keeps the file's float16
+    (torch.float64, None, 1e-5),
+])
+def test_a_floating_file_of_another_dtype_than_its_config_reads_as_transformers_reads_it(tmp_path, dtype,
+                                                                                         config_dtype, rtol):
+    path = _saved(_llama(), tmp_path, lambda sd: {k: v.to(dtype) for k, v in sd.items()})
+    config = json.loads((path / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    if config_dtype is not None:
+        config["dtype"] = config_dtype
+    (path / "config.json").write_text(json.dumps(config))
+    _close(ft.nn.from_hf(path)(IDS), _hf_logits(path), rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_float8_tensor_in_a_float32_file_reads_its_values_as_transformers_does(tmp_path, dtype):
+    path = _saved(_llama(), tmp_path, lambda sd: {**sd, Q: sd[Q].to(dtype)})
+    _close(ft.nn.from_hf(path)(IDS), _hf_logits(path), 1e-5)
+
+
+def _integers(name, dtype):
+    def change(sd):
+        value = sd[name] * 100
+        return {**sd, name: value > 0 if dtype is torch.bool else value.to(dtype)}
+    return change
+
+
+@pytest.mark.parametrize("name, dtype", [(Q, torch.int8), (Q, torch.uint8), (Q, torch.bool),
+                                         ("model.norm.weight", torch.int64),
+                                         ("model.layers.1.mlp.up_proj.weight", torch.int32)])
+def test_an_integer_tensor_for_a_floating_weight_is_refused_naming_it(tmp_path, name, dtype):
+    """transformers casts an integer or boolean tensor to the float weight silently (another
+    model); functree refused it naming the tensor by functree's own name
+    (``self_attn.query_projection``, not the file's ``q_proj``) with the fix of a config
+    that is not the weights' own."""
+    path = _saved(_llama(), tmp_path, _integers(name, dtype))
+    _hf_logits(path)  # transformers loads it
+    given = str(dtype).removeprefix("torch.")
+    shape = tuple(safetensors_torch.load_file(path / "model.safetensors")[name].shape)
+    with pytest.raises(ValueError, match=(
+            rf"(?s)the weights' '{re.escape(name)}' is {given} \(shape {re.escape(str(shape))}\), where the "
+            rf"LlamaForCausalLM the config builds has a floating weight \(.*dtype float32\).*casts the integers "
+            rf"to floats.*wrong:  '{re.escape(name)}': {given}, shape .*right:  '{re.escape(name)}': float32, "
+            rf"float16 or bfloat16.*safetensors.torch.load_file.*\.float\(\)")):
+        ft.nn.from_hf(path)
+
+
+def test_an_integer_tensor_in_a_state_dict_of_arrays_names_numpys_cast():
+    model = _llama()
+    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    weights[Q] = (weights[Q] * 100).astype(np.int16)
+    with pytest.raises(ValueError, match=rf"(?s)'{re.escape(Q)}' is int16 .*\.astype\(np.float32\)"):
+        ft.nn.from_hf(model.config, weights)
+
+
+def test_a_header_whose_dtype_was_rewritten_to_an_integer_is_refused_naming_the_tensor(tmp_path):
+    """The same bytes read as int32: a header edit that keeps the file's layout valid."""
+    path = _saved(_llama(), tmp_path)
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    header[Q]["dtype"] = "I32"
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + size:])
+    with pytest.raises(ValueError, match=rf"'{re.escape(Q)}' is int32 \(shape \(16, 16\)\)"):
+        ft.nn.from_hf(path)
+
+
+def test_a_quantized_checkpoints_integer_weight_with_its_scale_is_named_a_quantized_checkpoint(tmp_path):
+    """An int8 weight beside its scale (bitsandbytes' SCB) is a quantized checkpoint: its own error."""
+    def change(sd):
+        return {**sd, Q: (sd[Q] * 100).to(torch.int8), Q.replace(".weight", ".SCB"): torch.ones(16)}
+    path = _saved(_llama(), tmp_path, change)
+    with pytest.raises(ValueError, match="quantized checkpoint's tensors"):
+        ft.nn.from_hf(path)
+
+
+@pytest.mark.parametrize("make, prefix", [(_llama, "base_model.model."), (_llama, "module."), (_llama, "transformer."),
+                                          (_gpt2, "module."), (_gpt2, "model.")])
+def test_weights_under_a_wrappers_prefix_are_refused_naming_the_prefix(tmp_path, make, prefix):
+    """transformers initializes every weight at random (none is under its names); functree
+    refused them as a config with too many layers: ``"num_hidden_layers": 0`` its fix."""
+    model = make()
+    path = _saved(model, tmp_path, lambda sd: {prefix + k: v for k, v in sd.items()})
+    with torch.no_grad():
+        own = model(torch.tensor(IDS)).logits.numpy()
+    assert not np.allclose(_hf_logits(path), own, atol=1e-3)  # transformers' model is not the checkpoint's
+    layer = "model.layers.0." if make is _llama else "transformer.h.0."
+    with pytest.raises(ValueError, match=(
+            rf"(?s)the weights' names start with '{re.escape(prefix)}' \(e.g. '{re.escape(prefix + layer)}.*"
+            rf"wrong:  '{re.escape(prefix + layer)}.*right:  '{re.escape(layer)}.*"
+            rf"weights = \{{k.removeprefix\('{re.escape(prefix)}'\): v")) as e:
+        ft.nn.from_hf(path)
+    assert "num_hidden_layers" not in str(e.value)
+    stripped = {k.removeprefix(prefix): v.numpy() for k, v in safetensors_torch.load_file(path / "model.safetensors")
+                .items()}
+    _close(ft.nn.from_hf(model.config, stripped)(IDS), own, 1e-5)  # the fix reads the checkpoint's model
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nan_or_infinite_weight_reads_as_the_file_holds_it(tmp_path, value):
+    """HF loads such a weight too (its CPU attention kernel then gives finite logits from NaN
+    queries, functree NaN: the file's numbers, not another model's)."""
+    path = _saved(_llama(), tmp_path, lambda sd: {**sd, "model.norm.weight": torch.full((16,), value)})
+    model = ft.nn.from_hf(path)
+    np.testing.assert_array_equal(np.asarray(model.model.norm.scale), np.full(16, value, np.float32))  # (NaN too)
+
+
+@pytest.mark.parametrize("make, prefix, tie", [(_llama, "model.", False), (_llama, "model.", True),
+                                               (_gpt2, "transformer.", True)])
+def test_weights_under_a_second_base_model_prefix_read_as_transformers_reads_them(tmp_path, make, prefix, tie):
+    """``model.model.layers.0...`` and ``model.lm_head.weight`` (a causal LM saved as a wrapper's
+    ``model``): transformers strips the base model's prefix where the rest is the model's
+    name; functree refused them as a config with too many layers."""
+    model = make()
+    if tie:
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    path = _saved(model, tmp_path, lambda sd: {prefix + k: v for k, v in sd.items()})
+    with torch.no_grad():
+        own = model(torch.tensor(IDS)).logits.numpy()
+    theirs = _hf_logits(path)
+    _close(theirs, own, 1e-6)
+    _close(ft.nn.from_hf(path)(IDS), theirs, 1e-5)

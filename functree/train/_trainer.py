@@ -420,7 +420,11 @@ class Trainer(Evaluation):
         one wholly in inference mode (a fresh one) is switched to training.
         Leaves that are not arrays (an Equinox module's functions) are kept static. It
         trains where it lives: a model committed to a device or a mesh (``jax.device_put``)
-        gets the trainer's own arrays (key, metric buffer, optimizer state) there.
+        gets the trainer's own arrays (key, metric buffer, optimizer state) there. A model
+        whose leaves are committed to different devices is refused (``LEAVES_ON_DEVICES``),
+        and so is a later ``trainer.model``, ``opt_state`` or ``key`` committed to other
+        devices than the job's (``TRAINER_ELSEWHERE``): to move a job, ``save`` it and
+        ``restore`` it into a trainer whose model lives there.
       optimizer: a ``ft.optim.Optimizer`` or an optax transformation.
       loss_fn: ``loss_fn(model, batch)`` → loss or ``(loss, aux)``; with ``key=`` given to
         the Trainer, ``loss_fn(model, batch, *, key)`` (a fresh key every step).

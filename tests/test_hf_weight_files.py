@@ -190,3 +190,54 @@ def test_weights_under_a_second_base_model_prefix_read_as_transformers_reads_the
     theirs = _hf_logits(path)
     _close(theirs, own, 1e-6)
     _close(ft.nn.from_hf(path)(IDS), theirs, 1e-5)
+
+
+def _recorded_copy(path, name, held):
+    """``path``'s model.safetensors without ``name``, its ``__metadata__`` naming it a copy of
+    ``held`` (safetensors.torch.save_model's record of a tensor stored once for two names)."""
+    file = path / "model.safetensors"
+    tensors = safetensors_torch.load_file(file)
+    tensors.pop(name, None)  # (a tied head: save_pretrained wrote none)
+    safetensors_torch.save_file(tensors, file, metadata={"format": "pt", name: held})
+    return path
+
+
+@pytest.mark.parametrize("name, held", [("lm_head.weight", "model.embed_tokens.weight"),
+                                        ("model.norm.weight", "model.layers.1.post_attention_layernorm.weight")])
+def test_a_weight_only_a_metadata_record_supplies_is_refused_naming_it(tmp_path, name, held):
+    """transformers' from_pretrained reads no ``__metadata__`` copy: the untied head (or norm)
+    is drawn at random (missing); functree read the embedding as the head, silently another
+    model."""
+    path = _recorded_copy(_saved(_llama(), tmp_path), name, held)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert name in info["missing_keys"]
+    with pytest.raises(ValueError, match=(
+            rf"(?s)the checkpoint holds no '{re.escape(name)}'; the metadata of .*model.safetensors names it a copy "
+            rf"of '{re.escape(held)}' \(shape \(\d+(, 16)?,?\), float32.*transformers' from_pretrained does not "
+            rf"read that record: it draws '{re.escape(name)}' at random.*wrong:  '{re.escape(name)}' from the record.*"
+            rf"weights\['{re.escape(name)}'\] = weights\['{re.escape(held)}'\]")) as e:
+        ft.nn.from_hf(path)
+    assert ("tie_word_embeddings" in str(e.value)) == (name == "lm_head.weight")
+
+
+def test_a_sharded_index_whose_metadata_alone_supplies_a_weight_is_refused_naming_it(tmp_path):
+    path = tmp_path / "sharded"
+    _llama().save_pretrained(path, max_shard_size="20KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shard = path / index["weight_map"].pop("lm_head.weight")
+    tensors = safetensors_torch.load_file(shard)
+    del tensors["lm_head.weight"]
+    safetensors_torch.save_file(tensors, shard, metadata={"format": "pt"})
+    index["metadata"]["lm_head.weight"] = "model.embed_tokens.weight"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"the checkpoint holds no 'lm_head.weight'; the metadata of .*"
+                                         r"model.safetensors.index.json names it a copy of 'model.embed_tokens.weight'"):
+        ft.nn.from_hf(path)
+
+
+def test_a_tied_heads_metadata_record_reads_as_transformers_ties_it(tmp_path):
+    model = _llama()
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    path = _recorded_copy(_saved(model, tmp_path), "lm_head.weight", "model.embed_tokens.weight")
+    _close(ft.nn.from_hf(path)(IDS), _hf_logits(path), 1e-5)

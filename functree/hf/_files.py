@@ -29,7 +29,13 @@ from typing import Any, NamedTuple, TypeGuard
 
 from functree.hf._family import FAMILIES
 from functree.hf._options import sliding_without_window
-from functree.interop._safetensors import index_omits, load_checkpoint
+from functree.interop._safetensors import (
+    SINGLE_NAME,
+    index_of,
+    index_omits,
+    load_checkpoint,
+    read_header,
+)
 
 BAD_CONFIG = """\
 ft.nn.from_hf: the first argument is a Hugging Face model (torch) or config, a dict with \
@@ -373,6 +379,68 @@ def prefixed(hf_class: str, weights: Mapping[str, Any], stack: str, load: str) -
         return None
     return ValueError(PREFIXED_WEIGHTS.format(prefix=prefix, example=example, expected=example.removeprefix(prefix),
                                               hf_class=hf_class, load=load))
+
+
+METADATA_COPY = """\
+ft.nn.from_hf: the checkpoint holds no {alias!r}; the metadata of {record} names it a copy of \
+{held!r} (shape {shape}, {dtype}: safetensors' save_model and huggingface_hub's \
+save_torch_state_dict record so a tensor they stored once for two names), and the {hf_class} \
+the config builds reads {alias!r} as a weight of its own. transformers' from_pretrained does \
+not read that record: it draws {alias!r} at random (its load report lists it as missing), so \
+the checkpoint reads as two different models; nothing was built.
+
+    wrong:  {alias!r} from the record {{{alias!r}: {held!r}}}
+    right:  {tie}{load}weights[{alias!r}] = weights[{held!r}]   # the copy, said in code
+            model = ft.nn.from_hf(config, weights)
+"""
+
+
+def metadata_copies(path: Any) -> tuple[str, dict[str, str]]:
+    """The file recording the copies a checkpoint's metadata names (one ``.safetensors``
+    file's ``__metadata__``, a sharded checkpoint's index ``metadata``) and those copies,
+    ``{name: held name}``: each a name no file holds, read as the held tensor by
+    :func:`~functree.interop._safetensors.load_checkpoint`. Read after the checkpoint loaded
+    (its headers checked)."""
+    where = os.fspath(path)
+    index = index_of(where)
+    if index is not None:
+        with open(index, encoding="utf-8") as f:
+            content = json.load(f)
+        names = set(content["weight_map"])
+        held = set(names)
+        for shard in set(content["weight_map"].values()):
+            file = os.path.join(os.path.dirname(index), shard)
+            held |= set(read_header(file, os.path.getsize(file))[1])
+        record, metadata = index, content.get("metadata")
+    else:
+        record = os.path.join(where, SINGLE_NAME) if os.path.isdir(where) else where
+        header = read_header(record, os.path.getsize(record))[1]
+        metadata = header.pop("__metadata__", None)
+        names = held = set(header)
+    if not isinstance(metadata, dict):
+        return record, {}
+    return record, {alias: name for alias, name in metadata.items()
+                    if isinstance(name, str) and alias not in held and name in names}
+
+
+def check_metadata_copies(given: Any, weights: Mapping[str, Any], tied: Collection[tuple[str, str]],
+                          hf_class: str, head: str | None, load: str) -> None:
+    """Raise :data:`METADATA_COPY` where the checkpoint at ``given`` (a path; a state dict is
+    the caller's own) supplies a tensor the model reads by a metadata record alone, which
+    transformers does not read. ``tied``: the (copy, tensor) pairs the model ties (its head to
+    its embedding), either way round one tensor: a record of them reads as transformers ties them."""
+    if not isinstance(given, (str, os.PathLike)):
+        return
+    record, copies = metadata_copies(given)
+    pairs = {frozenset(pair) for pair in tied}
+    for alias, held in copies.items():
+        if alias not in weights or frozenset((alias, held)) in pairs:
+            continue
+        value = weights[alias]
+        tie = ('ft.nn.from_hf({**config, "tie_word_embeddings": True}, path)   # where the head is the embedding '
+               '(a tied model)\n       or:  ') if alias == head else ""
+        raise ValueError(METADATA_COPY.format(alias=alias, record=record, held=held, shape=tuple(value.shape),
+                                              dtype=str(value.dtype), hf_class=hf_class, tie=tie, load=load))
 
 
 QUANTIZED = """\

@@ -41,6 +41,7 @@ from functree.hf._files import (
     ALIASES,
     DEFAULTS,
     Config,
+    check_metadata_copies,
     missing_tensors,
     not_floating,
     prefixed,
@@ -598,6 +599,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     weights = family.hf_names(_base_stripped(family, dict(read_weights(weights))))  # older names as the class's state_dict has them
     check_body_name(family, weights)  # (Llama's QA body is transformer.*: a causal LM's model.* is not it)
     template = _template(family, config, set(weights), dtype, attention)
+    tied = tied_head(family, template)
+    check_metadata_copies(given, weights, (*([tied] if tied else []), *tied_copies(family, template)), family.hf_class,
+                          family.hf_head[0] if family.hf_head else None, _loading(given))
     weights = _untie(family, template, weights)
     cls = type(template)
     try:

@@ -124,11 +124,16 @@ refused = error_of(move)
 still = on(t.state)
 t.model = jax.tree.map(np.asarray, t.model)  # NumPy goes where the job is
 t.fit(BATCHES[:2], epochs=2, progress=False)
+saved = tempfile.mkdtemp() + "/model"
+ft.train.save(saved, t.model)
+t.model = ft.train.load(saved)  # on the default device (no template): goes where the job is too
+loaded = on(t.model)
 path = tempfile.mkdtemp() + "/job"
 t.save(path)
 moved = ft.train.Trainer(jax.device_put(make(), D[5]), ft.optim.Optimizer(ft.optim.adam(0.05)), loss_fn).restore(path)
 moved.fit(BATCHES[:2], epochs=3, progress=False)
-report({"refused": refused, "still": still, "after": on(t.state), "moved": on(moved.state), "steps": moved.steps_run})
+report({"refused": refused, "still": still, "after": on(t.state), "loaded": loaded, "moved": on(moved.state),
+        "steps": moved.steps_run})
 """,
     "checkpoints_of_device_3_and_a_mesh_of_4_land_on_the_template": """
 import json
@@ -292,11 +297,14 @@ def test_leaves_on_two_devices_are_named(eight):
 def test_trainer_model_set_on_another_device_is_refused(eight):
     """``trainer.model = jax.device_put(trainer.model, D[5])`` on a trainer of device 2 was
     put back on device 2 without a word; it is refused naming both devices and the move that
-    works (save, restore into a trainer whose model is on device 5). NumPy goes where the job is."""
+    works (save, restore into a trainer whose model is on device 5). NumPy, and a model read
+    by ``ft.train.load`` without a template (on the default device), go where the job is."""
     got = part(eight[0], "trainer_model_set_on_another_device_is_refused")
     assert got["refused"].startswith("trainer.model = ...: its array model.layers[0].weight is committed to ['cpu:5']")
     assert "lives on ['cpu:2']" in got["refused"] and ".restore(path)" in got["refused"]
-    assert got["still"] == [2] and got["after"] == [2] and got["moved"] == [5] and got["steps"] == 6
+    assert "ft.train.load(path, trainer.model)" in got["refused"]
+    assert got["still"] == [2] and got["after"] == [2] and got["loaded"] == [2]
+    assert got["moved"] == [5] and got["steps"] == 6
 
 
 @pytest.mark.slow

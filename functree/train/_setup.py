@@ -40,6 +40,7 @@ model, optimizer state and key) lives on {here}. The trainer trains where its mo
 was built; it would have moved the array back there without a word.
     wrong:  trainer.{name} = jax.device_put(trainer.{name}, jax.devices()[{other_id}])    # the job stays on {here}
     right:  trainer.{name} = jax.device_put(new_{name}, {fix})    # the trainer's devices (or NumPy arrays)
+       or:  trainer.{name} = ft.train.load(path, trainer.{name})    # a checkpoint read onto the trainer's devices
        or:  trainer.save(path); trainer = ft.train.Trainer(jax.device_put(model, jax.devices()[{other_id}]), optimizer, loss_fn).restore(path)"""
 
 
@@ -531,11 +532,14 @@ def check_key(loss_fn: Callable[..., Any], key: Any, train_step: Any) -> None:
 def check_placed(value: Any, name: str, where: Any) -> None:
     """:data:`TRAINER_ELSEWHERE` when an array of ``value`` (set as ``trainer.<name>``) is
     committed to other devices than the trainer's (``where``: its placement, None for the
-    default device): uncommitted arrays and NumPy go where the job is."""
-    here = default_device_set() if where is None else where.device_set
+    default device): uncommitted arrays, NumPy and arrays on the default device alone (where
+    ``ft.train.load`` without a template puts them: ``functree._where.placement_of``'s "no placement")
+    go where the job is."""
+    default = default_device_set()
+    here = default if where is None else where.device_set
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
         sharding = committed_sharding(leaf)
-        if sharding is None or sharding.device_set == here:
+        if sharding is None or sharding.device_set in (here, default):
             continue
         shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
         fix = (f"jax.devices()[{next(iter(here)).id}]" if len(here) == 1

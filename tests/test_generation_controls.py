@@ -518,3 +518,20 @@ def test_repetition_penalty_counts_masked_tokens_after_the_first_real_one_as_hf(
         ours = np.asarray(ft.nn.generate(model, GAPPED, 4, attention_mask=GAPPED_MASK, repetition_penalty=penalty,
                                          eos_token_id=EOS, **extra))[:, GAPPED.shape[1]:]
         np.testing.assert_array_equal(ours[:, :expected.shape[1]], expected, err_msg=f"penalty {penalty}")
+
+
+@pytest.mark.parametrize("key", [None, jax.random.key(0)], ids=["no key", "key"])
+def test_a_checkpoint_sampling_at_temperature_zero_is_refused_as_hf_refuses_it(llama, key):
+    """generation_config.json's do_sample=True with temperature=0.0: HF's generate raises (its
+    TemperatureLogitsWarper takes only a temperature > 0); ft.nn.generate decoded greedily
+    (with a key) or asked for a key, silently another decoding than the checkpoint's. An
+    explicit temperature still wins."""
+    _, model = llama
+    ids, mask = left_padded()
+    hf_config = _HFConfigWith({}, {"do_sample": True, "temperature": 0.0, "eos_token_id": EOS})
+    with pytest.raises(ValueError, match=r"sets do_sample=True with temperature=0.0") as error:
+        ft.nn.generate(_WithConfig(model, hf_config), ids, 4, attention_mask=mask, key=key)
+    assert "right:  ft.nn.generate(model, input_ids, 32, temperature=0.0)" in str(error.value)
+    greedy = ft.nn.generate(model, ids, 4, attention_mask=mask, eos_token_id=EOS)
+    np.testing.assert_array_equal(ft.nn.generate(_WithConfig(model, hf_config), ids, 4, attention_mask=mask,
+                                                 temperature=0.0), greedy)

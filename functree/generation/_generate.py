@@ -230,6 +230,15 @@ do_sample=True ({values}): Hugging Face's generate samples by default here, whic
     right:  ft.nn.generate(model, input_ids, 32, key=jax.random.key(0))      # HF's sampling defaults
     right:  ft.nn.generate(model, input_ids, 32, temperature=0.0)            # greedy"""
 
+CHECKPOINT_ZERO_TEMPERATURE = """\
+generate: the model's generation config (hf_config.generation: generation_config.json) sets \
+do_sample=True with temperature={temperature!r}: Hugging Face's generate refuses it (sampling \
+takes a temperature > 0; a 0 divides the logits by zero). Say which decoding you mean.
+
+    wrong:  ft.nn.generate(model, input_ids, 32, key=key)
+    right:  ft.nn.generate(model, input_ids, 32, temperature=0.0)            # greedy
+    right:  ft.nn.generate(model, input_ids, 32, temperature=1.0, key=key)   # sampling"""
+
 BAD_LENGTH_PENALTY = """\
 generate: length_penalty must be a finite number (a finished beam's score is its summed \
 log-probability / new_tokens ** length_penalty), got {given!r}.
@@ -559,6 +568,8 @@ def _with_defaults(given: dict[str, Any], checkpoint: dict[str, Any] | None,
     defaults = {} if checkpoint is None else checkpoint
     if options["temperature"] is None:  # HF: do_sample decides; its temperature then applies
         sample = bool(defaults.get("do_sample", False))
+        if sample and _is_number(defaults.get("temperature")) and defaults["temperature"] == 0:
+            raise ValueError(CHECKPOINT_ZERO_TEMPERATURE.format(temperature=defaults["temperature"]))
         if sample and key is None:
             raise ValueError(CHECKPOINT_SAMPLES.format(values=_sampling_values(defaults)))
         options["temperature"] = defaults.get("temperature", 1.0) if sample else 0.0

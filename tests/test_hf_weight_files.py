@@ -36,6 +36,13 @@ def _gpt2():
                                                                 n_positions=32)).eval()
 
 
+def _neox():
+    torch.manual_seed(0)
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=32)).eval()
+
+
 def _saved(model, path, change=None):
     """``model``'s save_pretrained directory, its tensors passed through ``change``."""
     model.save_pretrained(path)
@@ -144,16 +151,17 @@ def test_a_quantized_checkpoints_integer_weight_with_its_scale_is_named_a_quanti
 
 
 @pytest.mark.parametrize("make, prefix", [(_llama, "base_model.model."), (_llama, "module."), (_llama, "transformer."),
-                                          (_gpt2, "module."), (_gpt2, "model.")])
+                                          (_gpt2, "module."), (_gpt2, "model."),
+                                          (_neox, "gpt_neox.")])  # (transformers strips it, but not from embed_out)
 def test_weights_under_a_wrappers_prefix_are_refused_naming_the_prefix(tmp_path, make, prefix):
-    """transformers initializes every weight at random (none is under its names); functree
-    refused them as a config with too many layers: ``"num_hidden_layers": 0`` its fix."""
+    """transformers initializes the weights it does not find under their names at random;
+    functree refused them as a config with too many layers: ``"num_hidden_layers": 0`` its fix."""
     model = make()
     path = _saved(model, tmp_path, lambda sd: {prefix + k: v for k, v in sd.items()})
     with torch.no_grad():
         own = model(torch.tensor(IDS)).logits.numpy()
     assert not np.allclose(_hf_logits(path), own, atol=1e-3)  # transformers' model is not the checkpoint's
-    layer = "model.layers.0." if make is _llama else "transformer.h.0."
+    layer = {_llama: "model.layers.0.", _gpt2: "transformer.h.0.", _neox: "gpt_neox.layers.0."}[make]
     with pytest.raises(ValueError, match=(
             rf"(?s)the weights' names start with '{re.escape(prefix)}' \(e.g. '{re.escape(prefix + layer)}.*"
             rf"wrong:  '{re.escape(prefix + layer)}.*right:  '{re.escape(layer)}.*"

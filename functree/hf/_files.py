@@ -329,9 +329,9 @@ PREFIXED_WEIGHTS = """\
 ft.nn.from_hf: the weights' names start with {prefix!r} (e.g. {example!r}), where the {hf_class} \
 the config builds names its weights without it ({expected!r}): a checkpoint saved from a model \
 wrapped in another (PEFT's base_model.model., DistributedDataParallel's module.) or its names \
-edited. transformers' from_pretrained does not strip it either: it initializes every weight \
-at random (its load report lists them all as missing), a model whose logits mean nothing; \
-nothing was built.
+edited. transformers' from_pretrained does not read them as the model's either: it \
+initializes each weight it does not find under its own name at random (its load report lists \
+them as missing), a model whose logits mean nothing; nothing was built.
 
     wrong:  {example!r}
     right:  {expected!r}

@@ -677,10 +677,12 @@ def _base_stripped(family: type[HFModel], weights: dict[str, Any]) -> dict[str, 
     ``model`` attribute), as transformers' loader reads them: it strips the base model's prefix
     (``model``; GPT-2's ``transformer``) from a name when what is left is one of the model's.
     Here every name's rest must start with a module of the class (else the names are kept, and
-    refused by name where they do not fit). The covered classes only (a task class's body has
-    a prefix of its own)."""
+    refused by name where they do not fit: GPT-NeoX's ``gpt_neox.embed_out.weight``, whose
+    rest transformers does not rename to its ``lm_head``, drawing that at random). The covered
+    classes only (a task class's body has a prefix of its own)."""
     base = _BODY_PREFIX.get(str(family.model_type), "model") + "."
-    known = set(getattr(family, "__ft_fields__", ())) | {k.split(".")[0] for k in family.hf_rename}
+    known = set(getattr(family, "__ft_fields__", ())) | {k.split(".")[0] for k in (*family.hf_rename,
+                                                                                 *(family.hf_head or ()))}
     if FAMILIES.get(str(family.model_type)) is not family or not weights \
             or not all(k.startswith(base) and k[len(base):].split(".")[0] in known for k in weights):
         return weights

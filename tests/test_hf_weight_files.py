@@ -249,3 +249,27 @@ def test_a_tied_heads_metadata_record_reads_as_transformers_ties_it(tmp_path):
     model.tie_weights()
     path = _recorded_copy(_saved(model, tmp_path), "lm_head.weight", "model.embed_tokens.weight")
     _close(ft.nn.from_hf(path)(IDS), _hf_logits(path), 1e-5)
+
+
+@pytest.mark.parametrize("names", [[Q], [Q, "model.layers.1.mlp.down_proj.weight"]])
+def test_a_tensor_one_layer_lacks_is_refused_naming_the_layer_that_holds_it(tmp_path, names):
+    """transformers draws a layer's lost tensor at random; functree refused the weights
+    asking for the config saved with them, which is the directory's own."""
+    path = _saved(_llama(), tmp_path, lambda sd: {k: v for k, v in sd.items() if k not in names})
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert info["missing_keys"] == set(names)
+    other = names[0].replace(".0.", ".1.") if ".0." in names[0] else names[0].replace(".1.", ".0.")
+    with pytest.raises(ValueError, match=(
+            rf"(?s)missing from the weights: '{re.escape(names[0])}', which the other layers hold \('{re.escape(other)}': "
+            rf"shape \(16, 16\), float32\){'; so are ' if len(names) > 1 else ''}.*the config is its own.*"
+            rf"draws it at random.*wrong:  no '{re.escape(names[0])}'\n    right:  '{re.escape(names[0])}': "
+            rf"shape \(16, 16\)")) as e:
+        ft.nn.from_hf(path)
+    assert "config saved with these weights" not in str(e.value)
+
+
+def test_a_tensor_every_layer_lacks_still_names_the_config(tmp_path):
+    """Every layer without its biases is a config's switch (attention_bias), not a lost tensor."""
+    path = _saved(_llama(), tmp_path, lambda sd: {k: v for k, v in sd.items() if "q_proj" not in k})
+    with pytest.raises(ValueError, match="give the config saved with these weights"):
+        ft.nn.from_hf(path)

@@ -24,6 +24,7 @@ import copy
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple, TypeGuard
 
@@ -481,8 +482,40 @@ def refuse_quantized(config: Any) -> None:
         raise ValueError(QUANTIZED.format(field=field, shown=shown, method=_quantization(field, value)))
 
 
-def missing_tensors(family: Any, model: Any, missing: list[str], unexpected: list[str], given: Any
-                    ) -> ValueError | None:
+LAYER_LACKS = """\
+ft.nn.from_hf: missing from the weights: {missing!r}, which the other layers hold ({sibling!r}: \
+shape {shape}, {dtype}){more}: the checkpoint lost it (a partial download or copy, an edited \
+file), the config is its own. transformers' from_pretrained draws it at random (its load \
+report lists it as missing), a model nobody trained; nothing was built.
+
+    wrong:  no {missing!r}
+    right:  {missing!r}: shape {shape}   # the checkpoint whole: download or save it again
+"""
+
+
+def _layer_lacks(missing: list[str], unexpected: list[str], weights: Mapping[str, Any]) -> ValueError | None:
+    """:data:`LAYER_LACKS` where every tensor missing is one layer's, held by another layer
+    (``model.layers.0.self_attn.q_proj.weight`` where layer 1 has its own) and nothing is left
+    over: no config builds layers of different tensors here, so the file is to blame."""
+    if unexpected or not missing:
+        return None
+    siblings = []
+    for name in missing:
+        match = re.search(r"\.(\d+)\.", name)
+        pattern = re.compile(re.escape(name[:match.start()]) + r"\.\d+\." + re.escape(name[match.end():])) \
+            if match else None
+        sibling = next((k for k in weights if pattern is not None and pattern.fullmatch(k)), None)
+        if sibling is None:
+            return None
+        siblings.append(sibling)
+    value = weights[siblings[0]]
+    more = f"; so are {missing[1:4] + (['...'] if len(missing) > 4 else [])}" if len(missing) > 1 else ""
+    return ValueError(LAYER_LACKS.format(missing=missing[0], sibling=siblings[0], shape=tuple(value.shape),
+                                         dtype=str(getattr(value, "dtype", "")).removeprefix("torch."), more=more))
+
+
+def missing_tensors(family: Any, model: Any, missing: list[str], unexpected: list[str], given: Any,
+                    weights: Mapping[str, Any] | None = None) -> ValueError | None:
     """Why the weights ``given`` to from_hf lack the tensors ``missing`` where the config is
     not to blame: the checkpoint's index omits them though a shard holds them
     (:data:`~functree.interop._safetensors.INDEX_OMITS`), or only the untied output head of
@@ -495,7 +528,7 @@ def missing_tensors(family: Any, model: Any, missing: list[str], unexpected: lis
         name = family.hf_class
         base = next((name[: -len(s)] + "Model" for s in ("ForCausalLM", "LMHeadModel") if name.endswith(s)), name)
         return ValueError(HEAD_MISSING.format(head=head, hf_class=family.hf_class, base=base))
-    return None
+    return _layer_lacks(missing, unexpected, weights) if weights is not None else None
 
 
 def read_weights(weights: Any) -> Mapping[str, Any]:

@@ -625,7 +625,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
                            fits=lambda task: _fits(task, config, given, dtype, attention))
         check_head_missing(family, config, report.missing, report.unexpected)  # a body's checkpoint: with_head
         if not _unread_heads(family, report):
-            explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given)
+            explained = missing_tensors(family, template, list(report.missing), list(report.unexpected), given,
+                                         None if report.mismatched else weights)  # (a layer's tensor lost)
             raise explained or _weights_do_not_fit(family.hf_class, report, weights, source, given)
     model = family.hf_values(model, config)  # the template's non-weight leaves (abstract) set from the config
     return with_head_dropout(with_dropout(model.replace(hf_config=carried), config, dropout, key), config, dropout)

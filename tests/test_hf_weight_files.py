@@ -273,3 +273,15 @@ def test_a_tensor_every_layer_lacks_still_names_the_config(tmp_path):
     path = _saved(_llama(), tmp_path, lambda sd: {k: v for k, v in sd.items() if "q_proj" not in k})
     with pytest.raises(ValueError, match="give the config saved with these weights"):
         ft.nn.from_hf(path)
+
+
+def test_a_peft_models_state_dict_under_its_prefix_is_named_a_peft_model():
+    """A PeftModel's state_dict (base_model.model.*, LoRA's lora_A beside base_layer): named
+    a PEFT model, not a prefix to strip (nor a config with too many layers)."""
+    peft = pytest.importorskip("peft")
+    model = _llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (peft's deprecation warnings of transformers' names)
+        wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"(?s)holds PEFT LoRA layers .*merge_and_unload"):
+        ft.nn.from_hf(model.config, wrapped.state_dict())

@@ -608,6 +608,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
         model, report = load_by_rules(template, weights, rename=cls.hf_rename, layouts=cls.hf_layouts, strict=False,
                                       given_names=True, complete=True)
     except ShortStack as e:  # found in the weights' names alone: no layer walked, no array built
+        _refuse_peft_layers(weights, "the state dict given", "config, weights", family.hf_class)  # (under base_model.model.)
         wrapped = prefixed(family.hf_class, weights, e.torch, _loading(given))  # (base_model.model.model.layers.0 ...)
         if wrapped is not None:
             raise wrapped from None

@@ -285,3 +285,20 @@ def test_a_peft_models_state_dict_under_its_prefix_is_named_a_peft_model():
         wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"(?s)holds PEFT LoRA layers .*merge_and_unload"):
         ft.nn.from_hf(model.config, wrapped.state_dict())
+
+
+@pytest.mark.parametrize("file_dtype, dtype, value", [
+    (torch.float64, "float32", 1e39),   # transformers keeps a float64 model where config.json names no dtype
+    (torch.float32, "float16", 1e5),    # a float32 file read as float16
+])
+def test_a_value_the_dtype_read_cannot_hold_is_refused_naming_the_tensor(tmp_path, file_dtype, dtype, value):
+    def change(tensors):
+        tensors = {k: v.to(file_dtype) for k, v in tensors.items()}
+        tensors["model.norm.weight"][0] = value
+        return tensors
+    path = _saved(_llama(), tmp_path, change)
+    with pytest.raises(ValueError) as e:
+        ft.nn.from_hf(path, dtype=np.dtype(dtype))
+    for words in ("'model.norm.weight'", f"{str(file_dtype).removeprefix('torch.')}, shape (16,)", repr(value),
+                  f"beyond {dtype}'s largest finite value", "wrong:", "right:"):
+        assert words in str(e.value)

@@ -177,6 +177,38 @@ from_config and from_pretrained: torch's "Padding_idx must be within num_embeddi
 """
 
 # The files a save_pretrained directory holds its weights in (read_weights reads them).
+OUT_OF_RANGE = """\
+ft.nn.from_hf: the weights' {tensor!r} ({given}, shape {shape}) holds {value!r}, beyond {dtype}'s \
+largest finite value ({largest!r}): read as dtype={dtype} it would be inf, and every logit it \
+reaches inf or nan, where the file holds a finite number (transformers computes in the \
+file's {given} where config.json names no dtype); nothing was built.
+
+    wrong:  ft.nn.from_hf(source, dtype=jnp.{dtype})   # {tensor!r} overflows
+    right:  jax.config.update("jax_enable_x64", True); ft.nn.from_hf(source, dtype=jnp.float64)
+       or:  rescale or clip {tensor!r} in the checkpoint (its values are meant to fit {dtype})
+"""
+
+_WIDER = {"float64": ("float32", "bfloat16", "float16"), "float32": ("float16",), "bfloat16": ("float16",)}
+
+
+def _check_range(weights: Mapping[str, Any], dtype: Any) -> None:
+    """:data:`OUT_OF_RANGE` where a finite floating value in ``weights`` overflows ``dtype``
+    (a float64 file read as float32, a float32 or bfloat16 one as float16). Only tensors whose
+    dtype has a wider range than ``dtype`` are scanned: none for the usual files."""
+    target = np.dtype(dtype).name
+    largest = float(jnp.finfo(dtype).max)
+    for name, value in weights.items():
+        given = str(getattr(value, "dtype", "")).removeprefix("torch.")
+        if target not in _WIDER.get(given, ()):
+            continue
+        array = _array(value).astype(np.float64)
+        finite = array[np.isfinite(array)]
+        if finite.size and float(np.abs(finite).max()) > largest:
+            raise ValueError(OUT_OF_RANGE.format(tensor=name, given=given, shape=tuple(array.shape),
+                                                 value=float(finite[np.argmax(np.abs(finite))]),
+                                                 dtype=target, largest=largest))
+
+
 _WEIGHT_FILES = (SINGLE_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json")  # a .bin: read_weights names torch.load
 
 
@@ -602,6 +634,7 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     tied = tied_head(family, template)
     check_metadata_copies(given, weights, (*([tied] if tied else []), *tied_copies(family, template)), family.hf_class,
                           family.hf_head[0] if family.hf_head else None, _loading(given))
+    _check_range(weights, dtype)  # (a float64 file's value past float32: inf, where transformers' is finite)
     weights = _untie(family, template, weights)
     cls = type(template)
     try:

@@ -257,6 +257,8 @@ def hf_processors(hf, prompt, new, options, mask=None):
     prompt ``[1, P]`` (left-padded where ``mask`` says so) and ``options``, sampling."""
     config = copy.deepcopy(hf.generation_config)
     config.update(do_sample=True, max_length=prompt.shape[1] + new, **options)
+    if config.min_new_tokens is not None:  # HF's _prepare_generated_length: min_new_tokens wins over min_length
+        config.min_length = config.min_new_tokens + prompt.shape[1]
     hf._prepare_special_tokens(config, True, device="cpu")
     mask = torch.ones_like(prompt) if mask is None else mask
     return hf._get_logits_processor(config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,

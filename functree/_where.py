@@ -225,5 +225,34 @@ def placed_like(new: Any, old: Any) -> Any:
     return new if where is None else put(new, where)
 
 
+def following(tree: Any, values: Any) -> Any:
+    """``values`` (a call's inputs beside ``tree``: token ids, a mask, a key) with each
+    concrete array committed to other devices than ``tree``'s first committed array put on
+    ``tree``'s devices (replicated), as NumPy inputs go there: ids made on device 0 for a model
+    on device 2 (JAX refuses the call: "incompatible devices"). ``values`` as they are where
+    ``tree`` is uncommitted or traced.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._where import following
+      >>> model = {"w": jax.device_put(jnp.ones(2), jax.devices()[0])}
+      >>> following(model, (jnp.arange(3),))[0].committed     # uncommitted: it goes where the call runs
+      False
+    """
+    target = next((s for s in map(committed_sharding, jax.tree.leaves(tree)) if s is not None), None)
+    if target is None:
+        return values
+    devices, where = target.device_set, None
+
+    def moved(x: Any) -> Any:
+        nonlocal where
+        sharding = committed_sharding(x)
+        if sharding is None or sharding.device_set == devices:
+            return x
+        where = where or _replicated(target)
+        return jax.device_put(x, where)
+    return jax.tree.map(moved, values)
+
+
 def _uncommitted(x: Any) -> bool:
     return isinstance(x, jax.Array) and not x.committed

@@ -191,17 +191,22 @@ def run(where):
     model = jax.device_put(ft.nn.from_hf(config, key=jax.random.key(0)), where)
     greedy = ft.nn.generate(model, ids, 4, temperature=0.0)
     sampled = ft.nn.generate(model, ids, 4, temperature=1.0, top_k=10, key=jax.random.key(1))
+    # a key and ids made on device 0 (committed there): moved to the model's device, as ids are
+    key0 = ft.nn.generate(model, jax.device_put(ids, D[0]), 4, temperature=1.0, top_k=10,
+                          key=jax.device_put(jax.random.key(1), D[0]))
     lm = ft.nn.lora(model, "model.layers.*.self_attn.[qv]_proj", rank=4, alpha=8, key=jax.random.key(2))
     opt = ft.optim.Optimizer(ft.optim.adam(1e-2), wrt="*.lora_*")
     state, step = opt.init(lm), ft.train.train_step(lm_loss, opt)
     for _ in range(2):
         lm, state, metrics = step(lm, state, ids)
-    return {"on": [on(greedy), on(sampled), on(lm), on(state), on(metrics)],
+    return {"on": [on(greedy), on(sampled), on(key0), on(lm), on(state), on(metrics)],
             "greedy": np.asarray(greedy).tolist(), "sampled": np.asarray(sampled).tolist(),
+            "key0": np.asarray(key0).tolist(),
             "loss": float(metrics["loss"]), "lora": values(jax.tree.leaves(lm)[:0] or lm.model.layers)}
 
 zero, two = run(D[0]), run(D[2])
-report({"on": two["on"], "same": {k: zero[k] == two[k] for k in ("greedy", "sampled", "loss", "lora")}})
+report({"on": two["on"], "same": {k: zero[k] == two[k] for k in ("greedy", "sampled", "key0", "loss", "lora")}
+        | {"key0 is sampled": two["key0"] == zero["sampled"]}})
 """,
     "data_parallel_over_4_of_8_then_one_device": """
 W = np.random.default_rng(1).normal(size=(32, 16)).astype(np.float32)
@@ -359,8 +364,9 @@ def _loss(model, batch):
 
 @pytest.mark.slow
 def test_a_llama_on_device_two_generates_and_trains_lora(eight):
-    """ft.nn.from_hf of a config, put on device 2: greedy and sampled generation and two LoRA
-    train steps run there, with device 0's tokens, loss and adapters bit for bit."""
+    """ft.nn.from_hf of a config, put on device 2: greedy and sampled generation (also with a key
+    and ids committed to device 0, which JAX refused as incompatible devices) and two LoRA train
+    steps run there, with device 0's tokens, loss and adapters bit for bit."""
     got = part(eight[0], "a_llama_on_device_two_generates_and_trains_lora")
     assert all(where == [2] for where in got["on"]), got["on"]
     assert all(got["same"].values()), got["same"]

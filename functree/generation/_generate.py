@@ -53,6 +53,7 @@ from jax.core import Tracer
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import short_array
+from functree._where import following
 from functree.generation import _decode, _memory
 from functree.generation._controls import (
     CONTROLS,
@@ -658,8 +659,9 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     # them: the fill id may lie outside the vocabulary (HF takes pad_token_id=vocab_size as
     # the output's fill), and the prefill embeds every column (NaN keys there made every
     # row's logits NaN through the mask's 0 * NaN).
-    common = (_padded(ids, width, 0, jnp.int32), _padded(mask, width, 0, jnp.int32), sizes,
-              np.asarray(eos or (-1,), np.int32), np.int32(fill), _stop_ids(stops))
+    # ids, mask or key made on another device than the model's (committed there): moved to it
+    padded_ids, padded_mask, key = following(model, (_padded(ids, width, 0, jnp.int32), _padded(mask, width, 0, jnp.int32), key))
+    common = (padded_ids, padded_mask, sizes, np.asarray(eos or (-1,), np.int32), np.int32(fill), _stop_ids(stops))
     options = {"new": bucket, "scores": bool(return_scores)}
     if beams > 1:
         loop = partial(beam_search, model, *common, np.float32(lp), np.bool_(early is True),

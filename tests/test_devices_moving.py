@@ -113,6 +113,7 @@ report({
     "train_step": error_of(lambda: ft.train.train_step(loss_fn, opt)(model, state, BATCHES[0])),
     "minimize": error_of(lambda: ft.jit(lambda m, s, b: opt.minimize(loss_fn, m, s, b))(model, state, BATCHES[0])),
     "trainer": error_of(lambda: ft.train.Trainer(model, opt, loss_fn)),
+    "init": error_of(lambda: opt.init(model)),
 })
 """,
     "trainer_model_set_on_another_device_is_refused": """
@@ -288,7 +289,8 @@ def test_leaves_on_two_devices_are_named(eight):
     """One leaf on device 1, the others on device 2: the step names both key paths as the
     model's own (it said the *arguments* differ, and showed a device_put of the whole model to
     device 1 as the wrong code); the Trainer refuses it (it moved the leaf to device 2 without a
-    word, where the model's first leaf on the default device gave the step's error instead)."""
+    word, where the model's first leaf on the default device gave the step's error instead), and
+    so does the optimizer's init."""
     got = part(eight[0], "leaves_on_two_devices_are_named")
     for name, message in got.items():
         assert "own arrays are committed to different devices" in message, (name, message)
@@ -296,6 +298,9 @@ def test_leaves_on_two_devices_are_named(eight):
         assert "'layers.1.bias'" in message and "jax.device_put(" in message, message
     assert got["trainer"].startswith("ft.train.Trainer: model's own arrays")
     assert "right:  model = jax.device_put(model, jax.devices()[2])" in got["trainer"]
+    # the optimizer's init too (it put the stray leaf's moments on the first leaf's device: the
+    # step refused them later)
+    assert got["init"].startswith("ft.optim.Optimizer.init: model's own arrays"), got["init"]
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ from functree._parameters import with_parameters
 from functree._source import USER_FUNCTION
 from functree._tangent import move
 from functree._tree import dotted_name
-from functree._where import placement_of, put
+from functree._where import placement_of, put, several_devices
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._lora import check_base_untrained
 from functree.nn._mode import in_mode, mode_free
@@ -436,6 +436,8 @@ class Optimizer:
         ``ft.hf.save_lora`` does not write; ``wrt="*.lora_*"`` trains the adapters alone,
         ``wrt="*"`` everything.
         """
+        if (apart := several_devices(model, "ft.optim.Optimizer.init", "model")) is not None:
+            raise apart  # (the state went to the first leaf's devices; the step then refused the leaf's moments)
         check_base_untrained(model, self.wrt)  # LoRA without wrt=: save_lora would lose the base's training
         params = mode_free(trained_view(model, self.wrt))
         with jax.numpy_dtype_promotion("standard"), named_structure_errors(MASK_IN_TRAINING_MODE):  # optax mixes floats and ints

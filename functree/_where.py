@@ -38,7 +38,7 @@ from jax.sharding import (
 from functree._tree import dotted_name
 
 __all__ = ["placement_of", "put", "placed_like", "committed_sharding", "default_device", "devices_error", "INCOMPATIBLE_DEVICES",
-           "MESH_AXIS_TYPES", "LEAVES_ON_DEVICES", "several_devices"]
+           "MESH_AXIS_TYPES", "LEAVES_ON_DEVICES", "several_devices", "shown_devices", "following"]
 
 
 INCOMPATIBLE_DEVICES = """\
@@ -89,7 +89,6 @@ def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> 
             if first is None:
                 first = (where, devices, name)
             elif devices != first[1]:
-                shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
                 if name == first[2]:  # one argument's own leaves apart (a model half moved)
                     return ValueError(several_devices_message(call, name, first[0], first[1], path, devices))
                 target = next(iter(first[1])) if len(first[1]) == 1 else None
@@ -98,21 +97,25 @@ def devices_error(call: str, error: Exception, named: list[tuple[str, Any]]) -> 
                 wrong = (f"{name} = jax.device_put({name}, jax.devices()[{next(iter(devices)).id}])" if len(devices) == 1
                          else f"{name} = jax.device_put({name}, another_sharding)")
                 return ValueError(INCOMPATIBLE_DEVICES.format(
-                    call=call, first=first[0], first_devices=shown(first[1]), other=where, other_devices=shown(devices),
+                    call=call, first=first[0], first_devices=shown_devices(first[1]), other=where, other_devices=shown_devices(devices),
                     fix=fix, wrong=wrong, first_name=first[2]))
     return None
+
+
+def shown_devices(devices: Any) -> list[str]:
+    """A device set as the messages show it: ``['cpu:0', 'cpu:1']``."""
+    return sorted(str(x) for x in devices)
 
 
 def several_devices_message(call: str, name: str, first: str, first_devices: Any, other_path: Any,
                             other_devices: Any) -> str:
     """:data:`LEAVES_ON_DEVICES` for ``name``'s leaf ``first`` on ``first_devices`` and its
     leaf at key path ``other_path`` on ``other_devices`` (device sets)."""
-    shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
     target = next(iter(first_devices)) if len(first_devices) == 1 else None
     fix = f"jax.devices()[{target.id}]" if target is not None else f"{first}.sharding"
     return LEAVES_ON_DEVICES.format(
-        call=call, name=name, first=first, first_devices=shown(first_devices),
-        other=f"{name}{jax.tree_util.keystr(other_path)}", other_devices=shown(other_devices),
+        call=call, name=name, first=first, first_devices=shown_devices(first_devices),
+        other=f"{name}{jax.tree_util.keystr(other_path)}", other_devices=shown_devices(other_devices),
         other_path=dotted_name(other_path), other_id=min(d.id for d in other_devices), fix=fix, first_name=name)
 
 
@@ -179,13 +182,15 @@ def placement_of(tree: Any) -> Sharding | None:
     None when no leaf is committed or they are on the default device alone (new arrays
     are made there anyway, uncommitted: nothing to move), or under a trace (``jax.vmap``
     of ``opt.init``: its arrays are placed with the traced ones)."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, Tracer) and leaf.committed:
-            sharding = leaf.sharding
-            if sharding.device_set == {default_device()}:
-                return None
-            return _replicated(sharding)
-    return None
+    sharding = _first_committed(tree)
+    if sharding is None or sharding.device_set == {default_device()}:
+        return None
+    return _replicated(sharding)
+
+
+def _first_committed(tree: Any) -> Sharding | None:
+    """The sharding of ``tree``'s first committed, concrete array; None where there is none."""
+    return next((s for s in map(committed_sharding, jax.tree.leaves(tree)) if s is not None), None)
 
 
 def put(tree: Any, where: Sharding | None) -> Any:
@@ -239,7 +244,7 @@ def following(tree: Any, values: Any) -> Any:
       >>> following(model, (jnp.arange(3),))[0].committed     # uncommitted: it goes where the call runs
       False
     """
-    target = next((s for s in map(committed_sharding, jax.tree.leaves(tree)) if s is not None), None)
+    target = _first_committed(tree)
     if target is None:
         return values
     devices, where = target.device_set, None

@@ -341,7 +341,7 @@ them as missing), a model whose logits mean nothing; nothing was built.
 """
 
 
-def _dtype_name(value: Any) -> str:
+def dtype_name(value: Any) -> str:
     """A tensor's or array's dtype name, torch's or NumPy's ("int8", "bfloat16", "float8_e4m3fn")."""
     return str(getattr(value, "dtype", "")).removeprefix("torch.")
 
@@ -354,15 +354,15 @@ def not_floating(hf_class: str, weights: Mapping[str, Any], unexpected: Collecti
     are named by the caller's own error."""
     refused = " ".join(given for _, _, given in mismatched)
     wrong = [name for name, value in weights.items() if name not in unexpected
-             and not _dtype_name(value).startswith(("float", "bfloat"))
-             and f"dtype {_dtype_name(value)}" in refused]
+             and not dtype_name(value).startswith(("float", "bfloat"))
+             and f"dtype {dtype_name(value)}" in refused]
     if not wrong:
         return None
     first = weights[wrong[0]]
-    expected = next((want for _, want, given in mismatched if f"dtype {_dtype_name(first)}" in given), "floating")
+    expected = next((want for _, want, given in mismatched if f"dtype {dtype_name(first)}" in given), "floating")
     more = f"; so are {wrong[1:4] + (['...'] if len(wrong) > 4 else [])}" if len(wrong) > 1 else ""
     torch = bool(load) or type(first).__module__.startswith("torch")  # (a file's: safetensors.torch's reader)
-    return ValueError(NOT_FLOATING.format(tensor=wrong[0], given=_dtype_name(first), shape=tuple(first.shape),
+    return ValueError(NOT_FLOATING.format(tensor=wrong[0], given=dtype_name(first), shape=tuple(first.shape),
                                           hf_class=hf_class, expected=expected, more=more, load=load,
                                           cast=".float()" if torch else ".astype(np.float32)"))
 
@@ -511,7 +511,7 @@ def _layer_lacks(missing: list[str], unexpected: list[str], weights: Mapping[str
     value = weights[siblings[0]]
     more = f"; so are {missing[1:4] + (['...'] if len(missing) > 4 else [])}" if len(missing) > 1 else ""
     return ValueError(LAYER_LACKS.format(missing=missing[0], sibling=siblings[0], shape=tuple(value.shape),
-                                         dtype=str(getattr(value, "dtype", "")).removeprefix("torch."), more=more))
+                                         dtype=dtype_name(value), more=more))
 
 
 def missing_tensors(family: Any, model: Any, missing: list[str], unexpected: list[str], given: Any,

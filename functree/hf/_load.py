@@ -42,6 +42,7 @@ from functree.hf._files import (
     DEFAULTS,
     Config,
     check_metadata_copies,
+    dtype_name,
     missing_tensors,
     not_floating,
     prefixed,
@@ -176,7 +177,6 @@ from_config and from_pretrained: torch's "Padding_idx must be within num_embeddi
        or:  "vocab_size": {grown}, "pad_token_id": {pad}    # a row for it (a fresh model; weights need it too)
 """
 
-# The files a save_pretrained directory holds its weights in (read_weights reads them).
 OUT_OF_RANGE = """\
 ft.nn.from_hf: the weights' {tensor!r} ({given}, shape {shape}) holds {value!r}, beyond {dtype}'s \
 largest finite value ({largest!r}): read as dtype={dtype} it would be inf, and every logit it \
@@ -198,7 +198,7 @@ def _check_range(weights: Mapping[str, Any], dtype: Any) -> None:
     target = np.dtype(dtype).name
     largest = float(jnp.finfo(dtype).max)
     for name, value in weights.items():
-        given = str(getattr(value, "dtype", "")).removeprefix("torch.")
+        given = dtype_name(value)
         if target not in _WIDER.get(given, ()):
             continue
         array = _array(value).astype(np.float64)
@@ -209,6 +209,7 @@ def _check_range(weights: Mapping[str, Any], dtype: Any) -> None:
                                                  dtype=target, largest=largest))
 
 
+# The files a save_pretrained directory holds its weights in (read_weights reads them).
 _WEIGHT_FILES = (SINGLE_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json")  # a .bin: read_weights names torch.load
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from functree import nn
 from functree._module import Module
 from functree._tree import dotted_name
-from functree._where import committed_sharding, default_device, put
+from functree._where import committed_sharding, default_device, put, shown_devices
 from functree.optim._optimizer import with_wrt
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
@@ -535,22 +535,17 @@ def check_placed(value: Any, name: str, where: Any) -> None:
     default device): uncommitted arrays, NumPy and arrays on the default device alone (where
     ``ft.train.load`` without a template puts them: ``functree._where.placement_of``'s "no placement")
     go where the job is."""
-    default = default_device_set()
+    default = {default_device()}
     here = default if where is None else where.device_set
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
         sharding = committed_sharding(leaf)
         if sharding is None or sharding.device_set in (here, default):
             continue
-        shown = lambda d: sorted(str(x) for x in d)  # noqa: E731
         fix = (f"jax.devices()[{next(iter(here)).id}]" if len(here) == 1
                else f"jax.tree.map(lambda x: x.sharding, trainer.{name})")
         raise ValueError(TRAINER_ELSEWHERE.format(
-            name=name, path=f"{name}{jax.tree_util.keystr(path)}", devices=shown(sharding.device_set), here=shown(here),
+            name=name, path=f"{name}{jax.tree_util.keystr(path)}", devices=shown_devices(sharding.device_set), here=shown_devices(here),
             other_id=min(d.id for d in sharding.device_set), fix=fix))
-
-
-def default_device_set() -> set[Any]:
-    return {default_device()}
 
 
 def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any], None] | None = None,

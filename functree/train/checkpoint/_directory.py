@@ -79,8 +79,7 @@ def check_directory(path: Path) -> None:
     """Refuse a file, or a directory holding anything but steps, locks and leftovers."""
     if path.exists() and not path.is_dir():
         raise CheckpointError(NOT_A_DIRECTORY.format(path=path))
-    foreign = sorted(e.name for e in path.iterdir() if not (
-        STEP_DIR.match(e.name) or TMP in e.name or e.name.startswith(LOCK_NAME))) if path.exists() else []
+    foreign = sorted(e.name for e in path.iterdir() if not _written_by_a_manager(e.name)) if path.exists() else []
     if (path / "meta").is_dir() and (path / "arrays").is_dir():
         if STEP_DIR.match(path.name) and _holds_steps(path.parent):
             raise CheckpointError(STEP_OF_A_MANAGER.format(path=path, step=int(path.name), parent=path.parent))
@@ -90,9 +89,14 @@ def check_directory(path: Path) -> None:
         raise CheckpointError(NOT_A_CHECKPOINT_DIRECTORY.format(path=path, entries=shown))
 
 
+def _written_by_a_manager(name: str) -> bool:
+    """Whether an entry called ``name`` is what a CheckpointManager writes: a step, a lock, a leftover."""
+    return bool(STEP_DIR.match(name)) or TMP in name or name.startswith(LOCK_NAME)
+
+
 def _holds_steps(directory: Path) -> bool:
-    """Whether ``directory`` holds only what a CheckpointManager writes (steps, locks, leftovers)."""
-    return all(STEP_DIR.match(e.name) or TMP in e.name or e.name.startswith(LOCK_NAME) for e in directory.iterdir())
+    """Whether ``directory`` holds only what a CheckpointManager writes."""
+    return all(_written_by_a_manager(e.name) for e in directory.iterdir())
 
 
 def remove_leftovers(directory: Path) -> None:

@@ -536,3 +536,20 @@ def test_a_checkpoint_sampling_at_temperature_zero_is_refused_as_hf_refuses_it(l
     greedy = ft.nn.generate(model, ids, 4, attention_mask=mask, eos_token_id=EOS)
     np.testing.assert_array_equal(ft.nn.generate(_WithConfig(model, hf_config), ids, 4, attention_mask=mask,
                                                  temperature=0.0), greedy)
+
+
+def test_top_p_zero_keeps_the_most_likely_token_as_hf(llama):
+    """top_p=0.0 is HF's too (TopPLogitsWarper takes [0, 1]): only the most likely token is
+    kept, so sampling at top_p=0 gives HF's greedy tokens; it was refused as outside (0, 1]."""
+    x = np.array(jax.random.normal(jax.random.key(5), (6, 100)) * 3, np.float32)
+    ours = np.asarray(_controls.filtered(jnp.asarray(x), 1.0, top_p=0.0))
+    expected = TopPLogitsWarper(0.0)(None, torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
+    assert (np.isfinite(ours).sum(-1) == 1).all()
+    hf, model = llama
+    ids, mask = left_padded()
+    greedy = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                         max_new_tokens=5, do_sample=False, pad_token_id=PAD, eos_token_id=EOS).numpy()
+    sampled = ft.nn.generate(model, ids, 5, attention_mask=mask, temperature=1.0, top_p=0.0, key=jax.random.key(1),
+                             eos_token_id=EOS, pad_token_id=PAD)
+    np.testing.assert_array_equal(np.asarray(sampled), greedy)

@@ -94,7 +94,8 @@ from 0 to 2**31 - 1), got {given!r}.
     right:  ft.nn.generate(model, input_ids, 8, {name}=[[13], [198]])  # either token"""
 
 BAD_TOP_P = """\
-generate: top_p must be a number in (0, 1] (the probability mass kept), got {given!r}.
+generate: top_p must be a number in [0, 1] (the probability mass kept; 0: the most likely token \
+alone, as Hugging Face keeps it), got {given!r}.
 
     right:  ft.nn.generate(model, input_ids, 8, temperature=1.0, top_p=0.9, key=key)"""
 
@@ -676,7 +677,7 @@ class TopP(Control):
 
     @classmethod
     def build(cls, o: Options) -> Control | None:
-        p = _fraction(o, "top_p", "(]", off=1.0, error=BAD_TOP_P)
+        p = _fraction(o, "top_p", "[]", off=1.0, error=BAD_TOP_P)  # HF's range: 0 keeps the top token
         return None if p is None else cls(np.float32(1.0 - float(o.given["top_p"])))
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:

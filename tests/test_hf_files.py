@@ -55,6 +55,10 @@ CONFIGS = {
     "gpt_neox": [{}, {"rotary_pct": 0.5, "rotary_emb_base": 20000.0, "use_parallel_residual": False,
                       "attention_bias": False, "hidden_act": "gelu_fast"},
                  {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "rope_theta": 1234.0}],
+    # phi-2's sizes and factor (0.4 of a head of 80), q/k LayerNorms, a tied head; an older file's rope_scaling
+    "phi": [{}, {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 32, "partial_rotary_factor": 0.4,
+                 "qk_layernorm": True, "tie_word_embeddings": True, "num_key_value_heads": 8},
+            {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 1234.0, "hidden_act": "gelu_fast"}],
     "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False},
             {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "hidden_size": 64, "num_attention_heads": 4},  # OPT-350m's
             {"_remove_final_layer_norm": True, "word_embed_proj_dim": 64, "layer_norm_elementwise_affine": False}],

@@ -32,18 +32,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._module import Module
+from functree._module import Module, field
 from functree._repr import short_array
 from functree.hf._dropout import block_keys, decoding, drop, top_keys
 from functree.hf._family import HFModel
 from functree.nn._attention import KVCache, MultiheadAttention, check_cache_positions
 from functree.nn._check import concrete
 from functree.nn._embedding import Embedding, without_padding_gradient
-from functree.nn._linear import Dense
+from functree.nn._linear import Dense, add_bias
 from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack, member_ranks
 
-__all__ = ["CausalLM", "Block", "check_token_ids", "padding_index", "padding_row", "post_norm",
+__all__ = ["CausalLM", "Block", "TiedBias", "check_token_ids", "padding_index", "padding_row", "post_norm",
            "with_member_values"]
 
 BAD_INPUT_IDS = """\
@@ -393,8 +393,29 @@ def _ties(x: jax.Array, embeddings: jax.Array) -> jax.Array:
     return x @ embeddings.T.astype(x.dtype)
 
 
-def _head(x: jax.Array, lm_head: Dense | None, embedding: Embedding) -> jax.Array:
-    return _ties(x, embedding.embeddings) if lm_head is None else lm_head(x)
+class TiedBias(Module):
+    """A head tied to the token embedding that keeps a bias of its own: ``x E^T + bias``.
+    Phi's ``lm_head`` with ``tie_word_embeddings``: HF ties ``lm_head.weight`` to the
+    embedding alone, ``lm_head.bias`` stays the head's (its state dict name here too)."""
+
+    bias: jax.Array = field(decay=False)
+
+    def __init__(self, vocab: int, *, dtype: Any = jnp.float32):
+        self.bias = jnp.zeros((vocab,), dtype)
+
+
+def is_tied(lm_head: Any) -> bool:
+    """Whether a causal LM's ``lm_head`` field is a head tied to its embedding (None, or a
+    :class:`TiedBias`: no weight of its own)."""
+    return lm_head is None or isinstance(lm_head, TiedBias)
+
+
+def _head(x: jax.Array, lm_head: Dense | TiedBias | None, embedding: Embedding) -> jax.Array:
+    if lm_head is None:
+        return _ties(x, embedding.embeddings)
+    if isinstance(lm_head, TiedBias):
+        return add_bias(_ties(x, embedding.embeddings), lm_head.bias)
+    return lm_head(x)
 
 
 def cache_length(cache: Any) -> int | None:
@@ -432,7 +453,8 @@ class CausalLM(HFModel):
     positions=None, cache=None, key=None)``. A family names its parts (:meth:`_tokens`,
     :meth:`_blocks`, :meth:`_final_norm`) and its difference (:meth:`_embed`: learned
     positions; ``rotates``: rotary attention; :meth:`_limit`: a position table's length).
-    The head is the class's ``lm_head`` field (None: tied to :meth:`_tokens`). ``key=``
+    The head is the class's ``lm_head`` field (None: tied to :meth:`_tokens`; a
+    :class:`TiedBias`: tied, with a bias of its own). ``key=``
     gives the dropout masks of a port built with ``dropout=True`` in training mode
     (without it, the blocks' own ``dropout_key``: :mod:`functree.hf._dropout`); else unused.
 

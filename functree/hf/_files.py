@@ -674,6 +674,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                  "layer_norm_eps": 1e-5, "use_cache": True, "bos_token_id": 0, "eos_token_id": 2,
                  "pad_token_id": None, "tie_word_embeddings": False, "use_parallel_residual": True,
                  "rope_parameters": None, "attention_bias": True, "is_decoder": False},
+    # PhiConfig: no head_dim field (its attention reads hidden / heads), the factor 0.5 by default
+    "phi": {"vocab_size": 51200, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24,
+            "num_attention_heads": 32, "num_key_value_heads": KV_HEADS, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+            "attention_dropout": 0.0, "hidden_act": "gelu_new", "max_position_embeddings": 2048,
+            "initializer_range": 0.02, "layer_norm_eps": 1e-5, "use_cache": True, "tie_word_embeddings": False,
+            "rope_parameters": None, "qk_layernorm": False, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": None},
     "opt": {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
             "max_position_embeddings": 2048, "do_layer_norm_before": True, "_remove_final_layer_norm": False,
             "word_embed_proj_dim": None, "dropout": 0.1, "attention_dropout": 0.0, "num_attention_heads": 12,
@@ -772,7 +779,8 @@ GENERATION_OPTIONS = frozenset((
 _DEFAULT_THETA = 10_000.0
 # each rope key's value where the file gives none (the model type's, else every model type's)
 _ROPE_DEFAULTS: dict[Any, float] = {"rope_theta": _DEFAULT_THETA, "partial_rotary_factor": 1.0,
-                                    ("gpt_neox", "partial_rotary_factor"): 0.25, ("smollm3", "rope_theta"): 2e6}
+                                    ("gpt_neox", "partial_rotary_factor"): 0.25, ("phi", "partial_rotary_factor"): 0.5,
+                                    ("smollm3", "rope_theta"): 2e6}
 _SCALED_ROPES = ("llama3", "yarn", "longrope")  # the rope types that keep the pretraining length
 
 
@@ -1128,7 +1136,7 @@ def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -
 def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, Any]) -> None:
     """``rope_parameters`` as HF's config classes standardize them: ``rope_scaling`` (older
     files) first, then ``rope_parameters``; ``rope_theta`` and ``partial_rotary_factor`` from
-    the file's top level (GPT-NeoX: ``rotary_emb_base``, ``rotary_pct``; Phi-3 and GPT-NeoX
+    the file's top level (GPT-NeoX: ``rotary_emb_base``, ``rotary_pct``; Phi-3, Phi and GPT-NeoX
     default the factor); ``rope_type`` from ``type``; the pretraining length kept for scaled
     types: a top-level ``original_max_position_embeddings`` over the rope dict's own, then
     ``max_position_embeddings`` (as HF's model: its rope init standardizes the config again,
@@ -1144,6 +1152,10 @@ def _rope_parameters(model_type: str, values: dict[str, Any], given: dict[str, A
     elif model_type == "phi3":
         params.setdefault("rope_theta", values.pop("rope_theta", _DEFAULT_THETA))
         params.setdefault("partial_rotary_factor", given.get("partial_rotary_factor", 1.0))
+    elif model_type == "phi":  # PhiConfig's default factor, 0.5; the top-level key consumed (no attribute after)
+        params.setdefault("rope_theta", values.pop("rope_theta", _DEFAULT_THETA))
+        params.setdefault("partial_rotary_factor", values.pop("partial_rotary_factor",
+                                                             _ROPE_DEFAULTS["phi", "partial_rotary_factor"]))
     else:  # the config class's default_theta (SmolLM3's 2e6)
         params.setdefault("rope_theta", values.pop("rope_theta", _ROPE_DEFAULTS.get((model_type, "rope_theta"),
                                                                                    _DEFAULT_THETA)))

@@ -40,7 +40,7 @@ from functree.nn._stack import Stack
 __all__ = ["LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
            "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
            "LlamaModel",
-           "LlamaDecoderLayer", "Olmo2DecoderLayer", "Gemma2DecoderLayer", "soft_cap", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names", "sandwich_outputs"]
+           "LlamaDecoderLayer", "Olmo2DecoderLayer", "Gemma2DecoderLayer", "soft_cap", "LlamaMLP", "Phi3MLP", "GemmaRMSNorm", "rotary_names", "sandwich_outputs", "key_value_heads", "sublayers", "model_names"]
 
 KV_HEADS = """\
 ft.nn.from_hf: the {model_type} config has num_attention_heads={heads} and \
@@ -73,6 +73,16 @@ logits are scaled by query_pre_attn_scalar ** -0.5, so it must be a positive fin
 _LLAMA_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
 Rotary = RopeScaling | tuple[RopeScaling, ...]  # one rope, or one per layer type (each member's member_rope picks)
 _ROTARY_BUFFER = re.compile(r".*\.rotary_emb\.inv_freq|.*\.attention\.(bias|masked_bias)")
+
+
+def key_value_heads(config: Any, hf_class: str) -> int:
+    """The config's key/value heads (``num_key_value_heads``, else one per query head): a
+    divisor of ``num_attention_heads`` (else :data:`KV_HEADS`)."""
+    kv = config.num_key_value_heads or config.num_attention_heads
+    if kv <= 0 or config.num_attention_heads % kv:
+        raise ValueError(KV_HEADS.format(model_type=config.model_type, heads=config.num_attention_heads, kv=kv,
+                                         hf_class=hf_class, fix=config.num_attention_heads))
+    return kv
 
 
 def rotary_names(weights: dict[str, Any]) -> dict[str, Any]:
@@ -158,12 +168,13 @@ def _self_attention(d: int, heads: int, kv_heads: int, head_dim: int, epsilon: f
     return attn
 
 
-def _sublayers(d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any, epsilon: float,
-               rotary: Rotary, attention_bias: bool, mlp_bias: bool, key: jax.Array, dtype: Any,
-               output_bias: bool | None, window: int | None, norm: Any, mlp: Any, attention: Any,
-               qk_norm: str | None) -> tuple[MultiheadAttention, Any]:
-    """A decoder block's attention and MLP (every block class of this module builds them alike;
-    the key split is the checkpoints' and HF initialization's: attention, MLP, output projection)."""
+def sublayers(d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, activation: Any, epsilon: float,
+              rotary: Rotary, attention_bias: bool, mlp_bias: bool, key: jax.Array, dtype: Any,
+              output_bias: bool | None, window: int | None, norm: Any, mlp: Any, attention: Any,
+              qk_norm: str | None) -> tuple[MultiheadAttention, Any]:
+    """A decoder block's attention and MLP (every block class of this module builds them alike,
+    and Phi's, :mod:`functree.hf._phi`; the key split is the checkpoints' and HF
+    initialization's: attention, MLP, output projection)."""
     k1, k2, k3 = jax.random.split(key, 3)
     attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias, key=k1, output_key=k3,
                            dtype=dtype, output_bias=output_bias, window=window, norm=norm, attention=attention,
@@ -184,9 +195,9 @@ class LlamaDecoderLayer(Block):
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
         self.input_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
-        self.self_attn, self.mlp = _sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
-                                              attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
-                                              attention, qk_norm)
+        self.self_attn, self.mlp = sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
+                                             attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
+                                             attention, qk_norm)
         self.post_attention_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
 
     def _parts(self) -> tuple[Any, MultiheadAttention, Any, Any]:
@@ -208,9 +219,9 @@ class Olmo2DecoderLayer(Block):
                  epsilon: float, rotary: Rotary, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
-        self.self_attn, self.mlp = _sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
-                                              attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
-                                              attention, qk_norm)
+        self.self_attn, self.mlp = sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
+                                             attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
+                                             attention, qk_norm)
         self.post_attention_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
         self.post_feedforward_layernorm = norm(d, epsilon=epsilon, dtype=dtype)
 
@@ -245,9 +256,9 @@ class Gemma2DecoderLayer(Block):
                  epsilon: float, rotary: Rotary, attention_bias: bool, mlp_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, output_bias: bool | None = None, window: int | None = None,
                  norm: Any = RMSNorm, mlp: Any = LlamaMLP, attention: Any = "auto", qk_norm: str | None = None):
-        self.self_attn, self.mlp = _sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
-                                              attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
-                                              attention, qk_norm)
+        self.self_attn, self.mlp = sublayers(d, heads, kv_heads, head_dim, hidden, activation, epsilon, rotary,
+                                             attention_bias, mlp_bias, key, dtype, output_bias, window, norm, mlp,
+                                             attention, qk_norm)
         self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm, \
             self.post_feedforward_layernorm = (norm(d, epsilon=epsilon, dtype=dtype) for _ in range(4))
 
@@ -420,10 +431,7 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
         c = config
-        kv = c.num_key_value_heads or c.num_attention_heads
-        if kv <= 0 or c.num_attention_heads % kv:
-            raise ValueError(KV_HEADS.format(model_type=c.model_type, heads=c.num_attention_heads, kv=kv,
-                                             hf_class=cls.hf_class, fix=c.num_attention_heads))
+        kv = key_value_heads(c, cls.hf_class)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         biases = {name: name in cls.hf_biases and bool(getattr(c, name, False)) for name in ("attention_bias", "mlp_bias")}
         options = {**biases, **cls.hf_options(c)}
@@ -461,10 +469,16 @@ class LlamaForCausalLM(CausalLM):
         base model's body (``LlamaModel``: ``embed_tokens.weight``, no ``model.``) under
         ``model.``, as HF's loader adds its base model's prefix (a rename onto a name the
         weights hold already refused: :data:`~functree.hf._family.RENAME_COLLIDES`)."""
-        weights = rotary_names(weights)
-        if "embed_tokens.weight" in weights and "model.embed_tokens.weight" not in weights:
-            weights = renamed(weights, _body_name, cls.hf_class)
-        return weights
+        return model_names(weights, cls.hf_class)
+
+
+def model_names(weights: dict[str, Any], hf_class: str) -> dict[str, Any]:
+    """A causal LM whose body is ``model``'s checkpoint names (Llama's, Phi's): older files'
+    rotary buffers dropped, a base model's body (``embed_tokens.weight``) under ``model.``."""
+    weights = rotary_names(weights)
+    if "embed_tokens.weight" in weights and "model.embed_tokens.weight" not in weights:
+        weights = renamed(weights, _body_name, hf_class)
+    return weights
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -33,7 +33,7 @@ from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names, written_dtype
 from functree._warnings import warn
 from functree.hf import _models  # noqa: F401  (defines every covered family: FAMILIES)
-from functree.hf._causal import CausalLM, padding_index
+from functree.hf._causal import CausalLM, is_tied, padding_index
 from functree.hf._config import HFConfig, hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
 from functree.hf._family import COVERED, FAMILIES, TASKS, HFModel, family_of
@@ -384,8 +384,9 @@ def _array(x: Any) -> np.ndarray:
 
 
 def tied_head(family: type[HFModel], model: Any) -> tuple[str, str] | None:
-    """A tied model's ``(head, embedding)`` weight names (it has no ``lm_head`` of its own), else None."""
-    return family.hf_head if getattr(model, "lm_head", True) is None else None
+    """A tied model's ``(head, embedding)`` weight names (it has no ``lm_head`` weight of its
+    own: None, or Phi's :class:`~functree.hf._causal.TiedBias`), else None."""
+    return family.hf_head if is_tied(getattr(model, "lm_head", True)) else None
 
 
 def _untie(family: type[HFModel], model: Any, weights: Mapping[str, Any], prefix: str | None = None

@@ -92,6 +92,43 @@ max_length, dtype=None).
                     ...                       # with a cache: return logits, cache
     (see docs/guides/generation.md)"""
 
+HF_NOT_A_GENERATOR = """\
+generate: a {type} (ft.nn.from_hf's port of Hugging Face's {hf_class}) does not generate text: {why}. \
+Hugging Face's {hf_class} has no generate either.
+
+    wrong:  ft.nn.generate(model, input_ids, max_new_tokens)        # model: a {type}
+    right:  {right}"""
+
+# HF_NOT_A_GENERATOR's reason and fix: a task head on a causal LM's body, and an encoder (BERT, RoBERTa)
+_TASK_HEAD_WHY = ("it is a task head on {body}'s body, which scores the input in one call and has no "
+                  "language-model head to predict a next token")
+_TASK_HEAD_RIGHT = ("lm = ft.nn.from_hf(causal_lm)   # a {body} checkpoint (config.architectures: [\"{body}\"]), "
+                    "then ft.nn.generate(lm, input_ids, max_new_tokens)\n"
+                    "       or:  out = model(input_ids, attention_mask=mask)   # the {hf_class}'s own output, one call")
+_ENCODER_WHY = ("it is an encoder: every token attends to the whole input both ways and it keeps no "
+                "key-value cache, so it predicts no next token left to right")
+_ENCODER_RIGHT = ("{out} = model(input_ids, attention_mask=mask)   # one call{fill}\n"
+                  "       or:  ft.nn.generate(ft.nn.from_hf(causal_lm), input_ids, max_new_tokens)   "
+                  "# a decoder: GPT-2, Llama, Qwen2, ...")
+
+
+def not_a_generator(model: Any) -> TypeError:
+    """:data:`HF_NOT_A_GENERATOR` for an ``ft.nn.from_hf`` model without ``init_cache`` (an
+    encoder, a task head), naming what it is and the fix; :data:`NOT_A_GENERATOR` otherwise."""
+    hf_class = getattr(type(model), "hf_class", None)
+    if not isinstance(hf_class, str) or not hf_class or getattr(type(model), "model_type", None) is None:
+        return TypeError(NOT_A_GENERATOR.format(type=type(model).__name__))
+    body = getattr(type(model), "body_class", None)
+    if body is not None and callable(getattr(body, "init_cache", None)):  # a causal LM's body under a task head
+        name = getattr(body, "hf_class", None) or body.__name__
+        why, right = _TASK_HEAD_WHY.format(body=name), _TASK_HEAD_RIGHT.format(body=name, hf_class=hf_class)
+    else:
+        masked = hf_class.endswith("ForMaskedLM")  # its fix: fill the masks from one call's logits
+        fill = "; logits.argmax(-1) at the [MASK] positions fills them" if masked else ""
+        why, right = _ENCODER_WHY, _ENCODER_RIGHT.format(out="logits" if masked else "out", fill=fill)
+    return TypeError(HF_NOT_A_GENERATOR.format(type=type(model).__name__, hf_class=hf_class, why=why, right=right))
+
+
 BAD_INPUT_IDS = """\
 generate: input_ids must be integer token ids [batch, prompt_length], got {given}.
 
@@ -451,9 +488,9 @@ def generate(
     if unknown:  # HF's spellings (output_scores=, do_sample=) and typos, named with the fix
         raise unknown_option(unknown, list(inspect.signature(generate).parameters)[3:-1])
     given = {name: _as_number(value) for name, value in locals().items() if name in SUPPORTED}
-    if not callable(getattr(model, "init_cache", None)):
-        raise TypeError(NOT_A_GENERATOR.format(type=type(model).__name__))
     inner = model.model if isinstance(model, Shared) else model
+    if not callable(getattr(inner, "init_cache", None)):  # (a Shared has one: its tied model's is asked)
+        raise not_a_generator(inner)
     ids = input_ids if isinstance(input_ids, jax.Array) else np.asarray(input_ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape[1] < 1:
         raise ValueError(BAD_INPUT_IDS.format(given=short_array(ids)))

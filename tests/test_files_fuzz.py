@@ -539,9 +539,9 @@ def test_heads_that_do_not_divide_the_hidden_size_are_refused_naming_both(model_
     assert Config.of({**_small(model_type), heads: 12})  # HF's config class takes it; its attention does not
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "gpt_neox"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "gpt_neox", "phi"])
 def test_a_head_dim_of_a_rotary_family_that_is_no_integer_is_refused(model_type):
-    """qwen2, olmo, phi3 and gpt_neox configs have no head_dim field, yet HF's attention and
+    """qwen2, olmo, phi3, gpt_neox and phi configs have no head_dim field, yet HF's attention and
     rope read one a config.json gives (a list there: HF fails in validate_rope)."""
     from functree.hf._files import Config
 

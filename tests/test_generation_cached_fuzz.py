@@ -90,6 +90,8 @@ CONFIGS = {
     "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
     "gpt_neox": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "rotary_pct": 0.5, "max_position_embeddings": 64},
+    # one norm feeding the attention and the MLP; half of each head rotated; q/k LayerNorms; GQA
+    "phi": {**LLAMA_LIKE, "qk_layernorm": True},
     "opt": {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "max_position_embeddings": 64, "word_embed_proj_dim": 32},
 }

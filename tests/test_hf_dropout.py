@@ -40,7 +40,7 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attenti
 # The families of configs(), written out: collection reads no transformers config class (building
 # them all imported each family's module at collection, ~3.4 s in every xdist worker).
 FAMILIES = ["gpt2", "bert", "opt", "gpt_neox", "gpt_neox_sequential", "llama", "qwen2", "mistral", "gemma", "phi3",
-            "qwen3", "olmo2", "gemma2", "ministral", "gemma3_text"]
+            "qwen3", "olmo2", "gemma2", "ministral", "gemma3_text", "phi"]
 
 
 def configs(on=True):
@@ -78,6 +78,9 @@ def configs(on=True):
         # layers sliding and full, each its own rope (member_rope under dropout)
         "gemma3_text": transformers.Gemma3TextConfig(**DECODER, head_dim=8, sliding_window_pattern=2,
                                                      attention_dropout=r(0.2)),
+        # the embedding's, the attention weights' and the parallel sublayers' outputs' (one norm)
+        "phi": transformers.PhiConfig(**DECODER, qk_layernorm=True, attention_dropout=r(0.1), resid_pdrop=r(0.2),
+                                      embd_pdrop=r(0.3)),
     }
     assert list(built) == FAMILIES, (list(built), FAMILIES)
     return built
@@ -173,7 +176,8 @@ def same_masks(monkeypatch):
 # HF's dropout calls per forward of the 2-layer configs above: (rate, count)
 HF_CALLS = {"gpt2": {0.1: 1, 0.2: 2, 0.3: 4}, "bert": {0.15: 5, 0.25: 2}, "opt": {0.1: 2, 0.2: 4},
             "gpt_neox": {0.2: 5, 0.1: 2}, "gpt_neox_sequential": {0.2: 5, 0.1: 2}, "llama": {0.2: 2},
-            "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}, "gemma2": {0.2: 2}, "gemma3_text": {0.2: 2}}
+            "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}, "gemma2": {0.2: 2}, "gemma3_text": {0.2: 2},
+            "phi": {0.3: 1, 0.1: 2, 0.2: 4}}
 
 
 @pytest.mark.parametrize("family", list(HF_CALLS))
@@ -194,7 +198,7 @@ def test_training_equals_hf_train_on_the_same_masks(family, same_masks):
 
 # ---- 5. gradients on the same masks: HF's backward ------------------------------------------------
 
-@pytest.mark.parametrize("family", ["gpt2", "bert", "opt", "gpt_neox", "llama", "phi3"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "opt", "gpt_neox", "llama", "phi3", "phi"])
 def test_gradients_equal_hf_backward_on_the_same_masks(family, same_masks):
     hf = hf_model(configs()[family])
     model = ft.nn.training(ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0)))

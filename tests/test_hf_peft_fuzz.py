@@ -62,9 +62,11 @@ LINEAR = {"llama": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj"
           "gpt_neox": {"query_key_value": "gpt_neox.layers.{i}.attention.query_key_value",
                        "dense": "gpt_neox.layers.{i}.attention.dense",
                        "dense_h_to_4h": "gpt_neox.layers.{i}.mlp.dense_h_to_4h",
-                       "dense_4h_to_h": "gpt_neox.layers.{i}.mlp.dense_4h_to_h", "embed_out": "embed_out"}}
-BLOCKS = {"llama": "layers", "gpt2": "h", "gpt_neox": "layers"}
-EMBEDDING = {"llama": "embed_tokens", "gpt2": "wte", "gpt_neox": "embed_in"}
+                       "dense_4h_to_h": "gpt_neox.layers.{i}.mlp.dense_4h_to_h", "embed_out": "embed_out"},
+          "phi": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "dense")},
+                  **{n: f"model.layers.{{i}}.mlp.{n}" for n in ("fc1", "fc2")}, "lm_head": "lm_head"}}
+BLOCKS = {"llama": "layers", "gpt2": "h", "gpt_neox": "layers", "phi": "layers"}
+EMBEDDING = {"llama": "embed_tokens", "gpt2": "wte", "gpt_neox": "embed_in", "phi": "embed_tokens"}
 
 
 def build(family: str, tied: bool, seed: int):
@@ -78,6 +80,11 @@ def build(family: str, tied: bool, seed: int):
     elif family == "gpt2":
         hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=16, n_embd=D, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    elif family == "phi":  # every linear layer biased, the head too (tied: its weight alone)
+        hf = transformers.PhiForCausalLM(transformers.PhiConfig(
+            vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, qk_layernorm=True,
+            tie_word_embeddings=tied))
     else:
         hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
             vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * D,
@@ -92,8 +99,8 @@ def build(family: str, tied: bool, seed: int):
 def adapters(draw):
     """``(family, tied, seed, LoraConfig options, rewrite)``: ``rewrite`` a change PEFT's saved
     config gets afterwards, as a hand-written file sets it (``"all-linear"`` kept as it is)."""
-    family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox"]))
-    tied = family == "gpt2" or (family == "llama" and draw(st.booleans()))
+    family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox", "phi"]))
+    tied = family == "gpt2" or (family in ("llama", "phi") and draw(st.booleans()))
     names = list(LINEAR[family])
     blocks = BLOCKS[family]
     options: dict = {"r": draw(st.integers(1, 4)),

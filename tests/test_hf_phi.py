@@ -13,7 +13,8 @@ logits' magnitude (tolerance 3e-14), the loss 2.7e-16 of itself and every gradie
 of the largest (tolerance 3e-14). float32 logits from every source, HF's greedy tokens
 through the KV cache, exports, task heads and PEFT's LoRA both ways: 2.5e-5 of the magnitude
 as the other families (measured 9.0e-7). Each the largest under the four XLA CPU
-instruction sets (isa-sweep).
+instruction sets (isa-sweep). Phi's dropout (``embd_pdrop``, ``attention_dropout``,
+``resid_pdrop``) against HF's ``train()`` on the same masks: tests/test_hf_dropout.py.
 """
 
 import json
@@ -205,20 +206,6 @@ def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
     expected = hf_output(theirs.eval(), ids, mask, positions=False)
     np.testing.assert_allclose(np.asarray(forward(loaded, ids, mask))[real], expected[real], rtol=0,
                                atol=FLOAT32 * float(np.abs(expected[real]).max()))
-
-
-def test_dropout_rates_are_phis():
-    """``dropout=True``: ``embd_pdrop`` on the embedding, ``attention_dropout`` on the weights,
-    ``resid_pdrop`` after the attention and the MLP; inference computes none."""
-    config = {"model_type": "phi", **SIZES, "embd_pdrop": 0.1, "attention_dropout": 0.2, "resid_pdrop": 0.3}
-    model = ft.nn.from_hf(config, key=jax.random.key(0), dropout=True)
-    attention = model.model.layers.layers.self_attn
-    assert (attention.dropout, attention.rates) == (0.2, (0.1, 0.3, 0.3))  # (embedding, attention out, MLP out)
-    plain = ft.nn.from_hf(config, key=jax.random.key(0))
-    ids, _ = batch()
-    np.testing.assert_array_equal(model(ids), plain(ids))
-    trained = ft.nn.training(model)
-    assert not np.array_equal(trained(ids, key=jax.random.key(1)), trained(ids, key=jax.random.key(2)))
 
 
 @pytest.mark.parametrize(("changes", "key", "fix"), [

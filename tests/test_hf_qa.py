@@ -272,7 +272,7 @@ def test_its_weights_under_a_config_naming_no_class_are_refused_naming_it():
 
 def test_families_without_a_qa_class_in_transformers_have_none():
     for family, model_type in [("Gemma", "gemma"), ("Phi3", "phi3"), ("Olmo", "olmo"), ("Olmo2", "olmo2"),
-                               ("Gemma2", "gemma2")]:
+                               ("Gemma2", "gemma2"), ("Phi", "phi")]:
         assert not hasattr(transformers, f"{family}ForQuestionAnswering")
         assert "ForQuestionAnswering" not in _heads.HEADS[model_type]
     for name in TASKS:

@@ -452,3 +452,63 @@ def test_transpose_output_size_is_checked_and_picks_the_high_padding():
         conv(x, output_size=(9, 6))
     with pytest.raises(ValueError, match=r"not torch's \[N, C, \.\.\.\]"):
         conv(x, output_size=(1, 3, 8, 6))
+
+
+# Settings whose compile made XLA abort the process (functree/nn/_xla_conv.py): the input
+# gradient of a strided convolution with a filter of 2, strides 2 and padding 1 before on one
+# axis, a transposed convolution's own forward with a filter of 2, strides 2 and no padding of
+# its dilated input on one axis, each beside an axis whose input is smaller than its filter.
+ABORTED = [  # cls, input sizes, kernel, strides, dilation, padding
+    (ft.nn.Conv2D, (4, 4), (3, 2), 2, 1, ((1, 1), (1, 1))),
+    (ft.nn.Conv2D, (1, 4), (2, 2), 2, 1, ((1, 1), (1, 1))),
+    (ft.nn.Conv2D, (6, 4), (2, 2), 2, (1, 2), ((1, 1), (0, 0))),
+    (ft.nn.Conv3D, (4, 5, 6), (2, 3, 3), 2, (1, 2, 1), ((1, 1), (0, 0), (0, 0))),
+    (ft.nn.Conv2DTranspose, (4, 1), (2, 3), (2, 1), 1, ((0, 0), (1, 1))),
+    (ft.nn.Conv2DTranspose, (3, 1), (2, 3), (2, 2), 1, ((0, 0), (1, 1))),
+]
+
+
+def _torch_conv(layer, x, pads):
+    """torch's convolution (or transposed one) of NumPy ``x`` with ``layer``'s weight and
+    bias, float64, channels last in and out; the input and weight gradients of ``sum(y * t)``
+    for a fixed ``t``."""
+    import torch
+
+    n = layer.weight.ndim - 2
+    w = torch.tensor(np.moveaxis(np.asarray(layer.weight, np.float64), (n, n + 1), (1, 0) if not layer._transpose
+                                 else (0, 1)).copy(), requires_grad=True)
+    xt = torch.tensor(np.moveaxis(x, -1, 1).copy(), requires_grad=True)
+    b = torch.tensor(np.asarray(layer.bias, np.float64))
+    if layer._transpose:  # lax's pads of the dilated input are torch's d (k - 1) - p, p + output_padding
+        k = layer.weight.shape[:n]
+        p = [d * (kk - 1) - lo for kk, d, (lo, _) in zip(k, layer.dilation, pads)]
+        extra = [hi - lo for lo, hi in pads]
+        y = getattr(torch.nn.functional, f"conv_transpose{n}d")(xt, w, b, layer.strides, p, extra, 1, layer.dilation)
+    else:
+        assert all(lo == hi for lo, hi in pads)
+        y = getattr(torch.nn.functional, f"conv{n}d")(xt, w, b, layer.strides, [lo for lo, _ in pads], layer.dilation)
+    t = torch.tensor(np.random.default_rng(3).normal(size=y.shape))
+    (y * t).sum().backward()
+    assert xt.grad is not None and w.grad is not None
+    back = np.moveaxis(w.grad.numpy(), (1, 0) if not layer._transpose else (0, 1), (n, n + 1))
+    return np.moveaxis(y.detach().numpy(), 1, -1), np.moveaxis(t.numpy(), 1, -1), np.moveaxis(xt.grad.numpy(), 1, -1), back
+
+
+@pytest.mark.parametrize(("cls", "sizes", "k", "s", "d", "pads"), ABORTED,
+                         ids=[f"{c.__name__}-{k}-{s}-{sz}" for c, sz, k, s, _, _ in ABORTED])
+def test_settings_xla_aborted_on_compile_and_equal_torchs(key, cls, sizes, k, s, d, pads):
+    """These compiled to an abort of the whole process (XLA's `Check failed: ... Window
+    dimensions do not match RHS shape`), raw JAX's too; the layers lay them out otherwise:
+    the values and both gradients are torch's."""
+    with jax.enable_x64(True):
+        layer = _x64(cls(2, 3, k, strides=s, dilation=d, padding=pads, key=key,
+                         bias_initializer=ft.nn.initializers.normal(1.0)))
+        x = _normal(1, (2, *sizes, 2), np.float64)
+        expected, t, dx, dw = _torch_conv(layer, x, pads)
+        y, pullback = jax.vjp(lambda m, x: m(x), layer, x)
+        grad_layer, grad_x = pullback(jnp.asarray(t))
+        scale = np.abs(expected).max()
+        np.testing.assert_allclose(y, expected, rtol=0, atol=1e-12 * scale)
+        np.testing.assert_allclose(grad_x, dx, rtol=0, atol=1e-12 * np.abs(dx).max())
+        np.testing.assert_allclose(grad_layer.weight, dw, rtol=0, atol=1e-12 * np.abs(dw).max())
+        jax.jit(jax.grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=(0, 1)))(layer, x)  # the compiled step too

@@ -52,3 +52,37 @@ def test_fold_refuses_an_output_no_block_fits():
 def test_unfold_refuses_a_window_larger_than_the_image():
     with pytest.raises(ft.nn.LayerInputError, match=r"height >= 3"):
         ft.nn.Unfold(3)(jnp.ones((1, 2, 5, 1)))
+
+
+# Settings on which XLA aborted the process compiling Fold (Unfold's transpose) or Unfold's
+# gradient in float64 (functree/nn/_xla_conv.py): a filter of 2 with strides 2 and padding 1.
+ABORTED = [  # output size, kernel, dilation, padding, strides
+    ((4, 4), (3, 2), (2, 1), (1, 1), (2, 2)),
+    ((3, 4), (3, 2), 1, 1, (3, 2)),
+    ((5, 4), (3, 2), 1, ((0, 0), (1, 1)), 2),
+    ((1, 6), 2, 1, 1, 2),
+]
+
+
+@pytest.mark.parametrize(("size", "k", "d", "p", "s"), ABORTED, ids=[str(c) for c in ABORTED])
+def test_settings_xla_aborted_on_fold_and_unfold_as_torch(size, k, d, p, s):
+    """Fold and Unfold's gradient at these settings aborted the process inside XLA's compiler
+    (float64); both equal torch's fold and unfold's gradient now."""
+    rng = np.random.default_rng(0)
+    torch_p = p if isinstance(p, int) else tuple(q if isinstance(q, int) else q[0] for q in p)  # (lo, lo) pairs
+    with jax.enable_x64(True):
+        x = rng.standard_normal((2, *size, 3))
+        xt = torch.tensor(np.moveaxis(x, -1, 1).copy(), requires_grad=True)
+        blocks = torch.nn.functional.unfold(xt, k, d, torch_p, s)
+        t = rng.standard_normal(blocks.shape)
+        (blocks * torch.from_numpy(t)).sum().backward()
+        assert xt.grad is not None
+        unfold, fold = ft.nn.Unfold(k, d, p, s), ft.nn.Fold(size, k, d, p, s)
+        ours, pullback = jax.vjp(unfold, jnp.asarray(x))
+        np.testing.assert_array_equal(ours, blocks.detach().numpy().swapaxes(-1, -2))
+        (grad,) = pullback(jnp.asarray(t.swapaxes(-1, -2)))
+        expected = np.moveaxis(xt.grad.numpy(), 1, -1)
+        np.testing.assert_allclose(grad, expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+        folded = torch.nn.functional.fold(torch.from_numpy(t), size, k, d, torch_p, s).numpy()
+        np.testing.assert_allclose(fold(jnp.asarray(t.swapaxes(-1, -2))), np.moveaxis(folded, 1, -1), rtol=0,
+                                   atol=1e-12 * np.abs(folded).max())

@@ -23,6 +23,7 @@ from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._linear import Initializer, add_bias, glorot_uniform
 from functree.nn._mode import Layer
+from functree.nn._xla_conv import dilated_axes_at_risk, pads_at_risk
 
 __all__ = ["Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose", "check_window_fits",
            "transpose_padding", "SPATIAL"]
@@ -75,6 +76,7 @@ _MODE_LIMITS = {  # a mode's need of an axis of length L, for pads (lo, hi): (fi
                  "each side's pad wraps the axis around at most once"),
     "replicate": (lambda length, lo, hi: length > 0 or lo + hi == 0, lambda lo, hi: 1,
                   "an empty axis has no edge to repeat"),
+    "zeros": (lambda length, lo, hi: True, lambda lo, hi: 0, ""),  # (padded by hand: _xla_conv)
 }
 
 _SPEC = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}
@@ -253,7 +255,9 @@ class Conv(Layer):
             raise _channels_first(e, x, n, self.in_channels) from None
         check_window_fits(self, x, spatial, self.weight.shape[:n], self.strides, self.dilation, padding,
                           transpose=self._transpose)  # on the input as given: its lengths are the error's
-        if self.padding_mode != "zeros":
+        if self.padding_mode != "zeros" or (not self._transpose and pads_at_risk(
+                self.weight.shape[:n], self.strides, self.dilation, self._pairs(x))):
+            # (zeros too where XLA would abort compiling the input gradient: _xla_conv)
             x, padding = self._padded(x, spatial), "VALID"
         batch = x.shape[: x.ndim - n - 1]
         # The batch's size, not -1: reshape cannot infer it when an axis is empty.
@@ -270,10 +274,7 @@ class Conv(Layer):
         an axis is too short for the mode (:data:`PAD_TOO_LARGE_FOR_MODE`)."""
         n = self._rank
         lengths = x.shape[x.ndim - n - 1:-1]
-        spans = [d * (k - 1) + 1 for k, d in zip(self.weight.shape[:n], self.dilation)]
-        pads = (((0, 0),) * n if self.padding == "VALID" else
-                tuple(jax.lax.padtype_to_pads(lengths, spans, self.strides, "SAME")) if self.padding == "SAME"
-                else self.padding)
+        pads = self._pairs(x)
         fits, need, why = _MODE_LIMITS[self.padding_mode]
         for name, length, (lo, hi) in zip(spatial, lengths, pads):
             if not fits(length, lo, hi):
@@ -285,6 +286,15 @@ class Conv(Layer):
                 raise LayerInputError(self, f"{pattern} (float) with {name} >= {need(lo, hi)}", short_array(x), fix)
         lead = x.ndim - n - 1
         return jnp.pad(x, ((0, 0),) * lead + tuple(pads) + ((0, 0),), mode=PADDING_MODES[self.padding_mode])
+
+    def _pairs(self, x: jax.Array) -> tuple[tuple[int, int], ...]:
+        """``padding`` as ``(low, high)`` per spatial axis of ``x`` (``"SAME"``: lax's)."""
+        n = self._rank
+        lengths = x.shape[x.ndim - n - 1:-1]
+        spans = [d * (k - 1) + 1 for k, d in zip(self.weight.shape[:n], self.dilation)]
+        return (((0, 0),) * n if self.padding == "VALID" else
+                tuple(jax.lax.padtype_to_pads(lengths, spans, self.strides, "SAME")) if self.padding == "SAME"
+                else self.padding)
 
     def _convolve(self, x: jax.Array, padding: Any) -> jax.Array:
         return jax.lax.conv_general_dilated(
@@ -343,11 +353,18 @@ class ConvTranspose(Conv):
             cin, per_group = self.weight.shape[n:]
             w = w.reshape((*kernel, self.groups, cin // self.groups, per_group))
             w = jnp.swapaxes(w, n, n + 1).reshape((*kernel, cin // self.groups, self.groups * per_group))
-        return jax.lax.conv_general_dilated(
-            x, w, window_strides=(1,) * n, padding=transpose_padding(kernel, self.strides, self.dilation, padding),
-            lhs_dilation=self.strides, rhs_dilation=self.dilation, dimension_numbers=_SPEC[n],
-            feature_group_count=self.groups,
+        pads = transpose_padding(kernel, self.strides, self.dilation, padding)
+        risky = dilated_axes_at_risk(kernel, self.strides, self.dilation, pads)
+        # An axis XLA's compiler would abort on (_xla_conv) is padded by one more on both
+        # sides, and the two extra outputs are cropped.
+        pads = tuple((lo + 1, hi + 1) if i in risky else (lo, hi) for i, (lo, hi) in enumerate(pads))
+        y = jax.lax.conv_general_dilated(
+            x, w, window_strides=(1,) * n, padding=pads, lhs_dilation=self.strides, rhs_dilation=self.dilation,
+            dimension_numbers=_SPEC[n], feature_group_count=self.groups,
         )
+        if not risky:
+            return y
+        return y[(slice(None), *(slice(1, -1) if i in risky else slice(None) for i in range(n)), slice(None))]
 
 
 def transpose_padding(kernel: Sequence[int], strides: Sequence[int], dilation: Sequence[int],

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from functree._module import field
 from functree._repr import short_array
@@ -24,6 +25,7 @@ from functree.nn import _window as window
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._conv import check_window_fits
 from functree.nn._mode import Layer
+from functree.nn._xla_conv import pads_at_risk
 
 __all__ = ["Unfold", "Fold"]
 
@@ -62,8 +64,12 @@ class _Blocks(Layer):
         whose features are channel-major, torch's order)."""
         lead = x.shape[:-3]
         flat = x.reshape((math.prod(lead), *x.shape[-3:]))
+        padding = self.padding
+        if not isinstance(padding, str) and pads_at_risk(self.kernel_size, self.strides, self.dilation, padding):
+            # padded by hand where XLA would abort compiling Fold and this gradient (_xla_conv)
+            flat, padding = jnp.pad(flat, ((0, 0), *padding, (0, 0))), "VALID"
         patches = jax.lax.conv_general_dilated_patches(
-            flat, self.kernel_size, self.strides, self.padding, rhs_dilation=self.dilation,
+            flat, self.kernel_size, self.strides, padding, rhs_dilation=self.dilation,
             dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=jax.lax.Precision.HIGHEST)
         return patches.reshape((*lead, patches.shape[1] * patches.shape[2], patches.shape[3]))
 

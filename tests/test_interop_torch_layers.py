@@ -35,8 +35,9 @@ def _both(v, n):
     return v if isinstance(v, tuple) else (v,) * n
 
 
-def _compare(layer, module, x, torch_call, *, channels_first=True, call=lambda m, x: m(x)):
-    """Forward and gradients (input and parameters) of ``layer`` and ``module`` on ``x`` [B, *S, C]."""
+def _compare(layer, module, x, torch_call, *, channels_first=True, call=lambda m, x: m(x), gradient_floor=0.0):
+    """Forward and gradients (input and parameters) of ``layer`` and ``module`` on ``x`` [B, *S, C]
+    (``gradient_floor``: the gradients' least absolute tolerance, where torch's rounding is amplified)."""
     layer = ft.nn.load_torch_state_dict(layer, module.state_dict())
     move, back = ((lambda a: np.moveaxis(a, -1, 1)), (lambda a: np.moveaxis(a, 1, -1))) if channels_first else (
         (lambda a: a), (lambda a: a))
@@ -60,7 +61,7 @@ def _compare(layer, module, x, torch_call, *, channels_first=True, call=lambda m
     assert set(theirs) <= set(ours)  # ours also holds BatchNorm's running statistics (no gradient)
     for name, expected in theirs.items():
         scale = max(1.0, float(np.abs(expected).max()))
-        np.testing.assert_allclose(ours[name], expected, rtol=0, atol=1e-5 * scale, err_msg=name)
+        np.testing.assert_allclose(ours[name], expected, rtol=0, atol=max(1e-5 * scale, gradient_floor), err_msg=name)
 
 
 @st.composite
@@ -264,6 +265,7 @@ def test_pooling_matches_torchs_over_drawn_settings(case):
 @settings(max_examples=examples(8), deadline=None)
 @given(st.sampled_from(["layer", "rms", "group", "batch_train", "batch_eval"]), st.sampled_from([1e-5, 0.1]),
        st.booleans(), st.sampled_from([2, 4]), st.integers(0, 2))
+@example("group", 1e-5, False, 4, 0)  # groups of one value: torch's gradient is rounding times 1/sqrt(eps)
 def test_normalizations_match_torchs_over_drawn_settings(kind, eps, affine, channels, spatial):
     """LayerNorm/RMSNorm over 1 or 2 trailing axes, GroupNorm (groups dividing the channels;
     channels groups is torch's InstanceNorm), BatchNorm in training (with torch's momentum
@@ -292,8 +294,13 @@ def test_normalizations_match_torchs_over_drawn_settings(kind, eps, affine, chan
     call = (lambda m, x: m(x.reshape(3, channels, -1)).reshape(x.shape)) if kind.startswith("batch") else (
         lambda m, x: m(x))
     loaded = ft.nn.load_torch_state_dict(layer, module.state_dict())
+    # A group of one value (channels groups, no spatial axes: the explore profile drew it) has
+    # x - mean = 0 and an input gradient of exactly 0; torch's float32 gradient there is its
+    # rounding times 1/sqrt(eps) (measured 3.1e-5 at eps 1e-5, |g| < 5): 8 ulps of that bound.
+    single = kind == "group" and not affine and spatial == 0
+    floor = 8 * float(np.finfo(np.float32).eps) * 5 / np.sqrt(eps) if single else 0.0
     _compare(layer, module, x, call, channels_first=first,  # training records running statistics: collected
-             call=lambda m, x: ft.nn.collect_state(lambda m: m(x), m)[0])
+             call=lambda m, x: ft.nn.collect_state(lambda m: m(x), m)[0], gradient_floor=floor)
     if kind == "batch_train":  # the running statistics after torch's one step
         _, state = ft.nn.collect_state(lambda m: m(x), loaded)
         stepped = ft.nn.apply_state(loaded, state)

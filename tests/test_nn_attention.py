@@ -536,3 +536,18 @@ def test_an_eager_attention_call_compiles_its_core_and_rotation_as_one_program_e
     np.testing.assert_allclose(y, jax.jit(attn)(x), rtol=0, atol=3e-6)  # main: 2.7e-7 apart
     with jax.disable_jit():
         np.testing.assert_allclose(attn(x), y, rtol=0, atol=3e-6)  # measured 2.4e-7
+
+
+@pytest.mark.parametrize("kv_heads", [None, 1])
+def test_an_empty_batch_is_attended_as_torchs(kv_heads):
+    """A batch of 0 sequences (torch's MultiheadAttention returns [0, T, E]): the heads were
+    split with a reshape to -1, which JAX refuses on an empty array (ZeroDivisionError)."""
+    import torch
+
+    mha = ft.nn.MultiheadAttention(6, 2, num_kv_heads=kv_heads, key=jax.random.key(0))
+    x = jnp.zeros((0, 3, 6))
+    y = mha(x, mask=jnp.ones((3, 3), bool))
+    grads = jax.jit(jax.grad(lambda m, x: m(x).sum(), argnums=(0, 1)))(mha, x)
+    expected = torch.nn.MultiheadAttention(6, 2, batch_first=True)(*(torch.zeros(0, 3, 6),) * 3)[0]
+    assert y.shape == tuple(expected.shape) == (0, 3, 6)
+    assert grads[1].shape == x.shape and not np.asarray(grads[0].query_projection.weight).any()

@@ -330,3 +330,16 @@ def test_indexed_max_pool_values_are_the_plain_pools():
         assert i.dtype == jnp.int32 and i.shape == y.shape
         plane = np.asarray(x).reshape(2, -1, 3)
         np.testing.assert_array_equal(np.take_along_axis(plane, np.asarray(i).reshape(2, -1, 3), 1).reshape(y.shape), y)
+
+
+def test_max_unpool_of_an_empty_batch():
+    """Leading axes of size 0 (torch's MaxUnpool2d takes a batch of 0): the rows were reshaped
+    with -1, which JAX refuses on an empty array."""
+    import torch
+
+    pool, unpool = ft.nn.MaxPool2D(2, return_indices=True), ft.nn.MaxUnpool2D(2)
+    y, indices = pool(jnp.ones((0, 4, 4, 2)))
+    expected = torch.nn.MaxUnpool2d(2)(*torch.nn.MaxPool2d(2, return_indices=True)(torch.ones(0, 2, 4, 4)))
+    out = unpool(y, indices)
+    assert out.shape == (0, 4, 4, 2) and tuple(expected.shape) == (0, 2, 4, 4)
+    assert jax.grad(lambda y: unpool(y, indices).sum())(y).shape == y.shape

@@ -455,7 +455,7 @@ class MultiheadAttention(Layer):
             )
         else:
             out = _fused_attention(q, k, v, mask, causal, self.implementation, self.logit_scale)
-        return self.output_projection(out.reshape((*out.shape[:-2], -1)))
+        return self.output_projection(out.reshape((*out.shape[:-2], out.shape[-2] * out.shape[-1])))  # no -1: a batch may be empty
 
     def _cached(
         self, query: jax.Array, keys: Any, values: Any, mask: Any, key: Any, cache: Any,
@@ -555,7 +555,8 @@ class MultiheadAttention(Layer):
         return y
 
     def _heads(self, x: jax.Array, heads: int | None = None) -> jax.Array:
-        return x.reshape((*x.shape[:-1], self.num_heads if heads is None else heads, -1))
+        heads = self.num_heads if heads is None else heads
+        return x.reshape((*x.shape[:-1], heads, x.shape[-1] // heads))  # no -1: a batch may be empty
 
     def _check_mask(self, mask: jax.Array, shape: tuple[int, ...], additive: bool = False) -> None:
         """A boolean ``mask`` (or, ``additive``, a floating ``bias``) broadcastable to ``shape``."""

@@ -471,8 +471,9 @@ class _MaxUnpool(Layer):
         size = math.prod(out)
         self._check_range(indices, size, out)
         rows, channels = math.prod(x.shape[:lead]), x.shape[-1]
-        values = x.reshape((rows, -1, channels))
-        at = jnp.asarray(indices).reshape((rows, -1, channels))
+        cells = math.prod(x.shape[lead:-1])  # not -1: the leading axes may be empty
+        values = x.reshape((rows, cells, channels))
+        at = jnp.asarray(indices).reshape((rows, cells, channels))
         at = jnp.where(at < 0, size, at)  # past the end, dropped (a negative index would wrap)
         return _unpooled(values, at, size).reshape((*x.shape[:lead], *out, channels))
 

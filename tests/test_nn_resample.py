@@ -133,3 +133,18 @@ def test_align_corners_with_nearest_is_refused():
 def test_empty_output_is_refused():
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)length >= 4.*times scale_factor 0.3 is 0.9:.*size=1"):
         ft.nn.Upsample1D(scale_factor=0.3)(jnp.ones((1, 3, 2)))
+
+
+@pytest.mark.parametrize(("n", "mode", "shape"), [(1, "nearest-exact", (2, 0, 2)), (2, "bicubic", (2, 0, 3, 1)),
+                                                  (3, "area", (2, 0, 1, 6, 2))])
+def test_an_empty_axis_resized_to_a_size_is_refused_as_torch_does(n, mode, shape):
+    """torch raises on an empty spatial axis ("Input and output sizes should be greater than 0");
+    with size= the layer failed inside jnp.take (IndexError) or a broadcast (TypeError)."""
+    size = (4,) * n
+    x = jnp.zeros(shape)
+    with pytest.raises(RuntimeError, match="greater than 0|non-zero size"):
+        torch.nn.functional.interpolate(torch.zeros(shape[0], shape[-1], *shape[1:-1]), size=size, mode=mode)
+    with pytest.raises(ft.nn.LayerInputError, match=r"is 0: an empty axis has nothing to resample(.|\n)*right: "):
+        getattr(ft.nn, f"Upsample{n}D")(size=size, mode=mode)(x)
+    with pytest.raises(ft.nn.LayerInputError, match="nothing to resample"):
+        ft.nn.interpolate(x, size=size, mode=mode)

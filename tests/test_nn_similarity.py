@@ -79,3 +79,15 @@ def test_pairwise_distance_gradient_below_p1_is_torchs_at_a_zero_component():
     F.pairwise_distance(t, torch.from_numpy(x2), p=0.5, eps=0.0).sum().backward()
     assert t.grad is not None
     np.testing.assert_allclose(ours, t.grad.numpy(), rtol=0, atol=1e-13 * np.abs(t.grad.numpy()).max())
+
+
+def test_max_norm_over_an_empty_axis_is_refused_as_torch_does():
+    """p = inf over an empty last axis is a max of nothing: torch refuses it; the function
+    failed inside jnp.max ("zero-size array to reduction operation max")."""
+    p = float("inf")
+    with pytest.raises(RuntimeError, match="inf norm"):
+        F.pairwise_distance(torch.zeros(3, 0), torch.zeros(1, 0), p=p)
+    with pytest.raises(ValueError, match=r"empty(.|\n)*right:  ft.nn.pairwise_distance\(x1, x2, p=2.0\)"):
+        ft.nn.pairwise_distance(jnp.zeros((3, 0)), jnp.zeros((1, 0)), p=p)
+    np.testing.assert_array_equal(ft.nn.pairwise_distance(jnp.zeros((3, 0)), jnp.zeros((1, 0))),
+                                  F.pairwise_distance(torch.zeros(3, 0), torch.zeros(1, 0)).numpy())

@@ -84,6 +84,13 @@ Its {axis} ({size}) times scale_factor {scale} is {out}: an empty output (torch 
     wrong:  ft.nn.{cls}(scale_factor={given!r})(x)     # x's {axis}: {size}
     right:  ft.nn.{cls}(size={right!r})(x)     # or a scale_factor whose output keeps one element"""
 
+EMPTY_INPUT = """\
+Its {axis} is 0: an empty axis has nothing to resample (torch raises "Input and output sizes \
+should be greater than 0" for size=, "Expected input to have non-zero size" for mode='area').
+
+    wrong:  ft.nn.{cls}({setting})(x)     # x's {axis}: 0
+    right:  ft.nn.{cls}({setting})(x)     # x with {axis} >= 1; or resample only the non-empty inputs"""
+
 ANTIALIAS = """\
 {cls}: antialias=True with mode={mode!r}: torch antialiases the 2-D modes 'bilinear', 'bicubic' \
 and 'lanczos' only (torch: "Anti-alias option is restricted to bilinear, bicubic, and lanczos \
@@ -323,6 +330,11 @@ class _Upsample(Layer):
 
     def _outputs(self, x: jax.Array, lengths: tuple[int, ...]) -> tuple[int, ...]:
         if self.size is not None:
+            for axis, length in zip(_AXES[self._rank], lengths):
+                if length == 0:  # no taps to read: refused here, not in jnp.take
+                    raise LayerInputError(self, f"[..., {', '.join(_AXES[self._rank])}, channels] with {axis} >= 1",
+                                          short_array(x), EMPTY_INPUT.format(axis=axis, cls=type(self).__name__,
+                                                                             setting=f"size={_show(self.size)}"))
             return self.size
         assert self.scale_factor is not None
         outs = tuple(math.floor(length * s) for length, s in zip(lengths, self.scale_factor))

@@ -21,6 +21,16 @@ components that differ), got {given!r}. torch returns a number for a negative p 
 """
 
 
+EMPTY_MAX_NORM = """\
+pairwise_distance: p={given!r} is the max of |x1 - x2 + eps| over the last axis, which is empty \
+here (x1 {x1}, x2 {x2}): a max of nothing (torch: "cannot compute the inf norm on the dimension \
+... because this dimension is empty").
+
+    wrong:  ft.nn.pairwise_distance(x1, x2, p={given!r})     # last axis 0
+    right:  ft.nn.pairwise_distance(x1, x2, p=2.0)     # 0.0 on an empty axis; or vectors of >= 1 component
+"""
+
+
 def cosine_similarity(x1: Any, x2: Any, axis: int = -1, eps: float = 1e-8) -> jax.Array:
     """``x1 . x2 / (max(||x1||, eps) * max(||x2||, eps))`` along ``axis`` (torch's
     ``F.cosine_similarity``; its default ``dim=1`` is the last axis of ``[N, D]``, here the
@@ -62,5 +72,8 @@ def pairwise_distance(x1: Any, x2: Any, p: float = 2.0, eps: float = 1e-6, keepd
         order = math.nan
     if isinstance(p, bool) or not order >= 0:  # (NaN fails too)
         raise ValueError(BAD_P.format(given=p))
-    distance = pairwise_distance_terms(jnp.asarray(x1), jnp.asarray(x2), order, eps)  # torch's gradients too
+    x1, x2 = jnp.asarray(x1), jnp.asarray(x2)
+    if math.isinf(order) and jnp.broadcast_shapes(jnp.shape(x1)[-1:], jnp.shape(x2)[-1:]) == (0,):
+        raise ValueError(EMPTY_MAX_NORM.format(given=p, x1=list(jnp.shape(x1)), x2=list(jnp.shape(x2))))
+    distance = pairwise_distance_terms(x1, x2, order, eps)  # torch's gradients too
     return distance[..., None] if keepdims else distance

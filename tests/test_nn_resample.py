@@ -142,7 +142,7 @@ def test_an_empty_axis_resized_to_a_size_is_refused_as_torch_does(n, mode, shape
     with size= the layer failed inside jnp.take (IndexError) or a broadcast (TypeError)."""
     size = (4,) * n
     x = jnp.zeros(shape)
-    with pytest.raises(RuntimeError, match="greater than 0|non-zero size"):
+    with pytest.raises(RuntimeError, match=r"greater than 0|non-zero size"):
         torch.nn.functional.interpolate(torch.zeros(shape[0], shape[-1], *shape[1:-1]), size=size, mode=mode)
     with pytest.raises(ft.nn.LayerInputError, match=r"is 0: an empty axis has nothing to resample(.|\n)*right: "):
         getattr(ft.nn, f"Upsample{n}D")(size=size, mode=mode)(x)

@@ -161,6 +161,25 @@ def test_bfloat16_attention_under_strict_promotion(key):
     np.testing.assert_allclose(y.astype(jnp.float32), reference, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "keys", "size"), [(1, 1, 1, 3), (1, 1, 4, 1), (1, 1, 1, 8)])
+def test_bfloat16_attention_of_one_query_row_compiles_and_equals_the_batched_rows(key, heads, kv_heads, keys, size):
+    """One query row (batch 1, one token, one head) in bfloat16 failed to compile on the CPU
+    (XLA: "Algorithm not supported by the ElementalIrEmitter: ALG_DOT_BF16_BF16_F32", raw
+    jax.nn.dot_product_attention too), eagerly and under jit, its gradient too; it equals the
+    same row computed in a batch of two within a bfloat16 rounding, and float32's."""
+    mha = ft.nn.MultiheadAttention(size * heads, heads, num_kv_heads=kv_heads, key=key, dtype=jnp.bfloat16)
+    x = _normal(1, (2, keys, size * heads), jnp.bfloat16)
+    kv = x[:1]
+    alone = mha(x[:1, -1:], kv, kv)  # the last key's row: one query
+    batched = jax.jit(lambda m, q, k: m(q, k, k))(mha, x[:, -1:], x)  # two rows: XLA's fused program
+    np.testing.assert_allclose(alone.astype(jnp.float32), batched[:1].astype(jnp.float32), rtol=0,
+                               atol=2 * 2.0 ** -8 * float(jnp.abs(batched.astype(jnp.float32)).max()))  # 2 bf16 ulps
+    reference = _x32(mha)(x[:1, -1:].astype(jnp.float32), kv.astype(jnp.float32), kv.astype(jnp.float32))
+    np.testing.assert_allclose(alone.astype(jnp.float32), reference, rtol=0, atol=0.05)
+    grad = jax.jit(jax.grad(lambda m: m(x[:1, -1:], kv, kv).astype(jnp.float32).sum()))(mha)
+    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in jax.tree.leaves(grad))
+
+
 def _x32(tree):
     return jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 

@@ -161,9 +161,10 @@ def test_bfloat16_attention_under_strict_promotion(key):
     np.testing.assert_allclose(y.astype(jnp.float32), reference, rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "keys", "size"), [(1, 1, 1, 3), (1, 1, 4, 1), (1, 1, 1, 8)])
+@pytest.mark.parametrize(("heads", "kv_heads", "keys", "size"), [(1, 1, 1, 3), (1, 1, 4, 1), (1, 1, 1, 8), (4, 1, 1, 1)])
 def test_bfloat16_attention_of_one_query_row_compiles_and_equals_the_batched_rows(key, heads, kv_heads, keys, size):
-    """One query row (batch 1, one token, one head) in bfloat16 failed to compile on the CPU
+    """One query row per key/value head (batch 1, one token, one key/value head: GQA's 4
+    query heads too) in bfloat16 failed to compile on the CPU
     (XLA: "Algorithm not supported by the ElementalIrEmitter: ALG_DOT_BF16_BF16_F32", raw
     jax.nn.dot_product_attention too), eagerly and under jit, its gradient too; it equals the
     same row computed in a batch of two within a bfloat16 rounding, and float32's."""

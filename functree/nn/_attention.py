@@ -635,12 +635,13 @@ def _fused_traced(
         out = _fused_traced(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask, causal,
                             "xla", scale)
         return out.astype(q.dtype)
-    if q4.dtype == jnp.bfloat16 and chosen != "cudnn" and jax.default_backend() == "cpu" and batch * t * n == 1:
-        # One query row (batch, length and heads all 1): XLA's CPU compiler lowers the logits'
-        # dot with an emitter that has no BF16_BF16_F32 algorithm (what JAX asks for bfloat16)
-        # and refuses the program (raw jax.nn.dot_product_attention too). The explicit
-        # computation is the same math: float32 logits of exact bf16 products, a float32
-        # softmax, the weights in bfloat16 against v.
+    one_row = batch * t * k4.shape[-2] == 1
+    if q4.dtype == jnp.bfloat16 and chosen != "cudnn" and jax.default_backend() == "cpu" and one_row:
+        # One query row per key/value head (batch, length and key/value heads all 1): XLA's
+        # CPU compiler lowers the logits' dot with an emitter that has no BF16_BF16_F32
+        # algorithm (what JAX asks for bfloat16) and refuses the program (raw
+        # jax.nn.dot_product_attention too). The explicit computation is the same math:
+        # float32 logits of exact bf16 products, a float32 softmax, bf16 weights against v.
         return attention_weights_times_values(q, k, v, mask, causal, scale=scale)
     if scale is not None and not is_int(scale) and not isinstance(scale, float) and chosen == "cudnn":
         # cuDNN's kernel takes a Python float: a traced scale goes into the queries (their dtype)

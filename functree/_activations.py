@@ -62,6 +62,39 @@ __all__ = [
 ]
 
 
+ACTIVATION_NOT_A_FUNCTION = """\
+{cls}: {name} must be a function (ft.nn.relu, jnp.tanh, ...) or None (none), got {given!r}{why}.
+
+    wrong:  ft.nn.{cls}(..., {name}={given!r})
+    right:  ft.nn.{cls}(..., {name}={right}){note}"""
+
+# Keras's and torch's names whose function here has another name (or none at all).
+_NAMED = {"linear": ("None", ""), "gelu": ("ft.nn.gelu_exact", "   # the exact GELU, Keras's and torch's "
+                                                            "(ft.nn.gelu: the tanh approximation)")}
+
+
+def activation_argument(cls: str, value: Any, name: str = "activation") -> Any:
+    """A layer's ``activation=`` argument as the function it stores: None is no activation
+    (:func:`identity`, Keras's ``activation=None``); a function is kept; anything else (a
+    Keras name such as ``"relu"``, which was called at the first step: "'str' object is not
+    callable") raises :data:`ACTIVATION_NOT_A_FUNCTION` with the function to pass.
+
+    Example:
+      >>> activation_argument("Dense", None) is identity
+      True
+    """
+    if value is None:
+        return identity
+    if callable(value) and not isinstance(value, str):
+        return value
+    right, note, why = "ft.nn.relu", "", ""
+    if isinstance(value, str):
+        why = " (a name: functions are passed themselves here)"
+        right, note = _NAMED.get(value, (f"ft.nn.{value}" if value in __all__ else right, ""))
+    raise ValueError(ACTIVATION_NOT_A_FUNCTION.format(cls=cls, name=name, given=value, why=why, right=right,
+                                                      note=note))
+
+
 def identity(x: Any) -> Any:
     """The identity activation (swift-apis' default).
 

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import functree as ft
 
@@ -19,3 +20,24 @@ def test_activation_is_static_configuration(key):
     layer = ft.nn.Dense(2, 2, ft.nn.leaky_relu, key=key)
     assert jax.tree.leaves(layer) == [layer.weight, layer.bias]
     assert layer(jnp.array([[-1.0, -1.0]])).shape == (1, 2)
+
+
+def test_activation_none_is_no_activation_and_a_name_is_refused_when_built():
+    """Keras's activation=None (none) was called at the first step ("'NoneType' object is
+    not callable"), as was a name ("relu": "'str' object is not callable"): None is the
+    identity now, and a name is refused when the layer is built, with the function to pass."""
+    key = jax.random.key(0)
+    x = jnp.ones((2, 3))
+    plain = ft.nn.Dense(3, 4, key=key)
+    np.testing.assert_array_equal(ft.nn.Dense(3, 4, None, key=key)(x), plain(x))
+    assert ft.nn.Conv1D(3, 4, 2, activation=None, key=key).activation is ft.nn.identity
+    mlp = ft.nn.MLP(3, 1, widths=[4], activation=None, final_activation=None, key=key)
+    assert mlp.activation is ft.nn.identity and mlp.final_activation is ft.nn.identity
+    for given, right in [("relu", r"activation=ft\.nn\.relu\)"), ("linear", r"activation=None\)"),
+                         ("gelu", r"activation=ft\.nn\.gelu_exact\)   # the exact GELU"), (3, r"activation=ft\.nn\.relu\)")]:
+        with pytest.raises(ValueError, match=rf"(?s)Dense: activation must be a function .* got {given!r}.*right: .*{right}"):
+            ft.nn.Dense(3, 4, given, key=key)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"MLP: final_activation must be a function"):
+        ft.nn.MLP(3, 1, widths=[4], final_activation="sigmoid", key=key)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"Conv2D: activation must be a function"):
+        ft.nn.Conv2D(3, 4, 2, activation="relu", key=key)  # pyright: ignore[reportArgumentType]

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from functree._activations import identity
+from functree._activations import activation_argument, identity
 from functree._module import field
 from functree._repr import short_array
 from functree.nn import _window as window
@@ -233,7 +233,7 @@ class Conv(Layer):
         bias_key = jax.random.fold_in(key, 1)
         self.bias = bias_initializer(bias_key, (out_channels,), dtype) if use_bias else None
         self.groups = groups
-        self.activation = activation
+        self.activation = activation_argument(type(self).__name__, activation)  # None: none (Keras's)
 
     @property
     def in_channels(self) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._activations import identity
+from functree._activations import activation_argument, identity
 from functree._module import field
 from functree.nn._abstract import initialized
 from functree.nn._check import check_input
@@ -72,7 +72,7 @@ class Dense(Layer):
         self.weight = initialized(weight_initializer, key, (input_size, output_size), dtype)
         bias_key = jax.random.fold_in(key, 1)
         self.bias = initialized(bias_initializer, bias_key, (output_size,), dtype) if use_bias else None
-        self.activation = activation
+        self.activation = activation_argument("Dense", activation)  # None: none (Keras's)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         check_input(self, x, (self.weight.shape[0],))

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._activations import identity, relu
+from functree._activations import activation_argument, identity, relu
 from functree._module import field
 from functree.nn._dropout import Dropout
 from functree.nn._linear import Dense, glorot_uniform
@@ -105,8 +105,8 @@ class MLP(Layer):
             for i in range(len(sizes) - 1)
         )
         self.dropout = Dropout(dropout)
-        self.activation = activation
-        self.final_activation = final_activation
+        self.activation = activation_argument("MLP", activation)
+        self.final_activation = activation_argument("MLP", final_activation, "final_activation")
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         hidden = len(self.layers) - 1

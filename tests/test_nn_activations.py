@@ -41,3 +41,7 @@ def test_activation_none_is_no_activation_and_a_name_is_refused_when_built():
         ft.nn.MLP(3, 1, widths=[4], final_activation="sigmoid", key=key)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"Conv2D: activation must be a function"):
         ft.nn.Conv2D(3, 4, 2, activation="relu", key=key)  # pyright: ignore[reportArgumentType]
+    # the transformer layers take torch's two names and otherwise the same rule
+    assert ft.nn.TransformerEncoderLayer(8, 2, 16, activation=None, key=key).activation is ft.nn.identity
+    with pytest.raises(ValueError, match=r"TransformerEncoderLayer: activation must be a function"):
+        ft.nn.TransformerEncoderLayer(8, 2, 16, activation=3, key=key)  # pyright: ignore[reportArgumentType]

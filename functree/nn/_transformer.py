@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._activations import gelu_exact, relu
+from functree._activations import activation_argument, gelu_exact, relu
 from functree._module import Module, field
 from functree._repr import short_array
 from functree.nn._attention import MultiheadAttention
@@ -113,11 +113,13 @@ def generate_square_subsequent_mask(size: int, dtype: Any = jnp.float32) -> jax.
 
 
 def _activation(cls: str, activation: Any) -> Callable[[Any], Any]:
-    if isinstance(activation, str) and activation in _ACTIVATIONS:
-        return _ACTIVATIONS[activation]
-    if callable(activation) and not isinstance(activation, str):
-        return activation
-    raise ValueError(BAD_ACTIVATION.format(cls=cls, given=activation))
+    """torch's two names (:data:`BAD_ACTIVATION` for another), else every layer's rule
+    (:func:`~functree._activations.activation_argument`: a function, or None for none)."""
+    if isinstance(activation, str):
+        if activation in _ACTIVATIONS:
+            return _ACTIVATIONS[activation]
+        raise ValueError(BAD_ACTIVATION.format(cls=cls, given=activation))
+    return activation_argument(cls, activation)
 
 
 def _causal_needs_mask(module: Any, flag: str, name: str, is_causal: Any, mask: Any, what: str) -> None:

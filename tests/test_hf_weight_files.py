@@ -173,6 +173,69 @@ def test_weights_under_a_wrappers_prefix_are_refused_naming_the_prefix(tmp_path,
     _close(ft.nn.from_hf(model.config, stripped)(IDS), own, 1e-5)  # the fix reads the checkpoint's model
 
 
+
+def _opt():
+    torch.manual_seed(0)
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=61, hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=16, max_position_embeddings=32)).eval()
+
+
+@pytest.mark.parametrize("make, base, bare", [(_llama, "model.", "model.layers."), (_llama, "model.", "model.layers.1."),
+                                              (_llama, "model.", "model.norm."), (_gpt2, "transformer.", "transformer.h."),
+                                              (_opt, "model.", "model.decoder.layers.")])
+def test_a_base_model_prefix_missing_on_some_names_reads_as_transformers_reads_them(tmp_path, make, base, bare):
+    """``layers.0...`` beside ``model.embed_tokens.weight``: transformers adds the base model's
+    prefix name by name (the same logits); functree refused them as a config with fewer layers
+    ("num_hidden_layers": 0 its fix)."""
+    model = make()
+    path = _saved(model, tmp_path, lambda sd: {k.removeprefix(base) if k.startswith(bare) else k: v
+                                               for k, v in sd.items()})
+    with torch.no_grad():
+        own = model(torch.tensor(IDS)).logits.numpy()
+    theirs = _hf_logits(path)
+    _close(theirs, own, 1e-6)
+    _close(ft.nn.from_hf(path)(IDS), theirs, 1e-5)
+
+
+def test_a_bare_name_beside_its_prefixed_name_with_other_values_is_refused_naming_both(tmp_path):
+    """Which of the two is the model's weight cannot be told: neither is read silently."""
+    weights = {k: v.numpy() for k, v in _llama().state_dict().items()}
+    bare = Q.removeprefix("model.")
+    weights[bare] = weights[Q] + 1
+    with pytest.raises(ValueError, match=rf"{re.escape(bare)}.*{re.escape(Q)}"):
+        ft.nn.from_hf(_llama().config, weights)
+    weights[bare] = weights[Q].copy()  # an equal copy is the same tensor: read once
+    _close(ft.nn.from_hf(_llama().config, weights)(IDS), _hf_logits(_saved(_llama(), tmp_path)), 1e-5)
+
+
+def test_a_wrappers_prefix_on_the_layers_alone_is_refused_naming_the_prefix(tmp_path):
+    """``module.model.layers.*`` beside ``model.embed_tokens.weight``: transformers draws the
+    layers at random; functree's fix was ``"num_hidden_layers": 0``."""
+    model = _llama()
+    path = _saved(model, tmp_path, lambda sd: {"module." + k if k.startswith("model.layers.") else k: v
+                                               for k, v in sd.items()})
+    with torch.no_grad():
+        own = model(torch.tensor(IDS)).logits.numpy()
+    assert not np.allclose(_hf_logits(path), own, atol=1e-3)
+    with pytest.raises(ValueError, match=(r"(?s)18 of 21 of the weights' names start with 'module.' "
+                                          r"\(e.g. 'module.model.layers.0.*weights = \{k.removeprefix\('module.'\)")):
+        ft.nn.from_hf(path)
+    fixed = {k.removeprefix("module."): v for k, v in safetensors_torch.load_file(path / "model.safetensors").items()}
+    _close(ft.nn.from_hf(model.config, fixed)(IDS), own, 1e-5)
+
+
+def test_load_torch_state_dict_names_a_stack_members_refused_dtype_by_its_torch_name(tmp_path):
+    """The report says "names as torch spells them"; a Stack member's dtype was reported under
+    functree's key path (``self_attn.key_projection``)."""
+    model = ft.nn.from_hf(_saved(_llama(), tmp_path))
+    sd = _llama().state_dict()
+    k = "model.layers.1.self_attn.k_proj.weight"
+    sd[k] = sd[k].to(torch.int8)
+    with pytest.raises(ValueError, match=rf"\n  {re.escape(k)}: expected dtype float32, given dtype int8") as e:
+        ft.nn.load_torch_state_dict(model, sd)
+    assert "key_projection" not in str(e.value)
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_a_nan_or_infinite_weight_reads_as_the_file_holds_it(tmp_path, value):
     """HF loads such a weight too (its CPU attention kernel then gives finite logits from NaN

@@ -327,7 +327,7 @@ without their scales, or a file whose header was altered); nothing was built.
 """
 
 PREFIXED_WEIGHTS = """\
-ft.nn.from_hf: the weights' names start with {prefix!r} (e.g. {example!r}), where the {hf_class} \
+ft.nn.from_hf: {which}the weights' names start with {prefix!r} (e.g. {example!r}), where the {hf_class} \
 the config builds names its weights without it ({expected!r}): a checkpoint saved from a model \
 wrapped in another (PEFT's base_model.model., DistributedDataParallel's module.) or its names \
 edited. transformers' from_pretrained does not read them as the model's either: it \
@@ -369,17 +369,18 @@ def not_floating(hf_class: str, weights: Mapping[str, Any], unexpected: Collecti
 
 def prefixed(hf_class: str, weights: Mapping[str, Any], stack: str, load: str) -> ValueError | None:
     """:data:`PREFIXED_WEIGHTS` where no tensor's name starts with ``stack`` (the torch name of
-    the model's layers, ``model.layers``) but some name holds it after a prefix shared by
-    every name (``base_model.model.model.layers.0...``), else None."""
+    the model's layers, ``model.layers``) but some name holds it after a prefix
+    (``base_model.model.model.layers.0...``; every name's, or only some: a wrapper's
+    layers saved beside the bare embedding), else None."""
     marker = f".{stack}."
     example = next((name for name in weights if marker in name and not name.startswith(f"{stack}.")), None)
     if example is None or any(name.startswith(f"{stack}.") for name in weights):
         return None
     prefix = example[:example.index(marker) + 1]
-    if not all(name.startswith(prefix) for name in weights):
-        return None
+    held = sum(name.startswith(prefix) for name in weights)  # (all, or the layers only: module.model.layers.*)
+    which = "" if held == len(weights) else f"{held} of {len(weights)} of "
     return ValueError(PREFIXED_WEIGHTS.format(prefix=prefix, example=example, expected=example.removeprefix(prefix),
-                                              hf_class=hf_class, load=load))
+                                              hf_class=hf_class, load=load, which=which))
 
 
 METADATA_COPY = """\

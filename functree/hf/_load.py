@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._jit import unchecked_jit
+from functree._module import Module
 from functree._naming import matches
 from functree._random import normal_runs
 from functree._state_dict import FlatDictReport, to_numpy
@@ -36,7 +37,7 @@ from functree.hf import _models  # noqa: F401  (defines every covered family: FA
 from functree.hf._causal import CausalLM, is_tied, padding_index
 from functree.hf._config import HFConfig, hf_config_of
 from functree.hf._dropout import check_dropout_call, with_dropout
-from functree.hf._family import COVERED, FAMILIES, TASKS, HFModel, family_of
+from functree.hf._family import COVERED, FAMILIES, TASKS, HFModel, family_of, renamed
 from functree.hf._files import (
     ALIASES,
     DEFAULTS,
@@ -479,7 +480,7 @@ def _from_config(family: type[HFModel], config: Any, values: HFConfig, dtype: An
 
             def build(key: jax.Array) -> Any:
                 built = family.from_config(kept, {"pooler.dense.weight"}, dtype, jax.random.fold_in(key, 1), attention)
-                return _hf_initialized(family, built, kept, key)
+                return family.hf_initial(_hf_initialized(family, built, kept, key), kept)
 
             program = _BUILDS[signature] = unchecked_jit(build, static_leaves=True)
             while len(_BUILDS) > _KEPT_BUILDS:  # the least recently built goes (its program with it)
@@ -633,6 +634,10 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     weights = family.hf_names(_base_stripped(family, dict(read_weights(weights))))  # older names as the class's state_dict has them
     check_body_name(family, weights)  # (Llama's QA body is transformer.*: a causal LM's model.* is not it)
     template = _template(family, config, set(weights), dtype, attention)
+    added = _base_added(family, template, weights)  # (layers.0... beside model.embed_tokens: per name, as HF)
+    if added is not weights:
+        weights = added
+        template = _template(family, config, set(weights), dtype, attention)
     tied = tied_head(family, template)
     check_metadata_copies(given, weights, (*([tied] if tied else []), *tied_copies(family, template)), family.hf_class,
                           family.hf_head[0] if family.hf_head else None, _loading(given))
@@ -724,6 +729,25 @@ def _base_stripped(family: type[HFModel], weights: dict[str, Any]) -> dict[str, 
             or not all(k.startswith(base) and k[len(base):].split(".")[0] in known for k in weights):
         return weights
     return {k[len(base):]: v for k, v in weights.items()}
+
+
+def _base_added(family: type[HFModel], template: Any, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` with each name of the base model saved without its prefix
+    (``layers.0.mlp.up_proj.weight`` beside ``model.embed_tokens.weight``) under it, as
+    transformers' loader adds the base model's prefix name by name (a name whose first part
+    is a module of the body ``template`` holds, and not one of the class's own). A rename onto
+    a name the weights hold already, with other values, is refused
+    (:data:`~functree.hf._family.RENAME_COLLIDES`). ``weights`` itself where none is bare."""
+    base = _BODY_PREFIX.get(str(family.model_type), "model")
+    body = getattr(template, base, None)
+    if FAMILIES.get(str(family.model_type)) is not family or not isinstance(body, Module):
+        return weights
+    own = set(getattr(family, "__ft_fields__", ())) | {k.split(".")[0] for k in (*family.hf_rename,
+                                                                               *(family.hf_head or ()))}
+    bare = {k for k in weights if k.split(".")[0] in set(body.__ft_fields__) - own}
+    if not bare:
+        return weights
+    return renamed(weights, lambda k: f"{base}.{k}" if k in bare else k, family.hf_class)
 
 
 def _foreign(cls: type[HFModel], weights: Mapping[str, Any]) -> list[str]:

@@ -795,6 +795,9 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     torch_names: dict[str, str] = {stored: r.torch[0] for r in plan.rules if len(r.ft) == len(r.torch) == 1
                                     for stored in [plan.leaves[r.ft[0]].stored] if stored is not None}
     refused = tuple((torch_names.get(str(n), str(n)), str(want), str(got)) for n, want, got in fitted.mismatched)
+    # (a Stack member's refused dtype: its own torch name, not the member's key path)
+    members = {r.ft[0]: r.torch[0] for r in plan.rules if len(r.ft) == len(r.torch) == 1}
+    wrong_dtypes = [(members.get(n, n), want, got) for n, want, got in wrong_dtypes]
     hints = (TORCH_CAST_HINT.format(names=", ".join(n for n, _, _ in refused)),) if fitted.hints else ()
     report = merged(ported, FlatDictReport(
         tuple(missing), tuple(k for k in given if k not in claimed), (*mismatched, *wrong_dtypes, *refused), hints,

@@ -19,7 +19,8 @@ first documented. A family is one class
 ``_neox.py``, ``_opt.py``, ``_bert.py``); see docs/development/layout.md, "How to add".
 """
 
-from functree.hf import _roberta_heads  # noqa: F401  (RoBERTa's heads: their HEADS rows and TASKS classes)
+# the heads written for one family: their HEADS rows and TASKS classes
+from functree.hf import _distilbert_heads, _roberta_heads  # noqa: F401
 from functree.hf._heads import task_loss
 from functree.hf._load import UnreadTensorsWarning, from_hf, to_hf_state_dict
 from functree.hf._peft import load_lora, save_lora

@@ -141,6 +141,13 @@ class HFModel(Module):
         return model
 
     @classmethod
+    def hf_initial(cls, model: Any, config: Any) -> Any:
+        """``model`` (drawn as HF's ``_init_weights`` draws: ``_load._hf_initialized``) with the
+        values that init sets past its draws (DistilBERT's sinusoidal position table), for
+        ``from_hf(config, key=)``; loaded weights never pass here."""
+        return model
+
+    @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
         """Checkpoint names as this class's HF counterpart's ``state_dict`` has them (older files)."""
         return weights

@@ -149,7 +149,7 @@ refuses this config ("embed_dim must be divisible by num_heads"), so no checkpoi
 """
 
 # The families whose HF attention splits the hidden size into equal heads (no head_dim of its own).
-EQUAL_HEADS = ("gpt2", "opt", "bert", "gpt_neox", "roberta", "xlm-roberta")
+EQUAL_HEADS = ("gpt2", "opt", "bert", "gpt_neox", "roberta", "xlm-roberta", "distilbert")
 
 ROPE_VALUE = """\
 ft.nn.from_hf: the {model_type} config's {key} (at its top level or in rope_parameters / \
@@ -706,6 +706,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 1, "bos_token_id": 0,
                     "eos_token_id": 2, "use_cache": True, "classifier_dropout": None, "is_decoder": False,
                     "add_cross_attention": False, "tie_word_embeddings": True},
+    # DistilBertConfig: its own names (dim, n_heads, n_layers: ALIASES); LayerNorm's eps fixed (1e-12), no field
+    "distilbert": {"vocab_size": 30522, "max_position_embeddings": 512, "sinusoidal_pos_embds": False, "n_layers": 6,
+                   "n_heads": 12, "dim": 768, "hidden_dim": 3072, "dropout": 0.1, "attention_dropout": 0.1,
+                   "activation": "gelu", "initializer_range": 0.02, "qa_dropout": 0.1, "seq_classif_dropout": 0.2,
+                   "pad_token_id": 0, "eos_token_id": None, "bos_token_id": None, "tie_word_embeddings": True},
     "gpt2": {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
              "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
              "layer_norm_epsilon": 1e-5, "initializer_range": 0.02, "summary_type": "cls_index",
@@ -761,10 +766,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "no_rope_layer_interval": 4, "layer_types": Derived(None, _smollm3_layer_types), "attention_bias": False,
         "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": True},
 }
-# GPT-2's standard names for its own fields (its config class's attribute_map).
+# GPT-2's and DistilBERT's standard names for their own fields (their config classes' attribute_map).
 ALIASES: dict[str, dict[str, str]] = {
     "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
              "num_hidden_layers": "n_layer"},
+    "distilbert": {"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers"},
 }
 # The generation options HF's config classes drop from config.json (older files kept them
 # there; generation_config.json holds them now): transformers v5's GenerationConfig defaults.
@@ -924,7 +930,8 @@ def _token_id(key: str, value: Any) -> bool:
 # ``head_dim`` 0 is no size: HF's attention derives it (``config.head_dim or hidden // heads``).
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
          "num_key_value_heads", "n_embd", "n_layer", "n_head", "n_inner", "ffn_dim", "word_embed_proj_dim",
-         "n_positions", "max_position_embeddings", "type_vocab_size", "head_dim")
+         "n_positions", "max_position_embeddings", "type_vocab_size", "head_dim", "dim", "n_heads", "n_layers",
+         "hidden_dim")
 
 
 def _check_sizes(model_type: str, values: Mapping[str, Any]) -> None:

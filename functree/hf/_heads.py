@@ -240,6 +240,10 @@ class TaskModel(HFModel):
         return cls.body_class.hf_dropout(config)
 
     @classmethod
+    def hf_initial(cls, model: Any, config: Any) -> Any:
+        return model.replace(body=cls.body_class.hf_initial(model.body, config))
+
+    @classmethod
     def head_dropout(cls, config: Any) -> float:
         """The rate of the dropout before the classifier (0: none), as HF's class reads it."""
         return 0.0
@@ -314,6 +318,11 @@ class TaskModel(HFModel):
         drawn, following = jax.random.split(first)
         record_state(attention, dropout_key=attention.dropout_key.at[0].set(jax.random.key_data(following)))
         return None, salted(jax.random.fold_in(drawn, _HEAD_STREAM))
+
+    def _pool(self, h: jax.Array) -> jax.Array:
+        """The first token's hidden state through BERT's pooler (:class:`PooledClassifier`,
+        :class:`PooledMultipleChoice`; DistilBERT's heads: their ``pre_classifier``)."""
+        return self.body.pooler(h[:, 0])
 
     def hf_tied(self) -> tuple[tuple[str, str], ...]:
         """The ``(copy, tensor)`` ties of ``hf_ties`` this model has (:func:`tied_copies`)."""
@@ -444,8 +453,10 @@ class TokenClassifier(TaskModel):
 
     @classmethod
     def head_dropout(cls, config: Any) -> float:
-        """BERT: ``classifier_dropout`` or ``hidden_dropout_prob``; GPT-NeoX: its
+        """BERT: ``classifier_dropout`` or ``hidden_dropout_prob``; DistilBERT: ``dropout``; GPT-NeoX: its
         ``classifier_dropout``; the others ``classifier_dropout``, ``hidden_dropout`` or 0.1."""
+        if cls.body_class.model_type == "distilbert":  # DistilBertForTokenClassification: config.dropout
+            return _classifier_rate(config, "dropout", default=0.1)
         if issubclass(cls.body_class, BertModel):
             return _classifier_rate(config, "classifier_dropout", "hidden_dropout_prob", default=0.1)
         if cls.body_class.model_type == "gpt_neox":
@@ -492,7 +503,7 @@ class PooledClassifier(TaskModel):
                  key: jax.Array | None = None) -> jax.Array:
         body_key, head_key = self._keys(key)
         h = self._hidden(input_ids, attention_mask, token_type_ids, body_key)
-        pooled = self.body.pooler(h[:, 0])
+        pooled = self._pool(h)
         return self.classifier(drop(pooled, self.dropout, head_key) if head_key is not None else pooled)
 
     def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -553,7 +564,7 @@ class PooledMultipleChoice(TaskModel):
 
         body_key, head_key = self._keys(key)
         h = self._hidden(flat(ids), flat(mask), flat(types), body_key)
-        pooled = self.body.pooler(h[:, 0])
+        pooled = self._pool(h)
         scores = self.classifier(drop(pooled, self.dropout, head_key) if head_key is not None else pooled)
         return scores.reshape(batch, choices)
 
@@ -1032,12 +1043,12 @@ HEADS: dict[str, Mapping[str, type[TaskModel]]] = {
              "ForMultipleChoice": PooledMultipleChoice},
 }
 # HF's module name of a token classifier where it is not the generic class's "score".
-_CLASSIFIER_NAMED = ("gpt2", "gpt_neox", "bert", "roberta", "xlm-roberta")
+_CLASSIFIER_NAMED = ("gpt2", "gpt_neox", "bert", "roberta", "xlm-roberta", "distilbert")
 # The families whose HF forward counts each row's real tokens for positions (OPT's
 # cumsum(attention_mask) - 1); the others take 0..T-1 whatever the mask.
 _COUNTED_POSITIONS = ("opt",)
 # HF's base_model_prefix of an encoder family (a decoder's causal LM names its body already).
-_BODY_PREFIX = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta."}
+_BODY_PREFIX = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta.", "distilbert": "distilbert."}
 # (head, model type) -> HF's attribute of the body where it is not the causal LM's: transformers
 # 5.24's Llama, Qwen2, Ministral, Qwen3 and SmolLM3 QA classes keep base_model_prefix "transformer" (their
 # older checkpoints' name; Mistral's is "model").

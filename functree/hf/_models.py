@@ -2,7 +2,7 @@
 architecture: GPT-2 (:mod:`._gpt2`), Llama and the families built like it, Qwen2,
 Mistral, Ministral, Gemma, Phi-3, OLMo, Qwen3, OLMo2, Gemma 2 and Gemma 3 (:mod:`._llama`), Granite
 (:mod:`._granite`), SmolLM3 (:mod:`._smollm3`), GPT-NeoX (:mod:`._neox`), Phi (:mod:`._phi`), OPT
-(:mod:`._opt`), BERT (:mod:`._bert`) and RoBERTa (:mod:`._roberta`); what they share is :mod:`._causal` (the
+(:mod:`._opt`), BERT (:mod:`._bert`), RoBERTa (:mod:`._roberta`) and DistilBERT (:mod:`._distilbert`); what they share is :mod:`._causal` (the
 calls) and :mod:`._family` (a family as one class, and the table of families).
 
 Importing this module defines every covered family (each class joins
@@ -46,6 +46,7 @@ from functree.hf._phi import PhiDecoderLayer, PhiForCausalLM, PhiMLP, PhiModel
 from functree.hf._opt import OPT_OFFSET, OPTDecoder, OPTDecoderLayer, OPTForCausalLM, OPTModel
 from functree.hf._bert import BERT_RENAME, BertEmbeddings, BertEncoder, BertLayer, BertModel
 from functree.hf._roberta import RobertaModel, XLMRobertaModel
+from functree.hf._distilbert import DistilBertEmbeddings, DistilBertModel
 from functree.hf._causal import check_token_ids
 # isort: on
 
@@ -55,7 +56,7 @@ __all__ = ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralFo
            "GPT2Model", "GPT2Block", "GPT2MLP", "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP",
            "GemmaRMSNorm", "GPTNeoXModel", "GPTNeoXLayer", "GPTNeoXMLP", "PhiModel", "PhiDecoderLayer", "PhiMLP", "OPTModel", "OPTDecoder",
            "OPTDecoderLayer", "OPT_OFFSET", "BertEmbeddings", "BertLayer", "BertEncoder", "BERT_RENAME",
-           "RobertaModel", "XLMRobertaModel", "check_token_ids", "RECORDED", "RECORDED_HOME"]
+           "RobertaModel", "XLMRobertaModel", "DistilBertModel", "DistilBertEmbeddings", "check_token_ids", "RECORDED", "RECORDED_HOME"]
 
 # The names checkpoints and pickles recorded before the split (module docstring): every class of a model's tree.
 RECORDED = (GPT2LMHeadModel, GPT2Model, GPT2Block, GPT2MLP, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM,

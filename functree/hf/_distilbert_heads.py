@@ -51,12 +51,28 @@ __all__ = ["PreClassifierClassifier", "PreClassifierMultipleChoice", "VocabProje
            "DropoutQuestionAnswering"]
 
 
-def _sequence_rate(config: Any) -> float:
-    """HF's ``seq_classif_dropout`` (0.2 by default)."""
-    return _classifier_rate(config, "seq_classif_dropout", default=0.2)
+class _PreClassified:
+    """DistilBERT's first-token head (a mixin before BERT's pooled head): ``relu(pre_classifier(h[:, 0]))``
+    in place of BERT's pooler, the dropout after it ``seq_classif_dropout`` (0.2 by default)."""
+
+    pre_classifier: Dense
+    pooled = False
+    head_roots = ("classifier", "pre_classifier")  # (the first: PEFT's SEQ_CLS classifier, kept whole)
+
+    @classmethod
+    def head_dropout(cls, config: Any) -> float:
+        return _classifier_rate(config, "seq_classif_dropout", default=0.2)
+
+    def __init__(self, body: Any, pre_classifier: Dense, classifier: Dense, hf_config: HFConfig | None = None,
+                 dropout: float = 0.0):
+        super().__init__(body, classifier, hf_config, dropout)  # type: ignore[call-arg]  # (the pooled head's)
+        self.pre_classifier = pre_classifier
+
+    def _pool(self, h: jax.Array) -> jax.Array:
+        return self.pre_classifier(h[:, 0])
 
 
-class PreClassifierClassifier(PooledClassifier):
+class PreClassifierClassifier(_PreClassified, PooledClassifier):
     """``DistilBertForSequenceClassification``: ``classifier(dropout(relu(pre_classifier(h[:, 0]))))``,
     ``[batch, num_labels]``; HF's ``problem_type`` losses (:func:`~functree.hf._heads.task_loss`).
 
@@ -72,8 +88,6 @@ class PreClassifierClassifier(PooledClassifier):
     """
 
     pre_classifier: Dense
-    pooled = False
-    head_roots = ("classifier", "pre_classifier")  # (the first: PEFT's SEQ_CLS classifier, kept whole)
 
     @classmethod
     def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
@@ -81,45 +95,19 @@ class PreClassifierClassifier(PooledClassifier):
         return cls(body, Dense(width, width, relu, key=k1, dtype=dtype),
                    Dense(width, num_labels(config), key=k2, dtype=dtype))
 
-    @classmethod
-    def head_dropout(cls, config: Any) -> float:
-        return _sequence_rate(config)
 
-    def __init__(self, body: Any, pre_classifier: Dense, classifier: Dense, hf_config: HFConfig | None = None,
-                 dropout: float = 0.0):
-        super().__init__(body, classifier, hf_config, dropout)
-        self.pre_classifier = pre_classifier
-
-    def _pool(self, h: jax.Array) -> jax.Array:
-        return self.pre_classifier(h[:, 0])
-
-
-class PreClassifierMultipleChoice(PooledMultipleChoice):
+class PreClassifierMultipleChoice(_PreClassified, PooledMultipleChoice):
     """``DistilBertForMultipleChoice``: each choice scored
     ``classifier(dropout(relu(pre_classifier(h[:, 0]))))`` (``classifier``: one output),
     ``[batch, num_choices]``; inputs ``[batch, num_choices, T]`` as
     :class:`~functree.hf._heads.PooledMultipleChoice`'s."""
 
     pre_classifier: Dense
-    pooled = False
-    head_roots = ("classifier", "pre_classifier")
 
     @classmethod
     def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
         k1, k2 = jax.random.split(key)
         return cls(body, Dense(width, width, relu, key=k1, dtype=dtype), Dense(width, 1, key=k2, dtype=dtype))
-
-    @classmethod
-    def head_dropout(cls, config: Any) -> float:
-        return _sequence_rate(config)
-
-    def __init__(self, body: Any, pre_classifier: Dense, classifier: Dense, hf_config: HFConfig | None = None,
-                 dropout: float = 0.0):
-        super().__init__(body, classifier, hf_config, dropout)
-        self.pre_classifier = pre_classifier
-
-    def _pool(self, h: jax.Array) -> jax.Array:
-        return self.pre_classifier(h[:, 0])
 
 
 class DropoutQuestionAnswering(QuestionAnswering):

@@ -322,7 +322,7 @@ class TaskModel(HFModel):
     def _pool(self, h: jax.Array) -> jax.Array:
         """The first token's hidden state through BERT's pooler (:class:`PooledClassifier`,
         :class:`PooledMultipleChoice`; DistilBERT's heads: their ``pre_classifier``)."""
-        return self.body.pooler(h[:, 0])
+        return self.body.pooler(h[:, 0])  # type: ignore[attr-defined]  # (the heads' field)
 
     def hf_tied(self) -> tuple[tuple[str, str], ...]:
         """The ``(copy, tensor)`` ties of ``hf_ties`` this model has (:func:`tied_copies`)."""

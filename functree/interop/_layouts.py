@@ -26,6 +26,7 @@ from functree.nn._conv import Conv, ConvTranspose
 from functree.nn._embedding import Embedding
 from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._linear import Dense
+from functree.nn._moe import Experts
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm, _InstanceNorm
 from functree.nn._prelu import PReLU
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell
@@ -314,6 +315,9 @@ _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None
     ((SimpleRNNCell, GRUCell, LSTMCell), _cell),
     (RNN, _rnn),
     ((StackedRNN, Bidirectional), _stacked),
+    # torch's stacked experts are [E, out, in] (transformers' MixtralExperts), ft's [E, in, out] as Dense
+    (Experts, lambda layer: [_permuted("gate_up_proj", "gate_up_proj", (0, 2, 1)),
+                             _permuted("down_proj", "down_proj", (0, 2, 1))]),
 )
 
 

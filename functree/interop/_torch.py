@@ -14,6 +14,8 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
     Embedding, EmbeddingBag  weight          Embedding, EmbeddingBag  embeddings
     PReLU  weight                            PReLU  slope
     Bilinear  weight [out, in1, in2], bias   Bilinear  weight [in1, in2, out], bias
+    (transformers' MoE experts) gate_up_proj [E, 2h, d], down_proj [E, d, h]
+                                             Experts  gate_up_proj [E, d, 2h], down_proj [E, h, d]
     MultiheadAttention  in_proj_weight [3E, E] (or q/k/v_proj_weight), in_proj_bias, out_proj
                                              query/key/value/output_projection (split, transposed)
     Transformer, TransformerEncoder/Decoder(Layer)  torch's names (layers.0.self_attn, linear1, norm1,

@@ -1,0 +1,245 @@
+"""A sparse mixture of experts: each token's ``top_k`` experts of ``num_experts`` SwiGLU MLPs,
+weighted by its router's probabilities (Mixtral's block; Qwen2-MoE's and OLMoE's without
+the renormalization).
+
+For a token ``x`` (``[d]``), with ``W_r`` the router (``gate``, ``[d, E]``, no bias)::
+
+    p       = softmax(x W_r)                       # in float32 (float64 for float64 weights)
+    S       = the top_k experts of p               # jax.lax.top_k: on a tie the lower index
+    w_e     = p_e / sum_{j in S} p_j   (renormalize=True, Mixtral's)  or  p_e  (False)
+    y       = sum_{e in S} w_e * ((act(x G_e) * (x U_e)) D_e)
+
+``G_e | U_e`` is expert ``e``'s slice ``gate_up_proj[e]`` (``[d, 2 * hidden]``: the gate's
+columns, then the up projection's), ``D_e`` is ``down_proj[e]`` (``[hidden, d]``). Only the
+selected experts are computed: the ``N * top_k`` (token, expert) pairs are sorted by expert
+and each expert's rows multiply its weights in one grouped matmul (``jax.lax.ragged_dot``),
+``2 * N * top_k * 3 * d * hidden`` flops, ``top_k / E`` of the dense form's (every expert for
+every token, masked; ``implementation="dense"``, the same numbers). An expert no token chose
+is an empty group: its output and its weights' gradient are zero.
+
+``implementation="auto"`` (the default) is the dense form where JAX's default backend is the
+CPU and the sorted one elsewhere: XLA's CPU backend lowers ``ragged_dot`` to every group for
+every row, masked (``E`` times the work), so there the dense form's ``E / top_k`` is the
+faster (8 experts, top-2, d 256, hidden 512, 512 tokens, float32: forward 58 ms dense, 75 ms
+sorted; gradient 115 ms and 222 ms). JAX (0.9.2 to 0.10.2) has no second derivative of
+``ragged_dot`` with respect to its weights: a Hessian of the sorted form fails
+(NotImplementedError); ``implementation="dense"`` has them.
+
+In training mode (``ft.nn.training``) with ``jitter > 0`` and a ``key``, the input is first
+multiplied by noise uniform in ``[1 - jitter, 1 + jitter]`` (Mixtral's ``router_jitter_noise``:
+both the router and the experts read the noisy input, as Hugging Face's block).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from functree._activations import silu
+from functree._module import field
+from functree._random import flat_key
+from functree.nn._abstract import initialized
+from functree.nn._check import check_input
+from functree.nn._linear import Dense
+from functree.nn._mode import Layer
+from functree.nn._precision import statistics_dtype
+
+__all__ = ["SparseMoE", "Experts", "load_balancing_loss", "TOP_K", "IMPLEMENTATION", "JITTER_KEY"]
+
+TOP_K = """\
+ft.nn.SparseMoE: top_k={top_k} of num_experts={experts}; each token is sent to top_k distinct \
+experts, so 1 <= top_k <= num_experts.
+
+    wrong:  ft.nn.SparseMoE(d, hidden, num_experts={experts}, top_k={top_k}, key=key)
+    right:  ft.nn.SparseMoE(d, hidden, num_experts={experts}, top_k={fix}, key=key)
+"""
+
+IMPLEMENTATION = """\
+ft.nn.SparseMoE: implementation={given!r}; it is "auto" (dense on the CPU, else sorted), \
+"sorted" (the selected experts only: pairs sorted by expert, jax.lax.ragged_dot) or "dense" \
+(every expert for every token, masked: the same numbers, num_experts / top_k times the work).
+
+    wrong:  ft.nn.SparseMoE(..., implementation={given!r})
+    right:  ft.nn.SparseMoE(..., implementation="sorted")
+"""
+
+JITTER_KEY = """\
+ft.nn.SparseMoE (jitter={jitter}) is in training mode and needs a PRNG key for its router \
+jitter noise.
+
+    wrong:  model(x)
+    right:  model(x, key=jax.random.key(step))       # a fresh key every step
+"""
+
+
+def _normal(std: float) -> Any:
+    return jax.nn.initializers.normal(std)
+
+
+class Experts(Layer):
+    """``num_experts`` SwiGLU MLPs as stacked weights: ``gate_up_proj`` ``[E, d, 2 * hidden]``
+    (each expert's gate columns, then its up columns) and ``down_proj`` ``[E, hidden, d]``;
+    expert ``e`` maps ``x`` to ``(act(x G_e) * (x U_e)) D_e``. Called by :class:`SparseMoE`
+    with the rows sorted by expert (:meth:`grouped`)."""
+
+    gate_up_proj: jax.Array
+    down_proj: jax.Array
+    activation: Any = field(static=True, default=silu)
+
+    def __init__(self, d: int, hidden: int, num_experts: int, activation: Any = silu, *, key: jax.Array,
+                 dtype: Any = jnp.float32, std: float = 0.02):
+        k1, k2 = jax.random.split(key)
+        self.gate_up_proj = initialized(_normal(std), k1, (num_experts, d, 2 * hidden), dtype)
+        self.down_proj = initialized(_normal(std), k2, (num_experts, hidden, d), dtype)
+        self.activation = activation
+
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Rows ``[M, d]`` sorted by expert, ``group_sizes[e]`` of them expert ``e``'s: each
+        row through its expert (``[M, d]``)."""
+        h = jax.lax.ragged_dot(rows, self.gate_up_proj, group_sizes)
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jax.lax.ragged_dot(self.activation(gate) * up, self.down_proj, group_sizes)
+
+    def every(self, x: jax.Array) -> jax.Array:
+        """Every expert on every row ``[N, d]``: ``[E, N, d]`` (the dense form)."""
+        h = jnp.einsum("nd,edf->enf", x, self.gate_up_proj)
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jnp.einsum("enf,efd->end", self.activation(gate) * up, self.down_proj)
+
+
+class SparseMoE(Layer):
+    """A sparse mixture-of-experts MLP (module docstring for the math): ``gate`` the router
+    (a Dense without bias, ``[d, num_experts]``), ``experts`` the stacked SwiGLU experts,
+    each token through its ``top_k`` experts only. ``renormalize`` (Mixtral's, the default)
+    divides the selected probabilities by their sum; False keeps them as the softmax gave
+    them (Qwen2-MoE's ``norm_topk_prob: false``, OLMoE's). ``jitter``: Mixtral's
+    ``router_jitter_noise``, in training mode only. :meth:`route` gives the router's logits,
+    the selected experts and their weights; ``__call__(x, return_logits=True)`` returns
+    ``(y, logits)`` for an auxiliary loss (:func:`load_balancing_loss`).
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> moe = ft.nn.SparseMoE(16, 32, num_experts=4, top_k=2, key=jax.random.key(0))
+      >>> moe.experts.gate_up_proj.shape, moe.experts.down_proj.shape, moe.gate.weight.shape
+      ((4, 16, 64), (4, 32, 16), (16, 4))
+      >>> x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+      >>> y, logits = moe(x, return_logits=True)
+      >>> y.shape, logits.shape
+      ((2, 5, 16), (10, 4))
+      >>> sparse = moe.replace(implementation="sorted")        # the selected experts only: the same numbers
+      >>> bool(jnp.allclose(sparse(x), y, atol=1e-6))
+      True
+      >>> ft.nn.load_balancing_loss(logits[None], top_k=2).shape     # a scalar; 2 (top_k) where balanced
+      ()
+    """
+
+    gate: Dense
+    experts: Experts
+    top_k: int = field(static=True, default=2)
+    renormalize: bool = field(static=True, default=True)
+    jitter: float = field(static=True, default=0.0)
+    implementation: str = field(static=True, default="auto")
+    training: bool = field(static=True, default=False)
+
+    def __init__(self, d: int, hidden: int, *, num_experts: int, top_k: int = 2, activation: Any = silu,
+                 renormalize: bool = True, jitter: float = 0.0, implementation: str = "auto", key: jax.Array,
+                 dtype: Any = jnp.float32, std: float = 0.02):
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(TOP_K.format(top_k=top_k, experts=num_experts, fix=min(2, num_experts)))
+        if implementation not in ("auto", "sorted", "dense"):
+            raise ValueError(IMPLEMENTATION.format(given=implementation))
+        k1, k2 = jax.random.split(key)
+        self.gate = Dense(d, num_experts, use_bias=False, key=k1, dtype=dtype, weight_initializer=_normal(std))
+        self.experts = Experts(d, hidden, num_experts, activation, key=k2, dtype=dtype, std=std)
+        self.top_k, self.renormalize, self.jitter = top_k, bool(renormalize), float(jitter)
+        self.implementation, self.training = implementation, False
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Rows ``x`` ``[N, d]``: ``(logits [N, E] in x's dtype, weights [N, top_k] in float32
+        (float64 for float64 x), experts [N, top_k] int32)``, the experts by decreasing
+        probability (a tie: the lower index first)."""
+        logits = self.gate(x)
+        probs = jax.nn.softmax(logits.astype(statistics_dtype(x.dtype)), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return logits, weights, experts.astype(jnp.int32)
+
+    def __call__(self, x: jax.Array, *, key: jax.Array | None = None, return_logits: bool = False) -> Any:
+        check_input(self, x, (self.gate.weight.shape[0],))
+        if self.training and self.jitter > 0:
+            if key is None:
+                raise ValueError(JITTER_KEY.format(jitter=self.jitter))
+            noise = jax.random.uniform(flat_key(key), x.shape, statistics_dtype(x.dtype), 1.0 - self.jitter,
+                                       1.0 + self.jitter)
+            x = (x * noise).astype(x.dtype)
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        logits, weights, experts = self.route(rows)
+        implementation = self.implementation
+        if implementation == "auto":
+            implementation = "dense" if jax.default_backend() == "cpu" else "sorted"
+        if implementation == "dense":
+            y = _dense(self.experts, rows, weights, experts)
+        else:
+            y = _sorted(self.experts, rows, weights, experts)
+        y = y.reshape(shape)
+        return (y, logits) if return_logits else y
+
+
+def _sorted(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
+    """The selected experts only: the ``N * k`` (row, expert) pairs sorted by expert (stable:
+    a row's pairs keep their order), one grouped matmul per projection, each pair's output
+    times its weight, the pairs put back in row order and summed over ``k``."""
+    n, k = chosen.shape
+    num_experts = experts.gate_up_proj.shape[0]
+    flat = chosen.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
+    out = experts.grouped(rows[order // k], sizes)  # pair i of the sorted order is row order[i] // k's
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    wide = weights.dtype
+    pairs = out[inverse].reshape(n, k, -1).astype(wide) * weights[..., None]
+    return jnp.sum(pairs, axis=1).astype(rows.dtype)
+
+
+def _dense(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
+    """Every expert on every row, weighted by each row's weights of its selected experts (0 elsewhere)."""
+    num_experts = experts.gate_up_proj.shape[0]
+    full = jnp.sum(jax.nn.one_hot(chosen, num_experts, dtype=weights.dtype) * weights[..., None], axis=1)  # [N, E]
+    out = experts.every(rows).astype(weights.dtype)  # [E, N, d]
+    return jnp.einsum("end,ne->nd", out, full).astype(rows.dtype)
+
+
+def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: jax.Array | None = None) -> jax.Array:
+    """The Switch Transformer's auxiliary load-balancing loss as Hugging Face's
+    ``load_balancing_loss_func`` computes it (Mixtral's ``aux_loss``).
+
+    ``router_logits`` ``[L, N, E]`` (each layer's router logits over the same ``N`` rows:
+    ``[batch * T]``, batch major), ``mask`` ``[batch, T]`` (or ``[N]``; 1: a real token) or
+    None. With ``f_e`` the share of the ``L * k * N'`` top-k choices that went to expert
+    ``e`` times ``k`` and ``P_e`` the mean router probability of expert ``e``, both over the
+    layers and the real rows (``N'`` of them)::
+
+        loss = E * sum_e f_e * P_e       (top_k where the routing is balanced)
+
+    The counts have no gradient; the probabilities do. Computed in float32 (float64 for
+    float64 logits). Mixtral's training loss adds ``router_aux_loss_coef * loss``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> float(ft.nn.load_balancing_loss(jnp.zeros((2, 6, 4)), top_k=2))  # uniform: each expert 1/4
+      2.0
+    """
+    wide = statistics_dtype(router_logits.dtype)
+    num_layers, rows, num_experts = router_logits.shape
+    probs = jax.nn.softmax(router_logits.astype(wide), axis=-1)
+    _, chosen = jax.lax.top_k(probs, top_k)
+    weight = jnp.ones((rows,), wide) if mask is None else jnp.reshape(mask, (-1,)).astype(wide)
+    counts = jnp.einsum("lnke,n->e", jax.nn.one_hot(chosen, num_experts, dtype=wide), weight)
+    total = num_layers * jnp.sum(weight)
+    tokens = jax.lax.stop_gradient(counts) / total
+    probability = jnp.einsum("lne,n->e", probs, weight) / total
+    return num_experts * jnp.sum(tokens * probability)

@@ -1,0 +1,180 @@
+"""``ft.nn.SparseMoE`` and ``ft.nn.load_balancing_loss`` against transformers' Mixtral block
+(``MixtralSparseMoeBlock``, its weights ours: the router ``gate.weight`` transposed, the
+experts' ``[E, out, in]`` transposed) and ``load_balancing_loss_func``, in float64 with HF's
+router softmax widened to float64 (HF's ``.float()``): outputs and every gradient of torch's
+autograd at float64 rounding (measured 2.2e-16 of the largest, tolerance 1e-13); finite
+differences (``jax.test_util.check_grads``, first order: JAX has no second derivative of
+``ragged_dot`` with respect to its weights) for both implementations; the edge cases: top_k
+of every expert, an expert no token chose (a zero gradient, no NaN), an exact tie (the lower
+index wins; torch.topk on the CPU took the higher ones), top_k refused past num_experts.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import functree as ft
+from functree.nn import _moe
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from transformers.models.mixtral import modeling_mixtral  # noqa: E402
+
+D, HIDDEN, E = 8, 6, 4
+TOLERANCE = 1e-13  # times the largest value (gradient): measured 2.2e-16
+
+
+def layer(top_k=2, seed=0, **kwargs):
+    moe = ft.nn.SparseMoE(D, HIDDEN, num_experts=E, top_k=top_k, key=jax.random.key(seed), dtype=jnp.float64,
+                          **kwargs)
+    flat = ft.to_flat_dict(moe)  # weights of order 1 (the init's std 0.02 makes every expert alike)
+    moved = {n: jax.random.normal(jax.random.key(i + 10), v.shape, v.dtype) for i, (n, v) in enumerate(flat.items())}
+    return ft.from_flat_dict(moe, moved)
+
+
+def hf_block(moe, top_k):
+    """HF's block with ``moe``'s weights, in float64, its router softmax in float64."""
+    config = transformers.MixtralConfig(hidden_size=D, intermediate_size=HIDDEN, num_local_experts=E,
+                                        num_experts_per_tok=top_k)
+    config._experts_implementation = "eager"  # (a standalone block: HF's loop over the experts)
+    block = modeling_mixtral.MixtralSparseMoeBlock(config).to(torch.float64).eval()
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.from_numpy(np.asarray(moe.gate.weight).T.copy()))
+        block.experts.gate_up_proj.copy_(torch.from_numpy(np.asarray(moe.experts.gate_up_proj).transpose(0, 2, 1).copy()))
+        block.experts.down_proj.copy_(torch.from_numpy(np.asarray(moe.experts.down_proj).transpose(0, 2, 1).copy()))
+    router = block.gate
+
+    def route(h):  # HF's router with its softmax in the weights' dtype (it casts to float32)
+        h = h.reshape(-1, router.hidden_dim)
+        logits = torch.nn.functional.linear(h, router.weight)
+        top, index = torch.topk(torch.softmax(logits, dim=-1), router.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), index
+
+    router.forward = route
+    return block
+
+
+@pytest.mark.parametrize("implementation", ["sorted", "dense"])
+@pytest.mark.parametrize("top_k", [1, 2, E])
+def test_outputs_and_gradients_are_torch_autograds_of_hfs_block(top_k, implementation):
+    """float64, 2 x 5 tokens: the output and the gradients of sum(y * c) for the input, the
+    router and both expert tensors, against torch's autograd of HF's block (top_k = E: every
+    expert, as a dense MLP mixture)."""
+    with jax.enable_x64(True):
+        moe = layer(top_k, implementation=implementation)
+        x = np.random.default_rng(0).normal(size=(2, 5, D))
+        c = np.random.default_rng(1).normal(size=(2, 5, D))
+        block = hf_block(moe, top_k)
+        xt = torch.from_numpy(x).requires_grad_(True)
+        yt = block(xt)
+        (yt * torch.from_numpy(c)).sum().backward()
+
+        def f(m, x):
+            return jnp.sum(m(x) * c)
+
+        y = moe(jnp.asarray(x))
+        gm, gx = jax.grad(f, argnums=(0, 1))(moe, jnp.asarray(x))
+    expected = {"x": xt.grad.numpy(), "gate": block.gate.weight.grad.numpy().T,
+                "gate_up": block.experts.gate_up_proj.grad.numpy().transpose(0, 2, 1),
+                "down": block.experts.down_proj.grad.numpy().transpose(0, 2, 1)}
+    ours = {"x": gx, "gate": gm.gate.weight, "gate_up": gm.experts.gate_up_proj, "down": gm.experts.down_proj}
+    ref = yt.detach().numpy()
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=0, atol=TOLERANCE * np.abs(ref).max())
+    scale = max(float(np.abs(want).max()) for want in expected.values())  # top_k=1: the router's is 0 (w = 1)
+    for name, want in expected.items():
+        np.testing.assert_allclose(np.asarray(ours[name]), want, rtol=0, atol=TOLERANCE * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", ["sorted", "dense"])
+def test_gradients_are_finite_differences(implementation):
+    """``check_grads`` (forward and reverse, first order) of the layer in its input and its
+    weights; the sorted form's second derivative is JAX's NotImplementedError (documented)."""
+    with jax.enable_x64(True):
+        moe = layer(2, 1, implementation=implementation)
+        x = jnp.asarray(np.random.default_rng(2).normal(size=(7, D)))
+        check_grads(lambda m, x: moe.replace(gate=m.gate, experts=m.experts)(x), (moe, x), order=1,
+                    modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
+
+
+def test_an_expert_no_token_chose_has_zero_gradients_and_no_nan():
+    """Router weights that send every token to experts 0 and 1: experts 2 and 3 get no rows
+    (empty groups of the grouped matmul); their gradients are exactly 0, none is NaN, and
+    the two implementations agree."""
+    with jax.enable_x64(True):
+        moe = layer(2)
+        weight = np.zeros((D, E))
+        weight[:, :2] = 0.0
+        weight[:, 2:] = -50.0  # experts 2, 3: probabilities ~e^-50 per unit input
+        x = jnp.ones((6, D))
+        moe = moe.replace(gate=moe.gate.replace(weight=jnp.asarray(weight)))
+        grads = [jax.tree.map(np.asarray, jax.grad(lambda m: jnp.sum(m(x) ** 2))(moe.replace(implementation=i)))
+                 for i in ("sorted", "dense")]
+    for g in grads:
+        assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(g))
+        assert np.abs(g.experts.gate_up_proj[2:]).max() == 0.0 and np.abs(g.experts.down_proj[2:]).max() == 0.0
+        assert np.abs(g.experts.gate_up_proj[:2]).max() > 0
+    np.testing.assert_allclose(np.asarray(grads[0].experts.down_proj), np.asarray(grads[1].experts.down_proj),
+                               rtol=0, atol=1e-12)
+
+
+def test_a_tie_picks_the_lower_expert_where_torch_topk_picked_higher_ones():
+    """A zero router (every probability 1/E): jax.lax.top_k's experts 0 and 1, weights 1/2
+    each; torch.topk on the CPU picked experts 2 and 3 here (unspecified in torch), so the
+    port's output on an exact tie is its own. Only equal float probabilities tie: a router
+    row of zeros, or a zero input."""
+    moe = ft.nn.SparseMoE(D, HIDDEN, num_experts=E, top_k=2, key=jax.random.key(0))
+    moe = moe.replace(gate=moe.gate.replace(weight=jnp.zeros((D, E))))
+    _, weights, experts = moe.route(jnp.ones((3, D)))
+    assert experts.tolist() == [[0, 1]] * 3 and weights.tolist() == [[0.5, 0.5]] * 3
+    assert sorted(torch.topk(torch.full((E,), 1.0 / E), 2).indices.tolist()) != [0, 1]
+
+
+def test_jitter_multiplies_the_input_in_training_only():
+    """``jitter``: inference ignores it; training needs a key (JITTER_KEY) and computes the
+    layer on ``x * u``, u uniform in [1 - jitter, 1 + jitter] drawn from the key (HF's
+    ``router_jitter_noise``: the router and the experts both read the noisy input)."""
+    moe = ft.nn.SparseMoE(D, HIDDEN, num_experts=E, top_k=2, jitter=0.1, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (5, D))
+    np.testing.assert_array_equal(moe(x, key=jax.random.key(2)), moe.replace(jitter=0.0)(x))
+    train = ft.nn.training(moe)
+    with pytest.raises(ValueError, match="needs a PRNG key") as error:
+        train(x)
+    assert str(error.value).startswith(_moe.JITTER_KEY.split("{")[0])
+    y = train(x, key=jax.random.key(2))
+    from functree._random import flat_key
+    noise = jax.random.uniform(flat_key(jax.random.key(2)), x.shape, jnp.float32, 0.9, 1.1)
+    np.testing.assert_allclose(y, moe(x * noise), rtol=0, atol=1e-6)
+    assert np.abs(y - moe(x)).max() > 0.01 * np.abs(y).max()  # the noise matters
+
+
+@pytest.mark.parametrize(("kwargs", "match", "fix"), [
+    ({"top_k": 5}, "top_k=5 of num_experts=4", "top_k=2"),
+    ({"top_k": 0}, "top_k=0", "top_k=2"),
+    ({"implementation": "ragged"}, "implementation='ragged'", 'implementation="sorted"'),
+])
+def test_a_bad_argument_is_refused_naming_it(kwargs, match, fix):
+    with pytest.raises(ValueError, match=match) as error:
+        ft.nn.SparseMoE(D, HIDDEN, num_experts=E, key=jax.random.key(0), **kwargs)
+    assert fix in str(error.value) and "wrong:" in str(error.value)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_load_balancing_loss_and_its_gradient_are_hfs(masked):
+    """Two layers' router logits over a [2, 5] batch, float64: the value of HF's
+    ``load_balancing_loss_func`` (with the attention mask: padding excluded) and its gradient
+    in the logits (the counts carry none), at float64 rounding."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(2, 10, E))
+    mask = np.ones((2, 5), np.int64)
+    if masked:
+        mask[1, :2] = 0
+    lt = torch.from_numpy(logits).requires_grad_(True)
+    theirs = modeling_mixtral.load_balancing_loss_func(tuple(lt), E, 2, torch.from_numpy(mask) if masked else None)
+    theirs.backward()
+    with jax.enable_x64(True):
+        value, grad = jax.value_and_grad(lambda g: ft.nn.load_balancing_loss(g, 2, mask if masked else None))(
+            jnp.asarray(logits))
+    np.testing.assert_allclose(float(value), theirs.item(), rtol=1e-6)  # HF sums its counts in float32
+    np.testing.assert_allclose(np.asarray(grad), lt.grad.numpy(), rtol=0, atol=1e-6 * np.abs(lt.grad.numpy()).max())

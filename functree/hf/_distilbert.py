@@ -114,8 +114,7 @@ class DistilBertModel(BertModel):
     hf_padded = "embeddings.word_embeddings.weight"
     hf_layouts: ClassVar[dict[str, Any]] = {"encoder.layer.*.attention": ("q_lin", "k_lin", "v_lin", "out_lin")}
     hf_rename: ClassVar[dict[str, str]] = DISTILBERT_RENAME
-    # distilbert-base-uncased's file is DistilBertForMaskedLM's: DistilBertModel leaves its head unread
-    hf_unread: ClassVar[tuple[str, ...]] = ("vocab_transform.", "vocab_layer_norm.", "vocab_projector.")
+    hf_unread: ClassVar[tuple[str, ...]] = ()  # (a masked LM's file, as distilbert-base-uncased's, is its class's)
 
     def __init__(self, vocab: int, positions: int, d: int, heads: int, hidden: int, layers: int, *,
                  activation: Any = None, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):

@@ -9,6 +9,8 @@ of every expert, an expert no token chose (a zero gradient, no NaN), an exact ti
 index wins; torch.topk on the CPU took the higher ones), top_k refused past num_experts.
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,12 +41,12 @@ def hf_block(moe, top_k):
     config = transformers.MixtralConfig(hidden_size=D, intermediate_size=HIDDEN, num_local_experts=E,
                                         num_experts_per_tok=top_k)
     config._experts_implementation = "eager"  # (a standalone block: HF's loop over the experts)
-    block = modeling_mixtral.MixtralSparseMoeBlock(config).to(torch.float64).eval()
+    block: Any = modeling_mixtral.MixtralSparseMoeBlock(config).to(torch.float64).eval()
     with torch.no_grad():
         block.gate.weight.copy_(torch.from_numpy(np.asarray(moe.gate.weight).T.copy()))
         block.experts.gate_up_proj.copy_(torch.from_numpy(np.asarray(moe.experts.gate_up_proj).transpose(0, 2, 1).copy()))
         block.experts.down_proj.copy_(torch.from_numpy(np.asarray(moe.experts.down_proj).transpose(0, 2, 1).copy()))
-    router = block.gate
+    router: Any = block.gate
 
     def route(h):  # HF's router with its softmax in the weights' dtype (it casts to float32)
         h = h.reshape(-1, router.hidden_dim)
@@ -67,7 +69,7 @@ def test_outputs_and_gradients_are_torch_autograds_of_hfs_block(top_k, implement
         x = np.random.default_rng(0).normal(size=(2, 5, D))
         c = np.random.default_rng(1).normal(size=(2, 5, D))
         block = hf_block(moe, top_k)
-        xt = torch.from_numpy(x).requires_grad_(True)
+        xt: Any = torch.from_numpy(x).requires_grad_(True)
         yt = block(xt)
         (yt * torch.from_numpy(c)).sum().backward()
 
@@ -170,8 +172,8 @@ def test_load_balancing_loss_and_its_gradient_are_hfs(masked):
     mask = np.ones((2, 5), np.int64)
     if masked:
         mask[1, :2] = 0
-    lt = torch.from_numpy(logits).requires_grad_(True)
-    theirs = modeling_mixtral.load_balancing_loss_func(tuple(lt), E, 2, torch.from_numpy(mask) if masked else None)
+    lt: Any = torch.from_numpy(logits).requires_grad_(True)
+    theirs: Any = modeling_mixtral.load_balancing_loss_func(tuple(lt), E, 2, torch.from_numpy(mask) if masked else None)
     theirs.backward()
     with jax.enable_x64(True):
         value, grad = jax.value_and_grad(lambda g: ft.nn.load_balancing_loss(g, 2, mask if masked else None))(

@@ -682,6 +682,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
             "initializer_range": 0.02, "layer_norm_eps": 1e-5, "use_cache": True, "tie_word_embeddings": False,
             "rope_parameters": None, "qk_layernorm": False, "bos_token_id": 1, "eos_token_id": 2,
             "pad_token_id": None},
+    # MixtralConfig: Mistral's fields (no sliding window by default), the experts and the router's
+    "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": Derived(8, _heads), "head_dim": HEAD_DIM,
+                "hidden_act": "silu", "max_position_embeddings": 4096 * 32, "initializer_range": 0.02,
+                "rms_norm_eps": 1e-5, "use_cache": True, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
+                "tie_word_embeddings": False, "sliding_window": None, "attention_dropout": 0.0,
+                "num_experts_per_tok": 2, "num_local_experts": 8, "output_router_logits": False,
+                "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "rope_parameters": None},
     "opt": {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
             "max_position_embeddings": 2048, "do_layer_norm_before": True, "_remove_final_layer_norm": False,
             "word_embed_proj_dim": None, "dropout": 0.1, "attention_dropout": 0.0, "num_attention_heads": 12,
@@ -787,7 +795,7 @@ _DEFAULT_THETA = 10_000.0
 # each rope key's value where the file gives none (the model type's, else every model type's)
 _ROPE_DEFAULTS: dict[Any, float] = {"rope_theta": _DEFAULT_THETA, "partial_rotary_factor": 1.0,
                                     ("gpt_neox", "partial_rotary_factor"): 0.25, ("phi", "partial_rotary_factor"): 0.5,
-                                    ("smollm3", "rope_theta"): 2e6}
+                                    ("smollm3", "rope_theta"): 2e6, ("mixtral", "rope_theta"): 1e6}
 _SCALED_ROPES = ("llama3", "yarn", "longrope")  # the rope types that keep the pretraining length
 
 

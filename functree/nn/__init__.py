@@ -70,8 +70,8 @@ from functree.nn._linear import Dense
 from functree.nn._lora import LoraBaseWarning, LoraDense, lora, merge_lora
 from functree.nn._lp_pool import LPPool1D, LPPool2D, LPPool3D
 from functree.nn._mlp import MLP
-from functree.nn._moe import Experts, SparseMoE, load_balancing_loss
 from functree.nn._mode import Layer, inference, inferring, is_training, training
+from functree.nn._moe import Experts, SparseMoE, load_balancing_loss
 from functree.nn._normalization import (
     BatchNorm,
     GroupNorm,

@@ -213,7 +213,7 @@ def _dense(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.Ar
     return jnp.einsum("end,ne->nd", out, full).astype(rows.dtype)
 
 
-def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: jax.Array | None = None) -> jax.Array:
+def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: Any = None) -> jax.Array:
     """The Switch Transformer's auxiliary load-balancing loss as Hugging Face's
     ``load_balancing_loss_func`` computes it (Mixtral's ``aux_loss``).
 

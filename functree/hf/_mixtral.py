@@ -1,0 +1,262 @@
+"""Mistral AI's Mixtral (``model_type: "mixtral"``: Mixtral-8x7B, 8x22B) as a functree model:
+Hugging Face's ``MixtralForCausalLM``.
+
+Mistral's blocks (RMSNorm, rotary grouped-query attention without biases, the config's
+``sliding_window``) whose MLP is a sparse mixture of experts (:class:`ft.nn.SparseMoE`):
+the router ``mlp.gate`` (``[hidden, num_local_experts]``, no bias) gives each token's
+softmax in float32, its ``num_experts_per_tok`` most likely experts are renormalized to sum
+to 1, and the token is the weighted sum of those experts' SwiGLU MLPs (``mlp.experts``:
+``gate_up_proj``, ``down_proj``, stacked over the experts).
+
+Weights: transformers 5.25's fused layout (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+``mlp.experts.down_proj`` ``[E, H, I]``, ``mlp.gate.weight``), which ``save_hf`` writes, and
+every Hub checkpoint's per-expert layout (``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``
+``.weight``, ``block_sparse_moe.gate.weight``), read as transformers' conversion mapping
+reads it: ``gate_up_proj[e] = [w1_e ; w3_e]``, ``down_proj[e] = w2_e``
+(:func:`per_expert_names`). A missing expert or a tensor of another shape is refused naming it.
+
+The load-balancing loss: HF adds ``router_aux_loss_coef * aux_loss`` to its loss when
+``output_router_logits`` is set. :meth:`MixtralForCausalLM.router_logits` gives every layer's
+router logits and :meth:`MixtralForCausalLM.aux_loss` HF's ``aux_loss`` (with the attention
+mask); a training loss adds it in one line::
+
+    loss = lm_loss + model.router_aux_loss_coef * model.aux_loss(input_ids, attention_mask)
+
+Dropout (``from_hf(..., dropout=True)``): ``attention_dropout`` on the attention weights, as
+HF's; a config with ``router_jitter_noise`` above 0 is refused there (:data:`JITTER_NOT_PORTED`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from functree._module import field
+from functree.hf._causal import Block, _pre_norm, _run
+from functree.hf._dropout import dropout_attention
+from functree.hf._family import _values
+from functree.hf._llama import MistralForCausalLM
+from functree.hf._options import window
+from functree.nn._moe import SparseMoE, load_balancing_loss
+from functree.nn._stack import Stack
+
+__all__ = ["MixtralForCausalLM", "per_expert_names", "EXPERTS_PER_TOKEN", "MISSING_EXPERT", "EXPERT_SHAPE",
+           "JITTER_NOT_PORTED", "ROUTER_LOGITS_DROPPING"]
+
+EXPERTS_PER_TOKEN = """\
+ft.nn.from_hf: the mixtral config has num_experts_per_tok={top_k} and num_local_experts={experts}; \
+each token goes to num_experts_per_tok distinct experts of the num_local_experts, so \
+1 <= num_experts_per_tok <= num_local_experts (Hugging Face's router fails here: torch.topk's \
+"selected index k out of range").
+
+    wrong:  "num_experts_per_tok": {top_k_json}, "num_local_experts": {experts}
+    right:  "num_experts_per_tok": {fix}, "num_local_experts": {experts}     # the checkpoint's own (Mixtral's: 2 of 8)
+"""
+
+MISSING_EXPERT = """\
+ft.nn.from_hf: the weights hold Mixtral's per-expert tensors for layer {layer} \
+(block_sparse_moe.experts.{{e}}.w1/w2/w3.weight) but not {missing!r}; the config's \
+num_local_experts is {experts}, and every expert of every layer has w1, w2 and w3 (no \
+expert is left out of a checkpoint: a shard or a name is missing).
+
+    wrong:  a state dict without {missing!r}
+    right:  every model-*.safetensors shard the index lists (or num_local_experts as the checkpoint's)
+"""
+
+EXPERT_SHAPE = """\
+ft.nn.from_hf: {name!r} is {shape}, but every expert's {kind} is {want} (expert 0's w1.weight \
+is {w1}: [intermediate_size, hidden_size]; w1 and w3 are [I, H], w2 is [H, I]); one expert of \
+another size is no Mixtral (transformers' conversion fails to stack it).
+
+    wrong:  {name!r}: {shape}
+    right:  {name!r}: {want}     # the tensor of the checkpoint this expert is from
+"""
+
+JITTER_NOT_PORTED = """\
+ft.nn.from_hf(..., dropout=True): the mixtral config has router_jitter_noise={jitter}; \
+Hugging Face's MixtralSparseMoeBlock multiplies its input by noise uniform in \
+[1 - {jitter}, 1 + {jitter}] in training, which this port does not draw (its training-mode \
+numbers would not be HF's).
+
+    wrong:  ft.nn.from_hf(path, dropout=True)        # router_jitter_noise={jitter}
+    right:  config["router_jitter_noise"] = 0.0; ft.nn.from_hf(config, weights, dropout=True)
+       or:  ft.nn.from_hf(path)                      # no dropout: HF's eval() numbers
+"""
+
+ROUTER_LOGITS_DROPPING = """\
+{cls}.{method}: this port was built with Hugging Face's dropout (from_hf(..., dropout=True)) \
+and is in training mode; the router logits are computed by a call without dropout, which \
+would not be the training step's (its attention dropped other weights).
+
+    wrong:  ft.nn.training(model).{method}(input_ids, attention_mask)
+    right:  ft.nn.inference(model).{method}(input_ids, attention_mask)     # or a port built without dropout=True
+"""
+
+_PER_EXPERT = re.compile(r"(.*\.layers\.(\d+))\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+_OLD_MOE = re.compile(r"(.*\.layers\.\d+)\.block_sparse_moe\.(.*)")
+
+
+def _experts_mlp(num_experts: int, top_k: int, d: int, hidden: int, activation: Any, use_bias: bool, *,
+                 key: jax.Array, dtype: Any) -> SparseMoE:
+    """A block's ``mlp``: the sparse MoE (LlamaDecoderLayer's MLP call, its bias unused: HF's has none)."""
+    return SparseMoE(d, hidden, num_experts=num_experts, top_k=top_k, activation=activation, key=key, dtype=dtype)
+
+
+def experts_per_token(config: Any) -> tuple[int, int]:
+    """``(num_local_experts, num_experts_per_tok)``, the second in ``[1, first]`` (else :data:`EXPERTS_PER_TOKEN`)."""
+    experts, top_k = config.num_local_experts, config.num_experts_per_tok
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ValueError(EXPERTS_PER_TOKEN.format(top_k=top_k, experts=experts, top_k_json=json.dumps(top_k),
+                                                  fix=min(2, experts)))
+    return experts, top_k
+
+
+def per_expert_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """Hub checkpoints' per-expert names as transformers 5.25 reads them (its conversion
+    mapping): ``block_sparse_moe.`` is ``mlp.``; each layer's ``experts.{e}.w1.weight`` and
+    ``w3.weight`` (``[I, H]``) stacked over ``e`` and concatenated into ``experts.gate_up_proj``
+    ``[E, 2I, H]``, its ``w2.weight`` (``[H, I]``) stacked into ``experts.down_proj``. Every
+    expert ``0..E-1`` (E: one more than the highest index) must have all three
+    (:data:`MISSING_EXPERT`), each of expert 0's shapes (:data:`EXPERT_SHAPE`); the fused
+    tensors' sizes are then the config's (the loader's shape check: a last expert missing
+    shows there, ``E - 1`` experts). Names of the fused layout pass as they are."""
+    layers: dict[str, dict[tuple[int, str], Any]] = {}
+    out: dict[str, Any] = {}
+    for name, value in weights.items():
+        m = _PER_EXPERT.fullmatch(name)
+        if m is not None:
+            layers.setdefault(m.group(1), {})[int(m.group(3)), m.group(4)] = (name, value)
+            continue
+        old = _OLD_MOE.fullmatch(name)
+        out[f"{old.group(1)}.mlp.{old.group(2)}" if old else name] = value
+    for prefix, tensors in layers.items():
+        count = 1 + max(e for e, _ in tensors)
+        arrays: dict[str, list[np.ndarray]] = {"w1": [], "w2": [], "w3": []}
+        first: tuple[int, ...] | None = None
+        for e in range(count):
+            for w in ("w1", "w3", "w2"):
+                if (e, w) not in tensors:
+                    raise ValueError(MISSING_EXPERT.format(layer=prefix.rsplit(".", 1)[-1], experts=count,
+                                                           missing=f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight"))
+                name, value = tensors[e, w]
+                a = _values(value)
+                first = a.shape if first is None else first  # expert 0's w1: [I, H]
+                want = first[::-1] if w == "w2" else first
+                if a.shape != want or len(want) != 2:
+                    raise ValueError(EXPERT_SHAPE.format(name=name, shape=list(a.shape), kind=f"{w}.weight",
+                                                         want=list(want) if len(want) == 2 else "[I, H]",
+                                                         w1=list(first)))
+                arrays[w].append(a)
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = np.concatenate([np.stack(arrays["w1"]), np.stack(arrays["w3"])],
+                                                                   axis=1)
+        out[f"{prefix}.mlp.experts.down_proj"] = np.stack(arrays["w2"])
+    return out
+
+
+class MixtralForCausalLM(MistralForCausalLM):
+    """Hugging Face's ``MixtralForCausalLM`` (module docstring): Mistral whose blocks' ``mlp``
+    is an :class:`ft.nn.SparseMoE` (``gate``: the router; ``experts``: ``gate_up_proj``
+    ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]``, torch's ``[E, 2I, H]`` / ``[E, H, I]``
+    transposed as a Dense's weight is). ``router_aux_loss_coef`` is the config's.
+
+    Example:
+      >>> import functree as ft, jax, numpy as np
+      >>> config = {"model_type": "mixtral", "vocab_size": 11, "hidden_size": 16, "intermediate_size": 8,
+      ...           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+      ...           "num_local_experts": 4, "num_experts_per_tok": 2}
+      >>> model = ft.nn.from_hf(config, key=jax.random.key(0))
+      >>> moe = model.model.layers.layers.mlp
+      >>> type(moe).__name__, moe.top_k, moe.experts.gate_up_proj.shape    # 2 layers, 4 experts
+      ('SparseMoE', 2, (2, 4, 16, 16))
+      >>> ids = np.zeros((1, 3), np.int32)
+      >>> model(ids).shape, model.router_logits(ids).shape, model.aux_loss(ids).shape
+      ((1, 3, 11), (2, 3, 4), ())
+    """
+
+    router_aux_loss_coef: float = field(static=True, default=0.001)
+    model_type = "mixtral"
+    hf_biases = ()
+
+    def __init__(self, *args: Any, router_aux_loss_coef: float = 0.001, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.router_aux_loss_coef = float(router_aux_loss_coef)
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        experts, top_k = experts_per_token(config)
+        coef = getattr(config, "router_aux_loss_coef", 0.001)
+        return {"window": window(config), "mlp": functools.partial(_experts_mlp, experts, top_k),
+                "router_aux_loss_coef": 0.001 if coef is None else float(coef)}
+
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """``attention_dropout`` on the attention weights (HF's only dropout here); a
+        ``router_jitter_noise`` above 0 is refused (:data:`JITTER_NOT_PORTED`)."""
+        rates = super().hf_dropout(config)
+        jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
+        if jitter > 0:
+            raise ValueError(JITTER_NOT_PORTED.format(jitter=jitter))
+        return rates
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """Llama's older names (:meth:`LlamaForCausalLM.hf_names`), and the Hub's per-expert
+        layout as transformers reads it (:func:`per_expert_names`)."""
+        return per_expert_names(super().hf_names(weights))
+
+    def router_logits(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None) -> jax.Array:
+        """Every layer's router logits ``[num_hidden_layers, batch * T, num_local_experts]``
+        (rows batch major), in the weights' dtype: HF's ``router_logits`` output stacked."""
+        attention = dropout_attention(self.model.layers.layers)
+        if attention is not None and attention.training and attention.drops:
+            raise ValueError(ROUTER_LOGITS_DROPPING.format(cls=type(self).__name__, method="router_logits"))
+        return self._with_router_logits(input_ids, attention_mask, positions)[1]
+
+    def aux_loss(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None) -> jax.Array:
+        """HF's ``aux_loss`` (``load_balancing_loss_func`` of the router logits, padding
+        excluded by ``attention_mask``): :func:`ft.nn.load_balancing_loss`."""
+        logits = self.router_logits(input_ids, attention_mask, positions=positions)
+        return load_balancing_loss(logits, self.model.layers.layers.mlp.top_k, attention_mask)
+
+    def _with_router_logits(self, input_ids: Any, attention_mask: Any, positions: Any) -> tuple[jax.Array, jax.Array]:
+        """``(logits, router logits)`` of one call without a cache: the shared call with a
+        scan over the blocks that also returns each block's router logits."""
+        collected: list[jax.Array] = []
+        blocks = _Collecting(self.model.layers, collected)
+        tokens = self._tokens()
+        logits = _run(self, input_ids, attention_mask, positions, None, vocab=tokens.embeddings.shape[0],
+                      blocks=blocks, embed=self._embed,  # type: ignore[arg-type]  # a Stack's call
+                      head=lambda x: self.lm_head(self._final_norm(x)) if self.lm_head is not None
+                      else self._final_norm(x) @ tokens.embeddings.T.astype(x.dtype), rotary=True)
+        return logits, collected[0]
+
+
+class _Collecting:
+    """A Stack's call (no cache, no dropout) whose scan also returns each member's router
+    logits, stacked over the layers (into ``collected``)."""
+
+    def __init__(self, stack: Stack, collected: list[jax.Array]):
+        self.stack, self.collected, self.layers = stack, collected, stack.layers
+
+    def __call__(self, x: jax.Array, *, cache: Any = None, key: Any = None, **kwargs: Any) -> jax.Array:
+        def body(carry: jax.Array, member: Block) -> tuple[jax.Array, jax.Array]:
+            seen: list[jax.Array] = []
+
+            def moe(h: jax.Array) -> jax.Array:
+                y, logits = member.mlp(h, return_logits=True)  # type: ignore[attr-defined]
+                seen.append(logits)
+                return y
+
+            y = _pre_norm(carry, member.input_layernorm, member.self_attn,  # type: ignore[attr-defined]
+                          member.post_attention_layernorm, moe, kwargs.get("mask"), None,  # type: ignore[attr-defined]
+                          kwargs.get("positions"))
+            return y, seen[0]
+
+        x, logits = jax.lax.scan(body, x, self.stack.layers)
+        self.collected.append(logits)
+        return x

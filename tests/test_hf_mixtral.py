@@ -1,0 +1,332 @@
+"""Mixtral (``ft.hf``'s ``MixtralForCausalLM``) against transformers' own: tiny configs with
+random weights (no download), 2 layers, hidden 32, 4 experts of intermediate 24 (top-2 but
+where a case says), vocab 100, weights moved by N(0, 0.3) so that every tensor (each
+expert's too) matters; Mistral's attention with grouped-query heads and a sliding window.
+
+In float64 HF's router takes its softmax in float32 (``router_logits.float()``) and its
+rotary and RMSNorm in float32 too; as HF computes, the logits agree to float32 rounding
+(tolerance 1e-6 of their magnitude). With those widened to float64 in HF's model the port is
+HF's to float64 rounding: the logits, the loss with the load-balancing term
+(``output_router_logits``: ``loss + router_aux_loss_coef * aux_loss``) and every gradient
+(tolerances 3e-14 of the largest; measured in the report). float32 from every source, the
+Hub's per-expert layout (``block_sparse_moe.experts.{e}.w1/w2/w3``) read as transformers
+reads it, ``save_hf`` read by ``from_pretrained``, HF's greedy tokens through the KV cache,
+task heads and PEFT's LoRA both ways: 2.5e-5 of the magnitude as the other families.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.hf import _mixtral
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+from test_hf_granite import widened  # noqa: E402
+from test_hf_load import assert_generates_as_hf, forward, hf_output  # noqa: E402
+
+VOCAB, T = 100, 12
+SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "max_position_embeddings": 32, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+AS_HF = 5e-6  # times max|HF|, float64 against HF's float32 router softmax, rotary (base 1e6) and norms: measured 7.4e-7
+WIDENED = 3e-14  # times max|HF|, against HF widened to float64
+GRADIENTS = 3e-14  # times the largest gradient (the loss: of itself)
+FLOAT32 = 2.5e-5  # times max|HF| (test_hf_load.py's)
+AUX = 1e-6  # relative: HF's aux loss sums its probabilities in float32
+CASES = {"default": {}, "top1_window": {"num_experts_per_tok": 1, "sliding_window": 5},
+         "every_expert_tied": {"num_experts_per_tok": 4, "tie_word_embeddings": True, "num_key_value_heads": 4}}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # PEFT's own for mixtral
+
+
+def hf_model(seed=0, dtype=torch.float32, cls="MixtralForCausalLM", **changes):
+    torch.manual_seed(seed)
+    if dtype == torch.float64:  # HF's CPU default, grouped_mm, takes float32 and narrower only
+        changes = {**changes, "experts_implementation": "eager"}
+    hf = getattr(transformers, cls)(transformers.MixtralConfig(**{**SIZES, **changes})).to(dtype)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return hf.eval()
+
+
+def widened_moe(hf):
+    """``hf`` widened (:func:`test_hf_granite.widened`: rotary, RMSNorm) with each router's
+    softmax in the weights' dtype (HF's casts it to float32), and its rotary frequencies
+    ``theta ** (-2i / d)`` rounded once to float32 (the port's: HF's float32 power differs by
+    an ulp at Mixtral's base 1e6, 2.4e-7 of the logits, where 1e4 rounds alike)."""
+    rotary = hf.model.rotary_emb
+    size = 2 * rotary.inv_freq.shape[0]
+    theta = hf.config.rope_parameters["rope_theta"]
+    exact = 1.0 / theta ** (np.arange(0, size, 2, dtype=np.float64) / size)
+    rotary.inv_freq = torch.from_numpy(exact.astype(np.float32))
+    widened(hf)
+    for module in hf.modules():
+        if type(module).__name__ == "MixtralTopKRouter":
+            def route(h, m=module):
+                logits = torch.nn.functional.linear(h.reshape(-1, m.hidden_dim), m.weight)
+                top, index = torch.topk(torch.softmax(logits, dim=-1), m.top_k, dim=-1)
+                return logits, top / top.sum(dim=-1, keepdim=True), index
+            module.forward = route
+    return hf
+
+
+def batch(length=T):
+    """Token ids [2, length] and a left-padded mask: the second row starts 3 pads in."""
+    ids = np.random.default_rng(0).integers(1, VOCAB, size=(2, length)).astype(np.int32)
+    mask = np.ones((2, length), np.int32)
+    mask[1, :3] = 0
+    return ids, mask
+
+
+def assert_logits(model, hf, tolerance, masked=True):
+    ids, mask = batch()
+    if not masked:
+        mask = np.ones_like(mask)
+    expected = hf_output(hf, ids, mask, positions=False)
+    actual = np.asarray(forward(model, ids, mask) if masked else model(ids))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(actual[real], expected[real], rtol=0,
+                               atol=tolerance * float(np.abs(expected[real]).max()))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_float64_logits_are_hfs_with_and_without_a_mask(case):
+    """As HF computes (float32 router softmax, rotary, norms), and against HF widened: top-2,
+    top-1 with a sliding window, every expert (top_k = num_experts) with a tied head."""
+    changes = CASES[case]
+    with jax.enable_x64(True):
+        hf = hf_model(1, torch.float64, **changes)
+        model = ft.nn.from_hf(hf, dtype=jnp.float64)
+        moe = model.model.layers.layers.mlp
+        assert isinstance(moe, ft.nn.SparseMoE) and moe.top_k == changes.get("num_experts_per_tok", 2)
+        assert model.model.layers.layers.self_attn.window == changes.get("sliding_window")
+        for masked in (True, False):
+            assert_logits(model, hf, AS_HF, masked)
+        widened_moe(hf)
+        for masked in (True, False):
+            assert_logits(model, hf, WIDENED, masked)
+
+
+@pytest.mark.parametrize("with_aux", [False, True])
+def test_float64_loss_with_the_aux_loss_and_gradients_are_hfs(with_aux):
+    """HF's loss with labels on the left-padded batch (the padding's labels -100, and the
+    first real token's, predicted at a padding position), with ``output_router_logits=True``
+    plus ``router_aux_loss_coef`` times the load-balancing loss of the real tokens; ours is the
+    same sum written in one line (``model.aux_loss``); the value, HF's ``aux_loss`` and every
+    parameter's gradient. HF's loss takes its logits in float32 (``logits.float()``): the
+    reference is its CE in float64, HF's own loss equal to it at 1e-6; HF sums the aux loss's
+    probabilities in float32 (``routing_weights.float()``): with it, 1e-6 (AUX); without,
+    float64 rounding."""
+    hf = widened_moe(hf_model(2, torch.float64, router_aux_loss_coef=0.25))
+    ids, mask = batch()
+    labels = np.where(mask.astype(bool), ids, -100)
+    labels[1, 3] = -100  # (predicted from a padding position's logits: HF's and the port's differ there)
+    out = hf(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+             labels=torch.from_numpy(labels).long(), output_router_logits=with_aux)
+    # HF's loss_function takes logits.float(): its own CE, float64 here (the same tokens)
+    theirs = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB),
+                                               torch.from_numpy(labels[:, 1:]).long().reshape(-1), ignore_index=-100)
+    if with_aux:
+        theirs = theirs + 0.25 * out.aux_loss
+    np.testing.assert_allclose(theirs.item(), out.loss.item(), rtol=AUX)
+    theirs.backward()
+    hf_grads = {name: p.grad.numpy() for name, p in hf.named_parameters()}
+
+    def loss(m):
+        logits = m(ids, mask)[:, :-1]
+        target = labels[:, 1:]
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), np.maximum(target, 0)[..., None], -1)[..., 0]
+        real = target >= 0
+        lm = -jnp.sum(jnp.where(real, picked, 0.0)) / float(real.sum())
+        return lm + m.router_aux_loss_coef * m.aux_loss(ids, mask) if with_aux else lm
+
+    with jax.enable_x64(True):
+        model = ft.nn.from_hf(hf, dtype=jnp.float64)
+        assert model.router_aux_loss_coef == 0.25
+        value, grads = ft.value_with_gradient(loss)(model)
+        ours = ft.nn.to_hf_state_dict(grads, numpy=True)
+        if with_aux:
+            np.testing.assert_allclose(float(model.aux_loss(ids, mask)), out.aux_loss.item(), rtol=AUX)
+    tolerance = AUX if with_aux else GRADIENTS
+    np.testing.assert_allclose(float(value), theirs.item(), rtol=tolerance)
+    scale = max(float(np.abs(g).max()) for g in hf_grads.values())
+    assert "model.layers.1.mlp.gate.weight" in hf_grads and "model.layers.0.mlp.experts.down_proj" in hf_grads
+    for name, expected in hf_grads.items():
+        assert np.abs(expected).max() > 0, name
+        np.testing.assert_allclose(ours[name], expected, rtol=0, atol=tolerance * scale, err_msg=name)
+
+
+def per_expert(state):
+    """A transformers 5.25 state dict in the Hub's per-expert layout (Mixtral-8x7B's files):
+    ``block_sparse_moe.gate.weight``, ``block_sparse_moe.experts.{e}.w1/w3`` (gate_up_proj's
+    halves) and ``w2`` (down_proj), as the checkpoints transformers' conversion reads."""
+    out = {}
+    for name, tensor in state.items():
+        if ".mlp.experts.gate_up_proj" in name:
+            prefix = name.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts")
+            w1, w3 = tensor.chunk(2, dim=1)
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.w1.weight"], out[f"{prefix}.{e}.w3.weight"] = w1[e].clone(), w3[e].clone()
+        elif ".mlp.experts.down_proj" in name:
+            prefix = name.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts")
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.w2.weight"] = tensor[e].clone()
+        else:
+            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = tensor.clone()
+    return out
+
+
+def test_loads_from_every_source_exports_and_generates_as_hf(tmp_path):
+    """float32: from the HF object, its config and state dict, its config.json's keys alone
+    (the DEFAULTS row: rope theta 1e6, eps 1e-5), its save_pretrained directory and a
+    directory in the Hub's per-expert layout written by hand (transformers reads it to the same
+    model: equal logits); the strict export; HF's greedy tokens through the KV cache;
+    ``save_hf`` (the fused layout) read by ``from_pretrained``, equal."""
+    hf = hf_model(3, sliding_window=6)
+    hf.save_pretrained(tmp_path / "hf")
+    config_json = {k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items()
+                   if k in ("model_type", *SIZES, "sliding_window")}
+    old = tmp_path / "per_expert"
+    old.mkdir()
+    (old / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    safetensors_torch.save_file(per_expert(hf.state_dict()), old / "model.safetensors")
+    theirs_old = transformers.AutoModelForCausalLM.from_pretrained(old).eval()
+    assert_logits(ft.nn.from_hf(hf), theirs_old, FLOAT32)  # transformers reads the old layout as this model
+    sources = ((hf,), (hf.config, hf.state_dict()), (config_json, hf.state_dict()), (tmp_path / "hf",), (old,),
+               (hf.config, per_expert(hf.state_dict())))
+    for given in sources:
+        model = ft.nn.from_hf(*given)
+        assert type(model).__name__ == "MixtralForCausalLM"
+        assert_logits(model, hf, FLOAT32)
+    hf.load_state_dict(ft.nn.to_hf_state_dict(model), strict=True)
+    assert_generates_as_hf(model, hf, length=T, new=6)
+    ft.nn.save_hf(model, tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    assert type(back).__name__ == "MixtralForCausalLM" and back.config.num_local_experts == 4
+    theirs = hf.state_dict()
+    assert set(back.state_dict()) == set(theirs)
+    for name, tensor in back.state_dict().items():
+        np.testing.assert_array_equal(tensor.numpy(), theirs[name].numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("cls", ["MixtralForSequenceClassification", "MixtralForTokenClassification",
+                                 "MixtralForQuestionAnswering"])
+def test_task_heads_are_hfs(cls):
+    """HEADS' row (transformers 5.25 has all three for mixtral); the export is strict."""
+    hf = hf_model(4, cls=cls, num_labels=3)
+    model = ft.nn.from_hf(hf)
+    assert type(model).__name__ == cls
+    ids, mask = batch()
+    kwargs = {"attention_mask": torch.from_numpy(mask).long()}
+    with torch.no_grad():
+        out = hf(torch.from_numpy(ids).long(), **kwargs)
+    ours = model(ids, mask)
+    if cls.endswith("QuestionAnswering"):
+        pairs = [(np.asarray(ours[0]), out.start_logits.numpy()), (np.asarray(ours[1]), out.end_logits.numpy())]
+    else:
+        pairs = [(np.asarray(ours), out.logits.numpy())]
+    real = mask.astype(bool)
+    for mine, expected in pairs:
+        if not cls.endswith("SequenceClassification"):
+            mine, expected = mine[real], expected[real]
+        np.testing.assert_allclose(mine, expected, rtol=0, atol=FLOAT32 * float(np.abs(expected).max()))
+    hf.load_state_dict(ft.nn.to_hf_state_dict(model), strict=True)
+
+
+def _nonzero_b(model):
+    flat = ft.to_flat_dict(model)
+    b = {n: 0.3 * jax.random.normal(jax.random.key(i), v.shape, v.dtype)
+         for i, (n, v) in enumerate(flat.items()) if n.endswith("lora_b")}
+    return ft.from_flat_dict(model, {**flat, **b})
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's, on transformers 5
+def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
+    """``ft.nn.lora`` on the attention projections (PEFT's mixtral targets; the router and
+    the stacked experts are no Linear) with nonzero B, ``save_lora``, PEFT's
+    ``PeftModel.from_pretrained``: PEFT's logits. PEFT's own adapter read by ``load_lora``."""
+    patterns = [f"*.{t}" for t in LORA_TARGETS]
+    model = _nonzero_b(ft.nn.lora(ft.nn.from_hf(hf_model(5)), patterns, rank=2, alpha=4, key=jax.random.key(1)))
+    ft.nn.save_lora(model, tmp_path / "ours")
+    written = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_modules"]
+    assert {name.rpartition(".")[2] for name in written} == set(LORA_TARGETS) and len(written) == 8
+    ids, mask = batch()
+    real = mask.astype(bool)
+    peft_model = peft.PeftModel.from_pretrained(hf_model(5), str(tmp_path / "ours")).eval()
+    expected = hf_output(peft_model, ids, mask, positions=False)
+    atol = FLOAT32 * float(np.abs(expected[real]).max())
+    assert np.abs(hf_output(hf_model(5), ids, mask, positions=False)[real] - expected[real]).max() > 100 * atol
+    np.testing.assert_allclose(np.asarray(forward(model, ids, mask))[real], expected[real], rtol=0, atol=atol)
+
+    theirs = peft.get_peft_model(hf_model(6), peft.LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    theirs.save_pretrained(tmp_path / "peft")
+    loaded = ft.nn.load_lora(ft.nn.from_hf(hf_model(6)), tmp_path / "peft")
+    expected = hf_output(theirs.eval(), ids, mask, positions=False)
+    np.testing.assert_allclose(np.asarray(forward(loaded, ids, mask))[real], expected[real], rtol=0,
+                               atol=FLOAT32 * float(np.abs(expected[real]).max()))
+
+
+def test_experts_per_token_past_the_experts_is_refused_naming_the_key():
+    """``num_experts_per_tok`` above ``num_local_experts``: HF's router fails (torch.topk);
+    the port is refused naming the key and a config that works."""
+    config = transformers.MixtralConfig(**{**SIZES, "num_experts_per_tok": 5})
+    with pytest.raises(RuntimeError, match="out of range"):
+        transformers.MixtralForCausalLM(config)(torch.zeros((1, 3), dtype=torch.long))
+    with pytest.raises(ValueError, match="num_experts_per_tok=5") as error:
+        ft.nn.from_hf(config, key=jax.random.key(0))
+    assert '"num_experts_per_tok": 2' in str(error.value) and "wrong:" in str(error.value)
+
+
+def test_a_missing_or_misshapen_expert_is_refused_naming_its_key():
+    """The per-expert layout: expert 1's w3 missing in layer 0 (MISSING_EXPERT), expert 2's
+    w2 of another shape (EXPERT_SHAPE), each naming the tensor; the last expert missing gives
+    E - 1 experts, the loader's shape error naming the fused tensor."""
+    hf = hf_model(7)
+    old = per_expert(hf.state_dict())
+    missing = {k: v for k, v in old.items() if k != "model.layers.0.block_sparse_moe.experts.1.w3.weight"}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.block_sparse_moe\.experts\.1\.w3\.weight") as error:
+        ft.nn.from_hf(hf.config, missing)
+    assert str(error.value).startswith(_mixtral.MISSING_EXPERT.split("{")[0])
+    bad = {**old, "model.layers.1.block_sparse_moe.experts.2.w2.weight": torch.zeros(32, 20)}
+    with pytest.raises(ValueError, match=r"experts\.2\.w2\.weight' is \[32, 20\]") as error:
+        ft.nn.from_hf(hf.config, bad)
+    assert "[32, 24]" in str(error.value)
+    last = {k: v for k, v in old.items() if ".experts.3." not in k or "layers.1" in k}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        ft.nn.from_hf(hf.config, last)
+
+
+def test_router_jitter_with_dropout_is_refused():
+    """``router_jitter_noise`` > 0 with ``dropout=True``: HF jitters the MoE input in
+    training, the port does not: refused naming the key (without dropout=True: eval()'s numbers)."""
+    config = transformers.MixtralConfig(**{**SIZES, "router_jitter_noise": 0.1})
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0\.1") as error:
+        ft.nn.from_hf(config, key=jax.random.key(0), dropout=True)
+    assert str(error.value).startswith(_mixtral.JITTER_NOT_PORTED.split("{")[0])
+    assert ft.nn.from_hf(config, key=jax.random.key(0)).model.layers.layers.mlp.jitter == 0.0
+
+
+def test_router_logits_of_a_dropping_port_are_refused():
+    """A port with HF's dropout in training mode: ``router_logits`` / ``aux_loss`` refused
+    (ROUTER_LOGITS_DROPPING); in inference mode they are the plain port's."""
+    config = transformers.MixtralConfig(**{**SIZES, "attention_dropout": 0.1})
+    model = ft.nn.from_hf(config, key=jax.random.key(0), dropout=True)
+    ids, mask = batch()
+    with pytest.raises(ValueError, match="router_logits") as error:
+        ft.nn.training(model).aux_loss(ids, mask)
+    assert _mixtral.ROUTER_LOGITS_DROPPING.split("\n")[-2].split("{")[0].strip() in str(error.value)
+    plain = ft.nn.from_hf(config, key=jax.random.key(0))
+    np.testing.assert_array_equal(model.router_logits(ids, mask), plain.router_logits(ids, mask))

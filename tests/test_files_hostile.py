@@ -16,7 +16,9 @@ from functree.hf._files import DEFAULTS, NULL_ALLOWED, Derived
 
 SIZES = {"gpt2": {"vocab_size": 61, "n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32},
          "opt": {"vocab_size": 61, "hidden_size": 16, "ffn_dim": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "max_position_embeddings": 32, "word_embed_proj_dim": 16}}
+                 "max_position_embeddings": 32, "word_embed_proj_dim": 16},
+         "distilbert": {"vocab_size": 61, "dim": 16, "n_layers": 2, "n_heads": 4, "hidden_dim": 32,
+                        "max_position_embeddings": 32}}  # (its own names: a standard one would win over a null)
 LLAMA_LIKE = {"vocab_size": 61, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32, "pad_token_id": 0}
 

@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf_config_fuzz import STRATEGIES, _hf_model, _hf_outputs, _inputs, _port  # noqa: E402
+from test_hf_config_fuzz import ENCODERS, STRATEGIES, _hf_model, _hf_outputs, _inputs, _port  # noqa: E402
 
 import functree as ft  # noqa: E402
 
@@ -51,7 +51,7 @@ SPREAD: list[tuple[str, str, float, float]] = []  # (family, dtype, err(HF16), e
 
 
 def _hf_loaded(model_type, directory, dtype):
-    cls = transformers.AutoModel if model_type == "bert" else transformers.AutoModelForCausalLM
+    cls = transformers.AutoModel if model_type in ENCODERS else transformers.AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return cls.from_pretrained(directory, dtype=dtype, attn_implementation="eager").eval()
@@ -111,11 +111,13 @@ def _spread():
 
 BERT = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64,
         "max_position_embeddings": 16}
+DISTILBERT = {"dim": 32, "n_heads": 4, "n_layers": 2, "hidden_dim": 64, "max_position_embeddings": 16}
 
 
 def _config(model_type):
     from test_generation_cached_fuzz import CONFIGS, VOCAB
-    sizes = BERT if model_type in ("bert", "roberta", "xlm-roberta") else CONFIGS[model_type]
+    sizes = BERT if model_type in ("bert", "roberta", "xlm-roberta") else DISTILBERT if model_type == "distilbert" \
+        else CONFIGS[model_type]
     return transformers.AutoConfig.for_model(model_type, vocab_size=VOCAB, pad_token_id=0, **sizes)
 
 

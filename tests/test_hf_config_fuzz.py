@@ -7,7 +7,7 @@ sliding windows and layer types (mixed sliding and full layers too: Qwen2, Qwen3
 Qwen3's and OLMo2's q/k norms (built by every draw of theirs), Gemma 2's soft-caps, query scalar and
 sandwich norms, Gemma 3's sliding-window pattern and rope per layer type, GPT-2's
 attention scalings, OPT's projections and post-norm blocks, BERT's
-segments, pad ids, the file's dtype). HF's model is built from it (``torch.manual_seed``,
+segments, DistilBERT's own names and sinusoidal positions, pad ids, the file's dtype). HF's model is built from it (``torch.manual_seed``,
 weights moved off HF's small initialization so biases and norms are not zeros and ones),
 saved with ``save_pretrained`` and read back with ``ft.nn.from_hf(directory)``. Either the
 logits (BERT: the last hidden state) equal HF's on a batch of an unpadded row and a
@@ -304,7 +304,21 @@ def roberta(draw):  # BERT's keys; positions counted from the ids past pad_token
     return c
 
 
-ENCODERS = ("bert", "roberta", "xlm-roberta")
+@st.composite
+def distilbert(draw):  # its own names or HF's standard ones (its attribute_map); LayerNorm's eps fixed
+    d, heads = draw(st.sampled_from(((8, 1), (16, 2), (32, 4))))
+    names = draw(st.sampled_from((("dim", "n_heads", "n_layers"),
+                                  ("hidden_size", "num_attention_heads", "num_hidden_layers"))))
+    c = {"vocab_size": VOCAB, names[0]: d, names[1]: heads, names[2]: draw(st.integers(1, 2)),
+         "hidden_dim": draw(st.sampled_from((8, 20))), "activation": _act(draw),
+         "max_position_embeddings": draw(st.sampled_from((T, 16))), "sinusoidal_pos_embds": draw(st.booleans()),
+         "pad_token_id": draw(st.sampled_from((None, 0, 3)))}
+    if draw(st.integers(0, 3)) == 0:
+        c["chunk_size_feed_forward"] = 2
+    return c
+
+
+ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert")
 
 
 def _hf_model(model_type, config):
@@ -414,6 +428,7 @@ def _port(directory, values):
 
 
 STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
+              "distilbert": distilbert,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
                                                           "olmo2", "gemma2", "gemma3_text", "granite", "smollm3")}}
 

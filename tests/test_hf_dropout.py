@@ -40,7 +40,8 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attenti
 # The families of configs(), written out: collection reads no transformers config class (building
 # them all imported each family's module at collection, ~3.4 s in every xdist worker).
 FAMILIES = ["gpt2", "bert", "opt", "gpt_neox", "gpt_neox_sequential", "llama", "qwen2", "mistral", "gemma", "phi3",
-            "qwen3", "olmo2", "gemma2", "ministral", "gemma3_text", "phi"]
+            "qwen3", "olmo2", "gemma2", "ministral", "gemma3_text", "phi", "distilbert"]
+ENCODERS = ("bert", "distilbert")
 
 
 def configs(on=True):
@@ -81,6 +82,10 @@ def configs(on=True):
         # the embedding's, the attention weights' and the parallel sublayers' outputs' (one norm)
         "phi": transformers.PhiConfig(**DECODER, qk_layernorm=True, attention_dropout=r(0.1), resid_pdrop=r(0.2),
                                       embd_pdrop=r(0.3)),
+        # after the embeddings and lin2 (none after out_lin), the attention weights'
+        "distilbert": transformers.DistilBertConfig(vocab_size=VOCAB, dim=D, n_layers=2, n_heads=4, hidden_dim=2 * D,
+                                                    max_position_embeddings=32, dropout=r(0.15),
+                                                    attention_dropout=r(0.25)),
     }
     assert list(built) == FAMILIES, (list(built), FAMILIES)
     return built
@@ -88,7 +93,7 @@ def configs(on=True):
 
 def hf_model(config):
     torch.manual_seed(0)  # HF's initialization draws from torch's global generator: one draw in any test order
-    cls = transformers.AutoModel if config.model_type == "bert" else transformers.AutoModelForCausalLM
+    cls = transformers.AutoModel if config.model_type in ENCODERS else transformers.AutoModelForCausalLM
     return randomized(cls.from_config(config, attn_implementation="eager"))
 
 
@@ -102,7 +107,7 @@ def batch():
 
 def hf_call(hf, ids, mask):
     kwargs = {"attention_mask": torch.from_numpy(mask).long()}
-    if hf.config.model_type != "bert":
+    if hf.config.model_type not in ENCODERS:
         kwargs["position_ids"] = torch.from_numpy(np.maximum(np.cumsum(mask, 1) - 1, 0)).long()
     out = hf(torch.from_numpy(ids).long(), **kwargs)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
@@ -177,7 +182,7 @@ def same_masks(monkeypatch):
 HF_CALLS = {"gpt2": {0.1: 1, 0.2: 2, 0.3: 4}, "bert": {0.15: 5, 0.25: 2}, "opt": {0.1: 2, 0.2: 4},
             "gpt_neox": {0.2: 5, 0.1: 2}, "gpt_neox_sequential": {0.2: 5, 0.1: 2}, "llama": {0.2: 2},
             "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}, "gemma2": {0.2: 2}, "gemma3_text": {0.2: 2},
-            "phi": {0.3: 1, 0.1: 2, 0.2: 4}}
+            "phi": {0.3: 1, 0.1: 2, 0.2: 4}, "distilbert": {0.15: 3, 0.25: 2}}
 
 
 @pytest.mark.parametrize("family", list(HF_CALLS))
@@ -198,7 +203,7 @@ def test_training_equals_hf_train_on_the_same_masks(family, same_masks):
 
 # ---- 5. gradients on the same masks: HF's backward ------------------------------------------------
 
-@pytest.mark.parametrize("family", ["gpt2", "bert", "opt", "gpt_neox", "llama", "phi3", "phi"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "opt", "gpt_neox", "llama", "phi3", "phi", "distilbert"])
 def test_gradients_equal_hf_backward_on_the_same_masks(family, same_masks):
     hf = hf_model(configs()[family])
     model = ft.nn.training(ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0)))

@@ -66,6 +66,10 @@ CONFIGS = {
     "roberta": [{}, {"type_vocab_size": 1, "max_position_embeddings": 514, "layer_norm_eps": 1e-5}],  # roberta-base's
     "xlm-roberta": [{}, {"vocab_size": 250002, "type_vocab_size": 1, "max_position_embeddings": 514,
                          "layer_norm_eps": 1e-5}],
+    # DistilBERT's own names and HF's standard ones (its attribute_map), relu, sinusoidal positions
+    "distilbert": [{}, {"dim": 64, "n_heads": 4, "n_layers": 3, "hidden_dim": 96, "activation": "relu",
+                        "sinusoidal_pos_embds": True, "tie_word_embeddings": False},
+                   {"hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1, "dropout": 0}],
     "olmo": [{}, {"num_key_value_heads": None, "hidden_size": 64, "num_attention_heads": 4, "attention_bias": True,
                   "tie_word_embeddings": True, "rope_theta": 5e5},
              {"clip_qkv": 8.0}],

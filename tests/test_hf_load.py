@@ -643,11 +643,12 @@ def test_every_family_is_its_class():
     """FAMILIES maps each model type to its class (a class's name is its HF class's), in the order defined."""
     assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "ministral", "gemma", "phi3", "olmo", "qwen3",
                                   "olmo2", "gemma2", "gemma3_text", "granite", "smollm3", "gpt_neox", "phi", "opt", "bert", "roberta",
-                                  "xlm-roberta"]
+                                  "xlm-roberta", "distilbert"]
     for model_type, family in _hf.FAMILIES.items():  # a class added after the split keeps its module's name
         later = {"granite": "functree.hf._granite", "smollm3": "functree.hf._smollm3", "phi": "functree.hf._phi",
                  "roberta": "functree.hf._roberta",
-                 "xlm-roberta": "functree.hf._roberta"}.get(model_type, "functree.hf._llama")
+                 "xlm-roberta": "functree.hf._roberta", "distilbert": "functree.hf._distilbert"}.get(
+                     model_type, "functree.hf._llama")
         home = "functree.nn._hf_models" if family in _hf_models.RECORDED else later
         assert issubclass(family, _hf_family.HFModel) and family.__module__ == home
         assert family.model_type == model_type and family.hf_class == family.__name__

@@ -2,7 +2,8 @@
 
 Each example draws a tiny Hugging Face model with random weights (Llama with an untied or
 tied head, GPT-2 with its Conv1D layers and fused ``c_attn``, GPT-NeoX with its per-head
-interleaved ``query_key_value``), saved with ``save_pretrained``,
+interleaved ``query_key_value``, Phi, DistilBERT's masked LM with its ``q_lin`` ... ``lin2``
+and a tied or untied ``vocab_projector``), saved with ``save_pretrained``,
 and a ``peft.LoraConfig`` over the options adapter_config.json files set: ``r``,
 ``lora_alpha``, ``use_rslora``, ``target_modules`` (a list of name ends, full names, a regex,
 ``"all-linear"``), ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern``,
@@ -64,9 +65,14 @@ LINEAR = {"llama": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj"
                        "dense_h_to_4h": "gpt_neox.layers.{i}.mlp.dense_h_to_4h",
                        "dense_4h_to_h": "gpt_neox.layers.{i}.mlp.dense_4h_to_h", "embed_out": "embed_out"},
           "phi": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "dense")},
-                  **{n: f"model.layers.{{i}}.mlp.{n}" for n in ("fc1", "fc2")}, "lm_head": "lm_head"}}
-BLOCKS = {"llama": "layers", "gpt2": "h", "gpt_neox": "layers", "phi": "layers"}
-EMBEDDING = {"llama": "embed_tokens", "gpt2": "wte", "gpt_neox": "embed_in", "phi": "embed_tokens"}
+                  **{n: f"model.layers.{{i}}.mlp.{n}" for n in ("fc1", "fc2")}, "lm_head": "lm_head"},
+          "distilbert": {**{n: f"distilbert.transformer.layer.{{i}}.attention.{n}"
+                            for n in ("q_lin", "k_lin", "v_lin", "out_lin")},
+                         **{n: f"distilbert.transformer.layer.{{i}}.ffn.{n}" for n in ("lin1", "lin2")},
+                         "vocab_transform": "vocab_transform", "vocab_projector": "vocab_projector"}}
+BLOCKS = {"llama": "layers", "gpt2": "h", "gpt_neox": "layers", "phi": "layers", "distilbert": "layer"}
+EMBEDDING = {"llama": "embed_tokens", "gpt2": "wte", "gpt_neox": "embed_in", "phi": "embed_tokens",
+             "distilbert": "word_embeddings"}
 
 
 def build(family: str, tied: bool, seed: int):
@@ -80,6 +86,10 @@ def build(family: str, tied: bool, seed: int):
     elif family == "gpt2":
         hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=16, n_embd=D, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    elif family == "distilbert":  # an encoder's masked LM: the projector's weight tied (its bias its own) or not
+        hf = transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+            vocab_size=VOCAB, dim=D, hidden_dim=2 * D, n_layers=2, n_heads=4, max_position_embeddings=16,
+            tie_word_embeddings=tied))
     elif family == "phi":  # every linear layer biased, the head too (tied: its weight alone)
         hf = transformers.PhiForCausalLM(transformers.PhiConfig(
             vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4,
@@ -99,8 +109,8 @@ def build(family: str, tied: bool, seed: int):
 def adapters(draw):
     """``(family, tied, seed, LoraConfig options, rewrite)``: ``rewrite`` a change PEFT's saved
     config gets afterwards, as a hand-written file sets it (``"all-linear"`` kept as it is)."""
-    family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox", "phi"]))
-    tied = family == "gpt2" or (family in ("llama", "phi") and draw(st.booleans()))
+    family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox", "phi", "distilbert"]))
+    tied = family == "gpt2" or (family in ("llama", "phi", "distilbert") and draw(st.booleans()))
     names = list(LINEAR[family])
     blocks = BLOCKS[family]
     options: dict = {"r": draw(st.integers(1, 4)),
@@ -149,7 +159,7 @@ def adapters(draw):
         options[rare] = [[0, 2], [1, 2]]
     elif rare is not None:
         options[rare] = True
-    options["task_type"] = draw(st.sampled_from([None, "CAUSAL_LM"]))
+    options["task_type"] = draw(st.sampled_from([None] if family == "distilbert" else [None, "CAUSAL_LM"]))
     options["inference_mode"] = draw(st.booleans())
     return family, tied, draw(st.integers(0, 2**16)), options, rewrite
 

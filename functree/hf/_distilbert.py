@@ -141,8 +141,10 @@ class DistilBertModel(BertModel):
         from functree.hf._options import activation
 
         c = config
-        return cls(c.vocab_size, c.max_position_embeddings, c.dim, c.n_heads, c.hidden_dim, c.n_layers,
-                   activation=activation(c, "activation"), key=key, dtype=dtype, attention=attention)
+        # (dim, n_heads, n_layers under HF's standard names: DistilBertConfig's attribute_map, ALIASES)
+        return cls(c.vocab_size, c.max_position_embeddings, c.hidden_size, c.num_attention_heads, c.hidden_dim,
+                   c.num_hidden_layers, activation=activation(c, "activation"), key=key, dtype=dtype,
+                   attention=attention)
 
     @classmethod
     def hf_initial(cls, model: Any, config: Any) -> Any:

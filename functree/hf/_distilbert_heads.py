@@ -26,6 +26,7 @@ import jax
 
 from functree._activations import relu
 from functree._module import field
+from functree.hf import _models  # noqa: F401  (defines every family first: FAMILIES' order)
 from functree.hf._causal import TiedBias, _head, is_tied
 from functree.hf._config import HFConfig
 from functree.hf._distilbert import EPSILON

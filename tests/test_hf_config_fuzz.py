@@ -427,7 +427,19 @@ def _port(directory, values):
         return None
 
 
-STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
+@st.composite
+def mixtral(draw):  # Mistral's keys (llama_like's draw) and the experts: 1 to 4, each token's 1 to all of them
+    c = draw(llama_like("mixtral"))
+    experts = draw(st.integers(1, 4))
+    c["num_local_experts"], c["num_experts_per_tok"] = experts, draw(st.integers(1, experts))
+    if draw(st.booleans()):
+        c["sliding_window"] = draw(st.sampled_from((2, 3, 5, 64)))
+    if draw(st.booleans()):
+        c["router_aux_loss_coef"] = draw(st.sampled_from((0.0, 0.02)))
+    return c
+
+
+STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "mixtral": mixtral, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
               "distilbert": distilbert,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
                                                           "olmo2", "gemma2", "gemma3_text", "granite", "smollm3")}}

@@ -38,6 +38,8 @@ CONFIGS = {
     "Mistral": lambda: transformers.MistralConfig(**SMALL),
     "Ministral": lambda: transformers.MinistralConfig(**SMALL, head_dim=4),  # (HF's attention needs head_dim)
     "Qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=4),
+    # 4 experts, top-2; float64 needs HF's eager experts (its CPU default, grouped_mm, takes float32)
+    "Mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, experts_implementation="eager"),
     "GPT2": lambda: transformers.GPT2Config(vocab_size=24, n_embd=16, n_layer=1, n_head=4, n_positions=16,
                                             pad_token_id=PAD, bos_token_id=0, eos_token_id=0),
     "GPTNeoX": lambda: transformers.GPTNeoXConfig(vocab_size=24, hidden_size=16, intermediate_size=32,

@@ -682,9 +682,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
             "initializer_range": 0.02, "layer_norm_eps": 1e-5, "use_cache": True, "tie_word_embeddings": False,
             "rope_parameters": None, "qk_layernorm": False, "bos_token_id": 1, "eos_token_id": 2,
             "pad_token_id": None},
-    # MixtralConfig: Mistral's fields (no sliding window by default), the experts and the router's
+    # MixtralConfig: Mistral's fields (no sliding window by default; head_dim stays null: hidden / heads), the experts'
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                "num_attention_heads": 32, "num_key_value_heads": Derived(8, _heads), "head_dim": HEAD_DIM,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None,  # (HF refuses null kv)
                 "hidden_act": "silu", "max_position_embeddings": 4096 * 32, "initializer_range": 0.02,
                 "rms_norm_eps": 1e-5, "use_cache": True, "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2,
                 "tie_word_embeddings": False, "sliding_window": None, "attention_dropout": 0.0,

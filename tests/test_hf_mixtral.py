@@ -16,6 +16,7 @@ task heads and PEFT's LoRA both ways: 2.5e-5 of the magnitude as the other famil
 
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,10 @@ FLOAT32 = 2.5e-5  # times max|HF| (test_hf_load.py's)
 AUX = 1e-6  # relative: HF's aux loss sums its probabilities in float32
 CASES = {"default": {}, "top1_window": {"num_experts_per_tok": 1, "sliding_window": 5},
          "every_expert_tied": {"num_experts_per_tok": 4, "tie_word_embeddings": True, "num_key_value_heads": 4}}
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # PEFT's own for mixtral
+# the attention projections (PEFT's own for mixtral) and the router: PEFT 0.21.2 reads an adapter file
+# on mlp.gate as a Linear's; its own adapters on the router ("gate") or "all-linear" hold
+# target_parameters (gate.weight, the stacked experts), which load_lora refuses by name
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate"]
 
 
 def hf_model(seed=0, dtype=torch.float32, cls="MixtralForCausalLM", **changes):
@@ -251,14 +255,16 @@ def _nonzero_b(model):
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's, on transformers 5
 def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
-    """``ft.nn.lora`` on the attention projections (PEFT's mixtral targets; the router and
-    the stacked experts are no Linear) with nonzero B, ``save_lora``, PEFT's
-    ``PeftModel.from_pretrained``: PEFT's logits. PEFT's own adapter read by ``load_lora``."""
+    """``ft.nn.lora`` on the attention projections and the router ``mlp.gate`` with nonzero B,
+    ``save_lora``, PEFT's ``PeftModel.from_pretrained``: PEFT's logits. PEFT's own adapter
+    on the attention read by ``load_lora``: PEFT's logits again. PEFT's adapters on the
+    router or ``"all-linear"`` (``target_parameters``: the router's weight, the stacked
+    experts) are refused naming ``target_parameters``."""
     patterns = [f"*.{t}" for t in LORA_TARGETS]
     model = _nonzero_b(ft.nn.lora(ft.nn.from_hf(hf_model(5)), patterns, rank=2, alpha=4, key=jax.random.key(1)))
     ft.nn.save_lora(model, tmp_path / "ours")
     written = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_modules"]
-    assert {name.rpartition(".")[2] for name in written} == set(LORA_TARGETS) and len(written) == 8
+    assert {name.rpartition(".")[2] for name in written} == set(LORA_TARGETS) and len(written) == 10
     ids, mask = batch()
     real = mask.astype(bool)
     peft_model = peft.PeftModel.from_pretrained(hf_model(5), str(tmp_path / "ours")).eval()
@@ -267,7 +273,7 @@ def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
     assert np.abs(hf_output(hf_model(5), ids, mask, positions=False)[real] - expected[real]).max() > 100 * atol
     np.testing.assert_allclose(np.asarray(forward(model, ids, mask))[real], expected[real], rtol=0, atol=atol)
 
-    theirs = peft.get_peft_model(hf_model(6), peft.LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS))
+    theirs = peft.get_peft_model(hf_model(6), peft.LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS[:4]))
     with torch.no_grad():
         for name, p in theirs.named_parameters():
             if "lora_B" in name:
@@ -277,6 +283,13 @@ def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
     expected = hf_output(theirs.eval(), ids, mask, positions=False)
     np.testing.assert_allclose(np.asarray(forward(loaded, ids, mask))[real], expected[real], rtol=0,
                                atol=FLOAT32 * float(np.abs(expected[real]).max()))
+    for targets in (["gate"], "all-linear"):
+        with warnings.catch_warnings():  # PEFT's own about its rank_pattern for the experts
+            warnings.simplefilter("ignore")
+            every = peft.get_peft_model(hf_model(6), peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets))
+            every.save_pretrained(tmp_path / "every")
+        with pytest.raises(ValueError, match="target_parameters="):
+            ft.nn.load_lora(ft.nn.from_hf(hf_model(6)), tmp_path / "every")
 
 
 def test_experts_per_token_past_the_experts_is_refused_naming_the_key():

@@ -422,3 +422,23 @@ def test_the_family_and_its_heads_are_registered():
     assert set(_heads.HEADS["distilbert"]) == {n.removeprefix("DistilBert") for n in CLASSES[1:]}
     for name in CLASSES[1:]:
         assert getattr(_heads, name) is TASKS[name] and hasattr(transformers, name)
+
+
+def test_a_masked_lm_file_under_a_classifier_names_the_fix_that_loads_it():
+    """distilbert-base-uncased's file is DistilBertForMaskedLM's: under a config naming the
+    sequence classifier its head is missing and the masked LM's left over. The refusal
+    (HEAD_NOT_IN_WEIGHTS) names the file's class, and its fix runs: the checkpoint's body, a
+    fresh head (it named DistilBertModel, whose load then refused the masked LM's head)."""
+    hf = hf_model("DistilBertForMaskedLM").float()
+    weights = {k: v.numpy() for k, v in hf.state_dict().items()}
+    config = {**json.loads(hf.config.to_json_string()), "architectures": ["DistilBertForSequenceClassification"]}
+    with pytest.raises(ValueError, match=r"\(a DistilBertForMaskedLM's checkpoint: \['vocab_layer_norm.bias', "
+                                         r"'vocab_layer_norm.weight'\] left over\)") as info:
+        ft.nn.from_hf(config, weights)
+    fix = str(info.value).split("right:  ")[1]
+    space = {"ft": ft, "jax": jax, "config": config, "weights": weights}
+    exec(fix, space)
+    model = space["model"]
+    assert type(model).__name__ == "DistilBertForSequenceClassification" and model.classifier.weight.shape == (16, 3)
+    for a, b in zip(jax.tree.leaves(model.body), jax.tree.leaves(ft.nn.from_hf(hf).body)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1003,11 +1003,27 @@ def check_head_missing(family: Any, config: Any, missing: Any, unexpected: Any) 
     roots = tuple(f"{r}." for r in getattr(family, "head_roots", ()))
     if not roots or not missing or not all(str(n).startswith(roots) for n in missing):
         return
-    extra = f": {sorted(unexpected)[:2]} left over" if unexpected else ""
-    labels = getattr(config, "num_labels", None) or 2
+    owner, left = _head_owner(family, unexpected)
+    extra = f": {left[:2]} left over" if left else ""
+    labels = num_labels(config)  # (id2label's count: a config.json gives no num_labels key)
     raise ValueError(HEAD_NOT_IN_WEIGHTS.format(hf_class=family.hf_class, missing=sorted(missing)[:3], extra=extra,
-                                                family=family.body_class.hf_class, suffix=family.suffix,
-                                                labels=labels))
+                                                family=owner, suffix=family.suffix, labels=labels))
+
+
+def _head_owner(family: Any, unexpected: Any) -> tuple[str, list[str]]:
+    """The class a task model's left-over tensors are, and their names as the file spells them:
+    another task class of the same body whose head they all are (distilbert-base-uncased's
+    masked-LM file read under a classifier: the file loads as that class, and ``with_head``
+    takes its body), else the family's body class; ``hf_names`` put the body's prefix before
+    names it did not know (``distilbert.vocab_projector.bias``): taken off for such a head."""
+    names = sorted(str(n) for n in unexpected)
+    prefix = getattr(family, "body_prefix", "")
+    bare = [n.removeprefix(prefix) for n in names]
+    for name, task in TASKS.items():
+        if task is not family and getattr(task, "body_class", None) is family.body_class and bare \
+                and all(n.split(".")[0] in getattr(task, "head_roots", ()) for n in bare):
+            return name, bare
+    return family.body_class.hf_class, names
 
 
 def _roots(task: Any) -> set[str]:

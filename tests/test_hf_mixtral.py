@@ -33,6 +33,7 @@ peft = pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from test_hf_granite import widened  # noqa: E402
 from test_hf_load import assert_generates_as_hf, forward, hf_output  # noqa: E402
+from test_hf_phi import _nonzero_b, assert_logits, batch  # noqa: E402  (its VOCAB and T: 100, 12)
 
 VOCAB, T = 100, 12
 SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2,
@@ -81,25 +82,6 @@ def widened_moe(hf):
                 return logits, top / top.sum(dim=-1, keepdim=True), index
             module.forward = route
     return hf
-
-
-def batch(length=T):
-    """Token ids [2, length] and a left-padded mask: the second row starts 3 pads in."""
-    ids = np.random.default_rng(0).integers(1, VOCAB, size=(2, length)).astype(np.int32)
-    mask = np.ones((2, length), np.int32)
-    mask[1, :3] = 0
-    return ids, mask
-
-
-def assert_logits(model, hf, tolerance, masked=True):
-    ids, mask = batch()
-    if not masked:
-        mask = np.ones_like(mask)
-    expected = hf_output(hf, ids, mask, positions=False)
-    actual = np.asarray(forward(model, ids, mask) if masked else model(ids))
-    real = mask.astype(bool)
-    np.testing.assert_allclose(actual[real], expected[real], rtol=0,
-                               atol=tolerance * float(np.abs(expected[real]).max()))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -244,13 +226,6 @@ def test_task_heads_are_hfs(cls):
             mine, expected = mine[real], expected[real]
         np.testing.assert_allclose(mine, expected, rtol=0, atol=FLOAT32 * float(np.abs(expected).max()))
     hf.load_state_dict(ft.nn.to_hf_state_dict(model), strict=True)
-
-
-def _nonzero_b(model):
-    flat = ft.to_flat_dict(model)
-    b = {n: 0.3 * jax.random.normal(jax.random.key(i), v.shape, v.dtype)
-         for i, (n, v) in enumerate(flat.items()) if n.endswith("lora_b")}
-    return ft.from_flat_dict(model, {**flat, **b})
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's, on transformers 5

@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from test_hf_dropout import same_masks  # noqa: E402, F401  (same_masks: a fixture)
+from test_hf_roberta import hf_out, peft_seq_cls  # noqa: E402  (HF's output and loss; PEFT's own adapter)
 
 PAD = 0
 SMALL = {"vocab_size": 24, "dim": 16, "n_heads": 4, "n_layers": 2, "hidden_dim": 32, "max_position_embeddings": 10,
@@ -58,16 +59,6 @@ def hf_model(name, **changes):
 
 def inputs(name):
     return (CHOICES, CHOICE_MASK) if name.endswith("MultipleChoice") else (IDS, MASK)
-
-
-def hf_out(hf, ids, mask, **kwargs):
-    """HF's output as one array (QA: start and end stacked), and the loss where labels are given."""
-    out = hf(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(), **kwargs)
-    if "start_logits" in out:
-        arrays = torch.stack([out.start_logits, out.end_logits], -1)
-    else:
-        arrays = out.logits if "logits" in out else out.last_hidden_state
-    return arrays.detach().numpy(), out.get("loss")
 
 
 def ours(model, ids, mask):
@@ -388,14 +379,7 @@ def test_a_peft_seq_cls_adapter_on_q_lin_and_v_lin_round_trips(tmp_path):
         expected, _ = hf_out(peft_model, IDS, MASK)
     close(ours(adapted, IDS, MASK), expected, tol=2e-5)
     close(ours(ft.nn.load_lora(base, tmp_path), IDS, MASK), expected, tol=2e-5)
-    torch.manual_seed(2)  # PEFT's own adapter, its classifier trained whole
-    own = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
-        task_type="SEQ_CLS", target_modules=["q_lin", "v_lin", "out_lin"], r=4, init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in own.named_parameters():
-            if "classifier.modules_to_save" in n:
-                p.add_(0.5)
-    own.eval().save_pretrained(str(tmp_path / "peft"))
+    own = peft_seq_cls(peft, hf, ["q_lin", "v_lin", "out_lin"], tmp_path / "peft")  # PEFT's own adapter
     with torch.no_grad():
         expected, _ = hf_out(own, IDS, MASK)
     close(ours(ft.nn.load_lora(base, tmp_path / "peft"), IDS, MASK), expected, tol=2e-5)

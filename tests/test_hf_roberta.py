@@ -205,6 +205,20 @@ def test_with_head_gives_a_roberta_model_hfs_sequence_classifier(tmp_path):
         ft.hf.with_head(body, "ForMaskedLM", num_labels=3, key=jax.random.key(1))
 
 
+def peft_seq_cls(peft, hf, targets, directory):
+    """PEFT's own SEQ_CLS adapter on ``targets`` of ``hf`` (a float32 copy), its classifier
+    trained whole (moved by 0.5), saved in ``directory``; the PEFT model, in eval mode."""
+    torch.manual_seed(2)
+    own = peft.get_peft_model(copy.deepcopy(hf).float(), peft.LoraConfig(
+        task_type="SEQ_CLS", target_modules=targets, r=4, init_lora_weights=False))
+    with torch.no_grad():
+        for n, p in own.named_parameters():
+            if "classifier.modules_to_save" in n:
+                p.add_(0.5)
+    own.eval().save_pretrained(str(directory))
+    return own
+
+
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # transformers', in PEFT
 def test_a_peft_seq_cls_adapter_round_trips_with_the_classifier_whole(tmp_path):
     """ft.nn.lora + save_lora (task_type SEQ_CLS: classifier.dense and classifier.out_proj
@@ -229,14 +243,7 @@ def test_a_peft_seq_cls_adapter_round_trips_with_the_classifier_whole(tmp_path):
     np.testing.assert_allclose(ours(adapted), expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
     loaded = ft.nn.load_lora(base, tmp_path)
     np.testing.assert_allclose(ours(loaded), expected, rtol=0, atol=2e-5 * float(np.abs(expected).max()))
-    torch.manual_seed(2)  # PEFT's own adapter, its classifier trained whole
-    own = peft.get_peft_model(copy.deepcopy(hf).float(), peft.LoraConfig(
-        task_type="SEQ_CLS", target_modules=["query", "value"], r=4, init_lora_weights=False))
-    with torch.no_grad():
-        for n, p in own.named_parameters():
-            if "classifier.modules_to_save" in n:
-                p.add_(0.5)
-    own.eval().save_pretrained(str(tmp_path / "peft"))
+    own = peft_seq_cls(peft, hf, ["query", "value"], tmp_path / "peft")
     with torch.no_grad():
         expected, _ = hf_out(own)
     np.testing.assert_allclose(ours(ft.nn.load_lora(base, tmp_path / "peft")), expected, rtol=0,

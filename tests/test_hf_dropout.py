@@ -516,7 +516,7 @@ def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_pa
         ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))  # pyright: ignore[reportArgumentType]  # refused
     message = str(info.value)
     assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, ministral, gemma, olmo, qwen3, olmo2, gemma2, gemma3_text, "
-                     r"granite, smollm3\n", message)
+                     r"granite, smollm3, mixtral\n", message)
     assert re.search(r"config\.hidden_dropout_prob = config\.attention_probs_dropout_prob = 0\.05 +# bert", message)
     config = configs(on=False)["llama"]  # the llama line and the call, as written
     code = [line for line in _or_lines(info.value).splitlines() if line in ("config.attention_dropout = 0.05",)

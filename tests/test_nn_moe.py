@@ -151,6 +151,16 @@ def test_jitter_multiplies_the_input_in_training_only():
     assert np.abs(y - moe(x)).max() > 0.01 * np.abs(y).max()  # the noise matters
 
 
+def test_auto_is_the_dense_form_on_the_cpu_and_sorted_uses_ragged_dot():
+    """``implementation="auto"`` on the CPU computes every expert (no ``ragged_dot`` in its
+    program: XLA's CPU lowering of it is dense and slower); "sorted" is two ``ragged_dot``."""
+    moe = ft.nn.SparseMoE(D, HIDDEN, num_experts=E, top_k=2, key=jax.random.key(0))
+    x = jnp.ones((3, D))
+    programs = {i: str(jax.make_jaxpr(lambda m: m(x))(moe.replace(implementation=i))) for i in ("auto", "sorted")}
+    assert jax.default_backend() != "cpu" or "ragged_dot" not in programs["auto"]
+    assert programs["sorted"].count("ragged_dot_general") == 2
+
+
 @pytest.mark.parametrize(("kwargs", "match", "fix"), [
     ({"top_k": 5}, "top_k=5 of num_experts=4", "top_k=2"),
     ({"top_k": 0}, "top_k=0", "top_k=2"),

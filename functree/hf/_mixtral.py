@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from functree._module import field
-from functree.hf._causal import Block, _pre_norm, _run
+from functree.hf._causal import Block, _head, _pre_norm, _run
 from functree.hf._dropout import dropout_attention
 from functree.hf._family import _values
 from functree.hf._llama import MistralForCausalLM
@@ -231,8 +231,7 @@ class MixtralForCausalLM(MistralForCausalLM):
         tokens = self._tokens()
         logits = _run(self, input_ids, attention_mask, positions, None, vocab=tokens.embeddings.shape[0],
                       blocks=blocks, embed=self._embed,  # type: ignore[arg-type]  # a Stack's call
-                      head=lambda x: self.lm_head(self._final_norm(x)) if self.lm_head is not None
-                      else self._final_norm(x) @ tokens.embeddings.T.astype(x.dtype), rotary=True)
+                      head=lambda x: _head(self._final_norm(x), self.lm_head, tokens), rotary=True)
         return logits, collected[0]
 
 

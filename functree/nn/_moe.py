@@ -23,7 +23,9 @@ every row, masked (``E`` times the work), so there the dense form's ``E / top_k`
 faster (8 experts, top-2, d 256, hidden 512, 512 tokens, float32: forward 58 ms dense, 75 ms
 sorted; gradient 115 ms and 222 ms). JAX (0.9.2 to 0.10.2) has no second derivative of
 ``ragged_dot`` with respect to its weights: a Hessian of the sorted form fails
-(NotImplementedError); ``implementation="dense"`` has them.
+(NotImplementedError); ``implementation="dense"`` has them. The dense form holds every
+expert's ``[E, N, 2 * hidden]`` activations: for long inputs at a large model's sizes on the
+CPU, ``implementation="sorted"`` keeps ``[N * top_k, 2 * hidden]``.
 
 In training mode (``ft.nn.training``) with ``jitter > 0`` and a ``key``, the input is first
 multiplied by noise uniform in ``[1 - jitter, 1 + jitter]`` (Mixtral's ``router_jitter_noise``:

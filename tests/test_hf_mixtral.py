@@ -107,7 +107,8 @@ def test_float64_loss_with_the_aux_loss_and_gradients_are_hfs(with_aux):
     """HF's loss with labels on the left-padded batch (the padding's labels -100, and the
     first real token's, predicted at a padding position), with ``output_router_logits=True``
     plus ``router_aux_loss_coef`` times the load-balancing loss of the real tokens; ours is the
-    same sum written in one line (``model.aux_loss``); the value, HF's ``aux_loss`` and every
+    same sum written in one line (``model.aux_loss``); the value, HF's ``aux_loss``, its
+    ``router_logits`` (``model.router_logits``, at the real tokens) and every
     parameter's gradient. HF's loss takes its logits in float32 (``logits.float()``): the
     reference is its CE in float64, HF's own loss equal to it at 1e-6; HF sums the aux loss's
     probabilities in float32 (``routing_weights.float()``): with it, 1e-6 (AUX); without,
@@ -142,6 +143,11 @@ def test_float64_loss_with_the_aux_loss_and_gradients_are_hfs(with_aux):
         ours = ft.nn.to_hf_state_dict(grads, numpy=True)
         if with_aux:
             np.testing.assert_allclose(float(model.aux_loss(ids, mask)), out.aux_loss.item(), rtol=AUX)
+            routed = np.asarray(model.router_logits(ids, mask))  # HF's router_logits, stacked: the real rows
+            theirs_routed = np.stack([r.detach().numpy() for r in out.router_logits])
+            rows = mask.reshape(-1).astype(bool)
+            np.testing.assert_allclose(routed[:, rows], theirs_routed[:, rows], rtol=0,
+                                       atol=WIDENED * float(np.abs(theirs_routed).max()))
     tolerance = AUX if with_aux else GRADIENTS
     np.testing.assert_allclose(float(value), theirs.item(), rtol=tolerance)
     scale = max(float(np.abs(g).max()) for g in hf_grads.values())

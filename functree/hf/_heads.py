@@ -1001,9 +1001,14 @@ def check_head_missing(family: Any, config: Any, missing: Any, unexpected: Any) 
     (every missing tensor under its ``head_roots``): a pretrained body's checkpoint (a causal
     LM's, bert-base-uncased's) read under a task class, whose fresh head is ``with_head``'s."""
     roots = tuple(f"{r}." for r in getattr(family, "head_roots", ()))
-    if not roots or not missing or not all(str(n).startswith(roots) for n in missing):
+    # (a masked LM's file has no pooler: a classifier's from_pretrained draws it, as its head)
+    pooler = f"{getattr(family, 'body_prefix', '')}pooler."
+    if not roots or not missing or not all(str(n).startswith((*roots, pooler)) for n in missing) \
+            or not any(str(n).startswith(roots) for n in missing):
         return
     owner, left = _head_owner(family, unexpected)
+    if any(str(n).startswith(pooler) for n in missing) and owner == family.body_class.hf_class:
+        return  # (a body's file without its pooler: not a pretrained body as saved)
     extra = f": {left[:2]} left over" if left else ""
     labels = num_labels(config)  # (id2label's count: a config.json gives no num_labels key)
     raise ValueError(HEAD_NOT_IN_WEIGHTS.format(hf_class=family.hf_class, missing=sorted(missing)[:3], extra=extra,
@@ -1015,7 +1020,8 @@ def _head_owner(family: Any, unexpected: Any) -> tuple[str, list[str]]:
     another task class of the same body whose head they all are (distilbert-base-uncased's
     masked-LM file read under a classifier: the file loads as that class, and ``with_head``
     takes its body), else the family's body class; ``hf_names`` put the body's prefix before
-    names it did not know (``distilbert.vocab_projector.bias``): taken off for such a head."""
+    names it did not know (``distilbert.vocab_projector.bias``, ``bert.cls.predictions.bias``):
+    taken off where what is left is no module of the body."""
     names = sorted(str(n) for n in unexpected)
     prefix = getattr(family, "body_prefix", "")
     bare = [n.removeprefix(prefix) for n in names]
@@ -1023,7 +1029,8 @@ def _head_owner(family: Any, unexpected: Any) -> tuple[str, list[str]]:
         if task is not family and getattr(task, "body_class", None) is family.body_class and bare \
                 and all(n.split(".")[0] in getattr(task, "head_roots", ()) for n in bare):
             return name, bare
-    return family.body_class.hf_class, names
+    body = set(getattr(family.body_class, "__ft_fields__", ()))  # (bert.cls.predictions.bias: the file's cls.*)
+    return family.body_class.hf_class, [b if prefix and b.split(".")[0] not in body else n for n, b in zip(names, bare)]
 
 
 def _roots(task: Any) -> set[str]:

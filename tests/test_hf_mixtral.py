@@ -136,12 +136,26 @@ def test_float64_loss_with_the_aux_loss_and_gradients_are_hfs(with_aux):
         lm = -jnp.sum(jnp.where(real, picked, 0.0)) / float(real.sum())
         return lm + m.router_aux_loss_coef * m.aux_loss(ids, mask) if with_aux else lm
 
+    def one_pass(m):  # the aux loss of the same forward's router logits (router_logits=True)
+        logits, routed = m(ids, mask, router_logits=True)
+        target = labels[:, 1:]
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), np.maximum(target, 0)[..., None], -1)[..., 0]
+        real = target >= 0
+        lm = -jnp.sum(jnp.where(real, picked, 0.0)) / float(real.sum())
+        return lm + m.router_aux_loss_coef * m.aux_loss(attention_mask=mask, router_logits=routed)
+
     with jax.enable_x64(True):
         model = ft.nn.from_hf(hf, dtype=jnp.float64)
         assert model.router_aux_loss_coef == 0.25
         value, grads = ft.value_with_gradient(loss)(model)
         ours = ft.nn.to_hf_state_dict(grads, numpy=True)
         if with_aux:
+            same, same_grads = ft.value_with_gradient(one_pass)(model)
+            np.testing.assert_allclose(float(same), float(value), rtol=1e-14)
+            for a, b in zip(jax.tree.leaves(same_grads), jax.tree.leaves(grads)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-14 * scale_of(grads))
+            # one forward: the blocks' scan traced once (model.aux_loss(ids, mask) is a second)
+            assert str(jax.make_jaxpr(one_pass)(model)).count("scan[") == 1
             np.testing.assert_allclose(float(model.aux_loss(ids, mask)), out.aux_loss.item(), rtol=AUX)
             routed = np.asarray(model.router_logits(ids, mask))  # HF's router_logits, stacked: the real rows
             theirs_routed = np.stack([r.detach().numpy() for r in out.router_logits])
@@ -155,6 +169,21 @@ def test_float64_loss_with_the_aux_loss_and_gradients_are_hfs(with_aux):
     for name, expected in hf_grads.items():
         assert np.abs(expected).max() > 0, name
         np.testing.assert_allclose(ours[name], expected, rtol=0, atol=tolerance * scale, err_msg=name)
+
+
+def scale_of(tree):
+    return max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(tree))
+
+
+def test_router_logits_with_a_cache_are_refused():
+    model = ft.nn.from_hf(transformers.MixtralConfig(**SIZES), key=jax.random.key(0))
+    ids, mask = batch()
+    with pytest.raises(ValueError, match=r"router_logits=True\) was given a cache") as error:
+        model(ids, mask, cache=model.init_cache(ids.shape[0], 16), router_logits=True)
+    assert "logits, routed = model(ids, mask, router_logits=True)" in str(error.value)
+    logits, routed = model(ids, mask, router_logits=True)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(ids, mask)))
+    np.testing.assert_array_equal(np.asarray(routed), np.asarray(model.router_logits(ids, mask)))
 
 
 def per_expert(state):
@@ -321,6 +350,8 @@ def test_router_logits_of_a_dropping_port_are_refused():
     ids, mask = batch()
     with pytest.raises(ValueError, match="router_logits") as error:
         ft.nn.training(model).aux_loss(ids, mask)
+    with pytest.raises(ValueError, match=r"__call__: this port was built with Hugging Face's dropout"):
+        ft.nn.training(model)(ids, mask, router_logits=True, key=jax.random.key(1))
     assert _mixtral.ROUTER_LOGITS_DROPPING.split("\n")[-2].split("{")[0].strip() in str(error.value)
     plain = ft.nn.from_hf(config, key=jax.random.key(0))
     np.testing.assert_array_equal(model.router_logits(ids, mask), plain.router_logits(ids, mask))

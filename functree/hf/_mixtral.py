@@ -18,9 +18,12 @@ reads it: ``gate_up_proj[e] = [w1_e ; w3_e]``, ``down_proj[e] = w2_e``
 The load-balancing loss: HF adds ``router_aux_loss_coef * aux_loss`` to its loss when
 ``output_router_logits`` is set. :meth:`MixtralForCausalLM.router_logits` gives every layer's
 router logits and :meth:`MixtralForCausalLM.aux_loss` HF's ``aux_loss`` (with the attention
-mask); a training loss adds it in one line::
+mask); a training loss takes both from one pass (``router_logits=True``, HF's
+``output_router_logits``) and adds it in one line::
 
-    loss = lm_loss + model.router_aux_loss_coef * model.aux_loss(input_ids, attention_mask)
+    logits, routed = model(input_ids, attention_mask, router_logits=True)
+    loss = lm_loss(logits) + model.router_aux_loss_coef * model.aux_loss(attention_mask=attention_mask,
+                                                                           router_logits=routed)
 
 Dropout (``from_hf(..., dropout=True)``): ``attention_dropout`` on the attention weights, as
 HF's; a config with ``router_jitter_noise`` above 0 is refused there (:data:`JITTER_NOT_PORTED`).
@@ -46,7 +49,7 @@ from functree.nn._moe import SparseMoE, load_balancing_loss
 from functree.nn._stack import Stack
 
 __all__ = ["MixtralForCausalLM", "per_expert_names", "EXPERTS_PER_TOKEN", "MISSING_EXPERT", "EXPERT_SHAPE",
-           "JITTER_NOT_PORTED", "ROUTER_LOGITS_DROPPING"]
+           "JITTER_NOT_PORTED", "ROUTER_LOGITS_DROPPING", "ROUTER_LOGITS_CACHED"]
 
 EXPERTS_PER_TOKEN = """\
 ft.nn.from_hf: the mixtral config has num_experts_per_tok={top_k} and num_local_experts={experts}; \
@@ -95,6 +98,14 @@ would not be the training step's (its attention dropped other weights).
 
     wrong:  ft.nn.training(model).{method}(input_ids, attention_mask)
     right:  ft.nn.inference(model).{method}(input_ids, attention_mask)     # or a port built without dropout=True
+"""
+
+ROUTER_LOGITS_CACHED = """\
+{cls}(..., router_logits=True) was given a cache; the router logits (HF's \
+output_router_logits) are a training loss's, of one call over whole sequences.
+
+    wrong:  model(ids, mask, cache=cache, router_logits=True)
+    right:  logits, routed = model(ids, mask, router_logits=True)
 """
 
 _PER_EXPERT = re.compile(r"(.*\.layers\.(\d+))\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3)\.weight")
@@ -209,19 +220,47 @@ class MixtralForCausalLM(MistralForCausalLM):
         layout as transformers reads it (:func:`per_expert_names`)."""
         return per_expert_names(super().hf_names(weights))
 
+    def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None,
+                 key: jax.Array | None = None, router_logits: bool = False) -> Any:
+        """The causal LM's call (:class:`~functree.hf._causal.CausalLM`); ``router_logits=True``
+        (no cache) returns ``(logits, router_logits)`` of one pass, HF's
+        ``output_router_logits``: a training loss adds the load-balancing loss without a
+        second forward (:meth:`aux_loss` of them)."""
+        if not router_logits:
+            return super().__call__(input_ids, attention_mask, positions=positions, cache=cache, key=key)
+        if cache is not None:
+            raise ValueError(ROUTER_LOGITS_CACHED.format(cls=type(self).__name__))
+        self._check_dropping("__call__")
+        self._check_call(input_ids, None)
+        return self._with_router_logits(input_ids, attention_mask, positions)
+
     def router_logits(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None) -> jax.Array:
         """Every layer's router logits ``[num_hidden_layers, batch * T, num_local_experts]``
         (rows batch major), in the weights' dtype: HF's ``router_logits`` output stacked."""
-        attention = dropout_attention(self.model.layers.layers)
-        if attention is not None and attention.training and attention.drops:
-            raise ValueError(ROUTER_LOGITS_DROPPING.format(cls=type(self).__name__, method="router_logits"))
+        self._check_dropping("router_logits")
         return self._with_router_logits(input_ids, attention_mask, positions)[1]
 
-    def aux_loss(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None) -> jax.Array:
+    def aux_loss(self, input_ids: Any = None, attention_mask: Any = None, *, positions: Any = None,
+                 router_logits: Any = None) -> jax.Array:
         """HF's ``aux_loss`` (``load_balancing_loss_func`` of the router logits, padding
-        excluded by ``attention_mask``): :func:`ft.nn.load_balancing_loss`."""
-        logits = self.router_logits(input_ids, attention_mask, positions=positions)
-        return load_balancing_loss(logits, self.model.layers.layers.mlp.top_k, attention_mask)
+        excluded by ``attention_mask``): :func:`ft.nn.load_balancing_loss` of
+        ``router_logits`` (those of ``model(ids, mask, router_logits=True)``: no second
+        pass), else of a call of its own on ``input_ids``.
+
+        Example (a training loss, one forward pass)::
+
+            logits, routed = model(ids, mask, router_logits=True)
+            loss = lm_loss(logits) + model.router_aux_loss_coef * model.aux_loss(attention_mask=mask,
+                                                                                   router_logits=routed)
+        """
+        if router_logits is None:
+            router_logits = self.router_logits(input_ids, attention_mask, positions=positions)
+        return load_balancing_loss(router_logits, self.model.layers.layers.mlp.top_k, attention_mask)
+
+    def _check_dropping(self, method: str) -> None:
+        attention = dropout_attention(self.model.layers.layers)
+        if attention is not None and attention.training and attention.drops:
+            raise ValueError(ROUTER_LOGITS_DROPPING.format(cls=type(self).__name__, method=method))
 
     def _with_router_logits(self, input_ids: Any, attention_mask: Any, positions: Any) -> tuple[jax.Array, jax.Array]:
         """``(logits, router logits)`` of one call without a cache: the shared call with a

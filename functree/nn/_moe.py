@@ -17,11 +17,14 @@ and each expert's rows multiply its weights in one grouped matmul (``jax.lax.rag
 every token, masked; ``implementation="dense"``, the same numbers). An expert no token chose
 is an empty group: its output and its weights' gradient are zero.
 
-``implementation="auto"`` (the default) is the dense form where JAX's default backend is the
-CPU and the sorted one elsewhere: XLA's CPU backend lowers ``ragged_dot`` to every group for
+``implementation="auto"`` (the default) is the sorted form where JAX's default backend is a
+TPU and the dense one elsewhere: XLA's CPU backend lowers ``ragged_dot`` to every group for
 every row, masked (``E`` times the work), so there the dense form's ``E / top_k`` is the
 faster (8 experts, top-2, d 256, hidden 512, 512 tokens, float32: forward 58 ms dense, 75 ms
-sorted; gradient 115 ms and 222 ms). JAX (0.9.2 to 0.10.2) has no second derivative of
+sorted; gradient 115 ms and 222 ms); upstream XLA's CUDA backend does the same unless a cuDNN
+grouped-matmul fusion applies (reported for jaxlib 0.9-0.10: the rows times every expert
+materialized, and its memory), so "sorted" on a GPU is for a stack measured to take the
+grouped path (not measured here: no GPU was lent). JAX (0.9.2 to 0.10.2) has no second derivative of
 ``ragged_dot`` with respect to its weights: a Hessian of the sorted form fails
 (NotImplementedError); ``implementation="dense"`` has them. The dense form holds every
 expert's ``[E, N, 2 * hidden]`` activations: for long inputs at a large model's sizes on the
@@ -59,7 +62,7 @@ experts, so 1 <= top_k <= num_experts.
 """
 
 IMPLEMENTATION = """\
-ft.nn.SparseMoE: implementation={given!r}; it is "auto" (dense on the CPU, else sorted), \
+ft.nn.SparseMoE: implementation={given!r}; it is "auto" (sorted on a TPU, else dense), \
 "sorted" (the selected experts only: pairs sorted by expert, jax.lax.ragged_dot) or "dense" \
 (every expert for every token, masked: the same numbers, num_experts / top_k times the work).
 
@@ -182,7 +185,7 @@ class SparseMoE(Layer):
         logits, weights, experts = self.route(rows)
         implementation = self.implementation
         if implementation == "auto":
-            implementation = "dense" if jax.default_backend() == "cpu" else "sorted"
+            implementation = "sorted" if jax.default_backend() == "tpu" else "dense"
         if implementation == "dense":
             y = _dense(self.experts, rows, weights, experts)
         else:

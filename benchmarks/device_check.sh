@@ -10,7 +10,9 @@
 #    startup (issue 47: loading a saved model against from_pretrained, tiny and small),
 # 3. host_ops --time (issue 47 item 4: the Python per call, the kernels of each compiled
 #    step, and each step against its program alone and raw JAX's, interleaved), on the
-#    dispatch family's MLP and on one of 200 parameter leaves (the cost that grows with them).
+#    dispatch family's MLP and on one of 200 parameter leaves (the cost that grows with them),
+# 4. moe: ft.nn.SparseMoE's dense and sorted (ragged_dot) forms, whether "auto"'s dense
+#    choice off the TPU holds on this GPU's XLA.
 # Each part writes its own file under the output folder, so a timeout keeps what finished.
 set -u
 out="${1:-/tmp/device_check}"
@@ -24,7 +26,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c 'import jax, sys; print(jax.__version__, jax.devices(), sys.version)' > "$out/versions.txt" 2>&1
 cat "$out/versions.txt"
-timeout 310 python -m pytest -n 12 --dist loadfile -q \
+timeout 285 python -m pytest -n 12 --dist loadfile -q \
     --ignore=tests/test_notebooks.py --maxfail=50 > "$out/suite.txt" 2>&1
 echo "suite: exit $?"
 tail -40 "$out/suite.txt"
@@ -37,3 +39,6 @@ cat "$out/host_ops.txt"
 timeout 25 python benchmarks/host_ops.py --time --leaves 200 > "$out/host_ops_200.txt" 2>&1
 echo "host_ops --leaves 200: exit $?"
 cat "$out/host_ops_200.txt"
+timeout 25 python benchmarks/moe.py --rounds 10 > "$out/moe.txt" 2>&1
+echo "moe: exit $?"
+cat "$out/moe.txt"

@@ -12,7 +12,7 @@
 #    step, and each step against its program alone and raw JAX's, interleaved), on the
 #    dispatch family's MLP and on one of 200 parameter leaves (the cost that grows with them),
 # 4. moe: ft.nn.SparseMoE's dense and sorted (ragged_dot) forms, whether "auto"'s dense
-#    choice off the TPU holds on this GPU's XLA.
+#    choice off the TPU holds on this GPU's XLA, and a decoding step's gathered form.
 # Each part writes its own file under the output folder, so a timeout keeps what finished.
 set -u
 out="${1:-/tmp/device_check}"
@@ -39,6 +39,7 @@ cat "$out/host_ops.txt"
 timeout 25 python benchmarks/host_ops.py --time --leaves 200 > "$out/host_ops_200.txt" 2>&1
 echo "host_ops --leaves 200: exit $?"
 cat "$out/host_ops_200.txt"
-timeout 25 python benchmarks/moe.py --rounds 10 > "$out/moe.txt" 2>&1
+timeout 25 python benchmarks/moe.py --rounds 10 > "$out/moe.txt" 2>&1 && \
+    timeout 15 python benchmarks/moe.py --rounds 10 --tokens 2 >> "$out/moe.txt" 2>&1
 echo "moe: exit $?"
 cat "$out/moe.txt"

@@ -58,7 +58,7 @@ def hf_block(moe, top_k):
     return block
 
 
-@pytest.mark.parametrize("implementation", ["sorted", "dense"])
+@pytest.mark.parametrize("implementation", ["sorted", "dense", "gathered"])
 @pytest.mark.parametrize("top_k", [1, 2, E])
 def test_outputs_and_gradients_are_torch_autograds_of_hfs_block(top_k, implementation):
     """float64, 2 x 5 tokens: the output and the gradients of sum(y * c) for the input, the
@@ -89,7 +89,7 @@ def test_outputs_and_gradients_are_torch_autograds_of_hfs_block(top_k, implement
         np.testing.assert_allclose(np.asarray(ours[name]), want, rtol=0, atol=TOLERANCE * scale, err_msg=name)
 
 
-@pytest.mark.parametrize("implementation", ["sorted", "dense"])
+@pytest.mark.parametrize("implementation", ["sorted", "dense", "gathered"])
 def test_gradients_are_finite_differences(implementation):
     """``check_grads`` (forward and reverse, first order) of the layer in its input and its
     weights; the sorted form's second derivative is JAX's NotImplementedError (documented)."""
@@ -159,6 +159,24 @@ def test_auto_is_the_dense_form_on_the_cpu_and_sorted_uses_ragged_dot():
     programs = {i: str(jax.make_jaxpr(lambda m: m(x))(moe.replace(implementation=i))) for i in ("auto", "sorted")}
     assert jax.default_backend() != "cpu" or "ragged_dot" not in programs["auto"]
     assert programs["sorted"].count("ragged_dot_general") == 2
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_auto_gathers_the_experts_of_fewer_rows_than_experts_over_top_k(rows):
+    """A decoding step's rows (rows x top_k < E): "auto" gathers each row's experts' weights
+    (``[rows, top_k, d, 2 * hidden]``: rows x top_k experts read, not all E) and gives the
+    dense form's numbers, its gradient too; at rows x top_k >= E it is the dense form."""
+    moe = ft.nn.SparseMoE(D, HIDDEN, num_experts=E, top_k=1 if rows == 2 else 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (rows, D))
+    program = str(jax.make_jaxpr(lambda m: m(x))(moe))
+    assert f"f32[{rows},{moe.top_k},{D},{2 * HIDDEN}]" in program and "ragged_dot" not in program
+    dense = moe.replace(implementation="dense")
+    np.testing.assert_allclose(moe(x), dense(x), rtol=0, atol=1e-6 * float(np.abs(dense(x)).max()))
+    g, gd = (jax.grad(lambda m: jnp.sum(m(x) ** 2))(m) for m in (moe, dense))
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gd)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(b).max()))
+    many = jnp.ones((E, D))  # E rows x top_k >= E: every expert's weights are read anyway
+    assert f",{moe.top_k},{D},{2 * HIDDEN}]" not in str(jax.make_jaxpr(lambda m: m(many))(moe))
 
 
 @pytest.mark.parametrize(("kwargs", "match", "fix"), [

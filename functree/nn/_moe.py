@@ -24,7 +24,10 @@ faster (8 experts, top-2, d 256, hidden 512, 512 tokens, float32: forward 58 ms 
 sorted; gradient 115 ms and 222 ms); upstream XLA's CUDA backend does the same unless a cuDNN
 grouped-matmul fusion applies (reported for jaxlib 0.9-0.10: the rows times every expert
 materialized, and its memory), so "sorted" on a GPU is for a stack measured to take the
-grouped path (not measured here: no GPU was lent). JAX (0.9.2 to 0.10.2) has no second derivative of
+grouped path (not measured here: no GPU was lent). Where the rows times ``top_k`` are fewer
+than the experts (a decoding step: one token per row), "auto" is ``"gathered"``: each row's
+``top_k`` experts' weights gathered (``[N, top_k, d, 2 * hidden]``) and applied to it alone,
+``N * top_k`` experts read instead of every one, with no sort. JAX (0.9.2 to 0.10.2) has no second derivative of
 ``ragged_dot`` with respect to its weights: a Hessian of the sorted form fails
 (NotImplementedError); ``implementation="dense"`` has them. The dense form holds every
 expert's ``[E, N, 2 * hidden]`` activations: for long inputs at a large model's sizes on the
@@ -62,9 +65,11 @@ experts, so 1 <= top_k <= num_experts.
 """
 
 IMPLEMENTATION = """\
-ft.nn.SparseMoE: implementation={given!r}; it is "auto" (sorted on a TPU, else dense), \
-"sorted" (the selected experts only: pairs sorted by expert, jax.lax.ragged_dot) or "dense" \
-(every expert for every token, masked: the same numbers, num_experts / top_k times the work).
+ft.nn.SparseMoE: implementation={given!r}; it is "auto" (gathered where the rows times top_k \
+are fewer than the experts, else sorted on a TPU and dense elsewhere), "sorted" (the selected \
+experts only: pairs sorted by expert, jax.lax.ragged_dot), "gathered" (each row's own experts' \
+weights gathered) or "dense" (every expert for every token, masked: the same numbers, \
+num_experts / top_k times the work).
 
     wrong:  ft.nn.SparseMoE(..., implementation={given!r})
     right:  ft.nn.SparseMoE(..., implementation="sorted")
@@ -153,7 +158,7 @@ class SparseMoE(Layer):
                  dtype: Any = jnp.float32, std: float = 0.02):
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(TOP_K.format(top_k=top_k, experts=num_experts, fix=min(2, num_experts)))
-        if implementation not in ("auto", "sorted", "dense"):
+        if implementation not in ("auto", "sorted", "dense", "gathered"):
             raise ValueError(IMPLEMENTATION.format(given=implementation))
         k1, k2 = jax.random.split(key)
         self.gate = Dense(d, num_experts, use_bias=False, key=k1, dtype=dtype, weight_initializer=_normal(std))
@@ -184,10 +189,13 @@ class SparseMoE(Layer):
         rows = x.reshape(-1, shape[-1])
         logits, weights, experts = self.route(rows)
         implementation = self.implementation
-        if implementation == "auto":
-            implementation = "sorted" if jax.default_backend() == "tpu" else "dense"
+        if implementation == "auto":  # (a decoding step's few rows: their experts' weights read alone)
+            implementation = "gathered" if rows.shape[0] * self.top_k < self.experts.gate_up_proj.shape[0] \
+                else "sorted" if jax.default_backend() == "tpu" else "dense"
         if implementation == "dense":
             y = _dense(self.experts, rows, weights, experts)
+        elif implementation == "gathered":
+            y = _gathered(self.experts, rows, weights, experts)
         else:
             y = _sorted(self.experts, rows, weights, experts)
         y = y.reshape(shape)
@@ -208,6 +216,16 @@ def _sorted(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.A
     wide = weights.dtype
     pairs = out[inverse].reshape(n, k, -1).astype(wide) * weights[..., None]
     return jnp.sum(pairs, axis=1).astype(rows.dtype)
+
+
+def _gathered(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
+    """Each row through its own ``k`` experts, their weights gathered per row (``[N, k, d,
+    2 * hidden]``): ``N * k`` experts' weights read, fewer than the dense form's ``E`` where
+    ``N * k < E`` (a decoding step's rows), and no sort."""
+    h = jnp.einsum("nd,nkdf->nkf", rows, experts.gate_up_proj[chosen])
+    gate, up = jnp.split(h, 2, axis=-1)
+    out = jnp.einsum("nkf,nkfd->nkd", experts.activation(gate) * up, experts.down_proj[chosen])
+    return jnp.sum(out.astype(weights.dtype) * weights[..., None], axis=1).astype(rows.dtype)
 
 
 def _dense(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:

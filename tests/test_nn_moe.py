@@ -209,3 +209,16 @@ def test_load_balancing_loss_and_its_gradient_are_hfs(masked):
             jnp.asarray(logits))
     np.testing.assert_allclose(float(value), theirs.item(), rtol=1e-6)  # HF sums its counts in float32
     np.testing.assert_allclose(np.asarray(grad), lt.grad.numpy(), rtol=0, atol=1e-6 * np.abs(lt.grad.numpy()).max())
+
+
+@pytest.mark.parametrize("implementation", ["sorted", "dense", "gathered", "auto"])
+def test_no_rows_give_an_empty_output_and_zero_gradients(implementation):
+    """An empty batch (``[0, d]``, ``[2, 0, d]``): the sorted form reshaped its ``0 * k`` pairs
+    with an inferred size (ZeroDivisionError inside JAX)."""
+    moe = ft.nn.SparseMoE(D, HIDDEN, num_experts=E, top_k=2, key=jax.random.key(0), implementation=implementation)
+    for shape in [(0, D), (2, 0, D)]:
+        x = jnp.zeros(shape)
+        y = jax.jit(lambda m, x: m(x))(moe, x)
+        assert y.shape == shape
+        grads = jax.grad(lambda m: jnp.sum(m(x)))(moe)
+        assert all(not np.any(g) for g in jax.tree_util.tree_leaves(grads))

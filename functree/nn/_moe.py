@@ -214,7 +214,7 @@ def _sorted(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.A
     out = experts.grouped(rows[order // k], sizes)  # pair i of the sorted order is row order[i] // k's
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     wide = weights.dtype
-    pairs = out[inverse].reshape(n, k, -1).astype(wide) * weights[..., None]
+    pairs = out[inverse].reshape(n, k, out.shape[-1]).astype(wide) * weights[..., None]  # (n may be 0)
     return jnp.sum(pairs, axis=1).astype(rows.dtype)
 
 

@@ -75,11 +75,11 @@ def widened_moe(hf):
     rotary.inv_freq = torch.from_numpy(exact.astype(np.float32))
     widened(hf)
     for module in hf.modules():
-        if type(module).__name__ == "MixtralTopKRouter":
+        if type(module).__name__.endswith("TopKRouter"):  # Mixtral's, Qwen3-MoE's (norm_topk_prob)
             def route(h, m=module):
                 logits = torch.nn.functional.linear(h.reshape(-1, m.hidden_dim), m.weight)
                 top, index = torch.topk(torch.softmax(logits, dim=-1), m.top_k, dim=-1)
-                return logits, top / top.sum(dim=-1, keepdim=True), index
+                return logits, top / top.sum(dim=-1, keepdim=True) if getattr(m, "norm_topk_prob", True) else top, index
             module.forward = route
     return hf
 
@@ -113,7 +113,12 @@ def test_float64_loss_with_the_aux_loss_and_gradients_are_hfs(with_aux):
     reference is its CE in float64, HF's own loss equal to it at 1e-6; HF sums the aux loss's
     probabilities in float32 (``routing_weights.float()``): with it, 1e-6 (AUX); without,
     float64 rounding."""
-    hf = widened_moe(hf_model(2, torch.float64, router_aux_loss_coef=0.25))
+    assert_loss_and_gradients_are_hfs(widened_moe(hf_model(2, torch.float64, router_aux_loss_coef=0.25)), with_aux)
+
+
+def assert_loss_and_gradients_are_hfs(hf, with_aux):
+    """The loss test's check (test_float64_loss_with_the_aux_loss_and_gradients_are_hfs) of a
+    widened float64 MoE model ``hf`` whose ``router_aux_loss_coef`` is 0.25 (Qwen3-MoE's too)."""
     ids, mask = batch()
     labels = np.where(mask.astype(bool), ids, -100)
     labels[1, 3] = -100  # (predicted from a padding position's logits: HF's and the port's differ there)
@@ -186,23 +191,25 @@ def test_router_logits_with_a_cache_are_refused():
     np.testing.assert_array_equal(np.asarray(routed), np.asarray(model.router_logits(ids, mask)))
 
 
-def per_expert(state):
-    """A transformers 5.25 state dict in the Hub's per-expert layout (Mixtral-8x7B's files):
+def per_expert(state, names=_mixtral.MIXTRAL_EXPERTS):
+    """A transformers 5.25 state dict in the Hub's per-expert layout (Mixtral-8x7B's files:
     ``block_sparse_moe.gate.weight``, ``block_sparse_moe.experts.{e}.w1/w3`` (gate_up_proj's
-    halves) and ``w2`` (down_proj), as the checkpoints transformers' conversion reads."""
-    out = {}
+    halves) and ``w2`` (down_proj); Qwen3-MoE's ``mlp.experts.{e}.gate_proj/up_proj/down_proj``
+    with ``names``), as the checkpoints transformers' conversion reads."""
+    out, module = {}, f".{names.module}."
     for name, tensor in state.items():
         if ".mlp.experts.gate_up_proj" in name:
-            prefix = name.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts")
-            w1, w3 = tensor.chunk(2, dim=1)
+            prefix = name.replace(".mlp.experts.gate_up_proj", f"{module}experts")
+            gate, up = tensor.chunk(2, dim=1)
             for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.w1.weight"], out[f"{prefix}.{e}.w3.weight"] = w1[e].clone(), w3[e].clone()
+                out[f"{prefix}.{e}.{names.gate}.weight"] = gate[e].clone()
+                out[f"{prefix}.{e}.{names.up}.weight"] = up[e].clone()
         elif ".mlp.experts.down_proj" in name:
-            prefix = name.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts")
+            prefix = name.replace(".mlp.experts.down_proj", f"{module}experts")
             for e in range(tensor.shape[0]):
-                out[f"{prefix}.{e}.w2.weight"] = tensor[e].clone()
+                out[f"{prefix}.{e}.{names.down}.weight"] = tensor[e].clone()
         else:
-            out[name.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = tensor.clone()
+            out[name.replace(".mlp.gate.", f"{module}gate.")] = tensor.clone()
     return out
 
 
@@ -212,27 +219,33 @@ def test_loads_from_every_source_exports_and_generates_as_hf(tmp_path):
     directory in the Hub's per-expert layout written by hand (transformers reads it to the same
     model: equal logits); the strict export; HF's greedy tokens through the KV cache;
     ``save_hf`` (the fused layout) read by ``from_pretrained``, equal."""
-    hf = hf_model(3, sliding_window=6)
+    assert_loads_from_every_source(hf_model(3, sliding_window=6), tmp_path, ("model_type", *SIZES, "sliding_window"))
+
+
+def assert_loads_from_every_source(hf, tmp_path, keys, names=_mixtral.MIXTRAL_EXPERTS):
+    """The source test's checks (test_loads_from_every_source_exports_and_generates_as_hf)
+    of a float32 MoE model ``hf`` of 4 experts: its config.json's ``keys`` alone, the
+    per-expert layout ``names`` written by hand (Qwen3-MoE's too)."""
     hf.save_pretrained(tmp_path / "hf")
     config_json = {k: v for k, v in json.loads((tmp_path / "hf" / "config.json").read_text()).items()
-                   if k in ("model_type", *SIZES, "sliding_window")}
+                   if k in keys}
     old = tmp_path / "per_expert"
     old.mkdir()
     (old / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
-    safetensors_torch.save_file(per_expert(hf.state_dict()), old / "model.safetensors")
+    safetensors_torch.save_file(per_expert(hf.state_dict(), names), old / "model.safetensors")
     theirs_old = transformers.AutoModelForCausalLM.from_pretrained(old).eval()
     assert_logits(ft.nn.from_hf(hf), theirs_old, FLOAT32)  # transformers reads the old layout as this model
     sources = ((hf,), (hf.config, hf.state_dict()), (config_json, hf.state_dict()), (tmp_path / "hf",), (old,),
-               (hf.config, per_expert(hf.state_dict())))
+               (hf.config, per_expert(hf.state_dict(), names)))
     for given in sources:
         model = ft.nn.from_hf(*given)
-        assert type(model).__name__ == "MixtralForCausalLM"
+        assert type(model).__name__ == type(hf).__name__
         assert_logits(model, hf, FLOAT32)
     hf.load_state_dict(ft.nn.to_hf_state_dict(model), strict=True)
     assert_generates_as_hf(model, hf, length=T, new=6)
     ft.nn.save_hf(model, tmp_path / "ours")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
-    assert type(back).__name__ == "MixtralForCausalLM" and back.config.num_local_experts == 4
+    assert type(back).__name__ == type(hf).__name__ and back.config.num_local_experts == 4
     theirs = hf.state_dict()
     assert set(back.state_dict()) == set(theirs)
     for name, tensor in back.state_dict().items():

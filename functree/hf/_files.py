@@ -690,6 +690,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                 "tie_word_embeddings": False, "sliding_window": None, "attention_dropout": 0.0,
                 "num_experts_per_tok": 2, "num_local_experts": 8, "output_router_logits": False,
                 "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0, "rope_parameters": None},
+    # Qwen3MoeConfig: no head_dim field (its attention reads config.json's, else hidden / heads); num_experts is
+    # stored as num_local_experts (its attribute_map: ALIASES); mlp_only_layers null is []
+    "qwen3_moe": {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False,
+        "rope_parameters": None, "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096,
+        "attention_dropout": 0.0, "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+        "num_local_experts": 128, "norm_topk_prob": False, "output_router_logits": False,
+        "router_aux_loss_coef": 0.001, "mlp_only_layers": Derived(None, lambda values: []), "pad_token_id": None,
+        "bos_token_id": None, "eos_token_id": None},
     "opt": {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
             "max_position_embeddings": 2048, "do_layer_norm_before": True, "_remove_final_layer_norm": False,
             "word_embed_proj_dim": None, "dropout": 0.1, "attention_dropout": 0.0, "num_attention_heads": 12,
@@ -779,6 +790,7 @@ ALIASES: dict[str, dict[str, str]] = {
     "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
              "num_hidden_layers": "n_layer"},
     "distilbert": {"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
 }
 # The generation options HF's config classes drop from config.json (older files kept them
 # there; generation_config.json holds them now): transformers v5's GenerationConfig defaults.
@@ -875,7 +887,7 @@ NULLABLE: dict[str, type] = {"num_key_value_heads": int, "head_dim": int, "n_inn
                              "word_embed_proj_dim": int, "rope_parameters": dict,
                              "layer_types": list, "clip_qkv": float, "classifier_dropout": float,
                              "use_bidirectional_attention": bool, "summary_activation": str,
-                             "no_rope_layers": list}
+                             "no_rope_layers": list, "mlp_only_layers": list}
 # The layer types a covered family computes (HF's layer_type_validation takes more, for other
 # families): one per hidden layer.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -889,6 +901,7 @@ NULL_ALLOWED: dict[str, frozenset[str]] = {"llama": frozenset({"pretraining_tp",
                                            "mistral": frozenset({"sliding_window"}),
                                            "ministral": frozenset({"sliding_window"}),
                                            "qwen3": frozenset({"sliding_window"}),
+                                           "qwen3_moe": frozenset({"sliding_window"}),
                                            "phi": frozenset({"attention_dropout"}),
                                            "gemma2": frozenset({"attention_dropout", "sliding_window",
                                                                 "final_logit_softcapping", "attn_logit_softcapping"}),
@@ -1136,7 +1149,7 @@ def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -
     for key, default in DEFAULTS[model_type].items():  # the row's Derived fields
         if isinstance(default, Derived) and values.get(key) is None:
             values[key] = default.rule(values)
-    if model_type in ("qwen2", "qwen3"):  # (both configs null the window unless use_sliding_window)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):  # (their configs null the window unless use_sliding_window)
         values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else None
         if model_type == "qwen2" and values.get("layer_types") is None:
             values["layer_types"] = [

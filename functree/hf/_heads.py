@@ -1059,7 +1059,7 @@ HEADS: dict[str, Mapping[str, type[TaskModel]]] = {
     "gpt2": _DECODER_QA, "llama": _DECODER_QA, "qwen2": _DECODER_QA, "mistral": _DECODER_QA,
     "ministral": _DECODER_QA, "gemma": _DECODER, "phi3": _DECODER, "olmo": _SEQUENCE_ONLY, "qwen3": _DECODER_QA,
     "olmo2": _SEQUENCE_ONLY, "gemma2": _DECODER, "gemma3_text": _SEQUENCE_ONLY, "smollm3": _DECODER_QA, "gpt_neox": _DECODER_QA,
-    "phi": _DECODER, "mixtral": _DECODER_QA,
+    "phi": _DECODER, "mixtral": _DECODER_QA, "qwen3_moe": _DECODER_QA,
     "opt": {**_SEQUENCE_ONLY, "ForQuestionAnswering": QuestionAnswering},
     "bert": {"ForSequenceClassification": PooledClassifier, "ForTokenClassification": TokenClassifier,
              "ForMaskedLM": MaskedLM, "ForQuestionAnswering": QuestionAnswering,
@@ -1075,7 +1075,8 @@ _BODY_PREFIX = {"bert": "bert.", "roberta": "roberta.", "xlm-roberta": "roberta.
 # (head, model type) -> HF's attribute of the body where it is not the causal LM's: transformers
 # 5.24's Llama, Qwen2, Ministral, Qwen3 and SmolLM3 QA classes keep base_model_prefix "transformer" (their
 # older checkpoints' name; Mistral's is "model").
-_BODY_NAMED = {("ForQuestionAnswering", t): "transformer" for t in ("llama", "qwen2", "ministral", "qwen3", "smollm3")}
+_BODY_NAMED = {("ForQuestionAnswering", t): "transformer" for t in ("llama", "qwen2", "ministral", "qwen3", "smollm3",
+                                                                               "qwen3_moe")}
 
 
 # HF's name of a family's task classes where it is not its causal LM's (Gemma3ForSequenceClassification

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -43,38 +43,39 @@ from functree._module import field
 from functree.hf._causal import Block, _head, _pre_norm, _run
 from functree.hf._dropout import dropout_attention
 from functree.hf._family import _values
-from functree.hf._llama import MistralForCausalLM
+from functree.hf._llama import LlamaForCausalLM, MistralForCausalLM
 from functree.hf._options import window
 from functree.nn._moe import SparseMoE, load_balancing_loss
 from functree.nn._stack import Stack
 
-__all__ = ["MixtralForCausalLM", "per_expert_names", "EXPERTS_PER_TOKEN", "MISSING_EXPERT", "EXPERT_SHAPE",
+__all__ = ["MixtralForCausalLM", "RoutedExperts", "ExpertNames", "MIXTRAL_EXPERTS", "QWEN_EXPERTS", "moe_options",
+           "experts_per_token", "per_expert_names", "EXPERTS_PER_TOKEN", "MISSING_EXPERT", "EXPERT_SHAPE",
            "JITTER_NOT_PORTED", "ROUTER_LOGITS_DROPPING", "ROUTER_LOGITS_CACHED"]
 
 EXPERTS_PER_TOKEN = """\
-ft.nn.from_hf: the mixtral config has num_experts_per_tok={top_k} and num_local_experts={experts}; \
-each token goes to num_experts_per_tok distinct experts of the num_local_experts, so \
-1 <= num_experts_per_tok <= num_local_experts (Hugging Face's router fails here: torch.topk's \
+ft.nn.from_hf: the {model_type} config has num_experts_per_tok={top_k} and {key}={experts}; \
+each token goes to num_experts_per_tok distinct experts of the {key}, so \
+1 <= num_experts_per_tok <= {key} (Hugging Face's router fails here: torch.topk's \
 "selected index k out of range").
 
-    wrong:  "num_experts_per_tok": {top_k_json}, "num_local_experts": {experts}
-    right:  "num_experts_per_tok": {fix}, "num_local_experts": {experts}     # the checkpoint's own (Mixtral's: 2 of 8)
+    wrong:  "num_experts_per_tok": {top_k_json}, "{key}": {experts}
+    right:  "num_experts_per_tok": {fix}, "{key}": {experts}     # the checkpoint's own (Mixtral's: 2 of 8)
 """
 
 MISSING_EXPERT = """\
-ft.nn.from_hf: the weights hold Mixtral's per-expert tensors for layer {layer} \
-(block_sparse_moe.experts.{{e}}.w1/w2/w3.weight) but not {missing!r}; the config's \
-num_local_experts is {experts}, and every expert of every layer has w1, w2 and w3 (no \
-expert is left out of a checkpoint: a shard or a name is missing).
+ft.nn.from_hf: the weights hold {family}'s per-expert tensors for layer {layer} \
+({module}.experts.{{e}}.{gate}/{up}/{down}.weight) but not {missing!r}; there are {experts} \
+experts, and every expert of every layer has {gate}, {up} and {down} (no expert is left out \
+of a checkpoint: a shard or a name is missing).
 
     wrong:  a state dict without {missing!r}
     right:  every model-*.safetensors shard the index lists (or num_local_experts as the checkpoint's)
 """
 
 EXPERT_SHAPE = """\
-ft.nn.from_hf: {name!r} is {shape}, but every expert's {kind} is {want} (expert 0's w1.weight \
-is {w1}: [intermediate_size, hidden_size]; w1 and w3 are [I, H], w2 is [H, I]); one expert of \
-another size is no Mixtral (transformers' conversion fails to stack it).
+ft.nn.from_hf: {name!r} is {shape}, but every expert's {kind} is {want} (expert 0's {gate}.weight \
+is {w1}: [intermediate size, hidden_size]; {gate} and {up} are [I, H], {down} is [H, I]); one \
+expert of another size is no {family} (transformers' conversion fails to stack it).
 
     wrong:  {name!r}: {shape}
     right:  {name!r}: {want}     # the tensor of the checkpoint this expert is from
@@ -108,117 +109,113 @@ output_router_logits) are a training loss's, of one call over whole sequences.
     right:  logits, routed = model(ids, mask, router_logits=True)
 """
 
-_PER_EXPERT = re.compile(r"(.*\.layers\.(\d+))\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3)\.weight")
-_OLD_MOE = re.compile(r"(.*\.layers\.\d+)\.block_sparse_moe\.(.*)")
+class ExpertNames(NamedTuple):
+    """A family's per-expert checkpoint names: ``{module}.experts.{e}.{gate|up|down}.weight``
+    of each layer (``module``: the MoE's name in those files, read as ``mlp``)."""
+
+    family: str
+    module: str
+    gate: str
+    up: str
+    down: str
 
 
-def _experts_mlp(num_experts: int, top_k: int, d: int, hidden: int, activation: Any, use_bias: bool, *,
-                 key: jax.Array, dtype: Any) -> SparseMoE:
-    """A block's ``mlp``: the sparse MoE (LlamaDecoderLayer's MLP call, its bias unused: HF's has none)."""
-    return SparseMoE(d, hidden, num_experts=num_experts, top_k=top_k, activation=activation, key=key, dtype=dtype)
+MIXTRAL_EXPERTS = ExpertNames("Mixtral", "block_sparse_moe", "w1", "w3", "w2")
+# Qwen2-MoE's layout (transformers' "qwen2_moe" conversion: Qwen3-MoE's and OLMoE's files)
+QWEN_EXPERTS = ExpertNames("Qwen3-MoE", "mlp", "gate_proj", "up_proj", "down_proj")
 
 
-def experts_per_token(config: Any) -> tuple[int, int]:
-    """``(num_local_experts, num_experts_per_tok)``, the second in ``[1, first]`` (else :data:`EXPERTS_PER_TOKEN`)."""
+def _experts_mlp(num_experts: int, top_k: int, renormalize: bool, size: int | None, d: int, hidden: int,
+                 activation: Any, use_bias: bool, *, key: jax.Array, dtype: Any) -> SparseMoE:
+    """A block's ``mlp``: the sparse MoE (LlamaDecoderLayer's MLP call, its bias unused: HF's
+    has none), each expert's hidden size ``size`` (Qwen3-MoE's ``moe_intermediate_size``), else
+    the config's ``intermediate_size``."""
+    return SparseMoE(d, hidden if size is None else size, num_experts=num_experts, top_k=top_k,
+                     activation=activation, renormalize=renormalize, key=key, dtype=dtype)
+
+
+def experts_per_token(config: Any, key: str = "num_local_experts") -> tuple[int, int]:
+    """``(num_local_experts, num_experts_per_tok)``, the second in ``[1, first]`` (else
+    :data:`EXPERTS_PER_TOKEN`, naming the experts' count by the config.json key ``key``)."""
     experts, top_k = config.num_local_experts, config.num_experts_per_tok
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
-        raise ValueError(EXPERTS_PER_TOKEN.format(top_k=top_k, experts=experts, top_k_json=json.dumps(top_k),
+        raise ValueError(EXPERTS_PER_TOKEN.format(model_type=config.model_type, key=key, top_k=top_k,
+                                                  experts=experts, top_k_json=json.dumps(top_k),
                                                   fix=min(2, experts)))
     return experts, top_k
 
 
-def per_expert_names(weights: dict[str, Any]) -> dict[str, Any]:
+def moe_options(config: Any, *, renormalize: bool = True, size: int | None = None,
+                key: str = "num_local_experts") -> dict[str, Any]:
+    """The MoE families' keyword arguments: ``mlp`` (:class:`ft.nn.SparseMoE` of the config's
+    experts, top-k, ``renormalize``: HF's ``norm_topk_prob``, each expert of ``size``) and
+    ``router_aux_loss_coef``."""
+    experts, top_k = experts_per_token(config, key)
+    coef = getattr(config, "router_aux_loss_coef", 0.001)
+    return {"mlp": functools.partial(_experts_mlp, experts, top_k, bool(renormalize), size),
+            "router_aux_loss_coef": 0.001 if coef is None else float(coef)}
+
+
+def per_expert_names(weights: dict[str, Any], names: ExpertNames = MIXTRAL_EXPERTS) -> dict[str, Any]:
     """Hub checkpoints' per-expert names as transformers 5.25 reads them (its conversion
-    mapping): ``block_sparse_moe.`` is ``mlp.``; each layer's ``experts.{e}.w1.weight`` and
-    ``w3.weight`` (``[I, H]``) stacked over ``e`` and concatenated into ``experts.gate_up_proj``
-    ``[E, 2I, H]``, its ``w2.weight`` (``[H, I]``) stacked into ``experts.down_proj``. Every
-    expert ``0..E-1`` (E: one more than the highest index) must have all three
-    (:data:`MISSING_EXPERT`), each of expert 0's shapes (:data:`EXPERT_SHAPE`); the fused
-    tensors' sizes are then the config's (the loader's shape check: a last expert missing
-    shows there, ``E - 1`` experts). Names of the fused layout pass as they are."""
+    mapping; ``names``: Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2``, Qwen3-MoE's
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``): the MoE's module is ``mlp.``; each layer's
+    gate and up ``.weight`` (``[I, H]``) stacked over ``e`` and concatenated into
+    ``experts.gate_up_proj`` ``[E, 2I, H]``, its down ``.weight`` (``[H, I]``) stacked into
+    ``experts.down_proj``. Every expert ``0..E-1`` (E: one more than the highest index) must
+    have all three (:data:`MISSING_EXPERT`), each of expert 0's shapes (:data:`EXPERT_SHAPE`);
+    the fused tensors' sizes are then the config's (the loader's shape check: a last expert
+    missing shows there, ``E - 1`` experts). Names of the fused layout pass as they are."""
+    gate, up, down = names.gate, names.up, names.down
+    pattern = re.compile(rf"(.*\.layers\.(\d+))\.(?:{names.module}|mlp)\.experts\.(\d+)\.({gate}|{up}|{down})\.weight")
+    old = re.compile(rf"(.*\.layers\.\d+)\.{names.module}\.(.*)") if names.module != "mlp" else None
     layers: dict[str, dict[tuple[int, str], Any]] = {}
     out: dict[str, Any] = {}
     for name, value in weights.items():
-        m = _PER_EXPERT.fullmatch(name)
+        m = pattern.fullmatch(name)
         if m is not None:
             layers.setdefault(m.group(1), {})[int(m.group(3)), m.group(4)] = (name, value)
             continue
-        old = _OLD_MOE.fullmatch(name)
-        out[f"{old.group(1)}.mlp.{old.group(2)}" if old else name] = value
+        moved = old.fullmatch(name) if old is not None else None
+        out[f"{moved.group(1)}.mlp.{moved.group(2)}" if moved else name] = value
     for prefix, tensors in layers.items():
         count = 1 + max(e for e, _ in tensors)
-        arrays: dict[str, list[np.ndarray]] = {"w1": [], "w2": [], "w3": []}
+        arrays: dict[str, list[np.ndarray]] = {gate: [], up: [], down: []}
         first: tuple[int, ...] | None = None
         for e in range(count):
-            for w in ("w1", "w3", "w2"):
+            for w in (gate, up, down):
                 if (e, w) not in tensors:
-                    raise ValueError(MISSING_EXPERT.format(layer=prefix.rsplit(".", 1)[-1], experts=count,
-                                                           missing=f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight"))
+                    raise ValueError(MISSING_EXPERT.format(
+                        layer=prefix.rsplit(".", 1)[-1], experts=count, **names._asdict(),
+                        missing=f"{prefix}.{names.module}.experts.{e}.{w}.weight"))
                 name, value = tensors[e, w]
                 a = _values(value)
-                first = a.shape if first is None else first  # expert 0's w1: [I, H]
-                want = first[::-1] if w == "w2" else first
+                first = a.shape if first is None else first  # expert 0's gate: [I, H]
+                want = first[::-1] if w == down else first
                 if a.shape != want or len(want) != 2:
                     raise ValueError(EXPERT_SHAPE.format(name=name, shape=list(a.shape), kind=f"{w}.weight",
                                                          want=list(want) if len(want) == 2 else "[I, H]",
-                                                         w1=list(first)))
+                                                         w1=list(first), **names._asdict()))
                 arrays[w].append(a)
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = np.concatenate([np.stack(arrays["w1"]), np.stack(arrays["w3"])],
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = np.concatenate([np.stack(arrays[gate]), np.stack(arrays[up])],
                                                                    axis=1)
-        out[f"{prefix}.mlp.experts.down_proj"] = np.stack(arrays["w2"])
+        out[f"{prefix}.mlp.experts.down_proj"] = np.stack(arrays[down])
     return out
 
 
-class MixtralForCausalLM(MistralForCausalLM):
-    """Hugging Face's ``MixtralForCausalLM`` (module docstring): Mistral whose blocks' ``mlp``
-    is an :class:`ft.nn.SparseMoE` (``gate``: the router; ``experts``: ``gate_up_proj``
-    ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]``, torch's ``[E, 2I, H]`` / ``[E, H, I]``
-    transposed as a Dense's weight is). ``router_aux_loss_coef`` is the config's.
+_Base = LlamaForCausalLM if TYPE_CHECKING else object
 
-    Example:
-      >>> import functree as ft, jax, numpy as np
-      >>> config = {"model_type": "mixtral", "vocab_size": 11, "hidden_size": 16, "intermediate_size": 8,
-      ...           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-      ...           "num_local_experts": 4, "num_experts_per_tok": 2}
-      >>> model = ft.nn.from_hf(config, key=jax.random.key(0))
-      >>> moe = model.model.layers.layers.mlp
-      >>> type(moe).__name__, moe.top_k, moe.experts.gate_up_proj.shape    # 2 layers, 4 experts
-      ('SparseMoE', 2, (2, 4, 16, 16))
-      >>> ids = np.zeros((1, 3), np.int32)
-      >>> model(ids).shape, model.router_logits(ids).shape, model.aux_loss(ids).shape
-      ((1, 3, 11), (2, 3, 4), ())
-    """
 
-    router_aux_loss_coef: float = field(static=True, default=0.001)
-    model_type = "mixtral"
-    hf_biases = ()
+class RoutedExperts(_Base):
+    """What the MoE causal LMs (Mixtral, Qwen3-MoE) share over their Llama-like base (a mixin
+    before it): the ``router_aux_loss_coef`` keyword (the class declares the static field),
+    ``model(ids, mask, router_logits=True)``, :meth:`router_logits` and :meth:`aux_loss`."""
+
+    router_aux_loss_coef: float
 
     def __init__(self, *args: Any, router_aux_loss_coef: float = 0.001, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.router_aux_loss_coef = float(router_aux_loss_coef)
-
-    @classmethod
-    def hf_options(cls, config: Any) -> dict[str, Any]:
-        experts, top_k = experts_per_token(config)
-        coef = getattr(config, "router_aux_loss_coef", 0.001)
-        return {"window": window(config), "mlp": functools.partial(_experts_mlp, experts, top_k),
-                "router_aux_loss_coef": 0.001 if coef is None else float(coef)}
-
-    @classmethod
-    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
-        """``attention_dropout`` on the attention weights (HF's only dropout here); a
-        ``router_jitter_noise`` above 0 is refused (:data:`JITTER_NOT_PORTED`)."""
-        rates = super().hf_dropout(config)
-        jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
-        if jitter > 0:
-            raise ValueError(JITTER_NOT_PORTED.format(jitter=jitter))
-        return rates
-
-    @classmethod
-    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
-        """Llama's older names (:meth:`LlamaForCausalLM.hf_names`), and the Hub's per-expert
-        layout as transformers reads it (:func:`per_expert_names`)."""
-        return per_expert_names(super().hf_names(weights))
 
     def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None,
                  key: jax.Array | None = None, router_logits: bool = False) -> Any:
@@ -272,6 +269,51 @@ class MixtralForCausalLM(MistralForCausalLM):
                       blocks=blocks, embed=self._embed,  # type: ignore[arg-type]  # a Stack's call
                       head=lambda x: _head(self._final_norm(x), self.lm_head, tokens), rotary=True)
         return logits, collected[0]
+
+
+class MixtralForCausalLM(RoutedExperts, MistralForCausalLM):
+    """Hugging Face's ``MixtralForCausalLM`` (module docstring): Mistral whose blocks' ``mlp``
+    is an :class:`ft.nn.SparseMoE` (``gate``: the router; ``experts``: ``gate_up_proj``
+    ``[E, H, 2I]`` and ``down_proj`` ``[E, I, H]``, torch's ``[E, 2I, H]`` / ``[E, H, I]``
+    transposed as a Dense's weight is). ``router_aux_loss_coef`` is the config's.
+
+    Example:
+      >>> import functree as ft, jax, numpy as np
+      >>> config = {"model_type": "mixtral", "vocab_size": 11, "hidden_size": 16, "intermediate_size": 8,
+      ...           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+      ...           "num_local_experts": 4, "num_experts_per_tok": 2}
+      >>> model = ft.nn.from_hf(config, key=jax.random.key(0))
+      >>> moe = model.model.layers.layers.mlp
+      >>> type(moe).__name__, moe.top_k, moe.experts.gate_up_proj.shape    # 2 layers, 4 experts
+      ('SparseMoE', 2, (2, 4, 16, 16))
+      >>> ids = np.zeros((1, 3), np.int32)
+      >>> model(ids).shape, model.router_logits(ids).shape, model.aux_loss(ids).shape
+      ((1, 3, 11), (2, 3, 4), ())
+    """
+
+    router_aux_loss_coef: float = field(static=True, default=0.001)
+    model_type = "mixtral"
+    hf_biases = ()
+
+    @classmethod
+    def hf_options(cls, config: Any) -> dict[str, Any]:
+        return {"window": window(config), **moe_options(config)}
+
+    @classmethod
+    def hf_dropout(cls, config: Any) -> dict[str, float] | None:
+        """``attention_dropout`` on the attention weights (HF's only dropout here); a
+        ``router_jitter_noise`` above 0 is refused (:data:`JITTER_NOT_PORTED`)."""
+        rates = super().hf_dropout(config)
+        jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
+        if jitter > 0:
+            raise ValueError(JITTER_NOT_PORTED.format(jitter=jitter))
+        return rates
+
+    @classmethod
+    def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:
+        """Llama's older names (:meth:`LlamaForCausalLM.hf_names`), and the Hub's per-expert
+        layout as transformers reads it (:func:`per_expert_names`)."""
+        return per_expert_names(super().hf_names(weights), MIXTRAL_EXPERTS)
 
 
 class _Collecting:

@@ -49,6 +49,10 @@ def test_null_is_refused_exactly_where_transformers_refuses_it(model_type):
             theirs = False
         except Exception as e:  # transformers' StrictDataclassFieldValidationError
             theirs = key in str(e)
+        if (model_type, key) == ("qwen3_moe", "num_local_experts"):  # the attribute_map's target: HF validates
+            with pytest.raises(Exception, match="num_experts"):      # its field num_experts alone (null: refused);
+                transformers.AutoConfig.for_model(**_config(model_type, num_experts=None))  # null here is no model
+            theirs = True
         try:
             _hf_files.Config.of(given)
             ours = False

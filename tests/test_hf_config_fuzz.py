@@ -439,7 +439,21 @@ def mixtral(draw):  # Mistral's keys (llama_like's draw) and the experts: 1 to 4
     return c
 
 
-STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "mixtral": mixtral, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
+@st.composite
+def qwen3_moe(draw):  # Qwen3's keys (llama_like's draw), 1 to 4 experts of their own size, norm_topk_prob, a window
+    c = draw(llama_like("qwen3_moe"))
+    experts = draw(st.integers(1, 4))
+    c["num_experts"], c["num_experts_per_tok"] = experts, draw(st.integers(1, experts))
+    c["moe_intermediate_size"] = draw(st.sampled_from((8, 16)))  # (float16 grouped_mm: rows of 16 bytes)
+    c["norm_topk_prob"] = draw(st.booleans())
+    if draw(st.booleans()):
+        c["use_sliding_window"], c["sliding_window"] = True, draw(st.sampled_from((2, 3, 5, 64)))
+    if draw(st.booleans()):
+        c["router_aux_loss_coef"] = draw(st.sampled_from((0.0, 0.02)))
+    return c
+
+
+STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
               "distilbert": distilbert,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
                                                           "olmo2", "gemma2", "gemma3_text", "granite", "smollm3")}}

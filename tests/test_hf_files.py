@@ -62,6 +62,10 @@ CONFIGS = {
     # Mixtral-8x7B's sizes (8 experts, top-2, kv 8, theta 1e6 by default); a window, top-1, an older rope_scaling
     "mixtral": [{}, {"num_local_experts": 4, "num_experts_per_tok": 1, "sliding_window": 4096, "router_aux_loss_coef": 0.02},
                 {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 1234.0, "head_dim": 64}],
+    # Qwen3-30B-A3B's keys (num_experts: stored as num_local_experts); a window, renormalized top-1, head_dim
+    "qwen3_moe": [{}, {"num_experts": 4, "num_experts_per_tok": 1, "norm_topk_prob": True, "use_sliding_window": True,
+                       "sliding_window": 4096, "moe_intermediate_size": 64, "head_dim": 64, "router_aux_loss_coef": 0.02},
+                  {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 1234.0, "mlp_only_layers": [99]}],
     "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False},
             {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "hidden_size": 64, "num_attention_heads": 4},  # OPT-350m's
             {"_remove_final_layer_norm": True, "word_embed_proj_dim": 64, "layer_norm_elementwise_affine": False}],

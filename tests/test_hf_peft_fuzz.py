@@ -69,13 +69,16 @@ LINEAR = {"llama": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj"
           # the router (mlp.gate) and the stacked experts are no Linear: PEFT targets the attention alone
           "mixtral": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
                       "lm_head": "lm_head"},
+          "qwen3_moe": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                        "lm_head": "lm_head"},
           "distilbert": {**{n: f"distilbert.transformer.layer.{{i}}.attention.{n}"
                             for n in ("q_lin", "k_lin", "v_lin", "out_lin")},
                          **{n: f"distilbert.transformer.layer.{{i}}.ffn.{n}" for n in ("lin1", "lin2")},
                          "vocab_transform": "vocab_transform", "vocab_projector": "vocab_projector"}}
 BLOCKS = {"llama": "layers", "gpt2": "h", "gpt_neox": "layers", "phi": "layers", "distilbert": "layer",
-          "mixtral": "layers"}
+          "mixtral": "layers", "qwen3_moe": "layers"}
 EMBEDDING = {"llama": "embed_tokens", "gpt2": "wte", "gpt_neox": "embed_in", "phi": "embed_tokens", "mixtral": "embed_tokens",
+             "qwen3_moe": "embed_tokens",
              "distilbert": "word_embeddings"}
 
 
@@ -104,6 +107,11 @@ def build(family: str, tied: bool, seed: int):
             vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, max_position_embeddings=16, bos_token_id=0, eos_token_id=0,
             tie_word_embeddings=tied))
+    elif family == "qwen3_moe":  # per-head q/k norms, 4 experts of 16, top-2 renormalized
+        hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+            max_position_embeddings=16, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied))
     else:
         hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
             vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * D,
@@ -118,8 +126,8 @@ def build(family: str, tied: bool, seed: int):
 def adapters(draw):
     """``(family, tied, seed, LoraConfig options, rewrite)``: ``rewrite`` a change PEFT's saved
     config gets afterwards, as a hand-written file sets it (``"all-linear"`` kept as it is)."""
-    family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox", "phi", "distilbert", "mixtral"]))
-    tied = family == "gpt2" or (family in ("llama", "phi", "distilbert", "mixtral") and draw(st.booleans()))
+    family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox", "phi", "distilbert", "mixtral", "qwen3_moe"]))
+    tied = family == "gpt2" or (family in ("llama", "phi", "distilbert", "mixtral", "qwen3_moe") and draw(st.booleans()))
     names = list(LINEAR[family])
     blocks = BLOCKS[family]
     options: dict = {"r": draw(st.integers(1, 4)),

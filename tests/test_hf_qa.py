@@ -40,6 +40,9 @@ CONFIGS = {
     "Qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=4),
     # 4 experts, top-2; float64 needs HF's eager experts (its CPU default, grouped_mm, takes float32)
     "Mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, experts_implementation="eager"),
+    "Qwen3Moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=4, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=8,
+                                                    experts_implementation="eager"),
     "GPT2": lambda: transformers.GPT2Config(vocab_size=24, n_embd=16, n_layer=1, n_head=4, n_positions=16,
                                             pad_token_id=PAD, bos_token_id=0, eos_token_id=0),
     "GPTNeoX": lambda: transformers.GPTNeoXConfig(vocab_size=24, hidden_size=16, intermediate_size=32,

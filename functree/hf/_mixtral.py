@@ -59,7 +59,7 @@ each token goes to num_experts_per_tok distinct experts of the {key}, so \
 "selected index k out of range").
 
     wrong:  "num_experts_per_tok": {top_k_json}, "{key}": {experts}
-    right:  "num_experts_per_tok": {fix}, "{key}": {experts}     # the checkpoint's own (Mixtral's: 2 of 8)
+    right:  "num_experts_per_tok": {fix}, "{key}": {experts}     # the checkpoint's own (Mixtral's: 2 of 8; Qwen3-30B-A3B's: 8 of 128)
 """
 
 MISSING_EXPERT = """\

@@ -346,3 +346,55 @@ def test_a_directory_s_pooler_is_read_where_its_class_leaves_it_unread(tmp_path,
         masked = ft.nn.from_hf(tmp_path)
     drawn = ft.hf.with_head(masked, head, key=jax.random.key(0), **labels)
     assert not np.array_equal(np.asarray(drawn.body.pooler.weight), np.asarray(model.body.pooler.weight))
+
+
+@pytest.mark.parametrize(("family", "saved", "head"), [("DistilBert", "ForMaskedLM", "ForMaskedLM"),
+                                                        ("Bert", "ForSequenceClassification", "ForTokenClassification"),
+                                                        ("Llama", "ForSequenceClassification", "ForSequenceClassification")])
+def test_a_directory_s_head_tensors_are_read_as_hf_reads_them(tmp_path, family, saved, head):
+    """with_head(directory, head) reads the head tensors the file holds under the head's own
+    names, as HF's AutoModelFor<head>.from_pretrained(directory): a masked LM's own head
+    (it was drawn: DistilBERT's logits 0.97 of their scale off HF's), a sequence classifier's
+    ``classifier`` under the token classifier of the same name and shape; every tensor HF's
+    class holds equals it, bit for bit."""
+    sizes = {"DistilBert": dict(vocab_size=24, dim=16, n_heads=4, n_layers=1, hidden_dim=32,
+                                max_position_embeddings=16, pad_token_id=PAD)}.get(family) or SIZES[family]
+    torch.manual_seed(0)
+    hf = getattr(transformers, family + saved)(getattr(transformers, family + "Config")(**sizes))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (from_hf of a classifier's file under another head; HF's load report)
+        model = ft.hf.with_head(tmp_path, head, key=jax.random.key(0))
+        theirs = getattr(transformers, f"AutoModel{head}").from_pretrained(tmp_path)
+    ours = ft.nn.to_hf_state_dict(model, numpy=True)
+    file = set(safetensors_names(tmp_path))
+    read = [n for n in theirs.state_dict() if n in file]
+    assert any(n.split(".")[0] in type(model).head_roots for n in read)
+    for name in read:
+        np.testing.assert_array_equal(ours[name], theirs.state_dict()[name].numpy(), err_msg=name)
+
+
+def safetensors_names(path):
+    import safetensors
+
+    with safetensors.safe_open(os.path.join(path, "model.safetensors"), "np") as f:
+        return list(f.keys())
+
+
+def test_a_directory_s_head_tensor_of_another_size_is_refused_as_hf_refuses_it(tmp_path):
+    """A classifier's file under other labels (or BERT's multiple choice, whose classifier is
+    [1, H]): HF's from_pretrained refuses the size mismatch; a fresh head was drawn silently."""
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(transformers.BertConfig(**SIZES["Bert"])).save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3)
+    for head, labels in [("ForSequenceClassification", {"num_labels": 3}), ("ForMultipleChoice", {})]:
+        with pytest.raises(ValueError, match=r"(?s)holds 'classifier.weight' \[2, 16\].*which is \[[13], 16\].*"
+                                             r"right:  ft.hf.with_head\(ft.nn.from_hf\(directory\), "):
+            ft.hf.with_head(tmp_path, head, key=jax.random.key(0), **labels)
+    drawn = ft.hf.with_head(ft.nn.from_hf(tmp_path), "ForSequenceClassification", num_labels=3, key=jax.random.key(0))
+    assert drawn.classifier.weight.shape == (16, 3)
+    assert _with_head.HEAD_SIZE

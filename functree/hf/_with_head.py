@@ -42,9 +42,10 @@ from functree.hf._heads import (
     with_head_dropout,
 )
 from functree.hf._heads import num_labels as _count
-from functree.hf._load import _check_pad_token, _hf_initialized, from_hf
+from functree.hf._load import _check_pad_token, _hf_initialized, from_hf, to_hf_state_dict
 from functree.hf._roberta_heads import LMHeadMaskedLM
 from functree.interop._safetensors import load_checkpoint
+from functree.interop._torch import load_torch_state_dict
 from functree.nn._linear import Dense
 
 __all__ = ["with_head"]
@@ -105,6 +106,17 @@ recorded in its config and read by nothing (or break Hugging Face's forward).
     right:  ft.hf.with_head(model, {head!r}, key=key)
 """
 
+HEAD_SIZE = """\
+ft.hf.with_head: the directory's file holds {name!r} {shape}, a tensor of the {hf_class} \
+head under its own name, which is {want} here; Hugging Face's \
+AutoModelFor<head>.from_pretrained(directory) reads the head tensors a file holds and refuses \
+this one (a size mismatch), where a fresh head would silently drop the file's.
+
+    wrong:  ft.hf.with_head(directory, {head!r}{labels}, key=key)
+    right:  ft.hf.with_head(ft.nn.from_hf(directory), {head!r}{labels}, key=key)   # every head tensor drawn \
+(HF's ignore_mismatched_sizes=True)
+"""
+
 # The heads whose size no label count sets: (class, its outputs, the label counts allowed).
 _FIXED = {MaskedLM: ("one logit per vocabulary entry", ()), LMHeadMaskedLM: ("one logit per vocabulary entry", ()),
           QuestionAnswering: ("two outputs (start, end)", (2,))}
@@ -124,7 +136,10 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
     file holds where the class it names has none: bert-base-uncased's and roberta-base's
     masked-LM files carry one, which ``from_hf`` leaves unread as their class does and HF's
     ``AutoModelFor<head>.from_pretrained(directory)`` reads (given the loaded masked LM
-    instead, the pooler is drawn). ``head``
+    instead, the pooler is drawn); from a directory, the head tensors its file holds under the
+    head's own names are read as HF reads them (a masked LM's own head for ``"ForMaskedLM"``,
+    a classifier's ``classifier`` of the same shape), one of another shape refused as HF
+    refuses it (:data:`HEAD_SIZE`; the loaded model given instead draws every one). ``head``
     is HF's class suffix (``"ForSequenceClassification"``, ``"ForTokenClassification"``,
     ``"ForQuestionAnswering"``, ``"ForMaskedLM"``) or the class's name
     (``"LlamaForSequenceClassification"``); the family's heads are
@@ -165,8 +180,9 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
       >>> clf(np.array([[5, 6, 7, 0]], np.int32)).shape
       (1, 3)
     """
+    directory: Any = None
     if isinstance(model, (str, os.PathLike)):
-        model = _from_directory(model, head)
+        directory, model = model, _from_directory(model, head)
     family, body = _body_of(model, head)
     task = _task(family, head)
     labels = (num_labels, id2label, label2id)
@@ -185,7 +201,31 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
            if n != "body" and n not in type(built).__ft_static__}
     fresh = _hf_initialized(task, own, config, k_init)
     out = built.replace(**fresh, hf_config=HFConfig(values))
-    return with_head_dropout(out, config, dropout_attention(_blocks(body).layers) is not None)
+    out = with_head_dropout(out, config, dropout_attention(_blocks(body).layers) is not None)
+    return out if directory is None else _file_head(out, directory, head, labels)
+
+
+def _file_head(model: TaskModel, path: str | os.PathLike[str], head: str, labels: tuple[Any, Any, Any]) -> Any:
+    """``model`` (its head fresh) with the head's tensors that the directory's file holds under
+    their Hugging Face names, as ``AutoModelFor<head>.from_pretrained(directory)`` reads them:
+    a masked LM's own head for ``"ForMaskedLM"``, a classifier's for the same class or one of
+    the same module names and shapes (BERT's sequence and token classifiers' ``classifier``,
+    DistilBERT's ``pre_classifier``); one of another shape is :data:`HEAD_SIZE`, as HF's size
+    mismatch. The others stay drawn (HF's missing tensors)."""
+    roots = type(model).head_roots
+    wanted = {n: v for n, v in to_hf_state_dict(model, numpy=True).items() if n.split(".")[0] in roots}
+    held = load_checkpoint(path, "ft.hf.with_head")
+    found = {n: held[n] for n in wanted if n in held}
+    if not found:
+        return model
+    for name, value in found.items():
+        if tuple(value.shape) != tuple(wanted[name].shape):
+            shown = "".join(f", {n}={v!r}" for n, v in zip(("num_labels", "id2label", "label2id"), labels)
+                            if v is not None)
+            raise ValueError(HEAD_SIZE.format(name=name, shape=list(value.shape), hf_class=type(model).hf_class,
+                                              want=list(wanted[name].shape), head=head, labels=shown))
+    loaded, _ = load_torch_state_dict(model, found, strict=False)
+    return loaded
 
 
 def _from_directory(path: str | os.PathLike[str], head: str) -> Any:

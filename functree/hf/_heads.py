@@ -906,7 +906,8 @@ def _sequence_loss(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Arra
     count = logits.shape[-1]
     if problem == "regression":
         if not jnp.issubdtype(labels.dtype, jnp.floating):
-            raise _bad(model, problem, "floating targets (torch's MSELoss refuses integer ones)", labels, logits,
+            raise _bad(model, problem, "floating targets (HF's MSELoss regresses integer ones as floats; refused here: "
+                       "integers are more likely class ids given to a one-output head)", labels, logits,
                        "model.loss(logits, jnp.array([1, 0]))", "model.loss(logits, jnp.array([1.0, 0.0]))")
         wide = _wide(logits.dtype)
         x, y = logits.astype(wide), labels.astype(wide)

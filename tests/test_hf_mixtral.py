@@ -88,18 +88,24 @@ def widened_moe(hf):
 def test_float64_logits_are_hfs_with_and_without_a_mask(case):
     """As HF computes (float32 router softmax, rotary, norms), and against HF widened: top-2,
     top-1 with a sliding window, every expert (top_k = num_experts) with a tied head."""
-    changes = CASES[case]
+    assert_float64_logits_are_hfs(hf_model(1, torch.float64, **CASES[case]), CASES[case], AS_HF, WIDENED)
+
+
+def assert_float64_logits_are_hfs(hf, changes, as_hf, wide):
+    """The float64 port of the float64 MoE model ``hf`` (built with ``changes``): its top-k and
+    window, its logits with and without a mask as HF computes them (``as_hf``) and against
+    HF widened (``wide``); returns the port (Qwen3-MoE's test calls it too)."""
     with jax.enable_x64(True):
-        hf = hf_model(1, torch.float64, **changes)
         model = ft.nn.from_hf(hf, dtype=jnp.float64)
         moe = model.model.layers.layers.mlp
         assert isinstance(moe, ft.nn.SparseMoE) and moe.top_k == changes.get("num_experts_per_tok", 2)
         assert model.model.layers.layers.self_attn.window == changes.get("sliding_window")
         for masked in (True, False):
-            assert_logits(model, hf, AS_HF, masked)
+            assert_logits(model, hf, as_hf, masked)
         widened_moe(hf)
         for masked in (True, False):
-            assert_logits(model, hf, WIDENED, masked)
+            assert_logits(model, hf, wide, masked)
+    return model
 
 
 @pytest.mark.parametrize("with_aux", [False, True])
@@ -256,7 +262,12 @@ def assert_loads_from_every_source(hf, tmp_path, keys, names=_mixtral.MIXTRAL_EX
                                  "MixtralForQuestionAnswering"])
 def test_task_heads_are_hfs(cls):
     """HEADS' row (transformers 5.25 has all three for mixtral); the export is strict."""
-    hf = hf_model(4, cls=cls, num_labels=3)
+    assert_task_head_is_hfs(hf_model(4, cls=cls, num_labels=3), cls)
+
+
+def assert_task_head_is_hfs(hf, cls):
+    """A task model's outputs at the real tokens (a sequence classifier's per row) are HF's
+    ``hf``'s (float32); the export is strict (Qwen3-MoE's heads too)."""
     model = ft.nn.from_hf(hf)
     assert type(model).__name__ == cls
     ids, mask = batch()
@@ -283,29 +294,8 @@ def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
     on the attention read by ``load_lora``: PEFT's logits again. PEFT's adapters on the
     router or ``"all-linear"`` (``target_parameters``: the router's weight, the stacked
     experts) are refused naming ``target_parameters``."""
-    patterns = [f"*.{t}" for t in LORA_TARGETS]
-    model = _nonzero_b(ft.nn.lora(ft.nn.from_hf(hf_model(5)), patterns, rank=2, alpha=4, key=jax.random.key(1)))
-    ft.nn.save_lora(model, tmp_path / "ours")
-    written = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_modules"]
+    written = assert_lora_both_ways(hf_model, tmp_path, LORA_TARGETS, LORA_TARGETS[:4])
     assert {name.rpartition(".")[2] for name in written} == set(LORA_TARGETS) and len(written) == 10
-    ids, mask = batch()
-    real = mask.astype(bool)
-    peft_model = peft.PeftModel.from_pretrained(hf_model(5), str(tmp_path / "ours")).eval()
-    expected = hf_output(peft_model, ids, mask, positions=False)
-    atol = FLOAT32 * float(np.abs(expected[real]).max())
-    assert np.abs(hf_output(hf_model(5), ids, mask, positions=False)[real] - expected[real]).max() > 100 * atol
-    np.testing.assert_allclose(np.asarray(forward(model, ids, mask))[real], expected[real], rtol=0, atol=atol)
-
-    theirs = peft.get_peft_model(hf_model(6), peft.LoraConfig(r=2, lora_alpha=4, target_modules=LORA_TARGETS[:4]))
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    theirs.save_pretrained(tmp_path / "peft")
-    loaded = ft.nn.load_lora(ft.nn.from_hf(hf_model(6)), tmp_path / "peft")
-    expected = hf_output(theirs.eval(), ids, mask, positions=False)
-    np.testing.assert_allclose(np.asarray(forward(loaded, ids, mask))[real], expected[real], rtol=0,
-                               atol=FLOAT32 * float(np.abs(expected[real]).max()))
     for targets in (["gate"], "all-linear"):
         with warnings.catch_warnings():  # PEFT's own about its rank_pattern for the experts
             warnings.simplefilter("ignore")
@@ -313,6 +303,37 @@ def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
             every.save_pretrained(tmp_path / "every")
         with pytest.raises(ValueError, match="target_parameters="):
             ft.nn.load_lora(ft.nn.from_hf(hf_model(6)), tmp_path / "every")
+
+
+def assert_lora_both_ways(make, tmp_path, targets, peft_targets):
+    """``ft.nn.lora`` on ``targets`` of ``make(5)``'s port with nonzero B, ``save_lora``, PEFT's
+    ``PeftModel.from_pretrained``: PEFT's logits (the adapter matters); PEFT's own adapter on
+    ``peft_targets`` of ``make(6)`` read by ``load_lora``: PEFT's logits again. Returns the
+    ``target_modules`` save_lora wrote (Qwen3-MoE's test calls it too)."""
+    patterns = [f"*.{t}" for t in targets]
+    model = _nonzero_b(ft.nn.lora(ft.nn.from_hf(make(5)), patterns, rank=2, alpha=4, key=jax.random.key(1)))
+    ft.nn.save_lora(model, tmp_path / "ours")
+    written = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_modules"]
+    ids, mask = batch()
+    real = mask.astype(bool)
+    peft_model = peft.PeftModel.from_pretrained(make(5), str(tmp_path / "ours")).eval()
+    expected = hf_output(peft_model, ids, mask, positions=False)
+    atol = FLOAT32 * float(np.abs(expected[real]).max())
+    assert np.abs(hf_output(make(5), ids, mask, positions=False)[real] - expected[real]).max() > 100 * atol
+    np.testing.assert_allclose(np.asarray(forward(model, ids, mask))[real], expected[real], rtol=0, atol=atol)
+
+    theirs = peft.get_peft_model(make(6), peft.LoraConfig(r=2, lora_alpha=4, target_modules=peft_targets))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    theirs.save_pretrained(tmp_path / "peft")
+    loaded = ft.nn.load_lora(ft.nn.from_hf(make(6)), tmp_path / "peft")
+    expected = hf_output(theirs.eval(), ids, mask, positions=False)
+    np.testing.assert_allclose(np.asarray(forward(loaded, ids, mask))[real], expected[real], rtol=0,
+                               atol=FLOAT32 * float(np.abs(expected[real]).max()))
+    return written
+
 
 
 def test_experts_per_token_past_the_experts_is_refused_naming_the_key():

@@ -17,8 +17,6 @@ import os
 import re
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import functree as ft
@@ -28,14 +26,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from test_hf_load import forward, hf_output  # noqa: E402
 from test_hf_mixtral import (  # noqa: E402
+    assert_float64_logits_are_hfs,
     assert_loads_from_every_source,
+    assert_lora_both_ways,
     assert_loss_and_gradients_are_hfs,
+    assert_task_head_is_hfs,
     per_expert,
     widened_moe,
 )
-from test_hf_phi import _nonzero_b, assert_logits, batch  # noqa: E402  (its VOCAB and T: 100, 12)
+from test_hf_phi import assert_logits  # noqa: E402  (its VOCAB and T: 100, 12)
 
 VOCAB, T = 100, 12
 SIZES = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2,
@@ -69,18 +69,9 @@ def test_float64_logits_are_hfs_with_and_without_a_mask(case):
     """As HF computes and against HF widened: top-2 renormalized, top-1 kept (norm_topk_prob
     false) with every layer's sliding window, every expert with a tied head and biases."""
     changes = CASES[case]
-    with jax.enable_x64(True):
-        hf = hf_model(1, torch.float64, **changes)
-        model = ft.nn.from_hf(hf, dtype=jnp.float64)
-        moe = model.model.layers.layers.mlp
-        assert isinstance(moe, ft.nn.SparseMoE) and moe.top_k == changes.get("num_experts_per_tok", 2)
-        assert moe.renormalize == changes.get("norm_topk_prob", True) and moe.experts.down_proj.shape == (2, 4, 24, 32)
-        assert model.model.layers.layers.self_attn.window == changes.get("sliding_window")
-        for masked in (True, False):
-            assert_logits(model, hf, AS_HF, masked)
-        widened_moe(hf)
-        for masked in (True, False):
-            assert_logits(model, hf, WIDENED, masked)
+    model = assert_float64_logits_are_hfs(hf_model(1, torch.float64, **changes), changes, AS_HF, WIDENED)
+    moe = model.model.layers.layers.mlp
+    assert moe.renormalize == changes.get("norm_topk_prob", True) and moe.experts.down_proj.shape == (2, 4, 24, 32)
 
 
 @pytest.mark.parametrize("with_aux", [False, True])
@@ -114,23 +105,7 @@ def test_loads_from_every_source_exports_and_generates_as_hf(tmp_path):
                                  "Qwen3MoeForQuestionAnswering"])
 def test_task_heads_are_hfs(cls):
     """HEADS' row (transformers 5.25 has all three; the QA body is named ``transformer``)."""
-    hf = hf_model(4, cls=cls, num_labels=3)
-    model = ft.nn.from_hf(hf)
-    assert type(model).__name__ == cls
-    ids, mask = batch()
-    with torch.no_grad():
-        out = hf(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long())
-    ours = model(ids, mask)
-    if cls.endswith("QuestionAnswering"):
-        pairs = [(np.asarray(ours[0]), out.start_logits.numpy()), (np.asarray(ours[1]), out.end_logits.numpy())]
-    else:
-        pairs = [(np.asarray(ours), out.logits.numpy())]
-    real = mask.astype(bool)
-    for mine, expected in pairs:
-        if not cls.endswith("SequenceClassification"):
-            mine, expected = mine[real], expected[real]
-        np.testing.assert_allclose(mine, expected, rtol=0, atol=FLOAT32 * float(np.abs(expected).max()))
-    hf.load_state_dict(ft.nn.to_hf_state_dict(model), strict=True)
+    assert_task_head_is_hfs(hf_model(4, cls=cls, num_labels=3), cls)
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's, on transformers 5
@@ -138,27 +113,8 @@ def test_lora_on_the_attention_saved_is_read_by_peft_and_peft_s_is_read_back(tmp
     """``ft.nn.lora`` on q/k/v/o with nonzero B, ``save_lora``, PEFT's logits; PEFT's own
     adapter on them read by ``load_lora``: PEFT's logits again."""
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    model = _nonzero_b(ft.nn.lora(ft.nn.from_hf(hf_model(5)), [f"*.{t}" for t in targets], rank=2, alpha=4,
-                                  key=jax.random.key(1)))
-    ft.nn.save_lora(model, tmp_path / "ours")
-    ids, mask = batch()
-    real = mask.astype(bool)
-    peft_model = peft.PeftModel.from_pretrained(hf_model(5), str(tmp_path / "ours")).eval()
-    expected = hf_output(peft_model, ids, mask, positions=False)
-    atol = FLOAT32 * float(np.abs(expected[real]).max())
-    assert np.abs(hf_output(hf_model(5), ids, mask, positions=False)[real] - expected[real]).max() > 100 * atol
-    np.testing.assert_allclose(np.asarray(forward(model, ids, mask))[real], expected[real], rtol=0, atol=atol)
-
-    theirs = peft.get_peft_model(hf_model(6), peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets))
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.3)
-    theirs.save_pretrained(tmp_path / "peft")
-    loaded = ft.nn.load_lora(ft.nn.from_hf(hf_model(6)), tmp_path / "peft")
-    expected = hf_output(theirs.eval(), ids, mask, positions=False)
-    np.testing.assert_allclose(np.asarray(forward(loaded, ids, mask))[real], expected[real], rtol=0,
-                               atol=FLOAT32 * float(np.abs(expected[real]).max()))
+    written = assert_lora_both_ways(hf_model, tmp_path, targets, targets)
+    assert {name.rpartition(".")[2] for name in written} == set(targets) and len(written) == 8
 
 
 @pytest.mark.parametrize(("changes", "key", "dense", "fix"), [

@@ -701,6 +701,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "num_local_experts": 128, "norm_topk_prob": False, "output_router_logits": False,
         "router_aux_loss_coef": 0.001, "mlp_only_layers": Derived(None, lambda values: []), "pad_token_id": None,
         "bos_token_id": None, "eos_token_id": None},
+    # OlmoeConfig: num_local_experts read as num_experts (its attribute_map: ALIASES), no head_dim field
+    "olmoe": {
+        "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_key_value_heads": KV_HEADS, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-5, "use_cache": True, "pad_token_id": 1, "bos_token_id": None,
+        "eos_token_id": 50279, "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False,
+        "attention_dropout": 0.0, "clip_qkv": None, "num_experts_per_tok": 8, "num_experts": 64,
+        "output_router_logits": False, "router_aux_loss_coef": 0.01, "norm_topk_prob": False},
     "opt": {"vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
             "max_position_embeddings": 2048, "do_layer_norm_before": True, "_remove_final_layer_norm": False,
             "word_embed_proj_dim": None, "dropout": 0.1, "attention_dropout": 0.0, "num_attention_heads": 12,
@@ -791,6 +799,7 @@ ALIASES: dict[str, dict[str, str]] = {
              "num_hidden_layers": "n_layer"},
     "distilbert": {"hidden_size": "dim", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers"},
     "qwen3_moe": {"num_experts": "num_local_experts"},
+    "olmoe": {"num_local_experts": "num_experts"},
 }
 # The generation options HF's config classes drop from config.json (older files kept them
 # there; generation_config.json holds them now): transformers v5's GenerationConfig defaults.

@@ -48,7 +48,8 @@ from functree.hf._options import window
 from functree.nn._moe import SparseMoE, load_balancing_loss
 from functree.nn._stack import Stack
 
-__all__ = ["MixtralForCausalLM", "RoutedExperts", "ExpertNames", "MIXTRAL_EXPERTS", "QWEN_EXPERTS", "moe_options",
+__all__ = ["MixtralForCausalLM", "RoutedExperts", "ExpertNames", "MIXTRAL_EXPERTS", "QWEN_EXPERTS", "OLMOE_EXPERTS",
+           "moe_options",
            "experts_per_token", "per_expert_names", "EXPERTS_PER_TOKEN", "MISSING_EXPERT", "EXPERT_SHAPE",
            "JITTER_NOT_PORTED", "ROUTER_LOGITS_DROPPING", "ROUTER_LOGITS_CACHED"]
 
@@ -123,6 +124,7 @@ class ExpertNames(NamedTuple):
 MIXTRAL_EXPERTS = ExpertNames("Mixtral", "block_sparse_moe", "w1", "w3", "w2")
 # Qwen2-MoE's layout (transformers' "qwen2_moe" conversion: Qwen3-MoE's and OLMoE's files)
 QWEN_EXPERTS = ExpertNames("Qwen3-MoE", "mlp", "gate_proj", "up_proj", "down_proj")
+OLMOE_EXPERTS = QWEN_EXPERTS._replace(family="OLMoE")
 
 
 def _experts_mlp(num_experts: int, top_k: int, renormalize: bool, size: int | None, d: int, hidden: int,
@@ -207,7 +209,7 @@ _Base = LlamaForCausalLM if TYPE_CHECKING else object
 
 
 class RoutedExperts(_Base):
-    """What the MoE causal LMs (Mixtral, Qwen3-MoE) share over their Llama-like base (a mixin
+    """What the MoE causal LMs (Mixtral, Qwen3-MoE, OLMoE) share over their Llama-like base (a mixin
     before it): the ``router_aux_loss_coef`` keyword (the class declares the static field),
     ``model(ids, mask, router_logits=True)``, :meth:`router_logits` and :meth:`aux_loss`."""
 

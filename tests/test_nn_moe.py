@@ -222,3 +222,20 @@ def test_no_rows_give_an_empty_output_and_zero_gradients(implementation):
         assert y.shape == shape
         grads = jax.grad(lambda m, x: jnp.sum(m(x)))(moe, x)
         assert all(not np.any(g) for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_the_sorted_form_under_vmap_is_refused_naming_the_forms_that_vmap():
+    """jax.vmap of the sorted form failed deep in JAX (ragged_dot's batching rule: "vmap over
+    any dim but 0 - NYI"); it is refused naming the call and the forms that vmap, which give
+    the layer's numbers."""
+    with jax.enable_x64(True):
+        moe = layer(implementation="sorted")
+        x = jax.random.normal(jax.random.key(1), (3, 5, D), jnp.float64)
+        with pytest.raises(NotImplementedError, match=r"(?s)implementation='sorted'\) was called under jax.vmap.*"
+                                                      r"right:  moe\(x\)"):
+            jax.vmap(moe)(x)
+        y = moe(x)
+        for form in ("gathered", "dense"):
+            np.testing.assert_allclose(jax.vmap(moe.replace(implementation=form))(x), y, rtol=0,
+                                       atol=TOLERANCE * float(jnp.abs(y).max()))
+    assert _moe.SORTED_VMAP

@@ -29,7 +29,9 @@ than the experts (a decoding step: one token per row), "auto" is ``"gathered"``:
 ``top_k`` experts' weights gathered (``[N, top_k, d, 2 * hidden]``) and applied to it alone,
 ``N * top_k`` experts read instead of every one, with no sort. JAX (0.9.2 to 0.10.2) has no second derivative of
 ``ragged_dot`` with respect to its weights: a Hessian of the sorted form fails
-(NotImplementedError); ``implementation="dense"`` has them. The dense form holds every
+(NotImplementedError); ``implementation="dense"`` has them. Nor has it a batching rule for
+``ragged_dot`` with a batch of group sizes: the sorted form under ``jax.vmap`` is refused
+(:data:`SORTED_VMAP`; the layer takes ``[batch, T, d]`` whole). The dense form holds every
 expert's ``[E, N, 2 * hidden]`` activations: for long inputs at a large model's sizes on the
 CPU, ``implementation="sorted"`` keeps ``[N * top_k, 2 * hidden]``.
 
@@ -54,7 +56,7 @@ from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
 
-__all__ = ["SparseMoE", "Experts", "load_balancing_loss", "TOP_K", "IMPLEMENTATION", "JITTER_KEY"]
+__all__ = ["SparseMoE", "Experts", "load_balancing_loss", "TOP_K", "IMPLEMENTATION", "JITTER_KEY", "SORTED_VMAP"]
 
 TOP_K = """\
 ft.nn.SparseMoE: top_k={top_k} of num_experts={experts}; each token is sent to top_k distinct \
@@ -81,6 +83,17 @@ jitter noise.
 
     wrong:  model(x)
     right:  model(x, key=jax.random.key(step))       # a fresh key every step
+"""
+
+
+SORTED_VMAP = """\
+ft.nn.SparseMoE(implementation={given!r}) was called under jax.vmap: its sorted form groups the \
+rows by expert with jax.lax.ragged_dot, which has no batching rule for a batch of group sizes \
+(JAX: {error!r}); each vmapped call would sort its own rows.
+
+    wrong:  jax.vmap(moe)(x)                                       # x [batch, T, d]
+    right:  moe(x)                                                 # every example's rows sorted together
+       or:  jax.vmap(moe.replace(implementation="gathered"))(x)    # or "dense": the same numbers
 """
 
 
@@ -197,12 +210,13 @@ class SparseMoE(Layer):
         elif implementation == "gathered":
             y = _gathered(self.experts, rows, weights, experts)
         else:
-            y = _sorted(self.experts, rows, weights, experts)
+            y = _sorted(self.experts, rows, weights, experts, self.implementation)
         y = y.reshape(shape)
         return (y, logits) if return_logits else y
 
 
-def _sorted(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.Array) -> jax.Array:
+def _sorted(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.Array,
+            implementation: str = "sorted") -> jax.Array:
     """The selected experts only: the ``N * k`` (row, expert) pairs sorted by expert (stable:
     a row's pairs keep their order), one grouped matmul per projection, each pair's output
     times its weight, the pairs put back in row order and summed over ``k``."""
@@ -211,7 +225,12 @@ def _sorted(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.A
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    out = experts.grouped(rows[order // k], sizes)  # pair i of the sorted order is row order[i] // k's
+    try:
+        out = experts.grouped(rows[order // k], sizes)  # pair i of the sorted order is row order[i] // k's
+    except NotImplementedError as error:  # (JAX's own, deep in its batching: named here)
+        if "vmap" not in str(error):
+            raise
+        raise NotImplementedError(SORTED_VMAP.format(given=implementation, error=str(error))) from None
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     wide = weights.dtype
     pairs = out[inverse].reshape(n, k, out.shape[-1]).astype(wide) * weights[..., None]  # (n may be 0)

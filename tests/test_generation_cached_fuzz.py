@@ -97,6 +97,8 @@ CONFIGS = {
     # per-head q/k norms, 4 experts of 16, top-2 kept, every layer sliding
     "qwen3_moe": {**LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                   "use_sliding_window": True, "sliding_window": WINDOW},
+    # q/k norms over the whole projections, clip_qkv, 4 experts, top-2 renormalized
+    "olmoe": {**LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 1.5, "norm_topk_prob": True},
     "opt": {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "max_position_embeddings": 64, "word_embed_proj_dim": 32},
 }

@@ -453,7 +453,23 @@ def qwen3_moe(draw):  # Qwen3's keys (llama_like's draw), 1 to 4 experts of thei
     return c
 
 
-STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "mixtral": mixtral, "qwen3_moe": qwen3_moe, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
+@st.composite
+def olmoe(draw):  # Llama's keys (llama_like's draw) but head_dim (HF's q_norm: hidden_size), the experts, clip_qkv
+    c = draw(llama_like("olmoe"))
+    assume(c.pop("head_dim", None) is None or c["hidden_size"] % c["num_attention_heads"] == 0)
+    assume((c["hidden_size"] // c["num_attention_heads"]) % 2 == 0)
+    experts = draw(st.integers(1, 4))
+    c["num_experts"], c["num_experts_per_tok"] = experts, draw(st.integers(1, experts))
+    c["norm_topk_prob"] = draw(st.booleans())
+    if draw(st.booleans()):
+        c["clip_qkv"] = draw(st.sampled_from((None, 0.1, 0.5, 8.0)))
+    if draw(st.booleans()):
+        c["router_aux_loss_coef"] = draw(st.sampled_from((0.0, 0.02)))
+    return c
+
+
+STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "mixtral": mixtral, "qwen3_moe": qwen3_moe,
+              "olmoe": olmoe, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
               "distilbert": distilbert,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
                                                           "olmo2", "gemma2", "gemma3_text", "granite", "smollm3")}}

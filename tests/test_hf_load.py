@@ -563,6 +563,9 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**DECODER, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=16, use_sliding_window=True,
                                                      sliding_window=WINDOW),
+    # q/k norms over the whole projections, clip_qkv, 4 experts, top-2 renormalized
+    "olmoe": lambda: transformers.OlmoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5,
+                                              norm_topk_prob=True),
     "opt": lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
                                           ffn_dim=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
                                           pad_token_id=1),
@@ -648,11 +651,12 @@ def test_a_llama_like_family_is_one_subclass(llama_variant):
 def test_every_family_is_its_class():
     """FAMILIES maps each model type to its class (a class's name is its HF class's), in the order defined."""
     assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "ministral", "gemma", "phi3", "olmo", "qwen3",
-                                  "olmo2", "gemma2", "gemma3_text", "granite", "smollm3", "gpt_neox", "phi", "mixtral", "qwen3_moe", "opt", "bert", "roberta",
+                                  "olmo2", "gemma2", "gemma3_text", "granite", "smollm3", "gpt_neox", "phi", "mixtral", "qwen3_moe", "olmoe", "opt", "bert", "roberta",
                                   "xlm-roberta", "distilbert"]
     for model_type, family in _hf.FAMILIES.items():  # a class added after the split keeps its module's name
         later = {"granite": "functree.hf._granite", "smollm3": "functree.hf._smollm3", "phi": "functree.hf._phi",
-                 "mixtral": "functree.hf._mixtral", "qwen3_moe": "functree.hf._qwen3_moe", "roberta": "functree.hf._roberta",
+                 "mixtral": "functree.hf._mixtral", "qwen3_moe": "functree.hf._qwen3_moe",
+                 "olmoe": "functree.hf._olmoe", "roberta": "functree.hf._roberta",
                  "xlm-roberta": "functree.hf._roberta", "distilbert": "functree.hf._distilbert"}.get(
                      model_type, "functree.hf._llama")
         home = "functree.nn._hf_models" if family in _hf_models.RECORDED else later

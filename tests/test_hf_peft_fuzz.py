@@ -71,14 +71,16 @@ LINEAR = {"llama": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj"
                       "lm_head": "lm_head"},
           "qwen3_moe": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
                         "lm_head": "lm_head"},
+          "olmoe": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                    "lm_head": "lm_head"},
           "distilbert": {**{n: f"distilbert.transformer.layer.{{i}}.attention.{n}"
                             for n in ("q_lin", "k_lin", "v_lin", "out_lin")},
                          **{n: f"distilbert.transformer.layer.{{i}}.ffn.{n}" for n in ("lin1", "lin2")},
                          "vocab_transform": "vocab_transform", "vocab_projector": "vocab_projector"}}
 BLOCKS = {"llama": "layers", "gpt2": "h", "gpt_neox": "layers", "phi": "layers", "distilbert": "layer",
-          "mixtral": "layers", "qwen3_moe": "layers"}
+          "mixtral": "layers", "qwen3_moe": "layers", "olmoe": "layers"}
 EMBEDDING = {"llama": "embed_tokens", "gpt2": "wte", "gpt_neox": "embed_in", "phi": "embed_tokens", "mixtral": "embed_tokens",
-             "qwen3_moe": "embed_tokens",
+             "qwen3_moe": "embed_tokens", "olmoe": "embed_tokens",
              "distilbert": "word_embeddings"}
 
 
@@ -112,6 +114,11 @@ def build(family: str, tied: bool, seed: int):
             vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
             max_position_embeddings=16, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied))
+    elif family == "olmoe":  # q/k norms over the whole projections, clip_qkv, 4 experts, top-2 kept
+        hf = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=2.0, max_position_embeddings=16,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied))
     else:
         hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
             vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * D,
@@ -126,8 +133,10 @@ def build(family: str, tied: bool, seed: int):
 def adapters(draw):
     """``(family, tied, seed, LoraConfig options, rewrite)``: ``rewrite`` a change PEFT's saved
     config gets afterwards, as a hand-written file sets it (``"all-linear"`` kept as it is)."""
-    family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox", "phi", "distilbert", "mixtral", "qwen3_moe"]))
-    tied = family == "gpt2" or (family in ("llama", "phi", "distilbert", "mixtral", "qwen3_moe") and draw(st.booleans()))
+    family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox", "phi", "distilbert", "mixtral", "qwen3_moe",
+                                      "olmoe"]))
+    tied = family == "gpt2" or (family in ("llama", "phi", "distilbert", "mixtral", "qwen3_moe", "olmoe")
+                                and draw(st.booleans()))
     names = list(LINEAR[family])
     blocks = BLOCKS[family]
     options: dict = {"r": draw(st.integers(1, 4)),
@@ -251,7 +260,10 @@ def check(family, tied, seed, options, rewrite, directory):
     try:
         loaded = ft.nn.load_lora(base, adapter)
     except ValueError as e:
-        named = [k for k in set_options(options) if re.search(rf"\b{k}\b", str(e))]
+        # PEFT sets target_parameters itself on an MoE's "all-linear" (the router, the stacked experts)
+        written = json.loads((adapter / "adapter_config.json").read_text())
+        added = ["target_parameters"] if written.get("target_parameters") else []
+        named = [k for k in set_options(options) + added if re.search(rf"\b{k}\b", str(e))]
         assert named, f"load_lora refused {options} without naming an option it set:\n{e}"
         DRAWN["refused"] += 1
         return "refused"

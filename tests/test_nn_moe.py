@@ -239,3 +239,13 @@ def test_the_sorted_form_under_vmap_is_refused_naming_the_forms_that_vmap():
             np.testing.assert_allclose(jax.vmap(moe.replace(implementation=form))(x), y, rtol=0,
                                        atol=TOLERANCE * float(jnp.abs(y).max()))
     assert _moe.SORTED_VMAP
+
+
+def test_a_numpy_integer_top_k_is_the_int_it_is():
+    """top_k=np.int64(2) was refused by TOP_K with its wrong and right lines the same call."""
+    experts: Any = np.int64(E)  # (as read from an array: typed int by the signature)
+    top_k: Any = np.int64(2)
+    moe = ft.nn.SparseMoE(D, HIDDEN, num_experts=experts, top_k=top_k, key=jax.random.key(0))
+    assert type(moe.top_k) is int and moe.top_k == 2
+    x = jnp.ones((3, D))
+    np.testing.assert_array_equal(moe(x), moe.replace(top_k=2)(x))

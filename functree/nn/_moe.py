@@ -42,6 +42,7 @@ both the router and the experts read the noisy input, as Hugging Face's block).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -169,8 +170,9 @@ class SparseMoE(Layer):
     def __init__(self, d: int, hidden: int, *, num_experts: int, top_k: int = 2, activation: Any = silu,
                  renormalize: bool = True, jitter: float = 0.0, implementation: str = "auto", key: jax.Array,
                  dtype: Any = jnp.float32, std: float = 0.02):
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= num_experts:
             raise ValueError(TOP_K.format(top_k=top_k, experts=num_experts, fix=min(2, num_experts)))
+        top_k = int(top_k)  # (a NumPy integer, e.g. read from an array, as the int it is)
         if implementation not in ("auto", "sorted", "dense", "gathered"):
             raise ValueError(IMPLEMENTATION.format(given=implementation))
         k1, k2 = jax.random.split(key)

@@ -213,7 +213,9 @@ def _file_head(model: TaskModel, path: str | os.PathLike[str], head: str, labels
     DistilBERT's ``pre_classifier``); one of another shape is :data:`HEAD_SIZE`, as HF's size
     mismatch. The others stay drawn (HF's missing tensors)."""
     roots = type(model).head_roots
-    wanted = {n: v for n, v in to_hf_state_dict(model, numpy=True).items() if n.split(".")[0] in roots}
+    # the head's tensors alone (the body left out: None leaves, no copy of a large body to the host)
+    head_only = model.replace(body=jax.tree.map(lambda _: None, model.body))
+    wanted = {n: v for n, v in to_hf_state_dict(head_only, numpy=True).items() if n.split(".")[0] in roots}
     held = load_checkpoint(path, "ft.hf.with_head")
     found = {n: held[n] for n in wanted if n in held}
     if not found:

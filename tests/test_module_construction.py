@@ -410,6 +410,9 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
     "Bilinear": (lambda c: c(2, 3, 4, False, key=K), lambda c: c(in1_features=2, in2_features=3, out_features=4,
                                                                bias=False, key=K)),
     "EmbeddingBag": (lambda c: c(5, 3, "sum", key=K), lambda c: c(vocabulary_size=5, embedding_size=3, mode="sum", key=K)),
+    "SparseMoE": (lambda c: c(4, 6, num_experts=3, top_k=2, key=K),
+                  lambda c: c(d=4, hidden=6, num_experts=3, top_k=2, key=K)),
+    "Experts": (lambda c: c(4, 6, 3, key=K), lambda c: c(d=4, hidden=6, num_experts=3, key=K)),
 }
 for _name, (_positional, _keywords) in _NEWER.items():
     if hasattr(ft.nn, _name):

@@ -129,6 +129,7 @@ def test_convolutions_match_torchs_over_drawn_settings(case):
 @example(n=1, groups=2, k=3, s=2, p=1, op=1, d=1, bias=True, mode="zeros")  # grouped, as a depthwise upsampling layer
 @example(n=2, groups=1, k=1, s=2, p=1, op=1, d=1, bias=False, mode="zeros")  # p > d*(k-1): a negative pad, cropping
 @example(n=3, groups=3, k=2, s=2, p=0, op=1, d=2, bias=True, mode="zeros")  # 3-D: grouped, dilated, output_padding
+@example(n=1, groups=1, k=1, s=1, p=2, op=0, d=2, bias=False, mode="zeros")  # cropped away: oneDNN's error in torch
 def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, groups, k, s, p, op, d, bias, mode):
     """ConvTranspose1d/2d/3d(padding=p, output_padding=op, groups=g) is padding=((d*(k-1)-p,
     d*(k-1)-p+op),) per axis here; groups were refused ("lax.conv_transpose has no feature
@@ -158,7 +159,9 @@ def test_transposed_convolutions_match_torchs_by_the_documented_padding(n, group
         try:
             assert module(torch.tensor(np.moveaxis(x, -1, 1))).numel() == 0
         except RuntimeError as e:
-            assert "Output size is too small" in str(e) or "overflow" in str(e), e
+            # (torch's messages: its own check, or oneDNN's for a negative size: "could not
+            # construct a memory descriptor", k=1, p=2, d=2 in 1-D)
+            assert any(m in str(e) for m in ("Output size is too small", "overflow", "memory descriptor")), e
         with pytest.raises(ft.nn.LayerInputError, match="is shorter than the window needs"):
             layer(x)
         return

@@ -794,11 +794,11 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     if any(any(n in values for n in _under_name(plan, tie.target)) for tie in plan.ties):
         _check_ties(plan, _plan(tree, shapes, layouts, ports=ports), values)
     claimed = {n for rule in plan.rules for n in rule.torch}
-    torch_names: dict[str, str] = {stored: r.torch[0] for r in plan.rules if len(r.ft) == len(r.torch) == 1
-                                    for stored in [plan.leaves[r.ft[0]].stored] if stored is not None}
+    # each one-to-one rule's torch name, by the leaf's key path (a Stack member's own) and by its stored leaf
+    members: dict[str, str] = {r.ft[0]: r.torch[0] for r in plan.rules if len(r.ft) == len(r.torch) == 1}
+    torch_names = {stored: name for leaf, name in members.items()
+                   for stored in [plan.leaves[leaf].stored] if stored is not None}
     refused = tuple((torch_names.get(str(n), str(n)), str(want), str(got)) for n, want, got in fitted.mismatched)
-    # (a Stack member's refused dtype: its own torch name, not the member's key path)
-    members = {r.ft[0]: r.torch[0] for r in plan.rules if len(r.ft) == len(r.torch) == 1}
     wrong_dtypes = [(members.get(n, n), want, got) for n, want, got in wrong_dtypes]
     hints = (TORCH_CAST_HINT.format(names=", ".join(n for n, _, _ in refused)),) if fitted.hints else ()
     report = merged(ported, FlatDictReport(

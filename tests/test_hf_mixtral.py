@@ -376,16 +376,27 @@ def test_router_jitter_with_dropout_is_refused():
     assert ft.nn.from_hf(config, key=jax.random.key(0)).model.layers.layers.mlp.jitter == 0.0
 
 
-def test_router_logits_of_a_dropping_port_are_refused():
-    """A port with HF's dropout in training mode: ``router_logits`` / ``aux_loss`` refused
-    (ROUTER_LOGITS_DROPPING); in inference mode they are the plain port's."""
-    config = transformers.MixtralConfig(**{**SIZES, "attention_dropout": 0.1})
-    model = ft.nn.from_hf(config, key=jax.random.key(0), dropout=True)
+def test_router_logits_of_a_dropping_port_are_the_dropping_pass():
+    """A port with HF's dropout in training mode: ``router_logits=True`` returns the logits
+    of the very call that dropped (the same as without it, same key) and that pass's router
+    logits (not a dropout-free pass's); the dropout key it advances reaches the training
+    step's ``collect_state`` around it, as a plain call's does."""
+    config = transformers.MixtralConfig(**{**SIZES, "attention_dropout": 0.5})
+    model = ft.nn.training(ft.nn.from_hf(config, key=jax.random.key(0), dropout=True))
     ids, mask = batch()
-    with pytest.raises(ValueError, match="router_logits") as error:
-        ft.nn.training(model).aux_loss(ids, mask)
-    with pytest.raises(ValueError, match=r"__call__: this port was built with Hugging Face's dropout"):
-        ft.nn.training(model)(ids, mask, router_logits=True, key=jax.random.key(1))
-    assert _mixtral.ROUTER_LOGITS_DROPPING.split("\n")[-2].split("{")[0].strip() in str(error.value)
-    plain = ft.nn.from_hf(config, key=jax.random.key(0))
-    np.testing.assert_array_equal(model.router_logits(ids, mask), plain.router_logits(ids, mask))
+    key = jax.random.key(1)
+    logits, routed = model(ids, mask, router_logits=True, key=key)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(ids, mask, key=key)))
+    still = ft.nn.inference(model).router_logits(ids, mask)
+    assert routed.shape == still.shape
+    assert float(jnp.max(jnp.abs(routed - still))) > 1e-3 * float(jnp.max(jnp.abs(still)))  # attention dropped
+    np.testing.assert_array_equal(np.asarray(model.router_logits(ids, mask, key=key)), np.asarray(routed))
+
+    (one, routed2), state = ft.nn.collect_state(lambda m: m(ids, mask, router_logits=True), model)
+    plain, plain_state = ft.nn.collect_state(lambda m: m(ids, mask), model)
+    assert sorted(map(str, state)) == sorted(map(str, plain_state)) and state
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(plain))
+    for path in state:
+        np.testing.assert_array_equal(np.asarray(state[path]), np.asarray(plain_state[path]))
+    again, _ = ft.nn.collect_state(lambda m: m.router_logits(ids, mask), model)  # the stored key's masks again
+    np.testing.assert_array_equal(np.asarray(routed2), np.asarray(again))

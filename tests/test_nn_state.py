@@ -496,3 +496,155 @@ def test_a_stack_or_remat_called_twice_updates_in_turn(wrap):
     got = [v for p, v in state.items() if str(p).endswith("running_mean")]
     got = np.asarray(got[0]) if wrap == "stack" else np.stack([np.asarray(v) for v in got])
     np.testing.assert_allclose(got, means, rtol=0, atol=1e-5)
+
+
+# --- recorded intermediates (record_intermediate / collect_intermediates) ---------------
+
+
+class Tanh(ft.Module):
+    """``tanh(w x)``, recording its pre-activation ``w x``."""
+
+    w: jax.Array
+
+    def __call__(self, x):
+        h = self.w * x
+        ft.nn.record_intermediate(self, pre_activation=h)
+        return jnp.tanh(h)
+
+
+def test_intermediates_are_collected_at_their_key_paths_with_gradients():
+    """Each record is filed at the layer's path plus its name, and differentiates as the
+    value it is: d/dw Σ (w x)² = 2 w Σ x² (ft.gradient of a loss of the record)."""
+    model = {"a": Tanh(jnp.array(0.5)), "b": [Tanh(jnp.array(2.0))]}
+    x = jnp.array([1.0, -3.0])
+
+    def fn(m):
+        return m["b"][0](m["a"](x))
+
+    y, sown = ft.nn.collect_intermediates(fn, model)
+    assert sorted(map(str, sown)) == ["['a'].pre_activation", "['b'][0].pre_activation"]
+    np.testing.assert_allclose(sown[ft.KeyPath.parse("['a'].pre_activation")], 0.5 * x, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(y, jnp.tanh(2.0 * jnp.tanh(0.5 * x)), rtol=0, atol=1e-7)
+
+    def loss(m):
+        _, s = ft.nn.collect_intermediates(fn, m)
+        return jnp.sum(s[ft.KeyPath.parse("['a'].pre_activation")] ** 2)
+
+    grads = ft.gradient(loss, at=model, wrt="a")  # (b's record is after a's: no derivative reaches it)
+    np.testing.assert_allclose(grads["a"].w, 2 * 0.5 * jnp.sum(x ** 2), rtol=0, atol=1e-6)
+
+
+def test_outside_collect_intermediates_nothing_is_recorded():
+    """A plain call, and a call under collect_state alone: no record, no warning, and the
+    state collector returns state only."""
+    t = Tanh(jnp.array(0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(t(jnp.array(1.0))) == pytest.approx(np.tanh(0.5))
+        _, state = ft.nn.collect_state(lambda m: m(jnp.array(1.0)), t)
+    assert state == {}
+
+
+def test_a_stacks_members_records_are_stacked_and_remat_passes_them_on():
+    """``ft.nn.Stack``: ``[n, ...]`` at ``.layers.<name>`` (member i's record in row i);
+    ``ft.nn.Remat`` around a layer: its record under ``.layer``; jit around it all."""
+    stack = ft.nn.Stack(lambda k: Tanh(jax.random.uniform(k, (), minval=0.5, maxval=1.5)), 3,
+                        key=jax.random.key(0))
+    x = jnp.array([0.3, -0.7])
+    y, sown = jax.jit(lambda m: ft.nn.collect_intermediates(lambda mm: mm(x), m))(stack)
+    h, expected = x, []
+    for member in stack:
+        expected.append(member.w * h)
+        h = member(h)
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".layers.pre_activation")], jnp.stack(expected), rtol=0,
+                               atol=1e-6)
+    np.testing.assert_allclose(y, h, rtol=0, atol=1e-6)
+
+    remat = ft.nn.Remat(Tanh(jnp.array(0.5)))
+    _, sown = ft.nn.collect_intermediates(lambda m: m(x), remat)
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".layer.pre_activation")], 0.5 * x, rtol=0, atol=1e-7)
+
+
+def test_each_collector_hands_the_other_kind_to_the_one_around_it(fresh_warnings):
+    """A BatchNorm's statistics recorded inside collect_intermediates reach the
+    collect_state around it (as without it); an intermediate recorded inside an inner
+    collect_state reaches the collect_intermediates around it. Without a state collector
+    around, the statistics warn as uncollected state does."""
+    model = ft.nn.training(ft.nn.Sequential(Tanh(jnp.array(0.5)), ft.nn.BatchNorm(2, momentum=0.5)))
+    x = jnp.array([[1.0, 2.0], [3.0, 5.0]])
+
+    def inner(m):
+        return ft.nn.collect_intermediates(lambda mm: mm(x), m)
+
+    (y, sown), state = ft.nn.collect_state(inner, model)
+    plain, plain_state = ft.nn.collect_state(lambda m: m(x), model)
+    assert sorted(map(str, state)) == [".layers[1].running_mean", ".layers[1].running_variance"]
+    for path in state:
+        np.testing.assert_array_equal(state[path], plain_state[path])
+    assert list(map(str, sown)) == [".layers[0].pre_activation"]
+    np.testing.assert_array_equal(y, plain)
+
+    (_, state2), sown2 = ft.nn.collect_intermediates(lambda m: ft.nn.collect_state(lambda mm: mm(x), m), model)
+    assert list(map(str, sown2)) == [".layers[0].pre_activation"]
+    assert sorted(map(str, state2)) == [".layers[1].running_mean", ".layers[1].running_variance"]
+
+    with pytest.warns(ft.nn.UncollectedStateWarning, match="running_mean"):
+        ft.nn.collect_intermediates(lambda m: m(x), model)
+
+
+class Recorder(ft.Module):
+    w: jax.Array
+    what: str = ft.field(static=True, default="field")
+
+    def __call__(self, x):
+        if self.what == "field":
+            ft.nn.record_intermediate(self, w=x)
+        elif self.what == "tuple":
+            ft.nn.record_intermediate(self, pair=(x, x))
+        return self.w * x
+
+
+def test_bad_records_are_refused_by_name():
+    """A record named as a field (its path would read the field), a record that is not one
+    array, and a layer called twice in one pass (one path, two calls' values)."""
+    x = jnp.ones(2)
+    with pytest.raises(TypeError, match=r"'w' is a field of Recorder") as error:
+        ft.nn.collect_intermediates(lambda m: m(x), Recorder(jnp.array(1.0)))
+    assert "ft.nn.record_intermediate(self, w_out=value)" in str(error.value)
+    with pytest.raises(TypeError, match=r"Recorder, pair=\.\.\.\) got a tuple") as error:
+        ft.nn.collect_intermediates(lambda m: m(x), Recorder(jnp.array(1.0), "tuple"))
+    assert "pair_a=a, pair_b=b" in str(error.value)
+    with pytest.raises(ValueError, match=r"\.pre_activation was recorded twice") as error:
+        ft.nn.collect_intermediates(lambda m: m(m(x)), Tanh(jnp.array(0.5)))
+    assert "y, second = ft.nn.collect_intermediates(lambda m: m(h), model)" in str(error.value)
+    with pytest.raises(ValueError, match=r"\.layers\.pre_activation was recorded twice"):
+        stack = ft.nn.Stack(lambda k: Tanh(jnp.array(0.5)), 2, key=jax.random.key(0))
+        ft.nn.collect_intermediates(lambda m: m(m(x)), stack)
+
+
+def test_a_differentiated_function_recording_into_an_outer_collector():
+    """ft.gradient's differentiation check traces the function once before running it: a
+    record made there of values the derivative does not reach lands in both traces, and
+    the second replaces the first (no 'recorded twice'). A record of the differentiated
+    value would leak its tracer: refused by name (and how to collect inside), as is a model
+    rebuilt inside (differentiated itself)."""
+    t = Tanh(jnp.array(0.5))
+    x = jnp.array([1.0, 2.0])
+
+    grads, sown = ft.nn.collect_intermediates(lambda m: ft.gradient(lambda s: s * jnp.sum(m(x)), at=2.0), t)
+    assert list(map(str, sown)) == [".pre_activation"]
+    np.testing.assert_allclose(grads, jnp.sum(jnp.tanh(0.5 * x)), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".pre_activation")], 0.5 * x, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match=r"(?s)The intermediate \.pre_activation was recorded inside jax.grad.*"
+                                         r"grads, sown = ft.gradient\(loss, at=x, has_aux=True\)"):
+        ft.nn.collect_intermediates(lambda m: ft.gradient(lambda xx: jnp.sum(m(xx)), at=x), t)
+
+    def loss(xx):
+        y, s = ft.nn.collect_intermediates(lambda m: m(xx), t)
+        return y.sum(), s
+
+    grads, sown = ft.gradient(loss, at=x, has_aux=True)  # the message's right code runs
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".pre_activation")], 0.5 * x, rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match=r"(?s)A Tanh recorded an intermediate inside ft.nn.collect_intermediates.*"
+                                         r"right:  jax.jit\(lambda model: ft.nn.collect_intermediates"):
+        ft.nn.collect_intermediates(lambda m: ft.gradient(lambda mm: jnp.sum(mm(x)), at=m), t)

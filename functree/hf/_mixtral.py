@@ -40,18 +40,16 @@ import jax
 import numpy as np
 
 from functree._module import field
-from functree.hf._causal import Block, _head, _pre_norm, _run
-from functree.hf._dropout import dropout_attention
 from functree.hf._family import _values
 from functree.hf._llama import LlamaForCausalLM, MistralForCausalLM
 from functree.hf._options import window
 from functree.nn._moe import SparseMoE, load_balancing_loss
-from functree.nn._stack import Stack
+from functree.nn._state import collect_intermediates
 
 __all__ = ["MixtralForCausalLM", "RoutedExperts", "ExpertNames", "MIXTRAL_EXPERTS", "QWEN_EXPERTS", "OLMOE_EXPERTS",
            "moe_options",
            "experts_per_token", "per_expert_names", "EXPERTS_PER_TOKEN", "MISSING_EXPERT", "EXPERT_SHAPE",
-           "JITTER_NOT_PORTED", "ROUTER_LOGITS_DROPPING", "ROUTER_LOGITS_CACHED"]
+           "JITTER_NOT_PORTED", "ROUTER_LOGITS_CACHED", "ROUTER_LOGITS_NOT_ONE"]
 
 EXPERTS_PER_TOKEN = """\
 ft.nn.from_hf: the {model_type} config has num_experts_per_tok={top_k} and {key}={experts}; \
@@ -93,21 +91,22 @@ numbers would not be HF's).
        or:  ft.nn.from_hf(path)                      # no dropout: HF's eval() numbers
 """
 
-ROUTER_LOGITS_DROPPING = """\
-{cls}.{method}: this port was built with Hugging Face's dropout (from_hf(..., dropout=True)) \
-and is in training mode; the router logits are computed by a call without dropout, which \
-would not be the training step's (its attention dropped other weights).
-
-    wrong:  ft.nn.training(model).{method}(input_ids, attention_mask)
-    right:  ft.nn.inference(model).{method}(input_ids, attention_mask)     # or a port built without dropout=True
-"""
-
 ROUTER_LOGITS_CACHED = """\
 {cls}(..., router_logits=True) was given a cache; the router logits (HF's \
 output_router_logits) are a training loss's, of one call over whole sequences.
 
     wrong:  model(ids, mask, cache=cache, router_logits=True)
     right:  logits, routed = model(ids, mask, router_logits=True)
+"""
+
+ROUTER_LOGITS_NOT_ONE = """\
+{cls}(..., router_logits=True): the call recorded {count} router logits ({paths}) where \
+the blocks' one stack of sparse MoE layers records one (ft.nn.record_intermediate); HF's \
+load-balancing loss reads one per layer. A model that adds MoE layers of its own collects \
+them itself:
+
+    wrong:  logits, routed = model(ids, mask, router_logits=True)
+    right:  logits, sown = ft.nn.collect_intermediates(lambda m: m(ids, mask), model)
 """
 
 class ExpertNames(NamedTuple):
@@ -224,23 +223,25 @@ class RoutedExperts(_Base):
         """The causal LM's call (:class:`~functree.hf._causal.CausalLM`); ``router_logits=True``
         (no cache) returns ``(logits, router_logits)`` of one pass, HF's
         ``output_router_logits``: a training loss adds the load-balancing loss without a
-        second forward (:meth:`aux_loss` of them)."""
+        second forward (:meth:`aux_loss` of them). The router logits are the blocks' own
+        (``ft.nn.collect_intermediates``): with HF's dropout in training mode, those of the
+        pass that dropped."""
         if not router_logits:
             return super().__call__(input_ids, attention_mask, positions=positions, cache=cache, key=key)
         if cache is not None:
             raise ValueError(ROUTER_LOGITS_CACHED.format(cls=type(self).__name__))
-        self._check_dropping("__call__")
-        self._check_call(input_ids, None)
-        return self._with_router_logits(input_ids, attention_mask, positions)
+        logits, sown = collect_intermediates(
+            lambda m: m(input_ids, attention_mask, positions=positions, key=key), self)
+        return logits, self._router_logits_of(sown)
 
-    def router_logits(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None) -> jax.Array:
+    def router_logits(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None,
+                      key: jax.Array | None = None) -> jax.Array:
         """Every layer's router logits ``[num_hidden_layers, batch * T, num_local_experts]``
         (rows batch major), in the weights' dtype: HF's ``router_logits`` output stacked."""
-        self._check_dropping("router_logits")
-        return self._with_router_logits(input_ids, attention_mask, positions)[1]
+        return self(input_ids, attention_mask, positions=positions, key=key, router_logits=True)[1]
 
     def aux_loss(self, input_ids: Any = None, attention_mask: Any = None, *, positions: Any = None,
-                 router_logits: Any = None) -> jax.Array:
+                 router_logits: Any = None, key: jax.Array | None = None) -> jax.Array:
         """HF's ``aux_loss`` (``load_balancing_loss_func`` of the router logits, padding
         excluded by ``attention_mask``): :func:`ft.nn.load_balancing_loss` of
         ``router_logits`` (those of ``model(ids, mask, router_logits=True)``: no second
@@ -253,24 +254,21 @@ class RoutedExperts(_Base):
                                                                                    router_logits=routed)
         """
         if router_logits is None:
-            router_logits = self.router_logits(input_ids, attention_mask, positions=positions)
-        return load_balancing_loss(router_logits, self.model.layers.layers.mlp.top_k, attention_mask)
+            router_logits = self.router_logits(input_ids, attention_mask, positions=positions, key=key)
+        return load_balancing_loss(router_logits, self.sparse_moe().top_k, attention_mask)
 
-    def _check_dropping(self, method: str) -> None:
-        attention = dropout_attention(self.model.layers.layers)
-        if attention is not None and attention.training and attention.drops:
-            raise ValueError(ROUTER_LOGITS_DROPPING.format(cls=type(self).__name__, method=method))
+    def sparse_moe(self) -> SparseMoE:
+        """The (stacked) sparse MoE layer whose router the load-balancing loss reads: each
+        block's ``mlp``. A family whose blocks hold it deeper overrides this."""
+        return self.model.layers.layers.mlp  # type: ignore[return-value]
 
-    def _with_router_logits(self, input_ids: Any, attention_mask: Any, positions: Any) -> tuple[jax.Array, jax.Array]:
-        """``(logits, router logits)`` of one call without a cache: the shared call with a
-        scan over the blocks that also returns each block's router logits."""
-        collected: list[jax.Array] = []
-        blocks = _Collecting(self.model.layers, collected)
-        tokens = self._tokens()
-        logits = _run(self, input_ids, attention_mask, positions, None, vocab=tokens.embeddings.shape[0],
-                      blocks=blocks, embed=self._embed,  # type: ignore[arg-type]  # a Stack's call
-                      head=lambda x: _head(self._final_norm(x), self.lm_head, tokens), rotary=True)
-        return logits, collected[0]
+    def _router_logits_of(self, sown: dict[Any, Any]) -> jax.Array:
+        """The router logits among a call's recorded intermediates: the one stack's."""
+        found = [path for path in sown if tuple(path)[-1].key == "router_logits"]
+        if len(found) != 1:
+            raise ValueError(ROUTER_LOGITS_NOT_ONE.format(cls=type(self).__name__, count=len(found),
+                                                          paths=", ".join(map(str, found)) or "none"))
+        return sown[found[0]]
 
 
 class MixtralForCausalLM(RoutedExperts, MistralForCausalLM):
@@ -316,29 +314,3 @@ class MixtralForCausalLM(RoutedExperts, MistralForCausalLM):
         """Llama's older names (:meth:`LlamaForCausalLM.hf_names`), and the Hub's per-expert
         layout as transformers reads it (:func:`per_expert_names`)."""
         return per_expert_names(super().hf_names(weights), MIXTRAL_EXPERTS)
-
-
-class _Collecting:
-    """A Stack's call (no cache, no dropout) whose scan also returns each member's router
-    logits, stacked over the layers (into ``collected``)."""
-
-    def __init__(self, stack: Stack, collected: list[jax.Array]):
-        self.stack, self.collected, self.layers = stack, collected, stack.layers
-
-    def __call__(self, x: jax.Array, *, cache: Any = None, key: Any = None, **kwargs: Any) -> jax.Array:
-        def body(carry: jax.Array, member: Block) -> tuple[jax.Array, jax.Array]:
-            seen: list[jax.Array] = []
-
-            def moe(h: jax.Array) -> jax.Array:
-                y, logits = member.mlp(h, return_logits=True)  # type: ignore[attr-defined]
-                seen.append(logits)
-                return y
-
-            y = _pre_norm(carry, member.input_layernorm, member.self_attn,  # type: ignore[attr-defined]
-                          member.post_attention_layernorm, moe, kwargs.get("mask"), None,  # type: ignore[attr-defined]
-                          kwargs.get("positions"))
-            return y, seen[0]
-
-        x, logits = jax.lax.scan(body, x, self.stack.layers)
-        self.collected.append(logits)
-        return x

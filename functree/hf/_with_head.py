@@ -214,7 +214,7 @@ def _file_head(model: TaskModel, path: str | os.PathLike[str], head: str, labels
     mismatch. The others stay drawn (HF's missing tensors)."""
     roots = type(model).head_roots
     # the head's tensors alone (the body left out: None leaves, no copy of a large body to the host)
-    head_only = model.replace(body=jax.tree.map(lambda _: None, model.body))
+    head_only = model.replace(body=jax.tree.map(lambda _: None, model.body))  # type: ignore[attr-defined]  # each task class's field
     wanted = {n: v for n, v in to_hf_state_dict(head_only, numpy=True).items() if n.split(".")[0] in roots}
     held = load_checkpoint(path, "ft.hf.with_head")
     found = {n: held[n] for n in wanted if n in held}

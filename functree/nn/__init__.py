@@ -4,7 +4,8 @@ Training vs inference is a static flag switched for a whole model with
 ``ft.nn.training(model)`` / ``ft.nn.inference(model)`` (inference is the default);
 layer state such as BatchNorm's running statistics travels explicitly through
 ``ft.nn.collect_state`` and ``ft.nn.apply_state`` (in a hand-written loop:
-``ft.nn.value_with_gradient_and_state``).
+``ft.nn.value_with_gradient_and_state``); values a layer computes on the way (a sparse
+MoE's router logits) through ``ft.nn.record_intermediate`` and ``ft.nn.collect_intermediates``.
 
 ``ft.nn`` holds layers. Converting models and generating text live in the packages built
 on it, :mod:`functree.hf`, :mod:`functree.interop` and :mod:`functree.generation`; their
@@ -144,7 +145,9 @@ from functree.nn._stack import Stack
 from functree.nn._state import (
     UncollectedStateWarning,
     apply_state,
+    collect_intermediates,
     collect_state,
+    record_intermediate,
     record_state,
     value_with_gradient_and_state,
 )
@@ -193,6 +196,8 @@ __all__ = [
     "apply_state",
     "value_with_gradient_and_state",
     "UncollectedStateWarning",
+    "record_intermediate",
+    "collect_intermediates",
     # layers
     "Dense",
     "MLP",

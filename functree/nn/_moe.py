@@ -56,6 +56,7 @@ from functree.nn._check import check_input
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
+from functree.nn._state import record_intermediate
 
 __all__ = ["SparseMoE", "Experts", "load_balancing_loss", "TOP_K", "IMPLEMENTATION", "JITTER_KEY", "SORTED_VMAP"]
 
@@ -203,6 +204,7 @@ class SparseMoE(Layer):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         logits, weights, experts = self.route(rows)
+        record_intermediate(self, router_logits=logits)  # for an auxiliary loss (ft.nn.collect_intermediates)
         implementation = self.implementation
         if implementation == "auto":  # (a decoding step's few rows: their experts' weights read alone)
             implementation = "gathered" if rows.shape[0] * self.top_k < self.experts.gate_up_proj.shape[0] \

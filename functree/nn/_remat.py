@@ -25,17 +25,9 @@ from functree._remat_policy import checkpointed, remat_policy
 from functree._tree import is_array_value
 from functree.nn._mode import Layer
 from functree.nn._sequential import takes_key
-from functree.nn._state import collect_state, collector_stack, substitute
+from functree.nn._state import collect_records, collector_stack, record_in
 
 __all__ = ["Remat", "remat_policy", "call_collecting", "record_under", "record_in"]
-
-NOT_IN_MODEL = """\
-A {cls} recorded layer state inside ft.nn.collect_state, but it is not part of the model \
-passed to collect_state, so its key path is unknown. Call the layers of the model fn receives:
-
-    wrong:  ft.nn.collect_state(lambda m: other_model(x), model)
-    right:  ft.nn.collect_state(lambda m: m(x), model)"""
-
 
 A_FUNCTION = """\
 ft.nn.Remat wraps a layer (a Module, or a pytree of arrays it calls), got the {type} \
@@ -53,9 +45,10 @@ def collecting() -> bool:
 
 
 def call_collecting(call: Callable[[Any], Any], layer: Any, paths: list[KeyPath]) -> tuple[Any, tuple[Any, ...]]:
-    """``(call(layer), values)``: the state ``layer`` (a rebuilt copy) records, its key
-    paths (relative to ``layer``) stored into ``paths`` while tracing."""
-    out, updates = collect_state(call, layer)
+    """``(call(layer), values)``: what ``layer`` (a rebuilt copy) records (layer state and
+    recorded intermediates), its key paths (relative to ``layer``) stored into ``paths``
+    while tracing."""
+    out, updates = collect_records(call, layer)
     paths[:] = list(updates)
     return out, tuple(updates.values())
 
@@ -63,38 +56,6 @@ def call_collecting(call: Callable[[Any], Any], layer: Any, paths: list[KeyPath]
 def record_under(owner: Any, field_name: str, paths: list[KeyPath], values: Any) -> None:
     """File state recorded by ``owner.<field_name>`` (at ``paths``) under ``owner``'s key path."""
     record_in(owner, [KeyPath((Entry(ATTR, field_name), *path)) for path in paths], values)
-
-
-def record_in(owner: Any, paths: list[KeyPath], values: Any) -> None:
-    """File state recorded by a rebuilt copy of ``owner`` (at ``paths``, relative to
-    ``owner``) under ``owner``'s key path in the collector that knows it."""
-    if not paths:
-        return
-
-    collector = next((c for c in reversed(collector_stack()) if id(owner) in c.paths), None)
-    if collector is None:
-        raise ValueError(NOT_IN_MODEL.format(cls=type(owner).__name__))
-    for where in collector.paths[id(owner)]:
-        for path, value in zip(paths, values):
-            collector.updates[KeyPath((*where, *path))] = value
-    for path, value in zip(paths, values):
-        parent = _parent(owner, path)
-        if parent is not None:  # a second call of owner reads it (ft.nn._state.substitute)
-            substitute(collector, parent, tuple(path)[-1].key, value)
-
-
-def _parent(root: Any, path: KeyPath) -> Any:
-    """The object holding the field ``path`` ends with (``root.a[0]`` for ``.a[0].b``), or
-    None where the path does not end with a Module's field."""
-    entries = tuple(path)
-    if not entries or entries[-1].kind != ATTR:
-        return None
-    try:
-        for entry in entries[:-1]:
-            root = getattr(root, entry.key) if entry.kind == ATTR else root[entry.key]
-    except (AttributeError, KeyError, IndexError, TypeError):
-        return None
-    return root
 
 
 class Remat(Layer):

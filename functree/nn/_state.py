@@ -18,6 +18,16 @@ A hand-written training loop uses :func:`value_with_gradient_and_state`::
 Outside ``collect_state`` nothing is recorded, and a layer that records state there (a
 BatchNorm in training mode under a plain ``ft.value_with_gradient``) warns once per key
 path with :class:`UncollectedStateWarning`: its statistics would never update.
+
+Recorded intermediates are the other kind of record: values a layer computes on the way
+(a sparse MoE's router logits, for its load-balancing loss) that a caller may ask for
+(Flax's ``sow``). ``ft.nn.record_intermediate(self, router_logits=...)`` is a no-op unless
+``ft.nn.collect_intermediates(fn, model)`` runs; that returns them as ``{KeyPath: value}``,
+the path ending with the record's name, gradients kept. They travel the same way as
+state: an ``ft.nn.Stack``'s scan stacks its members' records (``[n, ...]``), a Remat
+passes them out. Each collector returns its own kind and hands the other to the collector
+around it, so a BatchNorm's statistics recorded inside ``collect_intermediates`` still
+reach the training step's ``collect_state``.
 """
 
 from __future__ import annotations
@@ -37,13 +47,15 @@ from functree._key_path_names import key_path
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._paths import ATTR, Entry, KeyPath, walk
-from functree._traces import current_trace, inner_trace, transform_name
+from functree._traces import Tracer, current_trace, inner_trace, transform_name
 from functree._warnings import warn
 from functree.nn._check import LayerInputError
 
 __all__ = [
     "record_state",
     "collect_state",
+    "record_intermediate",
+    "collect_intermediates",
     "apply_state",
     "value_with_gradient_and_state",
     "UncollectedStateWarning",
@@ -67,6 +79,52 @@ unknown. Call the layers of the model fn receives, and put jit around collect_st
     right:  jax.jit(lambda model: ft.nn.collect_state(lambda m: m(x), model))(model)
 """
 
+
+NOT_IN_REBUILT_MODEL = """\
+A {cls} recorded layer state inside ft.nn.collect_state, but it is not part of the model \
+passed to collect_state, so its key path is unknown. Call the layers of the model fn receives:
+
+    wrong:  ft.nn.collect_state(lambda m: other_model(x), model)
+    right:  ft.nn.collect_state(lambda m: m(x), model)"""
+
+INTERMEDIATE_IS_FIELD = """\
+ft.nn.record_intermediate({cls}, {name}=...): {name!r} is a field of {cls}; a recorded \
+intermediate is a value the layer computed, filed at the key path of a name the layer \
+does not have (a field's path reads the field). Name it apart:
+
+    wrong:  ft.nn.record_intermediate(self, {name}=value)
+    right:  ft.nn.record_intermediate(self, {name}_out=value)
+"""
+
+INTERMEDIATE_NOT_ARRAY = """\
+ft.nn.record_intermediate({cls}, {name}=...) got {given}; a recorded intermediate is one \
+array (it is stacked by a Stack's scan and returned from jit-compiled code):
+
+    wrong:  ft.nn.record_intermediate(self, {name}=(a, b))
+    right:  ft.nn.record_intermediate(self, {name}_a=a, {name}_b=b)
+"""
+
+INTERMEDIATE_TWICE = """\
+{path} was recorded twice while ft.nn.collect_intermediates ran: the layer was called \
+twice in one forward pass, and one record per key path would drop a call's values. \
+Collect each call on its own:
+
+    wrong:  out, sown = ft.nn.collect_intermediates(lambda m: m(m(x)), model)
+    right:  h, first = ft.nn.collect_intermediates(lambda m: m(x), model)
+            y, second = ft.nn.collect_intermediates(lambda m: m(h), model)
+"""
+
+INTERMEDIATE_INSIDE_TRANSFORM = """\
+The intermediate {path} was recorded inside {transform}, a transformation opened inside \
+the function ft.nn.collect_intermediates runs: the value belongs to that transformation \
+and cannot leave it (a leaked tracer). Collect it inside the transformation and return it:
+
+    wrong:  _, sown = ft.nn.collect_intermediates(lambda m: ft.gradient(lambda x: m(x).sum(), at=x), model)
+    right:  def loss(x):
+                y, sown = ft.nn.collect_intermediates(lambda m: m(x), model)
+                return y.sum(), sown
+            grads, sown = ft.gradient(loss, at=x, has_aux=True)
+"""
 
 STATE_INSIDE_TRANSFORM = """\
 The layer state at {path} was recorded inside {transform}, a transformation opened inside \
@@ -157,6 +215,25 @@ class _Collector:
         self.followed: list[Any] = []  # copies whose layers record here (ids stay theirs)
         self.trace = current_trace()  # recorded values must belong to it or to a trace around it
         self.replaced: list[tuple[Any, str, Any]] = []  # (layer, field, value before): see substitute
+        self.sown_traces: dict[KeyPath, Any] = {}  # the trace each intermediate was recorded in
+
+
+@jax.tree_util.register_pytree_node_class
+class Intermediate:
+    """A recorded intermediate while collectors carry it (a pytree of its one array, so a
+    Stack's scan stacks it), told apart from layer state by its type alone."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def tree_flatten(self) -> tuple[tuple[Any], None]:
+        return (self.value,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, children: Any) -> Intermediate:
+        return cls(children[0])
 
 
 def _holds_layers(value: Any) -> bool:
@@ -222,6 +299,88 @@ def record_state(layer: Module, **values: Any) -> None:
         for path in collector.paths[id(layer)]:
             collector.updates[KeyPath((*path, Entry(ATTR, name)))] = value
         substitute(collector, layer, name, value)
+
+
+def record_intermediate(layer: Module, **values: Any) -> None:
+    """Record values ``layer`` computed (a router's logits, attention weights) for a caller
+    that asks with :func:`collect_intermediates`; a no-op (one check) otherwise.
+
+    Each is filed at ``layer``'s key path plus its name, and keeps its gradient (unlike
+    layer state): a loss may use it. Inside an ``ft.nn.Stack`` the members' records are
+    stacked on a leading axis of ``n``.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> class Scaled(ft.Module):
+      ...     w: jnp.ndarray
+      ...     def __call__(self, x):
+      ...         h = self.w * x
+      ...         ft.nn.record_intermediate(self, pre_activation=h)
+      ...         return jnp.tanh(h)
+      >>> y, sown = ft.nn.collect_intermediates(lambda m: m(jnp.ones(2)), Scaled(jnp.array(0.5)))
+      >>> sown
+      {KeyPath('.pre_activation'): Array([0.5, 0.5], dtype=float32)}
+    """
+    if not getattr(_LOCAL, "sowing", 0):
+        return
+    cls = type(layer)
+    for name, value in values.items():
+        if name in getattr(cls, "__ft_field_set__", ()):
+            raise TypeError(INTERMEDIATE_IS_FIELD.format(cls=cls.__name__, name=name))
+        if not isinstance(value, (jax.Array, Tracer)):
+            given = f"a {type(value).__name__}"
+            raise TypeError(INTERMEDIATE_NOT_ARRAY.format(cls=cls.__name__, name=name, given=given))
+    collector = next((c for c in reversed(collector_stack()) if id(layer) in c.paths), None)
+    if collector is None:
+        message = NOT_IN_MODEL.format(cls=cls.__name__).replace("recorded state", "recorded an intermediate")
+        raise ValueError(message.replace("collect_state", "collect_intermediates"))
+    for name, value in values.items():
+        for path in collector.paths[id(layer)]:
+            file_record(collector, KeyPath((*path, Entry(ATTR, name))), Intermediate(value))
+
+
+def file_record(collector: _Collector, path: KeyPath, value: Any) -> None:
+    """Store a record at ``path``; an intermediate recorded twice in one trace is refused
+    (:data:`INTERMEDIATE_TWICE`), while a record from another trace (functree's
+    differentiation check traces a function once before it runs) replaces the earlier."""
+    if isinstance(value, Intermediate):
+        trace = current_trace()
+        if path in collector.sown_traces and collector.sown_traces[path] is trace:
+            raise ValueError(INTERMEDIATE_TWICE.format(path=path))
+        collector.sown_traces[path] = trace
+    collector.updates[path] = value
+
+
+def record_in(owner: Any, paths: list[KeyPath], values: Any) -> None:
+    """File records made by a rebuilt copy of ``owner`` (at ``paths``, relative to
+    ``owner``) under ``owner``'s key path in the collector that knows it."""
+    if not paths:
+        return
+
+    collector = next((c for c in reversed(collector_stack()) if id(owner) in c.paths), None)
+    if collector is None:
+        raise ValueError(NOT_IN_REBUILT_MODEL.format(cls=type(owner).__name__))
+    for where in collector.paths[id(owner)]:
+        for path, value in zip(paths, values):
+            file_record(collector, KeyPath((*where, *path)), value)
+    for path, value in zip(paths, values):
+        parent = None if isinstance(value, Intermediate) else _parent(owner, path)
+        if parent is not None:  # a second call of owner reads it (substitute)
+            substitute(collector, parent, tuple(path)[-1].key, value)
+
+
+def _parent(root: Any, path: KeyPath) -> Any:
+    """The object holding the field ``path`` ends with (``root.a[0]`` for ``.a[0].b``), or
+    None where the path does not end with a Module's field."""
+    entries = tuple(path)
+    if not entries or entries[-1].kind != ATTR:
+        return None
+    try:
+        for entry in entries[:-1]:
+            root = getattr(root, entry.key) if entry.kind == ATTR else root[entry.key]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+    return root
 
 
 def substitute(collector: _Collector, layer: Any, name: str, value: Any) -> None:
@@ -391,7 +550,8 @@ def collect_state(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPa
     ``updates`` maps key paths to new values (``{KeyPath('.layers[1].running_mean'): ...}``);
     it is a pytree, so a training step returns it as ``aux`` of a gradient and then calls
     :func:`apply_state`. Layer input errors raised inside ``fn`` get the layer's key path.
-    Jit-compile around ``collect_state`` (the whole step), not ``fn`` alone.
+    Jit-compile around ``collect_state`` (the whole step), not ``fn`` alone. Recorded
+    intermediates go to a :func:`collect_intermediates` around it, if one knows ``model``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -404,6 +564,63 @@ def collect_state(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPa
       >>> ft.nn.apply_state(model, updates).running_mean
       Array([0.01, 0.03], dtype=float32)
     """
+    out, records = collect_records(fn, model)
+    state, sown = _split(records)
+    _hand_out(model, sown)
+    return out, state
+
+
+def collect_intermediates(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPath, Any]]:
+    """``(fn(model), intermediates)``: run ``fn`` and collect the values its layers record
+    with :func:`record_intermediate` (``{KeyPath: array}``, each path ending with the
+    record's name; a Stack's members' stacked on axis 0). Gradients flow through them, so a
+    loss may add a term of them (a sparse MoE's load-balancing loss of its router logits,
+    one forward pass). Layer state recorded meanwhile goes to the ``collect_state`` around
+    it (the training step's), as if this collector were not there.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> moe = ft.nn.SparseMoE(8, 16, num_experts=4, top_k=2, key=jax.random.key(0))
+      >>> stack = ft.nn.Stack(lambda k: moe.replace(gate=ft.nn.Dense(8, 4, use_bias=False, key=k)), 3,
+      ...                     key=jax.random.key(1))
+      >>> y, sown = ft.nn.collect_intermediates(lambda m: m(jnp.ones((5, 8))), stack)
+      >>> {str(path): value.shape for path, value in sown.items()}     # 3 members, 5 rows, 4 experts
+      {'.layers.router_logits': (3, 5, 4)}
+    """
+    _LOCAL.sowing = getattr(_LOCAL, "sowing", 0) + 1
+    try:
+        out, records = collect_records(fn, model)
+    finally:
+        _LOCAL.sowing -= 1
+    state, sown = _split(records)
+    _hand_out(model, state)
+    return out, {path: value.value for path, value in sown.items()}
+
+
+def _split(records: dict[KeyPath, Any]) -> tuple[dict[KeyPath, Any], dict[KeyPath, Intermediate]]:
+    state = {p: v for p, v in records.items() if not isinstance(v, Intermediate)}
+    return state, {p: v for p, v in records.items() if isinstance(v, Intermediate)}
+
+
+def _hand_out(model: Any, records: dict[KeyPath, Any]) -> None:
+    """Give records of the kind this collector does not return to the collector around it
+    that knows ``model``; with none, layer state warns as uncollected state does (its values
+    are dropped) and intermediates, which nobody asked for, are dropped."""
+    if not records:
+        return
+    if any(id(model) in c.paths for c in collector_stack()):
+        record_in(model, list(records), list(records.values()))
+        return
+    for path in records:
+        if not isinstance(records[path], Intermediate):
+            layer = _parent(model, path)
+            if layer is not None:
+                _warn_uncollected(layer, (tuple(path)[-1].key,))
+
+
+def collect_records(fn: Callable[[Any], Any], model: Any) -> tuple[Any, dict[KeyPath, Any]]:
+    """``(fn(model), records)``: both kinds (layer state, and :class:`Intermediate`s), for a
+    layer that passes its rebuilt copy's records on (``ft.nn.Stack``, ``ft.nn.Remat``)."""
     collector = _Collector(model)
     stack = collector_stack()
     stack.append(collector)
@@ -427,12 +644,15 @@ def _check_traces(collector: _Collector) -> None:
     loss): returned, it would be a leaked tracer in the model. Checked once ``fn`` returned,
     as functree's differentiation check may trace ``fn``'s inside first and then run it
     again, recording the values that stay."""
-    found = inner_trace(collector.updates.values(), collector.trace)
+    found = inner_trace([v.value if isinstance(v, Intermediate) else v for v in collector.updates.values()],
+                        collector.trace)
     if found is None:
         return
     index, trace = found
     path = list(collector.updates)[index]
     transform = transform_name(trace)
+    if isinstance(collector.updates[path], Intermediate):
+        raise ValueError(INTERMEDIATE_INSIDE_TRANSFORM.format(path=path, transform=transform))
     fix = FIX_STATE_IN_VMAP if transform == "jax.vmap" else FIX_STATE_IN_LOOP
     raise ValueError(STATE_INSIDE_TRANSFORM.format(path=path, transform=transform, fix=fix))
 

@@ -16,6 +16,7 @@ task heads and PEFT's LoRA both ways: 2.5e-5 of the magnitude as the other famil
 
 import json
 import os
+import re
 import warnings
 
 import jax
@@ -400,3 +401,18 @@ def test_router_logits_of_a_dropping_port_are_the_dropping_pass():
         np.testing.assert_array_equal(np.asarray(state[path]), np.asarray(plain_state[path]))
     again, _ = ft.nn.collect_state(lambda m: m.router_logits(ids, mask), model)  # the stored key's masks again
     np.testing.assert_array_equal(np.asarray(routed2), np.asarray(again))
+
+
+def test_router_logits_read_from_one_stack_or_refused():
+    """The router logits are the one stack's record (``.model.layers.layers.mlp.router_logits``);
+    a model whose call records none or two is refused naming what it recorded and the
+    collection to write instead (ROUTER_LOGITS_NOT_ONE)."""
+    model = ft.nn.from_hf(transformers.MixtralConfig(**SIZES), key=jax.random.key(0))
+    ids, mask = batch()
+    _, sown = ft.nn.collect_intermediates(lambda m: m(ids, mask), model)
+    assert list(map(str, sown)) == [".model.layers.layers.mlp.router_logits"]
+    two = {**sown, ft.KeyPath.parse(".extra.router_logits"): sown[next(iter(sown))]}
+    for recorded, count in (({}, "0 router logits (none)"), (two, "2 router logits (.model.layers")):
+        with pytest.raises(ValueError, match=re.escape(count)) as error:
+            model._router_logits_of(recorded)
+        assert "ft.nn.collect_intermediates(lambda m: m(ids, mask), model)" in str(error.value)

@@ -40,10 +40,12 @@ import jax
 import numpy as np
 
 from functree._module import field
+from functree._traces import staged
 from functree.hf._family import _values
 from functree.hf._llama import LlamaForCausalLM, MistralForCausalLM
 from functree.hf._options import window
 from functree.nn._moe import SparseMoE, load_balancing_loss
+from functree.nn._remat import collecting
 from functree.nn._state import collect_intermediates
 
 __all__ = ["MixtralForCausalLM", "RoutedExperts", "ExpertNames", "MIXTRAL_EXPERTS", "QWEN_EXPERTS", "OLMOE_EXPERTS",
@@ -230,6 +232,8 @@ class RoutedExperts(_Base):
             return super().__call__(input_ids, attention_mask, positions=positions, cache=cache, key=key)
         if cache is not None:
             raise ValueError(ROUTER_LOGITS_CACHED.format(cls=type(self).__name__))
+        if not staged() and not collecting():  # eager: compiled once per signature, not a scan traced at each call
+            return _routed_call(self, input_ids, attention_mask, positions, key)
         logits, sown = collect_intermediates(
             lambda m: m(input_ids, attention_mask, positions=positions, key=key), self)
         return logits, self._router_logits_of(sown)
@@ -269,6 +273,12 @@ class RoutedExperts(_Base):
             raise ValueError(ROUTER_LOGITS_NOT_ONE.format(cls=type(self).__name__, count=len(found),
                                                           paths=", ".join(map(str, found)) or "none"))
         return sown[found[0]]
+
+
+@jax.jit
+def _routed_call(model: RoutedExperts, input_ids: Any, attention_mask: Any, positions: Any,
+                 key: Any) -> tuple[jax.Array, jax.Array]:
+    return model(input_ids, attention_mask, positions=positions, key=key, router_logits=True)
 
 
 class MixtralForCausalLM(RoutedExperts, MistralForCausalLM):

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -424,10 +425,11 @@ def test_an_eager_router_logits_call_compiles_once():
     second call with new values compiles nothing, and the values equal the jitted call's."""
     model = ft.nn.from_hf(transformers.MixtralConfig(**SIZES), key=jax.random.key(0))
     ids, mask = batch()
-    _mixtral._routed_call.clear_cache()
+    routed_call: Any = _mixtral._routed_call  # (a jax.jit function: its compile cache)
+    routed_call.clear_cache()
     first = model(ids, mask, router_logits=True)
     second = model((ids + 1) % VOCAB, mask, router_logits=True)
-    assert _mixtral._routed_call._cache_size() == 1
+    assert routed_call._cache_size() == 1
     staged = jax.jit(lambda m, i: m(i, mask, router_logits=True))(model, ids)
     for a, b in zip(first, staged):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -50,7 +50,7 @@ CASES = {"default": {}, "top1_window": {"num_experts_per_tok": 1, "sliding_windo
          "every_expert_tied": {"num_experts_per_tok": 4, "tie_word_embeddings": True, "num_key_value_heads": 4}}
 # the attention projections (PEFT's own for mixtral) and the router: PEFT 0.21.2 reads an adapter file
 # on mlp.gate as a Linear's; its own adapters on the router ("gate") or "all-linear" hold
-# target_parameters (gate.weight, the stacked experts), which load_lora refuses by name
+# target_parameters (gate.weight, the stacked experts), which load_lora reads
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate"]
 
 
@@ -295,16 +295,25 @@ def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
     ``save_lora``, PEFT's ``PeftModel.from_pretrained``: PEFT's logits. PEFT's own adapter
     on the attention read by ``load_lora``: PEFT's logits again. PEFT's adapters on the
     router or ``"all-linear"`` (``target_parameters``: the router's weight, the stacked
-    experts) are refused naming ``target_parameters``."""
+    experts, gate_up_proj at twice the rank; tests/test_hf_peft_moe.py in float64) are read
+    with PEFT's logits."""
     written = assert_lora_both_ways(hf_model, tmp_path, LORA_TARGETS, LORA_TARGETS[:4])
     assert {name.rpartition(".")[2] for name in written} == set(LORA_TARGETS) and len(written) == 10
+    ids, mask = batch()
+    real = mask.astype(bool)
     for targets in (["gate"], "all-linear"):
         with warnings.catch_warnings():  # PEFT's own about its rank_pattern for the experts
             warnings.simplefilter("ignore")
             every = peft.get_peft_model(hf_model(6), peft.LoraConfig(r=2, lora_alpha=4, target_modules=targets))
+            with torch.no_grad():
+                for name, p in every.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.3)
             every.save_pretrained(tmp_path / "every")
-        with pytest.raises(ValueError, match="target_parameters="):
-            ft.nn.load_lora(ft.nn.from_hf(hf_model(6)), tmp_path / "every")
+            expected = hf_output(every.eval(), ids, mask, positions=False)
+        loaded = ft.nn.load_lora(ft.nn.from_hf(hf_model(6)), tmp_path / "every")
+        np.testing.assert_allclose(np.asarray(forward(loaded, ids, mask))[real], expected[real], rtol=0,
+                                   atol=FLOAT32 * float(np.abs(expected[real]).max()))
 
 
 def assert_lora_both_ways(make, tmp_path, targets, peft_targets):

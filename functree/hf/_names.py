@@ -34,18 +34,22 @@ from functree.nn._lora import (
     dense_layers,
     member_layer_names,
 )
+from functree.nn._lora_experts import LoraExperts, base_experts
 
 __all__ = ["TorchNames", "torch_names", "hf_names", "classifier_of", "TASK_TYPES"]
 
 
 def unwrapped(model: Any) -> Any:
-    """``model`` with each LoraDense replaced by a Dense of its weight and bias (no merge)."""
+    """``model`` with each LoraDense replaced by a Dense of its weight and bias, each
+    LoraExperts by the Experts of its base weights (no merge)."""
     def one(x: Any) -> Any:
         if isinstance(x, LoraDense):
             return from_fields(Dense, {"weight": x.weight, "bias": x.bias, "activation": x.activation})
+        if isinstance(x, LoraExperts):
+            return base_experts(x)
         return x
 
-    return jax.tree.map(one, model, is_leaf=lambda x: isinstance(x, LoraDense))
+    return jax.tree.map(one, model, is_leaf=lambda x: isinstance(x, (LoraDense, LoraExperts)))
 
 
 class _TorchName(NamedTuple):

@@ -60,6 +60,12 @@ from functree.hf._peft_members import (
     member_arrays,
     written_alpha,
 )
+from functree.hf._peft_params import (
+    EXPERTS_DROPOUT_SAVED,
+    check_params,
+    expert_tensors,
+    loaded_experts,
+)
 from functree.interop._safetensors import load_file, read_header, save_file
 from functree.interop._torch import torch_state_dict
 from functree.nn._lora import (
@@ -69,6 +75,7 @@ from functree.nn._lora import (
     is_dense,
     member_layer_names,
 )
+from functree.nn._lora_experts import LoraParameter, expert_weights, is_experts
 
 __all__ = ["save_lora", "load_lora"]
 
@@ -188,6 +195,7 @@ FIELD_TYPES: dict[str, tuple[Callable[[Any], bool], str, str]] = {
     "use_dora": (_bool, "true or false", "false"),
     "lora_bias": (_bool, "true or false", "false"),
     "bias": (_str, '"none", "all" or "lora_only" (str)', '"none"'),
+    "target_parameters": (_str_list, "a list of parameter names (list of str)", '["experts.gate_up_proj"]'),
 }
 
 
@@ -396,11 +404,11 @@ PICKLED = "adapter_model.bin"  # PEFT's pickled weights (safe_serialization=Fals
 RECORD = "functree.adapter_config"
 RECORDED = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "use_rslora", "target_modules", "exclude_modules",
             "layers_to_transform", "layers_pattern", "modules_to_save", "fan_in_fan_out", "bias", "use_dora",
-            "lora_bias")
+            "lora_bias", "target_parameters")
 # Options whose other values are other kinds of adapter, and the values read here.
 # (PEFT's LoRA variants: the LoraConfig fields marked is_lora_variant; init_lora_weights below.)
 COVERED = (("use_dora", False), ("lora_bias", False), ("bias", "none"), ("layer_replication", None),
-           ("target_parameters", None), ("trainable_token_indices", None), ("alora_invocation_tokens", None),
+           ("trainable_token_indices", None), ("alora_invocation_tokens", None),
            ("use_bdlora", None), ("use_qalora", False), ("velora_config", None), ("monteclora_config", None),
            ("arrow_config", None), ("kasa_config", None))
 # init_lora_weights: the values that only draw lora_A / lora_B (the file's tensors replace them),
@@ -506,7 +514,8 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     if isinstance(modules_to_save, str):
         modules_to_save = [modules_to_save]
     layers = [layer for layer in dense_layers(model) if isinstance(layer.node, LoraDense)]
-    if not layers:
+    experts = [w for w in expert_weights(model) if isinstance(getattr(w.node, w.field), LoraParameter)]
+    if not layers and not experts:
         raise ValueError(NO_ADAPTERS.format(what="ft.nn.save_lora", verb="save"))
     if modules_to_save is None:  # those the loaded adapter saved (load_lora records them)
         modules_to_save = list(dict.fromkeys(m for layer in layers for m in layer.node.saved_modules)) or None
@@ -521,7 +530,11 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
                 raise ValueError(NO_NAME.format(layer=name, torch=kind))
             by_module.setdefault(found.module, []).append((name, a, b, scale))
         dropouts.append(layer.node.dropout)
-    tensors: dict[str, np.ndarray] = {}
+    dropping = [layer for layer in layers if layer.node.dropout > 0]
+    if experts and dropping:  # PEFT's ParamWrapper refuses any lora_dropout
+        raise ValueError(EXPERTS_DROPOUT_SAVED.format(param=experts[0].info.name, dropout=dropping[0].node.dropout,
+                                                      layer=dropping[0].name))
+    tensors, param_ranks, param_alphas = expert_tensors(model) if experts else ({}, {}, {})
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
     blocks: dict[str, list[list[Any]]] = {}
@@ -555,10 +568,12 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
                                                  right="ft.nn.save_lora(ft.nn.merge_lora(...)) or adapt other layers"))
         tensors.update(_full_tensors(module, layer, i, names))
     modules = list(ranks)
+    ranks, alphas = {**ranks, **param_ranks}, {**alphas, **param_alphas}  # expert weights: by parameter name
     r, alpha = _most_common(ranks), _most_common(alphas)  # the others in rank_pattern / alpha_pattern
     config = {
         "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model_name_or_path,
-        "r": r, "lora_alpha": alpha, "lora_dropout": dropouts[0], "target_modules": sorted(modules),
+        "r": r, "lora_alpha": alpha, "lora_dropout": dropouts[0] if dropouts else 0.0,
+        "target_modules": sorted(modules), "target_parameters": sorted(param_ranks) or None,
         "rank_pattern": {re.escape(m): v for m, v in ranks.items() if v != r},
         "alpha_pattern": {re.escape(m): v for m, v in alphas.items() if v != alpha},
         "bias": "none", "fan_in_fan_out": any(not names.members[g[0][0]].transposed for g in by_module.values()),
@@ -1009,13 +1024,25 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
                                                hf_class=type(model).__name__))
     pairs, full, bases, others = _split_tensors(tensors, set(saved), directory)
     _check_base_tensors(model, others, directory)
-    modules = _checked_modules(config, names, pairs, kind, model)
+    by_param: set[str] = set()
+    experts: dict[Any, Any] = {}
+    if config.get("target_parameters"):  # PEFT's ParamWrapper: the expert weights, a Linear's weight
+        # (a Linear's weight [out, in] only: PEFT reads a 2-D parameter so, and a Conv1D's [in, out] otherwise)
+        dense = {n.module for n in names.members.values() if n.weight_param and n.transposed}
+        by_param = check_params(config, model, dense, _targeted(config, names, classifier_of(model)) & dense)
+        adapted = next((w for w in expert_weights(model) if isinstance(getattr(w.node, w.field), LoraParameter)), None)
+        if adapted is not None:
+            raise ValueError(LOAD_ONTO_ADAPTED.format(name=adapted.info.name, directory=directory))
+        experts, used = loaded_experts(model, config, pairs, _pattern_value)
+        pairs = {m: p for m, p in pairs.items() if m not in used}
+    modules = _checked_modules(config, names, pairs, kind, model, by_param)
     _check_base_layers(model, names, bases, modules, directory)
     layers = dense_layers(model)
     inputs = {m: int(layer.node.weight.shape[-2]) for layer in layers for m in member_layer_names(layer)}
     members: dict[str, tuple[str, np.ndarray, np.ndarray, float]] = {}
     for module in modules:
-        members.update(_member_adapters(module, pairs[module], config, names, inputs, blocks.get(module)))
+        members.update(_member_adapters(module, pairs[module], config, names, inputs, blocks.get(module),
+                                        f"{module}.weight" if module in by_param else None))
     wrapped: dict[Any, Any] = {}
     for j, layer in enumerate(layers):
         layer_names = member_layer_names(layer)
@@ -1038,11 +1065,13 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     # The loaded arrays where each layer's weight lives (a model put on device 3 or on a mesh).
     base = {layer.path: layer.node for layer in layers}
     wrapped = {path: placed_like(node, base[path]) if path in base else node for path, node in wrapped.items()}
+    nodes = {w.path: w.node for w in expert_weights(model)}
+    wrapped.update({path: placed_like(node, nodes[path]) for path, node in experts.items()})
 
     def one(path: Any, x: Any) -> Any:
         return wrapped.get(tuple(path), x)
 
-    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x))
+    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x) or is_experts(x))
 
 
 def _check_known_modules(tensors: dict[str, np.ndarray], names: TorchNames, kind: str) -> None:
@@ -1143,10 +1172,17 @@ def _tied_pairs(model: Any) -> list[tuple[str, str]]:
 
 
 def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str, Any], kind: str,
-                     model: Any = None) -> list[str]:
-    """The targeted modules, checked against the file's tensors and the model's Dense layers."""
+                     model: Any = None, by_param: set[str] | None = None) -> list[str]:
+    """The targeted modules, checked against the file's tensors and the model's Dense layers
+    (``by_param``: Dense modules whose weight ``target_parameters`` selects)."""
     dense = {n.module for n in names.members.values() if n.weight_param}
     targets = config.get("target_modules")
+    if config.get("target_parameters"):  # (checked by check_params: it selects something)
+        targeted = _targeted(config, names, classifier_of(model) if model is not None else None) | (by_param or set())
+        if not pairs and not targeted:
+            return []
+        if targets is None:
+            targets = []
     if targets is None:
         ends = sorted({m.rpartition(".")[2] for m in pairs})
         raise ValueError(NO_TARGETS.format(modules=sorted(pairs)[:4] + (["..."] if len(pairs) > 4 else []),
@@ -1156,7 +1192,7 @@ def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str,
         raise _not_dense(targets, unknown, model)
     if unknown:
         raise ValueError(UNKNOWN_MODULE.format(modules=unknown[:4], torch=kind, known=sorted(dense)[:4]))
-    targeted = _targeted(config, names, classifier_of(model) if model is not None else None)
+    targeted = _targeted(config, names, classifier_of(model) if model is not None else None) | (by_param or set())
     if not targeted:
         raise ValueError(NOTHING_TARGETED.format(targets=targets, torch=kind, known=sorted(dense)[:4]))
     stray = sorted(m for m in pairs if m not in targeted)
@@ -1172,7 +1208,7 @@ def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str,
 
 
 def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str, Any], names: TorchNames,
-                     inputs: dict[str, int], recorded: Any = None
+                     inputs: dict[str, int], recorded: Any = None, param: str | None = None
                      ) -> dict[str, tuple[str, np.ndarray, np.ndarray, float]]:
     """``{ft member: (module, a [in, r], b [r, out], scale)}`` of one torch module's adapter:
     a fused module's members share ``A`` and take their rows of ``B``, except in the block
@@ -1182,8 +1218,9 @@ def _member_adapters(module: str, pair: dict[str, np.ndarray], config: dict[str,
     a, b = pair["lora_A"], pair["lora_B"]
     members = sorted(m for m, n in names.members.items() if n.module == module and n.weight_param)
     found = names.members[members[0]]
-    r, rank_key = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", 8))
-    alpha, _ = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
+    matched = param or module  # PEFT matches a target_parameters' Linear weight by its parameter's name
+    r, rank_key = _pattern_value(config.get("rank_pattern") or {}, matched, config.get("r", 8))
+    alpha, _ = _pattern_value(config.get("alpha_pattern") or {}, matched, config.get("lora_alpha", PEFT_DEFAULT_ALPHA))
     n_in = inputs[members[0]]
     if a.ndim != 2 or b.ndim != 2 or a.shape != (r, n_in) or b.shape != (found.size, r):
         wrong = "lora_A" if a.ndim != 2 or a.shape != (r, n_in) else "lora_B"

@@ -49,7 +49,17 @@ from functree._tree import dotted_name, is_none, written_dtype
 from functree._where import placed_like
 from functree.nn._check import check_input
 from functree.nn._linear import Dense, add_bias
+from functree.nn._lora_experts import (
+    EXPERTS_DROPOUT,
+    LoraExperts,
+    LoraParameter,
+    adapted_experts,
+    expert_weights,
+    is_experts,
+    merge_experts,
+)
 from functree.nn._mode import Layer
+from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_state, salted
 
 __all__ = ["LoraDense", "LoraBaseWarning", "lora", "merge_lora", "check_base_untrained", "ADDED_FIELDS"]
@@ -370,11 +380,14 @@ def _child(node: Any, entry: Any) -> Any:
     return node
 
 
-def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, bool]:
+def _selected(model: Any, patterns: tuple[str, ...], what: str,
+              experts: dict[tuple[Any, ...], set[str]] | None = None) -> dict[int, bool]:
     """``{index into dense_layers(model): True}`` for the Dense layers the patterns select (every
     member of a Stack's layer, or an error); errors for patterns selecting nothing or a
-    leaf of another kind."""
+    leaf of another kind. ``experts`` (given: filled) collects the expert weights selected
+    (``{Experts key path: {"gate_up_proj", ...}}``: :mod:`functree.nn._lora_experts`)."""
     layers = dense_layers(model)
+    weights = expert_weights(model) if experts is not None else []
     infos = _naming.leaf_infos(model)
     torch = foreign_names(model).modules
     chosen: dict[int, bool] = {}
@@ -402,6 +415,22 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str) -> dict[int, boo
             owned.update(range(layer.weight, layer.weight + count))
             target = chosen if type(layer.node) is Dense else subclassed  # a subclass: LoraDense would drop its __call__
             target[j] = hit = True
+        for w in weights:  # a sparse MoE's stacked expert weights (PEFT's target_parameters)
+            span = range(w.leaf, w.leaf + w.count)
+            picked = np.any([np.broadcast_to(np.asarray(picks[i]), w.info.sizes).reshape(-1) for i in span], axis=0)
+            if not np.any(picked):
+                continue
+            if isinstance(getattr(w.node, w.field), LoraParameter):
+                raise ValueError(ALREADY_ADAPTED.format(pattern=pattern, name=w.info.name))
+            if not np.all(picked):
+                members = _naming.member_names(w.info)
+                right = ".".join("*" if part.isdigit() else part for part in members[0].split("."))
+                raise ValueError(PART_OF_STACK.format(pattern=pattern, members=list(np.flatnonzero(picked)),
+                                                      n=len(members), layer=w.info.name, right=right))
+            owned.update(span)
+            assert experts is not None
+            experts.setdefault(w.path, set()).add(w.field)
+            hit = True
         for i, p in enumerate(picks):
             if np.any(p) and i not in owned:
                 if any(layer.weight <= i < layer.weight + len(jax.tree.leaves(layer.node, is_leaf=is_none))
@@ -541,15 +570,24 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     dtype = _check_dtype(dtype, "ft.nn.lora")
     assert key is not None
     all_linear = isinstance(pattern, str) and pattern.lower() == ALL_LINEAR
-    chosen = _all_linear(model) if all_linear else _selected(model, patterns, "ft.nn.lora")
+    experts: dict[tuple[Any, ...], set[str]] = {}
+    chosen = _all_linear(model) if all_linear else _selected(model, patterns, "ft.nn.lora", experts)
     layers = dense_layers(model)
-    wrapped = {layer.path: LoraDense(layer.node, rank, alpha, dropout, key=jax.random.fold_in(key, j), dtype=dtype)
-               for j, layer in enumerate(layers) if j in chosen}
+    wrapped: dict[Any, Any] = {
+        layer.path: LoraDense(layer.node, rank, alpha, dropout, key=jax.random.fold_in(key, j), dtype=dtype)
+        for j, layer in enumerate(layers) if j in chosen}
+    if experts and dropout > 0.0:
+        name = next(w.info.name for w in expert_weights(model) if w.field in experts.get(w.path, ()))
+        raise ValueError(EXPERTS_DROPOUT.format(pattern=pattern, name=name, dropout=dropout))
+    for j, (path, fields) in enumerate(experts.items()):
+        node = next(w.node for w in expert_weights(model) if w.path == path)
+        wrapped[path] = adapted_experts(node, tuple(fields), rank, alpha, dtype=dtype,
+                                        key=jax.random.fold_in(key, len(layers) + j))
 
     def one(path: Any, x: Any) -> Any:
         return wrapped.get(tuple(path), x)
 
-    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x))
+    return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x) or is_experts(x))
 
 
 def check_base_untrained(model: Any, wrt: Any, call: str = "ft.optim.Optimizer") -> None:
@@ -559,9 +597,10 @@ def check_base_untrained(model: Any, wrt: Any, call: str = "ft.optim.Optimizer")
     if wrt is not None:
         return
     adapted = [layer for layer in dense_layers(model) if isinstance(layer.node, LoraDense)]
-    if not adapted:
-        return
     names = [layer.info.name for layer in adapted]
+    names += [w.info.name for w in expert_weights(model) if isinstance(getattr(w.node, w.field), LoraParameter)]
+    if not names:
+        return
     shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
     layer = _layer_name(names[0])
     warnings.warn(BASE_TRAINED.format(call=call, adapters=f"{layer}.lora_a, {layer}.lora_b ...",
@@ -588,13 +627,15 @@ def merge_lora(model: Any) -> Any:
       True
     """
     def one(x: Any) -> Any:
+        if isinstance(x, LoraExperts):
+            return merge_experts(x)
         if not isinstance(x, LoraDense):
             return x
-        wide = jnp.promote_types(x.weight.dtype, jnp.float32)
+        wide = statistics_dtype(x.weight.dtype)  # float32, float64 for float64 weights (strict promotion)
         scale = jnp.asarray(x.scale, wide)[..., None, None]  # a Stack's members' own scales: theirs
         delta = jnp.matmul(x.lora_a.astype(wide), x.lora_b.astype(wide)) * scale
         merged = (x.weight.astype(wide) + delta).astype(x.weight.dtype)
         return from_fields(Dense, {"weight": merged, "bias": x.bias, "activation": x.activation})
 
-    return jax.tree.map(one, model, is_leaf=lambda x: isinstance(x, LoraDense))
+    return jax.tree.map(one, model, is_leaf=lambda x: isinstance(x, (LoraDense, LoraExperts)))
 

@@ -1,0 +1,213 @@
+"""LoRA on a sparse MoE's stacked expert weights (PEFT's ``target_parameters``).
+
+``ft.nn.lora(model, "*.experts.gate_up_proj", ...)`` (or ``down_proj``) puts an adapter on an
+:class:`~functree.nn.Experts` weight ``W [E, in, out]``: the selected field becomes a
+:class:`LoraParameter` holding ``weight`` (W), ``lora_a [E, in, r]`` (random) and
+``lora_b [E, r, out]`` (zero), every expert an adapter of its own, and the Experts a
+:class:`LoraExperts`, which computes with the effective weights
+
+    W_e + (alpha / r) A_e B_e          (each expert e)
+
+as PEFT's ``lora.ParamWrapper`` does (it parametrizes the weight with ``W + delta`` and runs
+the base layer): the sparse MoE's grouped, dense and gathered forms read them. Key paths
+follow ``LoraDense``'s: ``mlp.experts.gate_up_proj.weight`` / ``.lora_a`` / ``.lora_b``;
+``wrt="*.lora_*"`` trains the adapters alone; :func:`ft.nn.merge_lora` folds them back
+(plain ``Experts``). PEFT's ParamWrapper has no dropout (it cannot factor ``x`` out of the
+weight), so neither has this (:data:`EXPERTS_DROPOUT`).
+
+PEFT's tensors for a Hugging Face weight ``[E, out, in]`` (transformers 5.25's fused
+``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) are ``lora_A [E r, in]`` (expert-major
+rows: ``lora_A.reshape(E, r, in)[e]`` is expert e's ``A``) and ``lora_B [out, r E]``
+(rank-major columns: ``lora_B.reshape(out, r, E)[..., e]``): :func:`peft_tensors` and
+:func:`from_peft_tensors` convert (``functree/hf/_peft_params.py`` reads and writes the files).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from functree import _naming
+from functree._module import Module, field, from_fields
+from functree._random import flat_key
+from functree._tree import dotted_name, is_none
+from functree._where import placed_like
+from functree.nn._moe import Experts
+from functree.nn._precision import statistics_dtype
+
+__all__ = ["LoraParameter", "LoraExperts", "EXPERT_FIELDS", "EXPERTS_DROPOUT", "adapted_experts", "merge_experts",
+           "peft_tensors", "from_peft_tensors", "ExpertWeight", "expert_weights", "is_experts",
+           "base_experts"]
+
+# The Experts fields an adapter may go on, in the order Hugging Face's experts modules register
+# their parameters (PEFT nests one ParamWrapper per targeted parameter in that order).
+EXPERT_FIELDS = ("gate_up_proj", "down_proj")
+
+EXPERTS_DROPOUT = """\
+ft.nn.lora: the pattern {pattern!r} selects the expert weights {name!r}, and dropout={dropout}: \
+an adapter on a stacked weight changes the weight (W + (alpha/r) A B), not a layer's output, so \
+it has no input of its own to drop (PEFT's lora.ParamWrapper refuses lora_dropout != 0 too). \
+Adapt the expert weights without dropout, in a call of their own:
+    wrong:  ft.nn.lora(model, {pattern!r}, ..., dropout={dropout})
+    right:  model = ft.nn.lora(model, "*.self_attn.[qv]_proj", ..., dropout={dropout}, key=k1)
+            model = ft.nn.lora(model, "*.experts.gate_up_proj", ..., key=k2)   # dropout=0"""
+
+
+class LoraParameter(Module):
+    """A stacked expert weight with a low-rank adapter per expert: ``weight [E, in, out]``,
+    ``lora_a [E, in, r]``, ``lora_b [E, r, out]``; :meth:`merged` is ``W + scale · A B``
+    expert by expert (formed in float32 or wider, cast to the weight's dtype). Indexing it
+    (``p[experts]``) indexes the merged weight: the sparse MoE's gathered form reads it so.
+    ``member_scale``: a Stack member's own scale (PEFT's ``rank_pattern`` / ``alpha_pattern``
+    per layer), as :class:`~functree.nn.LoraDense`'s."""
+
+    __ft_adapter__: ClassVar[str] = "ft.nn.merge_lora(model)"
+
+    weight: jax.Array
+    lora_a: jax.Array
+    lora_b: jax.Array
+    member_scale: jax.Array | None = field(no_derivative=True, default=None)
+    alpha: float = field(static=True, default=8.0)
+
+    @property
+    def rank(self) -> int:
+        """The adapters' inner size ``r`` (per expert)."""
+        return int(self.lora_a.shape[-1])
+
+    @property
+    def scale(self) -> float | jax.Array:
+        """``alpha / r``, or each Stack member's own (:attr:`member_scale`)."""
+        return self.alpha / self.rank if self.member_scale is None else self.member_scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.weight.dtype
+
+    def merged(self) -> jax.Array:
+        """The effective weight ``W + scale · A B`` (``[E, in, out]``), in the weight's dtype."""
+        wide = statistics_dtype(self.weight.dtype)  # float32, float64 for float64 weights
+        scale = jnp.asarray(self.scale, wide)[..., None, None, None]  # a Stack's members' own scales: theirs
+        delta = jnp.matmul(self.lora_a.astype(wide), self.lora_b.astype(wide)) * scale
+        return (self.weight.astype(wide) + delta).astype(self.weight.dtype)
+
+    def __getitem__(self, index: Any) -> jax.Array:
+        return self.merged()[index]
+
+
+class LoraExperts(Experts):
+    """:class:`~functree.nn.Experts` with adapters on ``gate_up_proj`` and/or ``down_proj``
+    (each a :class:`LoraParameter`, or the plain array): every form of the sparse MoE computes
+    with the merged weights, as PEFT's ParamWrapper does (module docstring)."""
+
+    __ft_adapter__: ClassVar[str] = "ft.nn.merge_lora(model)"
+
+    gate_up_proj: Any
+    down_proj: Any
+
+    def merged(self) -> Experts:
+        """The plain :class:`Experts` of the effective weights."""
+        return merge_experts(self)
+
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return self.merged().grouped(rows, group_sizes)
+
+    def every(self, x: jax.Array) -> jax.Array:
+        return self.merged().every(x)
+
+
+def merge_experts(experts: Experts) -> Experts:
+    """``experts`` with each :class:`LoraParameter` folded into its weight: plain ``Experts``."""
+    values = {name: getattr(experts, name) for name in EXPERT_FIELDS}
+    values = {name: v.merged() if isinstance(v, LoraParameter) else v for name, v in values.items()}
+    return from_fields(Experts, {**values, "activation": experts.activation})
+
+
+def base_experts(experts: Experts) -> Experts:
+    """``experts`` without its adapters (each :class:`LoraParameter`'s base weight): plain ``Experts``."""
+    values = {name: getattr(experts, name) for name in EXPERT_FIELDS}
+    values = {name: v.weight if isinstance(v, LoraParameter) else v for name, v in values.items()}
+    return from_fields(Experts, {**values, "activation": experts.activation})
+
+
+def adapted_experts(experts: Experts, names: tuple[str, ...], rank: int, alpha: float, *, key: jax.Array,
+                    dtype: Any = None) -> LoraExperts:
+    """``experts`` with fresh adapters on the fields ``names``: ``lora_a`` uniform in
+    ``±1/sqrt(in)`` (PEFT's default for ``lora_A``, a Linear of ``in`` inputs), ``lora_b`` zero."""
+    values: dict[str, Any] = {name: getattr(experts, name) for name in EXPERT_FIELDS}
+    for j, name in enumerate(EXPERT_FIELDS):
+        if name not in names:
+            continue
+        weight = values[name]
+        lead, (n_in, n_out) = weight.shape[:-2], weight.shape[-2:]
+        kind = weight.dtype if dtype is None else dtype
+        bound = 1.0 / math.sqrt(n_in)
+        a = jax.random.uniform(flat_key(jax.random.fold_in(key, j)), (*lead, n_in, rank), kind, -bound, bound)
+        b = jnp.zeros((*lead, rank, n_out), kind)
+        a, b = placed_like((a, b), weight)
+        values[name] = from_fields(LoraParameter, {"weight": weight, "lora_a": a, "lora_b": b, "member_scale": None,
+                                                   "alpha": float(alpha)})
+    return from_fields(LoraExperts, {**values, "activation": experts.activation})
+
+
+def peft_tensors(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's ``(lora_A [E r, in], lora_B [out, r E])`` of one weight's ``a [E, in, r]`` and
+    ``b [E, r, out]`` (a Hugging Face weight ``[E, out, in]``, transformers' not-transposed
+    experts)."""
+    experts, n_in, r = a.shape
+    n_out = b.shape[-1]
+    lora_a = np.ascontiguousarray(np.transpose(a, (0, 2, 1)).reshape(experts * r, n_in))
+    lora_b = np.ascontiguousarray(np.transpose(b, (2, 1, 0)).reshape(n_out, r * experts))
+    return lora_a, lora_b
+
+
+def from_peft_tensors(lora_a: np.ndarray, lora_b: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of :func:`peft_tensors`: ``(a [E, in, r], b [E, r, out])``."""
+    n_in, n_out = lora_a.shape[1], lora_b.shape[0]
+    r = lora_a.shape[0] // experts
+    a = np.transpose(lora_a.reshape(experts, r, n_in), (0, 2, 1))
+    b = np.transpose(lora_b.reshape(n_out, r, experts), (2, 1, 0))
+    return np.ascontiguousarray(a), np.ascontiguousarray(b)
+
+
+class ExpertWeight(NamedTuple):
+    """One adaptable weight of an Experts node: the node's key path and dotted name, the
+    node, the field, the index of the weight among the model's leaves and that leaf's names."""
+
+    path: tuple[Any, ...]
+    name: str
+    node: Experts
+    field: str
+    leaf: int
+    info: _naming.LeafInfo
+    count: int  # the field's leaves (a LoraParameter's: weight, lora_a, lora_b, member_scale)
+
+
+def is_experts(x: Any) -> bool:
+    return isinstance(x, Experts)
+
+
+def expert_weights(model: Any) -> list[ExpertWeight]:
+    """Every ``gate_up_proj`` / ``down_proj`` of every Experts node of ``model`` (adapted or
+    not), in flatten order."""
+    infos = _naming.leaf_infos(model)
+    pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None or is_experts(x))
+    out, offset = [], 0
+    for path, node in pairs:
+        if not is_experts(node):
+            offset += 1
+            continue
+        inner, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=is_none)
+        for name in EXPERT_FIELDS:
+            at = [i for i, (p, _) in enumerate(inner) if getattr(p[0], "name", None) == name]
+            out.append(ExpertWeight(path, dotted_name(path), node, name, offset + at[0], infos[offset + at[0]],
+                                    len(at)))
+        offset += len(inner)
+    return out

@@ -1,0 +1,253 @@
+"""PEFT's LoRA on a sparse MoE's stacked expert weights (``LoraConfig(target_parameters=...)``,
+PEFT's ``lora.ParamWrapper``) against PEFT 0.21 itself: tiny Mixtral and Qwen3-MoE configs
+with random weights (no download), float64, HF widened (``test_hf_mixtral.widened_moe``: its
+router softmax, rotary and norms in float64), each adapter combined with ``target_modules``
+on the attention. Both directions: PEFT's files read by ``ft.nn.load_lora`` (logits, the
+loss, and the gradient of every lora_A / lora_B PEFT trains, mapped to ours), and
+``ft.nn.save_lora``'s files read by ``PeftModel.from_pretrained``; merged equals unmerged.
+Refusals: what PEFT allows (or refuses) that is not ported, each named.
+"""
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functree as ft
+from functree.hf import _peft_params
+from functree.nn import _lora_experts
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+import test_hf_mixtral as mixtral  # noqa: E402
+import test_hf_qwen3_moe as qwen3_moe  # noqa: E402
+from test_hf_phi import _nonzero_b, batch  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+              # PEFT checks rank_pattern / alpha_pattern against modules only, and warns of a parameter's key it uses
+              pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning")]
+# float64 against HF widened: logits and loss 3e-14 of the largest (measured 2.9e-15), gradients
+# 3e-14 of the largest (measured 2.6e-15)
+WIDENED = 3e-14
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def make(family, seed):
+    hf = (mixtral if family == "mixtral" else qwen3_moe).hf_model(seed, torch.float64)
+    return mixtral.widened_moe(hf)
+
+
+def peft_adapter(family, tmp_path, targets, parameters, **options):
+    """PEFT's own adapter (``get_peft_model``, its B moved off 0) saved to ``tmp_path / "peft"``;
+    returns the PeftModel."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's about its rank_pattern for parameters
+        theirs = peft.get_peft_model(make(family, 6), peft.LoraConfig(
+            r=2, lora_alpha=4, target_modules=targets, target_parameters=parameters, **options))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    theirs.save_pretrained(tmp_path / "peft")
+    return theirs
+
+
+def loss_of(logits, ids, mask):
+    shifted = logits[:, :-1]
+    picked = jnp.take_along_axis(jax.nn.log_softmax(shifted, -1), ids[:, 1:, None], -1)[..., 0]
+    real = (mask[:, :-1] * mask[:, 1:]).astype(picked.dtype)  # a real token predicting a real one
+    return -jnp.sum(picked * real) / jnp.sum(real)
+
+
+def torch_loss(model, ids, mask):
+    logits = model(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long()).logits
+    shifted = torch.log_softmax(logits[:, :-1], -1).gather(-1, torch.from_numpy(ids[:, 1:, None]).long())[..., 0]
+    real = torch.from_numpy(mask[:, :-1] * mask[:, 1:]).to(shifted.dtype)
+    return logits, -(shifted * real).sum() / real.sum()
+
+
+def ours_of_peft_gradients(theirs, model):
+    """PEFT's lora_A / lora_B gradients, as ours: ``{our leaf name: array}`` (a Stack's members
+    stacked; an expert weight's through :func:`from_peft_tensors`, a Linear's transposed)."""
+    flat = ft.to_flat_dict(model)
+    names = {n.rpartition(".")[0] for n in flat if n.endswith(".lora_a")}
+    found = {}
+    for module, layer in theirs.base_model.model.named_modules():
+        if not hasattr(layer, "lora_A") or "default" not in layer.lora_A:
+            continue
+        a, b = layer.lora_A["default"].weight.grad.numpy(), layer.lora_B["default"].weight.grad.numpy()
+        index = int(module.split(".layers.")[1].split(".")[0])
+        if getattr(layer, "parameter_name", "weight") in ("gate_up_proj", "down_proj"):
+            mine = f"model.layers.layers.mlp.experts.{layer.parameter_name}"
+            a, b = _lora_experts.from_peft_tensors(a, b, layer.num_experts)
+        else:
+            mine = next(n for n in names if n.endswith({"q_proj": "query_projection", "gate": "mlp.gate"}[
+                module.rpartition(".")[2]]))
+            a, b = a.T, b.T
+        found.setdefault(f"{mine}.lora_a", {})[index] = a
+        found.setdefault(f"{mine}.lora_b", {})[index] = b
+    out = {}
+    for name, by_layer in found.items():  # a layer of a lower rank: zero-padded to the largest, as ours
+        axis = -1 if name.endswith("lora_a") else -2
+        rank = max(x.shape[axis] for x in by_layer.values())
+        padded = []
+        for i in sorted(by_layer):
+            x = by_layer[i]
+            widths = [(0, 0)] * x.ndim
+            widths[axis] = (0, rank - x.shape[axis])
+            padded.append(np.pad(x, widths))
+        out[name] = np.stack(padded)
+    return out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_peft_s_expert_adapters_are_read_with_its_logits_loss_and_gradients(family, tmp_path):
+    """PEFT's adapter on q_proj (target_modules) and both expert weights (target_parameters;
+    Mixtral's the router too, ``mlp.gate.weight``: a Linear's LoRA; Qwen3-MoE's with another
+    rank and alpha for one layer's down_proj: the members' own ranks, padded, and scales):
+    ``load_lora``'s logits, loss and every adapter gradient are PEFT's; saved again, PEFT
+    reads the same tensors back; merged, the same logits."""
+    parameters = EXPERTS + (["mlp.gate.weight"] if family == "mixtral" else [])
+    options = {} if family == "mixtral" else {
+        "rank_pattern": {r"model\.layers\.1\.mlp\.experts\.down_proj": 3},
+        "alpha_pattern": {r"model\.layers\.1\.mlp\.experts\.down_proj": 7}, "use_rslora": True}
+    theirs = peft_adapter(family, tmp_path, ["q_proj"], parameters, **options)
+    ids, mask = batch()
+    logits, loss = torch_loss(theirs, ids, mask)
+    loss.backward()
+    expected = logits.detach().numpy()
+    real = mask.astype(bool)
+    with jax.enable_x64(True):
+        model = ft.nn.load_lora(ft.nn.from_hf(make(family, 6), dtype=jnp.float64), tmp_path / "peft")
+        assert isinstance(model.model.layers.layers.mlp.experts, _lora_experts.LoraExperts)
+        if family == "qwen3_moe":  # rank 3 for layer 1's down_proj: layer 0's padded, each its own scale
+            down = model.model.layers.layers.mlp.experts.down_proj
+            assert down.rank == 3 and np.allclose(np.asarray(down.member_scale), [4 / 2 ** 0.5, 7 / 3 ** 0.5])
+
+        every = ft.to_flat_dict(model)
+        adapters = {n: v for n, v in every.items() if ".lora_" in n}
+
+        def value(trained):
+            out = ft.from_flat_dict(model, {**every, **trained})(ids, mask)
+            return loss_of(out, jnp.asarray(ids), jnp.asarray(mask)), out
+
+        (mine, out), flat = jax.value_and_grad(value, has_aux=True)(adapters)
+        top = float(np.abs(expected[real]).max())
+        plain = np.asarray(ft.nn.from_hf(make(family, 6), dtype=jnp.float64)(ids, mask))
+        assert np.abs(plain[real] - expected[real]).max() > 1e-3 * top  # the adapter matters
+        np.testing.assert_allclose(np.asarray(out)[real], expected[real], rtol=0, atol=WIDENED * top)
+        np.testing.assert_allclose(float(mine), loss.item(), rtol=WIDENED)
+        peft_grads = ours_of_peft_gradients(theirs, model)
+        assert len(peft_grads) == len([n for n in flat if ".lora_" in n]) == 2 * (1 + len(parameters))
+        largest = max(float(np.abs(g).max()) for g in peft_grads.values())
+        for name, g in peft_grads.items():
+            np.testing.assert_allclose(np.asarray(flat[name]), g, rtol=0, atol=WIDENED * largest, err_msg=name)
+
+        merged = ft.nn.merge_lora(model)
+        assert type(merged.model.layers.layers.mlp.experts) is ft.nn.Experts
+        np.testing.assert_allclose(np.asarray(merged(ids, mask))[real], np.asarray(out)[real], rtol=0,
+                                   atol=WIDENED * top)
+
+        ft.nn.save_lora(model, tmp_path / "again")
+    written = safetensors_numpy.load_file(str(tmp_path / "again" / "adapter_model.safetensors"))
+    original = safetensors_numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert written.keys() == original.keys()
+    for name in original:
+        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    again = peft.PeftModel.from_pretrained(make(family, 6), str(tmp_path / "again")).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(torch_loss(again, ids, mask)[0].numpy()[real], expected[real], rtol=0,
+                                   atol=WIDENED * top)
+
+
+@pytest.mark.parametrize("fields", [EXPERTS, ["experts.down_proj"]])
+def test_ft_lora_on_the_experts_is_read_by_peft(fields, tmp_path):
+    """``ft.nn.lora`` on q_proj and the expert weights (both: PEFT's nested wrappers; or
+    down_proj alone), B moved off 0, ``save_lora``: PEFT's logits are ours; training the
+    adapters alone (``wrt="*.lora_*"``) warns of nothing."""
+    ids, mask = batch()
+    real = mask.astype(bool)
+    with jax.enable_x64(True):
+        base = ft.nn.from_hf(make("mixtral", 5), dtype=jnp.float64)
+        model = _nonzero_b(ft.nn.lora(base, ["*.q_proj", *(f"*.{f}" for f in fields)], rank=2, alpha=4,
+                                      key=jax.random.key(1)))
+        mine = np.asarray(model(ids, mask))
+        for implementation in ("sorted", "gathered"):  # every form of the MoE reads the adapted weights
+            layers = model.model.layers
+            moe = layers.layers.mlp.replace(implementation=implementation)
+            other = model.replace(model=model.model.replace(layers=layers.replace(
+                layers=layers.layers.replace(mlp=moe))))
+            np.testing.assert_allclose(np.asarray(other(ids, mask))[real], mine[real], rtol=0, atol=1e-12)
+        ft.nn.save_lora(model, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == sorted(f"model.layers.{i}.mlp.{f}" for i in (0, 1) for f in fields)
+    theirs = peft.PeftModel.from_pretrained(make("mixtral", 5), str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        expected = torch_loss(theirs, ids, mask)[0].numpy()
+    top = float(np.abs(expected[real]).max())
+    np.testing.assert_allclose(mine[real], expected[real], rtol=0, atol=WIDENED * top)
+
+
+def edited(directory, tensors=None, **changes):
+    """The adapter in ``directory`` with its config's ``changes`` (None: removed) and, where
+    given, its tensors replaced."""
+    path = directory / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+    if tensors is not None:
+        safetensors_numpy.save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+REFUSALS = {
+    "not_ported": ({"target_parameters": ["embed_tokens.weight"]}, _peft_params.PARAMETER_NOT_PORTED),
+    "nothing": ({"target_parameters": ["experts.up_proj"]}, _peft_params.PARAMETERS_SELECT_NOTHING),
+    "dropout": ({"lora_dropout": 0.1}, _peft_params.PARAMETER_OPTION),
+    "fan_in_fan_out": ({"fan_in_fan_out": True}, _peft_params.PARAMETER_OPTION),
+    "rank": ({"r": 3}, _peft_params.PARAMETER_SHAPE),
+    "twice": ({"target_modules": ["q_proj", "gate"], "target_parameters": ["mlp.gate.weight", *EXPERTS]},
+              _peft_params.TARGETED_TWICE),
+    "missing": ("drop", _peft_params.PARAMETER_NOT_IN_FILE),
+}
+
+
+def test_what_is_not_ported_is_refused_naming_it(tmp_path):
+    """Each refusal of an expert-weight adapter, by its message's opening: a parameter of
+    another kind, a selection of nothing, lora_dropout / fan_in_fan_out (PEFT's ParamWrapper
+    refuses both), tensors of another rank, the router targeted twice, a targeted weight
+    without tensors; ft.nn.lora with dropout on the experts, on adapted experts; save_lora
+    of expert adapters beside LoraDense dropout; load_lora onto adapted experts."""
+    peft_adapter("mixtral", tmp_path, ["q_proj"], EXPERTS)
+    original = (tmp_path / "peft" / "adapter_config.json").read_text()
+    tensors = safetensors_numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    base = ft.nn.from_hf(make("mixtral", 6), dtype=jnp.float32)
+    for case, (changes, message) in REFUSALS.items():
+        (tmp_path / "peft" / "adapter_config.json").write_text(original)
+        if changes == "drop":
+            kept = {k: v for k, v in tensors.items() if "layers.1.mlp.experts.base_layer" not in k}
+            directory = edited(tmp_path / "peft", kept)
+        else:
+            directory = edited(tmp_path / "peft", tensors, **changes)
+        with pytest.raises(ValueError, match=message.split(":")[0].split("{")[0][:30]) as caught:
+            ft.nn.load_lora(base, directory)
+        assert "target_parameters" in str(caught.value) or case in ("rank", "missing"), case
+    (tmp_path / "peft" / "adapter_config.json").write_text(original)
+    adapted = ft.nn.load_lora(base, edited(tmp_path / "peft", tensors))
+    with pytest.raises(ValueError, match="holds adapters"):
+        ft.nn.load_lora(adapted, tmp_path / "peft")
+    with pytest.raises(ValueError, match="already"):
+        ft.nn.lora(adapted, "*.experts.gate_up_proj", rank=2, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"dropout=0\.1: an adapter on a stacked weight"):
+        ft.nn.lora(base, ["*.q_proj", "*.experts.*"], rank=2, dropout=0.1, key=jax.random.key(0))
+    dropping = ft.nn.lora(ft.nn.merge_lora(adapted), "*.k_proj", rank=2, dropout=0.1, key=jax.random.key(0))
+    dropping = ft.nn.lora(dropping, "*.experts.down_proj", rank=2, key=jax.random.key(1))
+    with pytest.raises(ValueError, match="refuses any lora_dropout != 0"):
+        ft.nn.save_lora(dropping, tmp_path / "dropping")

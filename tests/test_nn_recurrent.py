@@ -759,3 +759,32 @@ def test_the_stack_hint_reads_torchs_projections():
     with pytest.raises(ValueError, match=r"ft.nn.LSTM\(3, 6, num_layers=2, bidirectional=True, proj_size=2, "
                                          r"batch_first=False, key=k\)"):
         ft.nn.load_torch_state_dict(rnn, torch.nn.LSTM(3, 6, num_layers=2, bidirectional=True, proj_size=2).state_dict())
+
+
+class _GateCell(ft.Module):
+    """A GRU cell recording its input's projection at every step (a recorded intermediate)."""
+
+    gru: ft.nn.GRUCell
+
+    def zero_state(self, batch_shape=()):
+        return self.gru.zero_state(batch_shape)
+
+    def __call__(self, h, x):
+        ft.nn.record_intermediate(self, h_before=h)
+        h, _ = self.gru(h, x)
+        return h, h
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_cells_recorded_intermediates_are_every_steps(reverse):
+    """An RNN's cell records per step; ``collect_intermediates`` gives every step's record,
+    time on axis 0 in the inputs' order (backwards too), not the last step's alone (layer
+    state's rule): the state each step started from, as a Python loop over the cell gives."""
+    rnn = ft.nn.RNN(_GateCell(ft.nn.GRUCell(3, 4, key=jax.random.key(0))), reverse=reverse)
+    xs = jnp.asarray(_normal((2, 5, 3), 1))
+    ys, sown = ft.nn.collect_intermediates(lambda m: m(xs), rnn)
+    h, before = rnn.cell.zero_state((2,)), [None] * 5
+    for t in (reversed if reverse else iter)(range(5)):
+        before[t] = h
+        h, _ = rnn.cell(h, xs[:, t])
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".cell.h_before")], jnp.stack(before), rtol=0, atol=1e-6)

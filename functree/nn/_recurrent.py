@@ -25,7 +25,7 @@ from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, collecting, record_under
 from functree.nn._sequential import takes_key
-from functree.nn._state import apply_state, floating_state
+from functree.nn._state import Intermediate, apply_state, floating_state
 
 __all__ = ["SimpleRNNCell", "GRUCell", "LSTMCell", "LSTMState", "RNN"]
 
@@ -344,7 +344,8 @@ class RNN(Layer):
     ``key=`` gives step ``t`` the key ``jax.random.split(key, time)[t]`` for a cell whose
     ``__call__`` takes ``key=`` (a Dropout inside it); other cells ignore it. Layer state the
     cell records (a BatchNorm in training mode, under ``ft.nn.collect_state``) is
-    collected at the cell's key path. A floating state recorded at every step (running
+    collected at the cell's key path (a recorded intermediate, ``ft.nn.record_intermediate``:
+    every step's, time on axis 0). A floating state recorded at every step (running
     statistics) is updated in turn, each step from the previous step's record, and ends as
     the last step's (time ``T - 1``, or ``0`` with ``reverse=True``): what the same cell
     called step by step in a Python loop inside one ``collect_state`` records, as torch's
@@ -386,7 +387,8 @@ class RNN(Layer):
             raise e.within(self.cell, (Entry(ATTR, "cell"),)) from None
         if paths and steps.shape[0]:  # the last step run: time T - 1, or 0 scanning backwards
             last = 0 if self.reverse else -1
-            record_under(self, "cell", paths, [v[last] for v in values])
+            # layer state: the last step's; a recorded intermediate: every step's, time on axis 0
+            record_under(self, "cell", paths, [v if isinstance(v, Intermediate) else v[last] for v in values])
         ys = jnp.moveaxis(ys, 0, axis)
         return (ys, final) if return_state else ys
 

@@ -783,8 +783,9 @@ def test_a_cells_recorded_intermediates_are_every_steps(reverse):
     rnn = ft.nn.RNN(_GateCell(ft.nn.GRUCell(3, 4, key=jax.random.key(0))), reverse=reverse)
     xs = jnp.asarray(_normal((2, 5, 3), 1))
     ys, sown = ft.nn.collect_intermediates(lambda m: m(xs), rnn)
-    h, before = rnn.cell.zero_state((2,)), [None] * 5
+    h, before, after = rnn.cell.zero_state((2,)), [None] * 5, [None] * 5
     for t in (reversed if reverse else iter)(range(5)):
         before[t] = h
-        h, _ = rnn.cell(h, xs[:, t])
+        h, after[t] = rnn.cell(h, xs[:, t])
     np.testing.assert_allclose(sown[ft.KeyPath.parse(".cell.h_before")], jnp.stack(before), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ys, jnp.stack(after, axis=1), rtol=0, atol=1e-6)

@@ -148,7 +148,7 @@ class Stack(Layer):
     ``x_{i+1} = member_i(x_i, *args, **kwargs)`` for ``i = 0..n-1`` with ``jax.lax.scan``:
     each member maps ``x`` to the same shape and dtype; ``key=`` is split into one key per
     member for blocks that take one (Dropout); layer state (BatchNorm) is collected per
-    member. ``remat=True`` (or a ``jax.checkpoint_policies`` name, or a policy) recomputes
+    member, and recorded intermediates (``ft.nn.record_intermediate``) are stacked: ``[n, ...]``. ``remat=True`` (or a ``jax.checkpoint_policies`` name, or a policy) recomputes
     each block in the backward pass instead of storing its activations. Called eagerly
     (outside ``jax.jit``), the scan compiles once per structure and signature of its
     inputs and per value of what the blocks' Python reads, not at every call: each eager

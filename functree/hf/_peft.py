@@ -491,6 +491,11 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
     for it, and its users list the new head in ``modules_to_save``) is written whole where
     None is given and the classifier holds no adapters.
 
+    Adapters on a sparse MoE's expert weights (``ft.nn.lora(model, "*.experts.gate_up_proj",
+    ...)``) are written as PEFT's ``target_parameters`` (:mod:`functree.hf._peft_params`:
+    ``lora_A [E r, in]``, ``lora_B [out, r E]``, the parameters' full names listed, their
+    ranks and alphas by those names in ``rank_pattern`` / ``alpha_pattern``).
+
     The adapters alone are written, not the weights under them: train them alone
     (``ft.optim.Optimizer(tx, wrt="*.lora_*")``; an optimizer without ``wrt=`` warns,
     :class:`~functree.nn.LoraBaseWarning`), or merge and write the whole model
@@ -985,7 +990,9 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     the list (``LoraDense.saved_modules``) for :func:`save_lora`; an entry naming no module
     of the model is skipped, as PEFT skips it. A Stack member the config does not target
     gets zero adapters. ``key`` seeds the adapters' dropout masks (needed only to train with
-    dropout).
+    dropout). ``target_parameters`` (PEFT's ``lora.ParamWrapper``): a sparse MoE's expert
+    weights get PEFT's per-expert adapters (:mod:`functree.hf._peft_params`), a Linear's weight
+    (the router's ``mlp.gate.weight``) that Dense layer's; any other parameter is refused.
 
     Refused, naming the tensor or option: a config and a file that disagree (tensors of
     modules not targeted, targeted modules without tensors, ranks other than the config's,
@@ -1077,7 +1084,8 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
 def _check_known_modules(tensors: dict[str, np.ndarray], names: TorchNames, kind: str) -> None:
     """Raise :data:`UNKNOWN_MODULE` where the file's adapters name modules this model has not
     (a Llama adapter's q_proj on a GPT-2)."""
-    adapted = {m[1] for name in tensors if (m := re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.lora_[AB]\b.*", name))}
+    adapted = {re.sub(r"(\.base_layer)+$", "", m[1])  # (PEFT's nested ParamWrappers: the module's own)
+               for name in tensors if (m := re.fullmatch(rf"{re.escape(PREFIX)}(.*)\.lora_[AB]\b.*", name))}
     unknown = sorted(m for m in adapted if m not in names.modules)
     if unknown:
         dense = sorted({n.module for n in names.members.values() if n.weight_param})

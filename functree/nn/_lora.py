@@ -544,7 +544,10 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     selection; train the head whole, ``wrt=["*.lora_*", "score.*"]``, and ``ft.hf.save_lora``
     writes it in ``modules_to_save``). Inside a ``Stack`` every member gets
     adapters (stacked with the members). ``dropout`` drops the adapters' input in training
-    mode; ``dtype`` is the adapters' (default: the weight's). A pattern selecting no Dense
+    mode; ``dtype`` is the adapters' (default: the weight's). A sparse MoE's stacked expert
+    weights (``"*.experts.gate_up_proj"``, ``"*.experts.down_proj"``) take an adapter per
+    expert, as PEFT's ``target_parameters`` (a :class:`~functree.nn._lora_experts.LoraExperts`;
+    no dropout: PEFT's ParamWrapper has none). A pattern selecting no Dense
     layer, a leaf of another layer, a Dense already adapted or only some members of a Stack
     raises, naming it.
 

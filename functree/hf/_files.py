@@ -592,6 +592,17 @@ def _qwen3_layer_types(values: Mapping[str, Any]) -> list[str] | None:
     return ["sliding_attention" if size is not None and i >= first else "full_attention" for i in range(layers)]
 
 
+def _qwen2_moe_layer_types(values: Mapping[str, Any]) -> list[str] | None:
+    """Qwen2MoeConfig's ``layer_types`` when none is given: where ``use_sliding_window``, the
+    even layers below ``max_window_layers`` sliding (``(i + 1) % 2``: its own rule, not
+    Qwen2's), every other layer full."""
+    layers, last = values.get("num_hidden_layers"), values.get("max_window_layers")
+    if not isinstance(layers, int) or not isinstance(last, int):
+        return None
+    on = bool(values.get("use_sliding_window"))
+    return ["sliding_attention" if on and (i + 1) % 2 and i < last else "full_attention" for i in range(layers)]
+
+
 def _ministral_layer_types(values: Mapping[str, Any]) -> list[str] | None:
     """MinistralConfig's ``layer_types`` when none is given: every layer sliding where
     ``sliding_window`` is set, every layer full where it is null."""
@@ -701,6 +712,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "num_local_experts": 128, "norm_topk_prob": False, "output_router_logits": False,
         "router_aux_loss_coef": 0.001, "mlp_only_layers": Derived(None, lambda values: []), "pad_token_id": None,
         "bos_token_id": None, "eos_token_id": None},
+    # Qwen2MoeConfig: no head_dim field (its attention reads config.json's, else hidden / heads), num_experts
+    # (no attribute_map), qkv_bias; its sliding_window is 0 unless use_sliding_window (read here as null)
+    "qwen2_moe": {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": Derived(16, _heads), "hidden_act": "silu",
+        "max_position_embeddings": 32768, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True,
+        "tie_word_embeddings": False, "rope_parameters": None, "use_sliding_window": False, "sliding_window": 4096,
+        "max_window_layers": 28, "attention_dropout": 0.0, "decoder_sparse_step": 1, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4, "num_experts": 60,
+        "norm_topk_prob": False, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        "mlp_only_layers": Derived(None, lambda values: []), "qkv_bias": True,
+        "layer_types": Derived(None, _qwen2_moe_layer_types), "pad_token_id": None, "bos_token_id": None,
+        "eos_token_id": None},
     # OlmoeConfig: num_local_experts read as num_experts (its attribute_map: ALIASES), no head_dim field
     "olmoe": {
         "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 2048, "num_hidden_layers": 16,
@@ -911,6 +935,7 @@ NULL_ALLOWED: dict[str, frozenset[str]] = {"llama": frozenset({"pretraining_tp",
                                            "ministral": frozenset({"sliding_window"}),
                                            "qwen3": frozenset({"sliding_window"}),
                                            "qwen3_moe": frozenset({"sliding_window"}),
+                                           "qwen2_moe": frozenset({"sliding_window"}),
                                            "phi": frozenset({"attention_dropout"}),
                                            "gemma2": frozenset({"attention_dropout", "sliding_window",
                                                                 "final_logit_softcapping", "attn_logit_softcapping"}),
@@ -1158,7 +1183,7 @@ def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -
     for key, default in DEFAULTS[model_type].items():  # the row's Derived fields
         if isinstance(default, Derived) and values.get(key) is None:
             values[key] = default.rule(values)
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):  # (their configs null the window unless use_sliding_window)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):  # (their configs null the window unless use_sliding_window)
         values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else None
         if model_type == "qwen2" and values.get("layer_types") is None:
             values["layer_types"] = [

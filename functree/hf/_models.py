@@ -1,7 +1,7 @@
 """The model classes :func:`ft.hf.from_hf` builds out of ``ft.nn`` layers, one module per
 architecture: GPT-2 (:mod:`._gpt2`), Llama and the families built like it, Qwen2,
 Mistral, Ministral, Gemma, Phi-3, OLMo, Qwen3, OLMo2, Gemma 2 and Gemma 3 (:mod:`._llama`), Granite
-(:mod:`._granite`), SmolLM3 (:mod:`._smollm3`), GPT-NeoX (:mod:`._neox`), Phi (:mod:`._phi`), Mixtral (:mod:`._mixtral`), Qwen3-MoE (:mod:`._qwen3_moe`), OLMoE (:mod:`._olmoe`), OPT
+(:mod:`._granite`), SmolLM3 (:mod:`._smollm3`), GPT-NeoX (:mod:`._neox`), Phi (:mod:`._phi`), Mixtral (:mod:`._mixtral`), Qwen3-MoE (:mod:`._qwen3_moe`), OLMoE (:mod:`._olmoe`), Qwen2-MoE (:mod:`._qwen2_moe`), OPT
 (:mod:`._opt`), BERT (:mod:`._bert`), RoBERTa (:mod:`._roberta`) and DistilBERT (:mod:`._distilbert`); what they share is :mod:`._causal` (the
 calls) and :mod:`._family` (a family as one class, and the table of families).
 
@@ -46,6 +46,7 @@ from functree.hf._phi import PhiDecoderLayer, PhiForCausalLM, PhiMLP, PhiModel
 from functree.hf._mixtral import MixtralForCausalLM
 from functree.hf._qwen3_moe import Qwen3MoeForCausalLM
 from functree.hf._olmoe import OlmoeForCausalLM
+from functree.hf._qwen2_moe import Qwen2MoeForCausalLM
 from functree.hf._opt import OPT_OFFSET, OPTDecoder, OPTDecoderLayer, OPTForCausalLM, OPTModel
 from functree.hf._bert import BERT_RENAME, BertEmbeddings, BertEncoder, BertLayer, BertModel
 from functree.hf._roberta import RobertaModel, XLMRobertaModel
@@ -55,7 +56,7 @@ from functree.hf._causal import check_token_ids
 
 __all__ = ["GPT2LMHeadModel", "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "MinistralForCausalLM",
            "GemmaForCausalLM", "Phi3ForCausalLM", "OlmoForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
-           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "GraniteDecoderLayer", "SmolLM3ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "OPTForCausalLM", "BertModel",
+           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GraniteForCausalLM", "GraniteDecoderLayer", "SmolLM3ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "OPTForCausalLM", "BertModel",
            "GPT2Model", "GPT2Block", "GPT2MLP", "LlamaModel", "LlamaDecoderLayer", "LlamaMLP", "Phi3MLP",
            "GemmaRMSNorm", "GPTNeoXModel", "GPTNeoXLayer", "GPTNeoXMLP", "PhiModel", "PhiDecoderLayer", "PhiMLP", "OPTModel", "OPTDecoder",
            "OPTDecoderLayer", "OPT_OFFSET", "BertEmbeddings", "BertLayer", "BertEncoder", "BERT_RENAME",

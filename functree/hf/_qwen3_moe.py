@@ -40,21 +40,24 @@ from functree.hf._options import window
 __all__ = ["Qwen3MoeForCausalLM", "DENSE_LAYERS"]
 
 DENSE_LAYERS = """\
-ft.nn.from_hf: the qwen3_moe config has {key}={value}, which makes layer(s) {layers} of \
-{count} a dense MLP (Hugging Face's Qwen3MoeMLP: a layer is sparse where it is not in \
+ft.nn.from_hf: the {model_type} config has {key}={value}, which makes layer(s) {layers} of \
+{count} a dense MLP (Hugging Face's {mlp}: a layer is sparse where it is not in \
 mlp_only_layers, num_experts > 0 and (layer + 1) % decoder_sparse_step == 0); this port's \
 blocks are one stack of identical sparse layers, so a model mixing dense and sparse layers \
-is not covered (Qwen3-MoE's released checkpoints are every layer sparse).
+is not covered ({family}'s released checkpoints are every layer sparse).
 
     wrong:  "{key}": {value_json}
-    right:  "{key}": {fix}     # every layer sparse: the checkpoint's own config (Qwen3-30B-A3B's)
+    right:  "{key}": {fix}     # every layer sparse: the checkpoint's own config ({example}'s)
 """
 
-_FIXES = {"mlp_only_layers": "[]", "decoder_sparse_step": "1", "num_experts": "128"}
+_FIXES = {"mlp_only_layers": "[]", "decoder_sparse_step": "1"}
 
 
-def check_every_layer_sparse(config: Any) -> None:
-    """Every layer a sparse MoE, as HF's ``Qwen3MoeDecoderLayer`` decides (else :data:`DENSE_LAYERS`)."""
+def check_every_layer_sparse(config: Any, *, model_type: str = "qwen3_moe", mlp: str = "Qwen3MoeMLP",
+                             family: str = "Qwen3-MoE", example: str = "Qwen3-30B-A3B", experts_fix: int = 128) -> None:
+    """Every layer a sparse MoE, as HF's ``Qwen3MoeDecoderLayer`` decides (else :data:`DENSE_LAYERS`,
+    naming the family's model type, dense MLP class, checkpoints and their ``num_experts``:
+    Qwen2-MoE's decoder layer decides alike)."""
     layers, experts = config.num_hidden_layers, config.num_local_experts
     only, step = list(getattr(config, "mlp_only_layers", None) or []), config.decoder_sparse_step
     if isinstance(step, bool) or not isinstance(step, int) or step == 0:  # (HF's: a ZeroDivisionError)
@@ -65,8 +68,10 @@ def check_every_layer_sparse(config: Any) -> None:
         return
     key, value = ("num_experts", experts) if not isinstance(experts, int) or experts <= 0 else \
         ("mlp_only_layers", only) if any(i in only for i in dense) else ("decoder_sparse_step", step)
+    fix = _FIXES.get(key, str(experts_fix))
     raise ValueError(DENSE_LAYERS.format(key=key, value=value, value_json=json.dumps(value), layers=dense,
-                                         count=layers, fix=_FIXES[key]))
+                                         count=layers, fix=fix, model_type=model_type, mlp=mlp, family=family,
+                                         example=example))
 
 
 class Qwen3MoeForCausalLM(RoutedExperts, Qwen3ForCausalLM):

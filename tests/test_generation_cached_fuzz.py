@@ -99,13 +99,16 @@ CONFIGS = {
                   "use_sliding_window": True, "sliding_window": WINDOW},
     # q/k norms over the whole projections, clip_qkv, 4 experts, top-2 renormalized
     "olmoe": {**LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 1.5, "norm_topk_prob": True},
+    # a shared expert gated per token, 4 experts of 16, top-2 kept; Qwen2-MoE's windows: layer 0 sliding, layer 1 full
+    "qwen2_moe": {**LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 24, "use_sliding_window": True, "sliding_window": WINDOW},
     "opt": {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "max_position_embeddings": 64, "word_embed_proj_dim": 32},
 }
 FAMILIES = sorted(CONFIGS)
 LONG = 2 * WIDTH - 1  # a prompt width in the next bucket (16): a longer cache
 LONGEST = LONG + 2 * NEW  # the uncached loop's one width
-WINDOWED = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "mixtral", "qwen3_moe")
+WINDOWED = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "smollm3", "mixtral", "qwen3_moe", "qwen2_moe")
 
 
 @functools.cache
@@ -284,8 +287,8 @@ def test_bucketed_sizes_give_the_exact_sizes_tokens(family, prompt, new, eos):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_sliding_window_prompts_longer_than_the_window(family):
-    """Mistral, Qwen2, SmolLM3, Mixtral and Qwen3-MoE (every layer), Qwen3 (its second layer), Gemma 2 and Gemma 3
-    (their first) attend the last 3 positions: prompts
+    """Mistral, Qwen2, SmolLM3, Mixtral and Qwen3-MoE (every layer), Qwen3 (its second layer), Gemma 2, Gemma 3
+    and Qwen2-MoE (their first) attend the last 3 positions: prompts
     of 6 and 4 real tokens (one left-padded) and 6 new tokens, cached, equal HF's cached
     generate (its sliding-window cache layers) and functree's uncached loop."""
     hf, model = lm(family)

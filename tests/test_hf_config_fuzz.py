@@ -468,8 +468,30 @@ def olmoe(draw):  # Llama's keys (llama_like's draw) but head_dim (HF's q_norm: 
     return c
 
 
+@st.composite
+def qwen2_moe(draw):  # Llama's keys (llama_like's draw), 1 to 4 experts and a shared expert, qkv_bias, its windows
+    c = draw(llama_like("qwen2_moe"))
+    experts = draw(st.integers(1, 4))
+    c["num_experts"], c["num_experts_per_tok"] = experts, draw(st.integers(1, experts))
+    c["moe_intermediate_size"] = draw(st.sampled_from((8, 16)))  # (float16 grouped_mm: rows of 16 bytes)
+    c["shared_expert_intermediate_size"] = draw(st.sampled_from((8, 16, 24)))
+    c["norm_topk_prob"] = draw(st.booleans())
+    if draw(st.booleans()):
+        c["qkv_bias"] = draw(st.booleans())
+    if draw(st.booleans()):  # Qwen2MoeConfig's layer_types: the even layers below max_window_layers slide
+        c["use_sliding_window"], c["sliding_window"] = True, draw(st.sampled_from((2, 3, 5, 64)))
+        c["num_hidden_layers"] = draw(st.integers(1, 3))
+        c["max_window_layers"] = draw(st.sampled_from((0, 1, 2, 28)))
+        if draw(st.booleans()):
+            c["layer_types"] = [draw(st.sampled_from(("full_attention", "sliding_attention")))
+                                for _ in range(c["num_hidden_layers"])]
+    if draw(st.booleans()):
+        c["router_aux_loss_coef"] = draw(st.sampled_from((0.0, 0.02)))
+    return c
+
+
 STRATEGIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "phi": phi, "mixtral": mixtral, "qwen3_moe": qwen3_moe,
-              "olmoe": olmoe, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
+              "olmoe": olmoe, "qwen2_moe": qwen2_moe, "opt": opt, "bert": bert, "roberta": roberta, "xlm-roberta": roberta,
               "distilbert": distilbert,
               **{t: (lambda t=t: llama_like(t)) for t in ("llama", "qwen2", "mistral", "gemma", "phi3", "olmo", "qwen3",
                                                           "olmo2", "gemma2", "gemma3_text", "granite", "smollm3")}}

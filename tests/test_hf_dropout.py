@@ -40,7 +40,8 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attenti
 # The families of configs(), written out: collection reads no transformers config class (building
 # them all imported each family's module at collection, ~3.4 s in every xdist worker).
 FAMILIES = ["gpt2", "bert", "opt", "gpt_neox", "gpt_neox_sequential", "llama", "qwen2", "mistral", "gemma", "phi3",
-            "qwen3", "olmo2", "gemma2", "ministral", "gemma3_text", "phi", "distilbert", "mixtral", "qwen3_moe", "olmoe"]
+            "qwen3", "olmo2", "gemma2", "ministral", "gemma3_text", "phi", "distilbert", "mixtral", "qwen3_moe", "olmoe",
+            "qwen2_moe"]
 ENCODERS = ("bert", "distilbert")
 
 
@@ -91,6 +92,9 @@ def configs(on=True):
         "qwen3_moe": transformers.Qwen3MoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D,
                                                  attention_dropout=r(0.2)),
         "olmoe": transformers.OlmoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2, attention_dropout=r(0.2)),
+        # the attention weights' alone (HF's block, the shared expert too, has no dropout)
+        "qwen2_moe": transformers.Qwen2MoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=D,
+                                                 shared_expert_intermediate_size=D, attention_dropout=r(0.2)),
     }
     assert list(built) == FAMILIES, (list(built), FAMILIES)
     return built
@@ -188,7 +192,7 @@ HF_CALLS = {"gpt2": {0.1: 1, 0.2: 2, 0.3: 4}, "bert": {0.15: 5, 0.25: 2}, "opt":
             "gpt_neox": {0.2: 5, 0.1: 2}, "gpt_neox_sequential": {0.2: 5, 0.1: 2}, "llama": {0.2: 2},
             "phi3": {0.1: 2, 0.2: 4}, "olmo2": {0.2: 2}, "gemma2": {0.2: 2}, "gemma3_text": {0.2: 2},
             "phi": {0.3: 1, 0.1: 2, 0.2: 4}, "distilbert": {0.15: 3, 0.25: 2}, "mixtral": {0.2: 2},
-            "qwen3_moe": {0.2: 2}, "olmoe": {0.2: 2}}
+            "qwen3_moe": {0.2: 2}, "olmoe": {0.2: 2}, "qwen2_moe": {0.2: 2}}
 
 
 @pytest.mark.parametrize("family", list(HF_CALLS))
@@ -210,7 +214,7 @@ def test_training_equals_hf_train_on_the_same_masks(family, same_masks):
 # ---- 5. gradients on the same masks: HF's backward ------------------------------------------------
 
 @pytest.mark.parametrize("family", ["gpt2", "bert", "opt", "gpt_neox", "llama", "phi3", "phi", "distilbert",
-                                    "mixtral", "qwen3_moe", "olmoe"])
+                                    "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_gradients_equal_hf_backward_on_the_same_masks(family, same_masks):
     hf = hf_model(configs()[family])
     model = ft.nn.training(ft.nn.from_hf(hf, dropout=True, key=jax.random.key(0)))
@@ -520,7 +524,7 @@ def test_a_rate_for_a_source_of_unknown_family_lists_each_family_s_fields(tmp_pa
         ft.nn.from_hf(tmp_path, dropout=0.05, key=jax.random.key(0))  # pyright: ignore[reportArgumentType]  # refused
     message = str(info.value)
     assert re.search(r"config\.attention_dropout = 0\.05 +# llama, qwen2, mistral, ministral, gemma, olmo, qwen3, olmo2, gemma2, gemma3_text, "
-                     r"granite, smollm3, mixtral, qwen3_moe, olmoe\n", message)
+                     r"granite, smollm3, mixtral, qwen3_moe, olmoe, qwen2_moe\n", message)
     assert re.search(r"config\.hidden_dropout_prob = config\.attention_probs_dropout_prob = 0\.05 +# bert", message)
     config = configs(on=False)["llama"]  # the llama line and the call, as written
     code = [line for line in _or_lines(info.value).splitlines() if line in ("config.attention_dropout = 0.05",)

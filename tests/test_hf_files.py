@@ -70,6 +70,13 @@ CONFIGS = {
     "olmoe": [{}, {"num_experts": 4, "num_experts_per_tok": 1, "norm_topk_prob": True, "clip_qkv": 8.0,
                    "num_key_value_heads": 4, "router_aux_loss_coef": 0.02},
               {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 1234.0}],
+    # Qwen1.5-MoE-A2.7B's defaults (60 experts, top-4 kept, a shared expert); its windows (the even layers below
+    # max_window_layers), renormalized top-1, no qkv bias, head_dim; an older rope_scaling, a dense layer past the last
+    "qwen2_moe": [{}, {"num_experts": 4, "num_experts_per_tok": 1, "norm_topk_prob": True, "use_sliding_window": True,
+                       "sliding_window": 4096, "max_window_layers": 5, "moe_intermediate_size": 64,
+                       "shared_expert_intermediate_size": 96, "qkv_bias": False, "head_dim": 64,
+                       "router_aux_loss_coef": 0.02},
+                  {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 1234.0, "mlp_only_layers": [99]}],
     "opt": [{}, {"word_embed_proj_dim": None, "hidden_size": 64, "num_attention_heads": 4, "ffn_dim": 128, "enable_bias": False},
             {"do_layer_norm_before": False, "word_embed_proj_dim": 32, "hidden_size": 64, "num_attention_heads": 4},  # OPT-350m's
             {"_remove_final_layer_norm": True, "word_embed_proj_dim": 64, "layer_norm_elementwise_affine": False}],

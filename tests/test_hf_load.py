@@ -341,10 +341,10 @@ def test_uncovered_config_options():
 
 
 @pytest.mark.parametrize("family, field", [("mistral", "attention_bias"), ("phi3", "attention_bias"),
-                                           ("qwen2", "mlp_bias")])
+                                           ("qwen2", "mlp_bias"), ("qwen2_moe", "mlp_bias")])
 def test_bias_switches_the_hf_class_does_not_read(family, field):
-    """Mistral, Phi-3 and Qwen2 fix their biases whatever ``attention_bias`` / ``mlp_bias``
-    say (a file saved from them has none); the port built biased layers and then refused
+    """Mistral, Phi-3, Qwen2 and Qwen2-MoE (``qkv_bias`` its switch) fix their biases whatever
+    ``attention_bias`` / ``mlp_bias`` say (a file saved from them has none); the port built biased layers and then refused
     HF's own files as missing tensors."""
     config = FAMILIES[family]()
     setattr(config, field, True)
@@ -566,6 +566,10 @@ FAMILIES = {
     # q/k norms over the whole projections, clip_qkv, 4 experts, top-2 renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2, clip_qkv=1.5,
                                               norm_topk_prob=True),
+    # the shared expert gated per token, 4 experts of their own size, top-2 kept, Qwen2-MoE's windows (layer 0 slides)
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                                     use_sliding_window=True, sliding_window=WINDOW),
     "opt": lambda: transformers.OPTConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
                                           ffn_dim=2 * D, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
                                           pad_token_id=1),
@@ -651,12 +655,12 @@ def test_a_llama_like_family_is_one_subclass(llama_variant):
 def test_every_family_is_its_class():
     """FAMILIES maps each model type to its class (a class's name is its HF class's), in the order defined."""
     assert list(_hf.FAMILIES) == ["gpt2", "llama", "qwen2", "mistral", "ministral", "gemma", "phi3", "olmo", "qwen3",
-                                  "olmo2", "gemma2", "gemma3_text", "granite", "smollm3", "gpt_neox", "phi", "mixtral", "qwen3_moe", "olmoe", "opt", "bert", "roberta",
+                                  "olmo2", "gemma2", "gemma3_text", "granite", "smollm3", "gpt_neox", "phi", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "opt", "bert", "roberta",
                                   "xlm-roberta", "distilbert"]
     for model_type, family in _hf.FAMILIES.items():  # a class added after the split keeps its module's name
         later = {"granite": "functree.hf._granite", "smollm3": "functree.hf._smollm3", "phi": "functree.hf._phi",
                  "mixtral": "functree.hf._mixtral", "qwen3_moe": "functree.hf._qwen3_moe",
-                 "olmoe": "functree.hf._olmoe", "roberta": "functree.hf._roberta",
+                 "olmoe": "functree.hf._olmoe", "qwen2_moe": "functree.hf._qwen2_moe", "roberta": "functree.hf._roberta",
                  "xlm-roberta": "functree.hf._roberta", "distilbert": "functree.hf._distilbert"}.get(
                      model_type, "functree.hf._llama")
         home = "functree.nn._hf_models" if family in _hf_models.RECORDED else later

@@ -43,6 +43,9 @@ CONFIGS = {
     "Qwen3Moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=4, num_experts=4, num_experts_per_tok=2,
                                                     moe_intermediate_size=8,
                                                     experts_implementation="eager"),
+    # biased q/k/v, 4 experts of 8, top-2 kept, a shared expert gated per token (its QA body is "model", as Mistral's)
+    "Qwen2Moe": lambda: transformers.Qwen2MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                                    shared_expert_intermediate_size=8, experts_implementation="eager"),
     "GPT2": lambda: transformers.GPT2Config(vocab_size=24, n_embd=16, n_layer=1, n_head=4, n_positions=16,
                                             pad_token_id=PAD, bos_token_id=0, eos_token_id=0),
     "GPTNeoX": lambda: transformers.GPTNeoXConfig(vocab_size=24, hidden_size=16, intermediate_size=32,

@@ -9,7 +9,7 @@ test_hf_mixtral's checks (its helpers): float64 logits as HF computes (float32 r
 rotary, RMSNorm: 1e-6 of their magnitude) and against HF widened (float64 rounding), the loss
 with the load-balancing term and every gradient (the shared expert's too), float32 from every
 source (the Hub's per-expert ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` too), HF's greedy
-tokens through the KV cache, PEFT's LoRA both ways: 2.5e-5 of the magnitude.
+tokens through the KV cache, the task heads, PEFT's LoRA both ways: 2.5e-5 of the magnitude.
 """
 
 import json
@@ -33,6 +33,7 @@ from test_hf_mixtral import (  # noqa: E402
     assert_loads_from_every_source,
     assert_lora_both_ways,
     assert_loss_and_gradients_are_hfs,
+    assert_task_head_is_hfs,
     per_expert,
     widened_moe,
 )
@@ -52,11 +53,11 @@ CASES = {"kept": {},
                                         "num_key_value_heads": 4}}
 
 
-def hf_model(seed=0, dtype=torch.float32, **changes):
+def hf_model(seed=0, dtype=torch.float32, cls="Qwen2MoeForCausalLM", **changes):
     torch.manual_seed(seed)
     if dtype == torch.float64:  # HF's CPU default, grouped_mm, takes float32 and narrower only
         changes = {**changes, "experts_implementation": "eager"}
-    hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{**SIZES, **changes})).to(dtype)
+    hf = getattr(transformers, cls)(transformers.Qwen2MoeConfig(**{**SIZES, **changes})).to(dtype)
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -104,7 +105,7 @@ def test_loads_from_every_source_exports_and_generates_as_hf(tmp_path):
     model = ft.nn.from_hf(written, key=jax.random.key(0))
     np.testing.assert_array_equal(np.asarray(model.model.layers.layers.self_attn.member_window), [6, 0, 6])
     off = ft.nn.from_hf({**written, "use_sliding_window": False}, key=jax.random.key(0))  # HF's window 0: none
-    assert off.model.layers.layers.self_attn.window is None and off.hf_config["sliding_window"] is None
+    assert off.model.layers.layers.self_attn.window is None and off.hf_config["sliding_window"] == 0
 
 
 def test_router_logits_and_aux_loss_in_one_pass():
@@ -140,6 +141,13 @@ def test_shared_expert_block_is_hfs_alone():
     np.testing.assert_allclose(np.asarray(logits), router, rtol=0, atol=WIDENED * np.abs(router).max())
 
 
+@pytest.mark.parametrize("cls", ["Qwen2MoeForSequenceClassification", "Qwen2MoeForTokenClassification",
+                                 "Qwen2MoeForQuestionAnswering"])
+def test_task_heads_are_hfs(cls):
+    """HEADS' row (transformers 5.25 has all three; the QA body is named ``model``)."""
+    assert_task_head_is_hfs(hf_model(5, cls=cls, num_labels=3), cls)
+
+
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's, on transformers 5
 def test_lora_on_the_attention_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
     """``ft.nn.lora`` on q/k/v/o (biased q/k/v) with nonzero B, ``save_lora``, PEFT's logits;
@@ -172,7 +180,8 @@ def test_experts_per_token_a_missing_expert_and_a_window_hf_s_config_drops_are_r
     """``num_experts_per_tok`` above ``num_experts`` (HF's torch.topk fails): EXPERTS_PER_TOKEN
     naming ``num_experts``; an expert's ``gate_proj`` missing in the per-expert layout:
     MISSING_EXPERT in Qwen2-MoE's names; a sliding layer where ``use_sliding_window`` is false
-    (HF's config then sets the window 0): SLIDING_WITHOUT_WINDOW."""
+    (HF's config then sets the window 0): SLIDING_WITHOUT_WINDOW; a window of 0 where
+    ``use_sliding_window`` (HF's mask fails: checked): WINDOW_ZERO."""
     config = transformers.Qwen2MoeConfig(**{**SIZES, "num_experts_per_tok": 5})
     with pytest.raises(ValueError, match="the qwen2_moe config has num_experts_per_tok=5 and num_experts=4") as error:
         ft.nn.from_hf(config, key=jax.random.key(0))
@@ -188,4 +197,10 @@ def test_experts_per_token_a_missing_expert_and_a_window_hf_s_config_drops_are_r
     assert dropped.sliding_window == 0
     with pytest.raises(ValueError, match="sliding_attention"):
         ft.nn.from_hf(dropped, key=jax.random.key(0))
+    zero = transformers.Qwen2MoeConfig(**SIZES, use_sliding_window=True, sliding_window=0)
+    with pytest.raises(RuntimeError, match="must match"):  # HF's sliding mask
+        transformers.Qwen2MoeForCausalLM(zero)(torch.zeros((1, 3), dtype=torch.long))
+    for config in (zero, {"model_type": "qwen2_moe", **SIZES, "use_sliding_window": True, "sliding_window": 0}):
+        with pytest.raises(ValueError, match='sliding_window=0, and its layer_types make layer 0 "sliding_attention"'):
+            ft.nn.from_hf(config, key=jax.random.key(0))
     assert _mixtral.QWEN_EXPERTS.module == _qwen2_moe.QWEN2_MOE_EXPERTS.module == "mlp"

@@ -713,7 +713,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "router_aux_loss_coef": 0.001, "mlp_only_layers": Derived(None, lambda values: []), "pad_token_id": None,
         "bos_token_id": None, "eos_token_id": None},
     # Qwen2MoeConfig: no head_dim field (its attention reads config.json's, else hidden / heads), num_experts
-    # (no attribute_map), qkv_bias; its sliding_window is 0 unless use_sliding_window (read here as null)
+    # (no attribute_map), qkv_bias; its sliding_window is 0 unless use_sliding_window (read as no window)
     "qwen2_moe": {
         "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
         "num_attention_heads": 16, "num_key_value_heads": Derived(16, _heads), "hidden_act": "silu",
@@ -1184,7 +1184,8 @@ def _post_init(model_type: str, values: dict[str, Any], given: dict[str, Any]) -
         if isinstance(default, Derived) and values.get(key) is None:
             values[key] = default.rule(values)
     if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):  # (their configs null the window unless use_sliding_window)
-        values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else None
+        values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else \
+            (0 if model_type == "qwen2_moe" else None)  # (Qwen2MoeConfig's 0: no window read, window()'s enabled)
         if model_type == "qwen2" and values.get("layer_types") is None:
             values["layer_types"] = [
                 "sliding_attention" if values["sliding_window"] is not None and i >= values["max_window_layers"]

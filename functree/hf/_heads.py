@@ -1060,7 +1060,7 @@ HEADS: dict[str, Mapping[str, type[TaskModel]]] = {
     "gpt2": _DECODER_QA, "llama": _DECODER_QA, "qwen2": _DECODER_QA, "mistral": _DECODER_QA,
     "ministral": _DECODER_QA, "gemma": _DECODER, "phi3": _DECODER, "olmo": _SEQUENCE_ONLY, "qwen3": _DECODER_QA,
     "olmo2": _SEQUENCE_ONLY, "gemma2": _DECODER, "gemma3_text": _SEQUENCE_ONLY, "smollm3": _DECODER_QA, "gpt_neox": _DECODER_QA,
-    "phi": _DECODER, "mixtral": _DECODER_QA, "qwen3_moe": _DECODER_QA,
+    "phi": _DECODER, "mixtral": _DECODER_QA, "qwen3_moe": _DECODER_QA, "qwen2_moe": _DECODER_QA,
     "opt": {**_SEQUENCE_ONLY, "ForQuestionAnswering": QuestionAnswering},
     "bert": {"ForSequenceClassification": PooledClassifier, "ForTokenClassification": TokenClassifier,
              "ForMaskedLM": MaskedLM, "ForQuestionAnswering": QuestionAnswering,

@@ -73,14 +73,18 @@ LINEAR = {"llama": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj"
                         "lm_head": "lm_head"},
           "olmoe": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
                     "lm_head": "lm_head"},
+          # the shared expert and its per-token gate are Linears (the router and the stacked experts are not)
+          "qwen2_moe": {**{n: f"model.layers.{{i}}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                        **{n: f"model.layers.{{i}}.mlp.shared_expert.{n}" for n in ("gate_proj", "up_proj", "down_proj")},
+                        "shared_expert_gate": "model.layers.{i}.mlp.shared_expert_gate", "lm_head": "lm_head"},
           "distilbert": {**{n: f"distilbert.transformer.layer.{{i}}.attention.{n}"
                             for n in ("q_lin", "k_lin", "v_lin", "out_lin")},
                          **{n: f"distilbert.transformer.layer.{{i}}.ffn.{n}" for n in ("lin1", "lin2")},
                          "vocab_transform": "vocab_transform", "vocab_projector": "vocab_projector"}}
 BLOCKS = {"llama": "layers", "gpt2": "h", "gpt_neox": "layers", "phi": "layers", "distilbert": "layer",
-          "mixtral": "layers", "qwen3_moe": "layers", "olmoe": "layers"}
+          "mixtral": "layers", "qwen3_moe": "layers", "olmoe": "layers", "qwen2_moe": "layers"}
 EMBEDDING = {"llama": "embed_tokens", "gpt2": "wte", "gpt_neox": "embed_in", "phi": "embed_tokens", "mixtral": "embed_tokens",
-             "qwen3_moe": "embed_tokens", "olmoe": "embed_tokens",
+             "qwen3_moe": "embed_tokens", "olmoe": "embed_tokens", "qwen2_moe": "embed_tokens",
              "distilbert": "word_embeddings"}
 
 
@@ -119,6 +123,11 @@ def build(family: str, tied: bool, seed: int):
             vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, clip_qkv=2.0, max_position_embeddings=16,
             bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied))
+    elif family == "qwen2_moe":  # biased q/k/v, 4 experts of 16, top-2 kept, a shared expert of 24 gated per token
+        hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+            max_position_embeddings=16, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied))
     else:
         hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
             vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * D,
@@ -134,8 +143,8 @@ def adapters(draw):
     """``(family, tied, seed, LoraConfig options, rewrite)``: ``rewrite`` a change PEFT's saved
     config gets afterwards, as a hand-written file sets it (``"all-linear"`` kept as it is)."""
     family = draw(st.sampled_from(["llama", "gpt2", "gpt_neox", "phi", "distilbert", "mixtral", "qwen3_moe",
-                                      "olmoe"]))
-    tied = family == "gpt2" or (family in ("llama", "phi", "distilbert", "mixtral", "qwen3_moe", "olmoe")
+                                      "olmoe", "qwen2_moe"]))
+    tied = family == "gpt2" or (family in ("llama", "phi", "distilbert", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
                                 and draw(st.booleans()))
     names = list(LINEAR[family])
     blocks = BLOCKS[family]
@@ -229,8 +238,10 @@ def peft_adapter(family, tied, seed, options, directory, ids):
                     p.add_(0.1 * torch.randn_like(p))
         peft_model.eval()
         expected = hf_logits(peft_model, ids)
-    except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError, RuntimeError):
-        return None, None, None  # PEFT refuses it (no target found), or its model fails (OLoRA on a Conv1D)
+    except (ValueError, TypeError, KeyError, AttributeError, NotImplementedError, RuntimeError, IndexError):
+        # PEFT refuses it (no target found), or its model fails (OLoRA on a Conv1D; Qwen2-MoE: aLoRA's mask on the
+        # shared expert's flattened rows, layer_replication past the config's layer_types: IndexError)
+        return None, None, None
     peft_model.save_pretrained(str(directory / "adapter"))
     edit(directory / "adapter", inference_mode=options.get("inference_mode", False))
     return peft_model, expected, plain

@@ -1,5 +1,5 @@
 """PEFT's LoRA on a sparse MoE's stacked expert weights (``LoraConfig(target_parameters=...)``,
-PEFT's ``lora.ParamWrapper``) against PEFT 0.21 itself: tiny Mixtral and Qwen3-MoE configs
+PEFT's ``lora.ParamWrapper``) against PEFT 0.21 itself: tiny Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE configs
 with random weights (no download), float64, HF widened (``test_hf_mixtral.widened_moe``: its
 router softmax, rotary and norms in float64), each adapter combined with ``target_modules``
 on the attention. Both directions: PEFT's files read by ``ft.nn.load_lora`` (logits, the
@@ -28,6 +28,7 @@ peft = pytest.importorskip("peft")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 import test_hf_mixtral as mixtral  # noqa: E402
 import test_hf_olmoe as olmoe  # noqa: E402
+import test_hf_qwen2_moe as qwen2_moe  # noqa: E402
 import test_hf_qwen3_moe as qwen3_moe  # noqa: E402
 from test_hf_phi import _nonzero_b, batch  # noqa: E402
 
@@ -36,12 +37,12 @@ pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is 
               pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys did not match:RuntimeWarning")]
 # float64 against HF widened: logits 3e-14 of the largest (measured 2.5e-15; PEFT reading ours
 # 2.6e-15), loss relative (1.5e-16), gradients of the largest (3.5e-15), merged against
-# unmerged (1.8e-15); Mixtral, Qwen3-MoE, OLMoE
+# unmerged (1.8e-15); Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE
 WIDENED = 3e-14
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
-FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "olmoe": olmoe}
+FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "olmoe": olmoe, "qwen2_moe": qwen2_moe}
 
 
 def make(family, seed):
@@ -116,11 +117,12 @@ def test_peft_s_expert_adapters_are_read_with_its_logits_loss_and_gradients(fami
     """PEFT's adapter on q_proj (target_modules) and both expert weights (target_parameters;
     Mixtral's the router too, ``mlp.gate.weight``: a Linear's LoRA; Qwen3-MoE's with another
     rank and alpha for one layer's down_proj: the members' own ranks, padded, and scales;
-    OLMoE's gate_up_proj alone, not renormalized): ``load_lora``'s logits, loss and every
+    OLMoE's gate_up_proj alone, not renormalized; Qwen2-MoE's down_proj beside its shared
+    expert, with Qwen3-MoE's rank and alpha for layer 1): ``load_lora``'s logits, loss and every
     adapter gradient are PEFT's; saved again, PEFT reads the same tensors back; merged, the
     same logits."""
     parameters = {"mixtral": [*EXPERTS, "mlp.gate.weight"], "qwen3_moe": EXPERTS,
-                  "olmoe": ["experts.gate_up_proj"]}[family]
+                  "olmoe": ["experts.gate_up_proj"], "qwen2_moe": ["experts.down_proj"]}[family]
     options = {} if family == "mixtral" else {
         "rank_pattern": {r"model\.layers\.1\.mlp\.experts\.down_proj": 3},
         "alpha_pattern": {r"model\.layers\.1\.mlp\.experts\.down_proj": 7}, "use_rslora": True}

@@ -126,14 +126,25 @@ def test_a_dense_layer_is_refused_naming_the_key(changes, key, dense, fix):
     """HF's Qwen3MoeDecoderLayer makes these layers a dense Qwen3MoeMLP (checked on HF's
     model); the port's one stack of sparse blocks refuses naming the key (DENSE_LAYERS).
     A mlp_only_layers entry past the layers leaves every layer sparse: built."""
-    config = transformers.Qwen3MoeConfig(**{**SIZES, **changes})
-    layers = transformers.Qwen3MoeForCausalLM(config).model.layers
-    assert [i for i, layer in enumerate(layers) if type(layer.mlp).__name__ == "Qwen3MoeMLP"] == json.loads(dense)
-    with pytest.raises(ValueError, match=re.escape(f"has {key}, which makes layer(s) {dense} of 2")) as error:
-        ft.nn.from_hf(config, key=jax.random.key(0))
-    assert str(error.value).startswith(_qwen3_moe.DENSE_LAYERS.split("{")[0]) and f"right:  {fix}" in str(error.value)
+    assert_a_dense_layer_is_refused("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig(**{**SIZES, **changes}), key,
+                                    dense, fix)
     past = transformers.Qwen3MoeConfig(**{**SIZES, "mlp_only_layers": [2]})
     assert isinstance(ft.nn.from_hf(past, key=jax.random.key(0)).model.layers.layers.mlp, ft.nn.SparseMoE)
+
+
+def assert_a_dense_layer_is_refused(lm_class, config, key, dense, fix):
+    """HF's ``lm_class`` of ``config`` makes layers ``dense`` (JSON) its dense MLP (checked);
+    ``from_hf`` refuses naming ``key``, the family's dense MLP class and ``fix`` (DENSE_LAYERS;
+    Qwen2-MoE's test calls it too)."""
+    mlp = lm_class.replace("ForCausalLM", "MLP")
+    layers = getattr(transformers, lm_class)(config).model.layers
+    assert [i for i, layer in enumerate(layers) if type(layer.mlp).__name__ == mlp] == json.loads(dense)
+    with pytest.raises(ValueError, match=re.escape(f"the {config.model_type} config has {key}, which makes "
+                                                   f"layer(s) {dense} of 2")) as error:
+        ft.nn.from_hf(config, key=jax.random.key(0))
+    message = str(error.value)
+    assert message.startswith(_qwen3_moe.DENSE_LAYERS.split("{")[0]) and f"right:  {fix}" in message
+    assert f"(Hugging Face's {mlp}: a layer is sparse" in message
 
 
 def test_experts_per_token_past_the_experts_and_a_missing_expert_are_refused_naming_the_keys():

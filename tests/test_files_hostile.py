@@ -135,6 +135,29 @@ def test_a_transformers_config_with_a_sliding_layer_and_no_window_is_refused(mod
         ft.nn.from_hf(config, key=jax.random.key(0))
 
 
+@pytest.mark.parametrize(("model_type", "changes", "where"), [
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}, "layer 1"),
+    ("qwen3", {"use_sliding_window": True, "max_window_layers": 1}, "layer 1"),
+    ("ministral", {"head_dim": 8, "layer_types": ["full_attention", "sliding_attention"]}, "layer 1"),
+    ("qwen2_moe", {"use_sliding_window": True, "num_experts": 2, "num_experts_per_tok": 1}, "layer 0"),
+    ("mistral", {}, "every layer"),
+])
+def test_a_sliding_window_of_0_is_refused_as_transformers_fails_on_it(model_type, changes, where):
+    """``sliding_window`` 0 on a sliding layer: HF's sliding mask fails (checked); functree read
+    it as full attention where the layer types mix (0 in the per-layer windows), or refused it
+    by the attention's own message naming no config key; now SLIDING_WINDOW_NOT_POSITIVE."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    given = _config(model_type, sliding_window=0, **changes)
+    config = transformers.AutoConfig.for_model(**given)
+    with pytest.raises(RuntimeError, match="must match"):
+        transformers.AutoModelForCausalLM.from_config(config)(torch.zeros((1, 3), dtype=torch.long))
+    for source in (given, config):
+        with pytest.raises(ValueError, match=rf'(?s)the {model_type} config has sliding_window=0 and {where}.* slides.*'
+                                             r'right:  "sliding_window": 4096'):
+            ft.nn.from_hf(source, key=jax.random.key(0))
+
+
 @pytest.mark.parametrize("rope", [{"type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}])
 def test_a_phi3_rope_type_transformers_refuses_is_refused_by_name(rope):
     """Phi3Config takes default or longrope rotations only; functree built a linearly scaled Phi-3."""

@@ -175,7 +175,7 @@ def test_experts_per_token_a_missing_expert_and_a_window_hf_s_config_drops_are_r
     naming ``num_experts``; an expert's ``gate_proj`` missing in the per-expert layout:
     MISSING_EXPERT in Qwen2-MoE's names; a sliding layer where ``use_sliding_window`` is false
     (HF's config then sets the window 0): SLIDING_WITHOUT_WINDOW; a window of 0 where
-    ``use_sliding_window`` (HF's mask fails: checked): WINDOW_ZERO."""
+    ``use_sliding_window`` (HF's mask fails: checked): SLIDING_WINDOW_NOT_POSITIVE."""
     config = transformers.Qwen2MoeConfig(**{**SIZES, "num_experts_per_tok": 5})
     with pytest.raises(ValueError, match="the qwen2_moe config has num_experts_per_tok=5 and num_experts=4") as error:
         ft.nn.from_hf(config, key=jax.random.key(0))
@@ -195,6 +195,6 @@ def test_experts_per_token_a_missing_expert_and_a_window_hf_s_config_drops_are_r
     with pytest.raises(RuntimeError, match="must match"):  # HF's sliding mask
         transformers.Qwen2MoeForCausalLM(zero)(torch.zeros((1, 3), dtype=torch.long))
     for config in (zero, {"model_type": "qwen2_moe", **SIZES, "use_sliding_window": True, "sliding_window": 0}):
-        with pytest.raises(ValueError, match='sliding_window=0, and its layer_types make layer 0 "sliding_attention"'):
+        with pytest.raises(ValueError, match=r'sliding_window=0 and layer 0 \("sliding_attention" in layer_types\) slides'):
             ft.nn.from_hf(config, key=jax.random.key(0))
     assert _mixtral.QWEN_EXPERTS.module == _qwen2_moe.QWEN2_MOE_EXPERTS.module == "mlp"

@@ -288,6 +288,29 @@ read as full attention it would be another model, so none was built.
 """
 
 
+SLIDING_WINDOW_NOT_POSITIVE = """\
+ft.nn.from_hf: the {model_type} config has sliding_window={size} and {where} slides: a window \
+of {size} tokens, which Hugging Face's sliding mask fails on ("The size of tensor a ... must \
+match"); read as full attention (0 in functree's per-layer windows) it would be another \
+model, so none was built.
+
+    wrong:  "sliding_window": {size}
+    right:  "sliding_window": 4096     # the window the checkpoint was trained with
+       or:  {off}     # every layer full attention
+"""
+
+
+def _check_window_positive(config: Any, size: int, layer: int | None) -> None:
+    """:data:`SLIDING_WINDOW_NOT_POSITIVE` where a sliding layer's window ``size`` is under 1
+    (``layer``: the first sliding one of ``layer_types``; None: every layer slides)."""
+    if size >= 1:
+        return
+    where = "every layer" if layer is None else f'layer {layer} ("sliding_attention" in layer_types)'
+    off = '"use_sliding_window": false' if getattr(config, "use_sliding_window", None) is not None else \
+        '"sliding_window": null'
+    raise ValueError(SLIDING_WINDOW_NOT_POSITIVE.format(model_type=config.model_type, size=size, where=where, off=off))
+
+
 def sliding_without_window(model_type: str, layer: int, dropped: Any = None) -> ValueError:
     """:data:`SLIDING_WITHOUT_WINDOW` for ``layer``; ``dropped``: the window ``use_sliding_window``
     false made null (Qwen2's and Qwen3's configs), or None."""
@@ -308,7 +331,9 @@ def window(config: Any, layer_types: bool = False, enabled: bool = True) -> int 
     window per layer (0: full attention), as HF's Qwen2 gives each layer its type's mask.
     ``enabled=False`` (Qwen3's ``use_sliding_window`` false): the window is null. A
     ``sliding_attention`` layer with a null window is refused (:data:`SLIDING_WITHOUT_WINDOW`:
-    Hugging Face's model fails on it; read as full attention it would be another model)."""
+    Hugging Face's model fails on it; read as full attention it would be another model), and
+    with a window under 1 (:data:`SLIDING_WINDOW_NOT_POSITIVE`: HF's mask fails; 0 read as
+    full attention in the per-layer windows)."""
     given = getattr(config, "sliding_window", None)
     size = given if enabled else None
     types = getattr(config, "layer_types", None)
@@ -317,9 +342,13 @@ def window(config: Any, layer_types: bool = False, enabled: bool = True) -> int 
         if "sliding_attention" in kinds and size is None:  # (a transformers config object: config.json's are checked read)
             raise sliding_without_window(config.model_type, list(types).index("sliding_attention"),
                                          None if enabled else given)
+        if size is not None and "sliding_attention" in kinds:  # (0 would read as full attention in the per-layer windows)
+            _check_window_positive(config, int(size), list(types).index("sliding_attention"))
         if len(kinds) > 1 and size is not None:
             return tuple(int(size) if t == "sliding_attention" else 0 for t in types)
         return None if size is None or kinds != {"sliding_attention"} else int(size)
+    if size is not None:
+        _check_window_positive(config, int(size), None)
     return None if size is None else int(size)
 
 

@@ -61,19 +61,7 @@ from functree.hf._qwen3_moe import check_every_layer_sparse
 from functree.nn._linear import Dense
 from functree.nn._moe import SparseMoE
 
-__all__ = ["Qwen2MoeForCausalLM", "SharedExpertMoE", "QWEN2_MOE_EXPERTS", "WINDOW_ZERO"]
-
-WINDOW_ZERO = """\
-ft.nn.from_hf: the qwen2_moe config has use_sliding_window=true and sliding_window={size}, and its \
-layer_types make layer {layer} "sliding_attention": a window of {size} tokens, which Hugging \
-Face's Qwen2-MoE fails on (its sliding mask is one key short of the keys: "The size of tensor \
-a ... must match"); read as full attention (a window of 0 elsewhere in functree) it would be \
-another model, so none was built.
-
-    wrong:  "use_sliding_window": true, "sliding_window": {size}
-    right:  "use_sliding_window": true, "sliding_window": 4096     # the window the checkpoint was trained with
-       or:  "use_sliding_window": false                            # every layer full attention
-"""
+__all__ = ["Qwen2MoeForCausalLM", "SharedExpertMoE", "QWEN2_MOE_EXPERTS"]
 
 QWEN2_MOE_EXPERTS = QWEN_EXPERTS._replace(family="Qwen2-MoE")
 
@@ -166,9 +154,6 @@ class Qwen2MoeForCausalLM(RoutedExperts, Qwen2ForCausalLM):
         renormalize = bool(config.norm_topk_prob)
         # HF's Qwen2MoeConfig sets sliding_window 0 unless use_sliding_window: no window read then
         sizes = window(config, layer_types=True, enabled=bool(getattr(config, "use_sliding_window", False)))
-        if sizes is not None and config.sliding_window < 1:  # (some layer slides: window() read its size)
-            types = list(config.layer_types)
-            raise ValueError(WINDOW_ZERO.format(size=config.sliding_window, layer=types.index("sliding_attention")))
         windows = {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
         mlp = functools.partial(_shared_expert_mlp, experts, top_k, renormalize, config.moe_intermediate_size,
                                 config.shared_expert_intermediate_size)

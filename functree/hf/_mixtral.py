@@ -138,9 +138,10 @@ def _experts_mlp(num_experts: int, top_k: int, renormalize: bool, size: int | No
 
 
 def experts_per_token(config: Any, key: str = "num_local_experts") -> tuple[int, int]:
-    """``(num_local_experts, num_experts_per_tok)``, the second in ``[1, first]`` (else
-    :data:`EXPERTS_PER_TOKEN`, naming the experts' count by the config.json key ``key``)."""
-    experts, top_k = config.num_local_experts, config.num_experts_per_tok
+    """``(experts, num_experts_per_tok)``, the experts' count read as the config's ``key``
+    (Mixtral's ``num_local_experts``, Qwen2-MoE's ``num_experts``), the second in ``[1, first]``
+    (else :data:`EXPERTS_PER_TOKEN`, naming that key)."""
+    experts, top_k = getattr(config, key), config.num_experts_per_tok
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ValueError(EXPERTS_PER_TOKEN.format(model_type=config.model_type, key=key, top_k=top_k,
                                                   experts=experts, top_k_json=json.dumps(top_k),

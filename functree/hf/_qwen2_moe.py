@@ -110,17 +110,6 @@ def _shared_expert_mlp(num_experts: int, top_k: int, renormalize: bool, size: in
                            renormalize=renormalize, key=key, dtype=dtype)
 
 
-class _Experts:
-    """``config`` with ``num_local_experts`` read as its ``num_experts`` (Qwen2MoeConfig has no
-    attribute_map; the shared MoE readers take Mixtral's name)."""
-
-    def __init__(self, config: Any):
-        self._config = config
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._config, "num_experts" if name == "num_local_experts" else name)
-
-
 class Qwen2MoeForCausalLM(RoutedExperts, Qwen2ForCausalLM):
     """Hugging Face's ``Qwen2MoeForCausalLM`` (module docstring): Qwen2 whose blocks' ``mlp``
     is a :class:`SharedExpertMoE` (``gate``: the router; ``experts``: ``gate_up_proj``
@@ -147,10 +136,9 @@ class Qwen2MoeForCausalLM(RoutedExperts, Qwen2ForCausalLM):
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:
-        c = _Experts(config)
-        check_every_layer_sparse(c, model_type="qwen2_moe", mlp="Qwen2MoeMLP", family="Qwen2-MoE",
+        check_every_layer_sparse(config, model_type="qwen2_moe", mlp="Qwen2MoeMLP", family="Qwen2-MoE",
                                  example="Qwen1.5-MoE-A2.7B", experts_fix=60)
-        experts, top_k = experts_per_token(c, "num_experts")
+        experts, top_k = experts_per_token(config, "num_experts")
         renormalize = bool(config.norm_topk_prob)
         # HF's Qwen2MoeConfig sets sliding_window 0 unless use_sliding_window: no window read then
         sizes = window(config, layer_types=True, enabled=bool(getattr(config, "use_sliding_window", False)))
@@ -158,7 +146,7 @@ class Qwen2MoeForCausalLM(RoutedExperts, Qwen2ForCausalLM):
         mlp = functools.partial(_shared_expert_mlp, experts, top_k, renormalize, config.moe_intermediate_size,
                                 config.shared_expert_intermediate_size)
         return {"attention_bias": bool(getattr(config, "qkv_bias", True)), "output_bias": False, **windows,
-                **moe_options(c, renormalize=renormalize, key="num_experts"), "mlp": mlp}
+                **moe_options(config, renormalize=renormalize, key="num_experts"), "mlp": mlp}
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:

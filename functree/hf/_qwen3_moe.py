@@ -54,11 +54,12 @@ _FIXES = {"mlp_only_layers": "[]", "decoder_sparse_step": "1"}
 
 
 def check_every_layer_sparse(config: Any, *, model_type: str = "qwen3_moe", mlp: str = "Qwen3MoeMLP",
-                             family: str = "Qwen3-MoE", example: str = "Qwen3-30B-A3B", experts_fix: int = 128) -> None:
+                             family: str = "Qwen3-MoE", example: str = "Qwen3-30B-A3B", experts_fix: int = 128,
+                             key: str = "num_experts") -> None:
     """Every layer a sparse MoE, as HF's ``Qwen3MoeDecoderLayer`` decides (else :data:`DENSE_LAYERS`,
     naming the family's model type, dense MLP class, checkpoints and their ``num_experts``:
     Qwen2-MoE's decoder layer decides alike)."""
-    layers, experts = config.num_hidden_layers, config.num_local_experts
+    layers, experts = config.num_hidden_layers, getattr(config, key)
     only, step = list(getattr(config, "mlp_only_layers", None) or []), config.decoder_sparse_step
     if isinstance(step, bool) or not isinstance(step, int) or step == 0:  # (HF's: a ZeroDivisionError)
         dense = list(range(layers))

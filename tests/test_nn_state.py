@@ -648,3 +648,23 @@ def test_a_differentiated_function_recording_into_an_outer_collector():
     with pytest.raises(ValueError, match=r"(?s)A Tanh recorded an intermediate inside ft.nn.collect_intermediates.*"
                                          r"right:  jax.jit\(lambda model: ft.nn.collect_intermediates"):
         ft.nn.collect_intermediates(lambda m: ft.gradient(lambda mm: jnp.sum(mm(x)), at=m), t)
+
+
+@pytest.mark.parametrize("inside", ["jax.grad", "jax.vmap", "ft.gradient"])
+def test_a_layer_called_again_inside_a_transformation_is_recorded_twice(inside):
+    """The layer called before and again inside a transformation of a value its record
+    does not depend on (a scale): the second record is no tracer of the transformation,
+    and replaced the first call's silently (one call's values dropped). Refused as
+    recorded twice; only the differentiation check's trace of ft.gradient, which runs
+    the function once more, is replaced by the run that follows it."""
+    t = Tanh(jnp.array(0.5))
+    x, x2 = jnp.array([1.0, 2.0]), jnp.array([10.0, 20.0])
+    again = {
+        "jax.grad": lambda m: jax.grad(lambda s: s * jnp.sum(m(x2)))(1.0),
+        "jax.vmap": lambda m: jax.vmap(lambda s: s * jnp.sum(m(x2)))(jnp.ones(3)),
+        "ft.gradient": lambda m: ft.gradient(lambda s: s * jnp.sum(m(x2)), at=1.0),
+    }[inside]
+    with pytest.raises(ValueError, match=r"\.pre_activation was recorded twice"):
+        ft.nn.collect_intermediates(lambda m: (m(x), again(m)), t)
+    _, sown = ft.nn.collect_intermediates(again, t)  # called once, inside: its record
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".pre_activation")], 0.5 * x2, rtol=0, atol=1e-6)

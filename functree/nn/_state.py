@@ -215,7 +215,7 @@ class _Collector:
         self.followed: list[Any] = []  # copies whose layers record here (ids stay theirs)
         self.trace = current_trace()  # recorded values must belong to it or to a trace around it
         self.replaced: list[tuple[Any, str, Any]] = []  # (layer, field, value before): see substitute
-        self.sown_traces: dict[KeyPath, Any] = {}  # the trace each intermediate was recorded in
+        self.provisional: set[KeyPath] = set()  # intermediates recorded by a differentiation check's trace
 
 
 @jax.tree_util.register_pytree_node_class
@@ -340,14 +340,19 @@ def record_intermediate(layer: Module, **values: Any) -> None:
 
 
 def file_record(collector: _Collector, path: KeyPath, value: Any) -> None:
-    """Store a record at ``path``; an intermediate recorded twice in one trace is refused
-    (:data:`INTERMEDIATE_TWICE`), while a record from another trace (functree's
-    differentiation check traces a function once before it runs) replaces the earlier."""
+    """Store a record at ``path``; an intermediate recorded twice is refused
+    (:data:`INTERMEDIATE_TWICE`), unless the earlier record was made by functree's
+    differentiation check, which traces a function once before it runs (the run's record
+    replaces it). A second call in another trace (inside a ``jax.grad`` or ``jax.vmap`` of
+    a value the record does not depend on) is a second call: its record is no tracer of
+    that transformation, and replacing the first call's would drop it silently."""
     if isinstance(value, Intermediate):
-        trace = current_trace()
-        if path in collector.sown_traces and collector.sown_traces[path] is trace:
+        if path in collector.updates and path not in collector.provisional:
             raise ValueError(INTERMEDIATE_TWICE.format(path=path))
-        collector.sown_traces[path] = trace
+        if _diagnostics._TRACE.active:
+            collector.provisional.add(path)
+        else:
+            collector.provisional.discard(path)
     collector.updates[path] = value
 
 

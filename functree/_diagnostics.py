@@ -501,6 +501,7 @@ class _TraceState(threading.local):
     marked: list[Any] | None = None  # constants ft.without_derivative returned while it ran
     holding: bool = False  # and the warnings it catches will be emitted (its jaxpr may be replayed)
     confirming: bool = False  # a second trace with the call's data abstract (_confirmed) is running
+    depth: int = 0  # check traces running, nested (a collector opened outside one sees its records replaced)
 
 
 _TRACE = _TraceState()
@@ -538,8 +539,8 @@ class _Traced(NamedTuple):
 
 def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False) -> _Traced:
     # Nested operators (a gradient inside a differentiated function) trace inside ours.
-    saved = (_TRACE.active, _TRACE.marked, _TRACE.holding)
-    _TRACE.active, _TRACE.marked, _TRACE.holding = True, [], holding
+    saved = (_TRACE.active, _TRACE.marked, _TRACE.holding, _TRACE.depth)
+    _TRACE.active, _TRACE.marked, _TRACE.holding, _TRACE.depth = True, [], holding, _TRACE.depth + 1
     before = [probe() for probe in SIDE_CHANNELS]
     results: list[Any] = []
 
@@ -557,7 +558,7 @@ def _trace(g: Callable[..., Any], primals: Sequence[Any], holding: bool = False)
         quiet_constant = any(r is m for r in returned for m in _TRACE.marked or ())
         return _Traced(closed, shape, quiet_constant, caught, side_effect, returned)
     finally:
-        _TRACE.active, _TRACE.marked, _TRACE.holding = saved
+        _TRACE.active, _TRACE.marked, _TRACE.holding, _TRACE.depth = saved
 
 
 def _replay(traced: _Traced) -> Callable[..., Any] | None:

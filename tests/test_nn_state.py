@@ -668,3 +668,20 @@ def test_a_layer_called_again_inside_a_transformation_is_recorded_twice(inside):
         ft.nn.collect_intermediates(lambda m: (m(x), again(m)), t)
     _, sown = ft.nn.collect_intermediates(again, t)  # called once, inside: its record
     np.testing.assert_allclose(sown[ft.KeyPath.parse(".pre_activation")], 0.5 * x2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("second", ["plain", "jax.vmap"])
+def test_a_layer_called_twice_in_a_jitted_gradients_loss_is_refused(second):
+    """collect_intermediates inside the loss of a jitted ft.gradient runs inside the
+    differentiation check's trace, whose jaxpr is then replayed (the loss's Python runs
+    once): a second record there is a second call, refused as in an eager loss."""
+    t = Tanh(jnp.array(0.5))
+    x = jnp.array([1.0, 2.0])
+    twice = {"plain": lambda m: m(m(x)), "jax.vmap": lambda m: (m(x), jax.vmap(lambda s: s * m(x))(jnp.ones(2)))[1]}
+
+    def loss(m):
+        y, sown = ft.nn.collect_intermediates(twice[second], m)
+        return jnp.sum(y), sown
+
+    with pytest.raises(ValueError, match=r"\.pre_activation was recorded twice"):
+        jax.jit(lambda m: ft.gradient(loss, at=m, has_aux=True))(t)

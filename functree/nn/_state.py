@@ -216,6 +216,7 @@ class _Collector:
         self.trace = current_trace()  # recorded values must belong to it or to a trace around it
         self.replaced: list[tuple[Any, str, Any]] = []  # (layer, field, value before): see substitute
         self.provisional: set[KeyPath] = set()  # intermediates recorded by a differentiation check's trace
+        self.checks = _diagnostics._TRACE.depth  # check traces running when it opened (one opened inside: deeper)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -342,14 +343,16 @@ def record_intermediate(layer: Module, **values: Any) -> None:
 def file_record(collector: _Collector, path: KeyPath, value: Any) -> None:
     """Store a record at ``path``; an intermediate recorded twice is refused
     (:data:`INTERMEDIATE_TWICE`), unless the earlier record was made by functree's
-    differentiation check, which traces a function once before it runs (the run's record
-    replaces it). A second call in another trace (inside a ``jax.grad`` or ``jax.vmap`` of
-    a value the record does not depend on) is a second call: its record is no tracer of
-    that transformation, and replacing the first call's would drop it silently."""
+    differentiation check of an operator called inside ``fn``, which traces its function
+    once before running it (the run's record replaces it). A second call in another trace
+    (inside a ``jax.grad`` or ``jax.vmap`` of a value the record does not depend on) is a
+    second call: its record is no tracer of that transformation, and replacing the first
+    call's would drop it silently. A collector opened inside a check's trace (the loss of
+    a jitted ``ft.gradient``, whose jaxpr may be replayed) refuses its second record there."""
     if isinstance(value, Intermediate):
         if path in collector.updates and path not in collector.provisional:
             raise ValueError(INTERMEDIATE_TWICE.format(path=path))
-        if _diagnostics._TRACE.active:
+        if _diagnostics._TRACE.depth > collector.checks:
             collector.provisional.add(path)
         else:
             collector.provisional.discard(path)

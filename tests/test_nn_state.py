@@ -1,5 +1,6 @@
 """record_state / collect_state / apply_state: pure layer state through grad and jit."""
 
+import re
 import warnings
 
 import jax
@@ -685,3 +686,63 @@ def test_a_layer_called_twice_in_a_jitted_gradients_loss_is_refused(second):
 
     with pytest.raises(ValueError, match=r"\.pre_activation was recorded twice"):
         jax.jit(lambda m: ft.gradient(loss, at=m, has_aux=True))(t)
+
+
+@pytest.mark.parametrize("transform", ["jax.vmap", "jax.lax.scan", "jax.checkpoint", "jax.jit"])
+def test_a_record_leaking_out_of_a_transformation_names_its_way_out(transform):
+    """INTERMEDIATE_INSIDE_TRANSFORM shows the way out for the transformation it names (the
+    gradient's example fitted none of these), and that right code runs and collects
+    ``w x`` for every input."""
+    t = Tanh(jnp.array(0.5))
+    xs = jnp.array([[1.0, 2.0], [3.0, -1.0], [0.5, 0.0]])
+    x = xs[0]
+    wrong = {
+        "jax.vmap": lambda m: jax.vmap(m)(xs),
+        "jax.lax.scan": lambda m: jax.lax.scan(lambda c, xi: (c, m(xi)), None, xs)[1],
+        "jax.checkpoint": lambda m: jax.checkpoint(lambda xi: m(xi))(x),
+        "jax.jit": lambda m: jax.jit(lambda xi: m(xi))(x),
+    }[transform]
+    fix = {"jax.vmap": _state.FIX_INTERMEDIATE_IN_VMAP, "jax.lax.scan": _state.FIX_INTERMEDIATE_IN_LOOP,
+           "jax.checkpoint": _state.FIX_INTERMEDIATE_IN_CHECKPOINT, "jax.jit": _state.FIX_INTERMEDIATE_IN_JIT}[transform]
+    with pytest.raises(ValueError, match=rf"\.pre_activation was recorded inside {re.escape(transform)}") as error:
+        ft.nn.collect_intermediates(wrong, t)
+    assert fix in str(error.value)
+
+    model = t  # the right code, as the message writes it
+    if transform == "jax.vmap":
+        _, sown = jax.vmap(lambda x: ft.nn.collect_intermediates(lambda m: m(x), model))(xs)
+        expected = 0.5 * xs
+    elif transform == "jax.lax.scan":
+        def body(c, x):
+            y, sown = ft.nn.collect_intermediates(lambda m: m(x), model)
+            return c, (y, sown)
+
+        _, (_, sown) = jax.lax.scan(body, None, xs)
+        expected = 0.5 * xs
+    elif transform == "jax.checkpoint":
+        _, sown = ft.nn.collect_intermediates(
+            lambda m: ft.with_recomputation_in_pullbacks(lambda mm, x: mm(x))(m, x), model)
+        expected = 0.5 * x
+    else:
+        _, sown = jax.jit(lambda model: ft.nn.collect_intermediates(lambda m: m(x), model))(model)
+        expected = 0.5 * x
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".pre_activation")], expected, rtol=0, atol=1e-7)
+
+
+def test_a_model_rebuilt_inside_by_a_gradient_is_named_with_its_way_out():
+    """INTERMEDIATE_NOT_IN_MODEL names ft.gradient(..., at=m) among the transformations that
+    rebuild the model (it named jit alone) and its right code runs: the gradient of a loss
+    of the record, d/dw Σ (w x)² = 2 w Σ x²."""
+    model = Tanh(jnp.array(0.5))
+    x = jnp.array([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"(?s)A Tanh recorded an intermediate.*ft\.gradient\(\.\.\., at=m\)") as error:
+        ft.nn.collect_intermediates(lambda m: ft.gradient(lambda mm: mm(x).sum(), at=m), model)
+    assert "grads, sown = ft.gradient(loss, at=model, has_aux=True)" in str(error.value)
+
+    def loss(m):
+        y, sown = ft.nn.collect_intermediates(lambda mm: mm(x), m)
+        return y.sum(), sown
+
+    grads, sown = ft.gradient(loss, at=model, has_aux=True)
+    np.testing.assert_allclose(grads.w, jnp.sum(x * (1 - jnp.tanh(0.5 * x) ** 2)), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".pre_activation")], 0.5 * x, rtol=0, atol=1e-7)

@@ -117,13 +117,63 @@ Collect each call on its own:
 INTERMEDIATE_INSIDE_TRANSFORM = """\
 The intermediate {path} was recorded inside {transform}, a transformation opened inside \
 the function ft.nn.collect_intermediates runs: the value belongs to that transformation \
-and cannot leave it (a leaked tracer). Collect it inside the transformation and return it:
+and cannot leave it (a leaked tracer). {fix}
+"""
+
+FIX_INTERMEDIATE_IN_GRADIENT = """\
+Collect it inside the transformation and return it:
 
     wrong:  _, sown = ft.nn.collect_intermediates(lambda m: ft.gradient(lambda x: m(x).sum(), at=x), model)
     right:  def loss(x):
                 y, sown = ft.nn.collect_intermediates(lambda m: m(x), model)
                 return y.sum(), sown
-            grads, sown = ft.gradient(loss, at=x, has_aux=True)
+            grads, sown = ft.gradient(loss, at=x, has_aux=True)"""
+
+FIX_INTERMEDIATE_IN_VMAP = """\
+Collect it inside the vmapped function and return it (each record gains the batch axis):
+
+    wrong:  ys, sown = ft.nn.collect_intermediates(lambda m: jax.vmap(m)(xs), model)
+    right:  ys, sown = jax.vmap(lambda x: ft.nn.collect_intermediates(lambda m: m(x), model))(xs)"""
+
+FIX_INTERMEDIATE_IN_LOOP = """\
+Collect it inside the loop's body and return it (a scan stacks each step's records), or use \
+ft.nn.Stack / ft.nn.RNN, which collect inside their own scan:
+
+    wrong:  ys, sown = ft.nn.collect_intermediates(lambda m: jax.lax.scan(lambda c, x: (c, m(x)), None, xs)[1], model)
+    right:  def body(c, x):
+                y, sown = ft.nn.collect_intermediates(lambda m: m(x), model)
+                return c, (y, sown)
+            _, (ys, sown) = jax.lax.scan(body, None, xs)"""
+
+FIX_INTERMEDIATE_IN_CHECKPOINT = """\
+Recompute with functree's checkpointing, which passes the records out (or ft.nn.Remat / \
+ft.nn.Stack(..., remat=True) inside the model), the model given as an argument:
+
+    wrong:  y, sown = ft.nn.collect_intermediates(lambda m: jax.checkpoint(lambda x: m(x))(x), model)
+    right:  y, sown = ft.nn.collect_intermediates(
+                lambda m: ft.with_recomputation_in_pullbacks(lambda mm, x: mm(x))(m, x), model)"""
+
+FIX_INTERMEDIATE_IN_JIT = """\
+Put jit around collect_intermediates:
+
+    wrong:  y, sown = ft.nn.collect_intermediates(lambda m: jax.jit(lambda x: m(x))(x), model)
+    right:  y, sown = jax.jit(lambda model: ft.nn.collect_intermediates(lambda m: m(x), model))(model)"""
+
+INTERMEDIATE_NOT_IN_MODEL = """\
+A {cls} recorded an intermediate inside ft.nn.collect_intermediates, but it is not part of \
+the model passed to collect_intermediates, so its key path is unknown: fn called another \
+model's layers, or passed the model through a transformation that rebuilds it (jax.jit, \
+jax.checkpoint, ft.gradient(..., at=m)). Call the layers of the model fn receives (another \
+model outside fn), and put the transformation around collect_intermediates:
+
+    wrong:  ft.nn.collect_intermediates(lambda m: other_model(x), model)
+    wrong:  ft.nn.collect_intermediates(jax.jit(lambda m: m(x)), model)
+    right:  jax.jit(lambda model: ft.nn.collect_intermediates(lambda m: m(x), model))(model)
+    wrong:  ft.nn.collect_intermediates(lambda m: ft.gradient(lambda mm: mm(x).sum(), at=m), model)
+    right:  def loss(m):
+                y, sown = ft.nn.collect_intermediates(lambda mm: mm(x), m)
+                return y.sum(), sown
+            grads, sown = ft.gradient(loss, at=model, has_aux=True)
 """
 
 STATE_INSIDE_TRANSFORM = """\
@@ -333,8 +383,7 @@ def record_intermediate(layer: Module, **values: Any) -> None:
             raise TypeError(INTERMEDIATE_NOT_ARRAY.format(cls=cls.__name__, name=name, given=given))
     collector = next((c for c in reversed(collector_stack()) if id(layer) in c.paths), None)
     if collector is None:
-        message = NOT_IN_MODEL.format(cls=cls.__name__).replace("recorded state", "recorded an intermediate")
-        raise ValueError(message.replace("collect_state", "collect_intermediates"))
+        raise ValueError(INTERMEDIATE_NOT_IN_MODEL.format(cls=cls.__name__))
     for name, value in values.items():
         for path in collector.paths[id(layer)]:
             file_record(collector, KeyPath((*path, Entry(ATTR, name))), Intermediate(value))
@@ -660,9 +709,24 @@ def _check_traces(collector: _Collector) -> None:
     path = list(collector.updates)[index]
     transform = transform_name(trace)
     if isinstance(collector.updates[path], Intermediate):
-        raise ValueError(INTERMEDIATE_INSIDE_TRANSFORM.format(path=path, transform=transform))
+        raise ValueError(INTERMEDIATE_INSIDE_TRANSFORM.format(path=path, transform=transform,
+                                                              fix=_intermediate_fix(transform)))
     fix = FIX_STATE_IN_VMAP if transform == "jax.vmap" else FIX_STATE_IN_LOOP
     raise ValueError(STATE_INSIDE_TRANSFORM.format(path=path, transform=transform, fix=fix))
+
+
+def _intermediate_fix(transform: str) -> str:
+    """The way out of :data:`INTERMEDIATE_INSIDE_TRANSFORM` for the transformation named
+    ``transform`` (:func:`functree._traces.transform_name`'s words)."""
+    if transform == "jax.vmap":
+        return FIX_INTERMEDIATE_IN_VMAP
+    if any(word in transform for word in ("scan", "cond", "switch", "while", "fori")):
+        return FIX_INTERMEDIATE_IN_LOOP
+    if transform == "jax.checkpoint":
+        return FIX_INTERMEDIATE_IN_CHECKPOINT
+    if transform == "jax.jit":
+        return FIX_INTERMEDIATE_IN_JIT
+    return FIX_INTERMEDIATE_IN_GRADIENT
 
 
 def apply_state(model: Any, updates: dict[KeyPath, Any]) -> Any:

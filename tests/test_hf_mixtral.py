@@ -444,3 +444,18 @@ def test_an_eager_router_logits_call_compiles_once():
     for a, b in zip(first, staged):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(first[1]), np.asarray(second[1]))
+
+
+def test_an_eager_router_logits_call_checks_the_ids_as_a_plain_call_does():
+    """An id outside the vocabulary: the plain eager call refuses it naming the id
+    (OUT_OF_VOCABULARY); the eager ``router_logits=True`` call ran it compiled, where the
+    ids are traced, and gave NaN logits, router logits and aux loss instead. Now checked
+    before the compiled call, by ``model.aux_loss(ids)`` too."""
+    model = ft.nn.from_hf(transformers.MixtralConfig(**SIZES), key=jax.random.key(0))
+    ids, mask = batch()
+    ids = ids.copy()
+    ids[1, 4] = VOCAB + 3
+    for call in (lambda: model(ids, mask), lambda: model(ids, mask, router_logits=True),
+                 lambda: model.aux_loss(ids, mask)):
+        with pytest.raises(ValueError, match=rf"token id {VOCAB + 3} at input_ids\[1, 4\] is outside the vocabulary"):
+            call()

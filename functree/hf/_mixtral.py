@@ -234,6 +234,8 @@ class RoutedExperts(_Base):
         if cache is not None:
             raise ValueError(ROUTER_LOGITS_CACHED.format(cls=type(self).__name__))
         if not staged() and not collecting():  # eager: compiled once per signature, not a scan traced at each call
+            self._check_call(input_ids, None)  # the checks of concrete values the plain call makes (traced in the jit:
+            self.check_token_ids(input_ids)    # an id outside the vocabulary would give NaN rows, not its error)
             return _routed_call(self, input_ids, attention_mask, positions, key)
         logits, sown = collect_intermediates(
             lambda m: m(input_ids, attention_mask, positions=positions, key=key), self)

@@ -746,3 +746,23 @@ def test_a_model_rebuilt_inside_by_a_gradient_is_named_with_its_way_out():
     grads, sown = ft.gradient(loss, at=model, has_aux=True)
     np.testing.assert_allclose(grads.w, jnp.sum(x * (1 - jnp.tanh(0.5 * x) ** 2)), rtol=0, atol=1e-6)
     np.testing.assert_allclose(sown[ft.KeyPath.parse(".pre_activation")], 0.5 * x, rtol=0, atol=1e-7)
+
+
+def test_a_numpy_array_or_a_number_is_recorded_as_an_array():
+    """A record of a NumPy array or a Python number is that array (INTERMEDIATE_NOT_ARRAY
+    refused "a ndarray" saying a record must be one array); a tuple or a string is still
+    refused by name."""
+
+    class Host(ft.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            ft.nn.record_intermediate(self, counts=np.array([1, 2]), scale=0.5)
+            return self.w * x
+
+    _, sown = ft.nn.collect_intermediates(lambda m: m(jnp.ones(2)), Host(jnp.array(2.0)))
+    assert all(isinstance(v, jax.Array) for v in sown.values())
+    np.testing.assert_array_equal(sown[ft.KeyPath.parse(".counts")], [1, 2])
+    assert float(sown[ft.KeyPath.parse(".scale")]) == 0.5
+    with pytest.raises(TypeError, match=r"Recorder, pair=\.\.\.\) got a tuple"):
+        ft.nn.collect_intermediates(lambda m: m(jnp.ones(2)), Recorder(jnp.array(1.0), "tuple"))

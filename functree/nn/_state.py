@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree import _diagnostics
 from functree._key_path_names import key_path
@@ -356,8 +357,9 @@ def record_intermediate(layer: Module, **values: Any) -> None:
     """Record values ``layer`` computed (a router's logits, attention weights) for a caller
     that asks with :func:`collect_intermediates`; a no-op (one check) otherwise.
 
-    Each is filed at ``layer``'s key path plus its name, and keeps its gradient (unlike
-    layer state): a loss may use it. Inside an ``ft.nn.Stack`` the members' records are
+    Each is one array (a NumPy array or a number is recorded as a JAX array), filed at
+    ``layer``'s key path plus its name, and keeps its gradient (unlike layer state): a
+    loss may use it. Inside an ``ft.nn.Stack`` the members' records are
     stacked on a leading axis of ``n``.
 
     Example:
@@ -378,7 +380,9 @@ def record_intermediate(layer: Module, **values: Any) -> None:
     for name, value in values.items():
         if name in getattr(cls, "__ft_field_set__", ()):
             raise TypeError(INTERMEDIATE_IS_FIELD.format(cls=cls.__name__, name=name))
-        if not isinstance(value, (jax.Array, Tracer)):
+        if isinstance(value, (np.ndarray, np.generic, bool, int, float, complex)):
+            values[name] = jnp.asarray(value)  # a host array or a number: the array it is
+        elif not isinstance(value, (jax.Array, Tracer)):
             given = f"a {type(value).__name__}"
             raise TypeError(INTERMEDIATE_NOT_ARRAY.format(cls=cls.__name__, name=name, given=given))
     collector = next((c for c in reversed(collector_stack()) if id(layer) in c.paths), None)

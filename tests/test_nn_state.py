@@ -766,3 +766,20 @@ def test_a_numpy_array_or_a_number_is_recorded_as_an_array():
     assert float(sown[ft.KeyPath.parse(".scale")]) == 0.5
     with pytest.raises(TypeError, match=r"Recorder, pair=\.\.\.\) got a tuple"):
         ft.nn.collect_intermediates(lambda m: m(jnp.ones(2)), Recorder(jnp.array(1.0), "tuple"))
+
+
+def test_a_wrapper_built_inside_fn_passing_records_on_is_named_as_such():
+    """A Remat (or Stack, or a list given to with_recomputation_in_pullbacks) built inside
+    fn passes its layer's records on to a node the collector does not know: refused as
+    intermediates under collect_intermediates (the message spoke of layer state and
+    collect_state), with the wrapper built outside, whose right code runs."""
+    model = Tanh(jnp.array(0.5))
+    x = jnp.array([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"(?s)A Remat passed on the intermediates \.layer\.pre_activation inside "
+                                         r"ft\.nn\.collect_intermediates.*right:  y, sown = ft\.nn\.collect_intermediates"
+                                         r"\(lambda m: m\(x\), ft\.nn\.Remat\(model\)\)") as error:
+        ft.nn.collect_intermediates(lambda m: ft.nn.Remat(m)(x), model)
+    assert "collect_state" not in str(error.value)
+    y, sown = ft.nn.collect_intermediates(lambda m: m(x), ft.nn.Remat(model))
+    np.testing.assert_allclose(sown[ft.KeyPath.parse(".layer.pre_activation")], 0.5 * x, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(y, jnp.tanh(0.5 * x), rtol=0, atol=1e-7)

@@ -88,6 +88,17 @@ passed to collect_state, so its key path is unknown. Call the layers of the mode
     wrong:  ft.nn.collect_state(lambda m: other_model(x), model)
     right:  ft.nn.collect_state(lambda m: m(x), model)"""
 
+INTERMEDIATE_NOT_IN_REBUILT_MODEL = """\
+A {cls} passed on the intermediates {paths} inside ft.nn.collect_intermediates, but it is \
+not part of the model passed to collect_intermediates (a wrapper built inside fn: \
+ft.nn.Remat(m), ft.nn.Stack.from_layers, a list of layers given to \
+ft.with_recomputation_in_pullbacks), so their key paths are unknown. Build the wrapper \
+outside and pass it in:
+
+    wrong:  y, sown = ft.nn.collect_intermediates(lambda m: ft.nn.Remat(m)(x), model)
+    right:  y, sown = ft.nn.collect_intermediates(lambda m: m(x), ft.nn.Remat(model))
+"""
+
 INTERMEDIATE_IS_FIELD = """\
 ft.nn.record_intermediate({cls}, {name}=...): {name!r} is a field of {cls}; a recorded \
 intermediate is a value the layer computed, filed at the key path of a name the layer \
@@ -420,6 +431,9 @@ def record_in(owner: Any, paths: list[KeyPath], values: Any) -> None:
 
     collector = next((c for c in reversed(collector_stack()) if id(owner) in c.paths), None)
     if collector is None:
+        sown = [str(path) for path, value in zip(paths, values) if isinstance(value, Intermediate)]
+        if sown:
+            raise ValueError(INTERMEDIATE_NOT_IN_REBUILT_MODEL.format(cls=type(owner).__name__, paths=", ".join(sown)))
         raise ValueError(NOT_IN_REBUILT_MODEL.format(cls=type(owner).__name__))
     for where in collector.paths[id(owner)]:
         for path, value in zip(paths, values):

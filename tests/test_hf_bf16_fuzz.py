@@ -4,9 +4,11 @@ loaded in that dtype, for the thirteen families, from drawn configs with random 
 16-bit logits cannot be compared at float32's tolerance: each library rounds its own sums.
 Both are measured against the float32 reference (HF's float32 model of the same file; the
 float32 ports equal it to 1e-6, ``test_hf_config_fuzz``), over the real tokens of a batch with
-a padded row, as ``err(x) = max|x - HF32| / (1 + max|HF32|)``. HF's own 16-bit error
-``err(HF16)`` is what the dtype costs in the reference implementation; functree's ``err(FT16)``
-must stay within :data:`MARGIN` times it.
+a padded row, by two measures of ``d = x - HF32`` in units of ``1 + max|HF32|``: the root mean
+square ``rms(x)`` (over every real logit: the steadier measure) and the largest ``err(x) =
+max|d|`` (one token's). HF's own 16-bit errors are what the dtype costs in the reference
+implementation; functree's must stay within :data:`RMS_MARGIN` times HF's root mean square
+and :data:`MAX_MARGIN` times HF's largest (:func:`check`).
 
 Also: the logits' dtype is the parameters' (HF's: no upcast); the parts HF keeps in float32
 stay float32 in functree's program (norm statistics, the attention softmax, the rotary
@@ -28,7 +30,7 @@ import numpy as np
 import pytest
 from _hypothesis import examples
 from _jaxpr import equations
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, currently_in_test_context, given, settings
 from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,13 +43,27 @@ import functree as ft  # noqa: E402
 
 # Measured: over 269 draws (bfloat16 and float16, every family) err(FT16) / err(HF16) was at
 # most 1.89 (GPT-2, bfloat16; the median 1.0: both errors are mostly the logits' own last
-# rounding) and err(HF16) at least 2.3e-4; MARGIN is 1.3 times the worst ratio (Qwen3 and OLMo2,
-# added later: 49 draws, at most 1.94, Qwen3 in bfloat16: 1.29 times, kept). (Norm
-# statistics summed in 16 bits moved the worst ratio only to 2.4 over 48 draws: the float32
-# parts are checked in the program itself, test_what_hf_keeps_in_float32_stays_float32.)
-MARGIN = 2.5
+# rounding) and err(HF16) at least 2.3e-4 (Qwen3 and OLMo2, added later: 49 draws, at most
+# 1.94). (Norm statistics summed in 16 bits moved the worst ratio only to 2.4 over 48 draws:
+# the float32 parts are checked in the program itself, test_what_hf_keeps_in_float32_stays_float32.)
+# The largest difference is one token's, and each library's error a handful of rounding events
+# amplified: the ratio of the two is wide-tailed where the attention amplifies the rounding of
+# q and k. A 1-layer float16 Granite of attention_multiplier 1 (one head of 32: logits sqrt(32)
+# times Llama's) measured err(FT16) / err(HF16) 4.15 and rms 2.12 (the explore profile's draw,
+# test_a_granite_draw_where_hf_rounds_luckier), though functree rounds less than HF (RMSNorm's
+# output once, HF twice; the rotation in float32, HF's in 16 bits; the attention logits and
+# weights in float32, HF's rounded to 16 bits): HF's three roundings put into functree give
+# HF's logits (ratios 1.00 and 1.07 on that draw), and over 20 other seeds of that model the
+# ratios' geometric means were 0.95 and 0.94 (functree the closer as often as not), worst 2.88
+# and 2.13. GPT-2 (float16) measured 2.64 and 1.36. Over 96 fuzz draws (Granite, Llama, Qwen3,
+# GPT-2; both dtypes), 32 of Granites with multipliers 1 and 122 seeds of two fixed Granites the
+# ratios' geometric means were 0.77 to 1.12 per group; the rms ratio's tail is the narrower
+# (notes/audit37/granite16/REPORT.md). Each margin is 1.3 times its measure's worst ratio.
+RMS_MARGIN = 2.8
+MAX_MARGIN = 5.4
 DTYPES = {"bfloat16": (jnp.bfloat16, torch.bfloat16), "float16": (jnp.float16, torch.float16)}
-SPREAD: list[tuple[str, str, float, float]] = []  # (family, dtype, err(HF16), err(FT16)) of each draw
+SPREAD: list[tuple[str, str, float, float, float, float]] = []  # (family, dtype, err(HF16), err(FT16),
+# rms(HF16), rms(FT16)) of each draw
 
 
 def _hf_loaded(model_type, directory, dtype):
@@ -57,8 +73,15 @@ def _hf_loaded(model_type, directory, dtype):
         return cls.from_pretrained(directory, dtype=dtype, attn_implementation="eager").eval()
 
 
+def _assume(condition):
+    """A drawn config HF cannot run (or its float16 overflows) is skipped; a fixed one must run."""
+    if currently_in_test_context():
+        assume(condition)
+    assert condition, "a fixed example that HF cannot run or that overflows measures nothing"
+
+
 def check(model_type, values, seed, dtype_name):
-    """functree's 16-bit logits are within MARGIN of HF's 16-bit error against HF's float32."""
+    """functree's 16-bit logits are within RMS_MARGIN and MAX_MARGIN of HF's 16-bit errors against HF's float32."""
     jdtype, tdtype = DTYPES[dtype_name]
     with tempfile.TemporaryDirectory() as directory:
         try:
@@ -69,11 +92,11 @@ def check(model_type, values, seed, dtype_name):
             reference = _hf_outputs(_hf_loaded(model_type, directory, torch.float32), model_type, ids, mask)
             theirs = _hf_outputs(_hf_loaded(model_type, directory, tdtype), model_type, ids, mask)
         except Exception:  # HF cannot build or run this config (test_hf_config_fuzz's assume)
-            assume(False)
+            _assume(False)
             raise
         real = mask.astype(bool)
         scale = 1 + float(np.abs(reference[real]).max())
-        assume(np.isfinite(reference[real]).all() and scale < 1e3)
+        _assume(np.isfinite(reference[real]).all() and scale < 1e3)
         ported = _port(directory, values)
         if ported is None:  # refused naming a key: test_hf_config_fuzz's concern
             return
@@ -81,13 +104,14 @@ def check(model_type, values, seed, dtype_name):
     out = narrow(ids.astype(np.int32), mask.astype(np.int32))
     assert out.dtype == jdtype, f"{model_type}: logits {out.dtype}, parameters {dtype_name} (HF's: {dtype_name})"
     ours = np.asarray(out.astype(jnp.float32))
-    hf_error = float(np.abs(theirs[real] - reference[real]).max()) / scale
-    assume(np.isfinite(hf_error))  # HF's float16 overflowed: nothing to measure against
-    error = float(np.abs(ours[real] - reference[real]).max()) / scale
-    SPREAD.append((model_type, dtype_name, hf_error, error))
-    assert error <= MARGIN * hf_error, (
-        f"{model_type} {dtype_name}: functree's error {error:.3g} of 1 + max|logits| against HF's float32, HF's own "
-        f"{hf_error:.3g}\n{values}")
+    theirs_off, ours_off = theirs[real] - reference[real], ours[real] - reference[real]
+    hf_error, error = (float(np.abs(d).max()) / scale for d in (theirs_off, ours_off))
+    _assume(np.isfinite(hf_error))  # HF's float16 overflowed: nothing to measure against
+    hf_rms, rms = (float(np.sqrt(np.mean(np.square(d)))) / scale for d in (theirs_off, ours_off))
+    SPREAD.append((model_type, dtype_name, hf_error, error, hf_rms, rms))
+    assert rms <= RMS_MARGIN * hf_rms and error <= MAX_MARGIN * hf_error, (
+        f"{model_type} {dtype_name}: functree's error of 1 + max|logits| against HF's float32 {rms:.3g} (rms), "
+        f"{error:.3g} (largest); HF's own {hf_rms:.3g}, {hf_error:.3g}\n{values}")
 
 
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck))
@@ -97,14 +121,33 @@ def test_16_bit_logits_within_hf_own_16_bit_error(data, model_type, seed, dtype)
     check(model_type, data.draw(STRATEGIES[model_type](), label=model_type), seed, dtype)
 
 
+# The explore profile's draw (seed 184, float16) on which HF's extra roundings cancel: err(FT16)
+# 4.15 times err(HF16), rms(FT16) 2.12 times rms(HF16) (see RMS_MARGIN).
+GRANITE_ONES = {"vocab_size": 48, "hidden_size": 32, "intermediate_size": 8, "num_hidden_layers": 1,
+                "num_attention_heads": 1, "num_key_value_heads": 1, "hidden_act": "quick_gelu", "rms_norm_eps": 1e-05,
+                "max_position_embeddings": 4, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+                "pad_token_id": None, "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
+                "attention_multiplier": 1.0, "logits_scaling": 1.0}
+
+
+def test_a_granite_draw_where_hf_rounds_luckier():
+    """A Granite whose attention (multiplier 1, one head of 32: logits sqrt(32) times Llama's)
+    amplifies the rounding of q and k: functree's largest difference from HF's float32 is 4.15
+    times HF's own, past the 2.5 the bound on it alone allowed, though functree rounds less than
+    HF (RMS_MARGIN's comment)."""
+    check("granite", GRANITE_ONES, 184, "float16")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _spread():
     """The measured errors, printed when the module ends (the tolerance's measure)."""
     yield
     if SPREAD:
-        ratios = [e / h for _, _, h, e in SPREAD if h > 0]
+        ratios = [e / h for _, _, h, e, _, _ in SPREAD if h > 0]
+        rms_ratios = [r / h for _, _, _, _, h, r in SPREAD if h > 0]
         print(f"\nbf16 fuzz: {len(SPREAD)} draws, err(FT16)/err(HF16) max {max(ratios, default=0):.3g}, "
-              f"largest err(HF16) {max(h for _, _, h, _ in SPREAD):.3g}", file=sys.__stderr__)
+              f"rms(FT16)/rms(HF16) max {max(rms_ratios, default=0):.3g}, "
+              f"largest err(HF16) {max(s[2] for s in SPREAD):.3g}", file=sys.__stderr__)
 
 
 # ---- fixed models: the weights' bits and the float32 parts ---------------------------------------

@@ -128,13 +128,15 @@ QWEN_EXPERTS = ExpertNames("Qwen3-MoE", "mlp", "gate_proj", "up_proj", "down_pro
 OLMOE_EXPERTS = QWEN_EXPERTS._replace(family="OLMoE")
 
 
-def _experts_mlp(num_experts: int, top_k: int, renormalize: bool, size: int | None, d: int, hidden: int,
-                 activation: Any, use_bias: bool, *, key: jax.Array, dtype: Any) -> SparseMoE:
-    """A block's ``mlp``: the sparse MoE (LlamaDecoderLayer's MLP call, its bias unused: HF's
-    has none), each expert's hidden size ``size`` (Qwen3-MoE's ``moe_intermediate_size``), else
-    the config's ``intermediate_size``."""
-    return SparseMoE(d, hidden if size is None else size, num_experts=num_experts, top_k=top_k,
-                     activation=activation, renormalize=renormalize, key=key, dtype=dtype)
+def _experts_mlp(layer: type[SparseMoE], num_experts: int, top_k: int, renormalize: bool, size: int | None,
+                 options: dict[str, Any], d: int, hidden: int, activation: Any, use_bias: bool, *,
+                 key: jax.Array, dtype: Any) -> SparseMoE:
+    """A block's ``mlp``: the sparse MoE ``layer`` (LlamaDecoderLayer's MLP call, its bias
+    unused: HF's has none), each expert's hidden size ``size`` (Qwen3-MoE's
+    ``moe_intermediate_size``), else the config's ``intermediate_size``; ``options``: the
+    layer's own keywords (Qwen2-MoE's ``shared`` expert width)."""
+    return layer(d, hidden if size is None else size, num_experts=num_experts, top_k=top_k,
+                 activation=activation, renormalize=renormalize, key=key, dtype=dtype, **options)
 
 
 def experts_per_token(config: Any, key: str = "num_local_experts") -> tuple[int, int]:
@@ -150,13 +152,14 @@ def experts_per_token(config: Any, key: str = "num_local_experts") -> tuple[int,
 
 
 def moe_options(config: Any, *, renormalize: bool = True, size: int | None = None,
-                key: str = "num_local_experts") -> dict[str, Any]:
-    """The MoE families' keyword arguments: ``mlp`` (:class:`ft.nn.SparseMoE` of the config's
-    experts, top-k, ``renormalize``: HF's ``norm_topk_prob``, each expert of ``size``) and
-    ``router_aux_loss_coef``."""
+                key: str = "num_local_experts", layer: type[SparseMoE] = SparseMoE,
+                **options: Any) -> dict[str, Any]:
+    """The MoE families' keyword arguments: ``mlp`` (``layer``, :class:`ft.nn.SparseMoE` or a
+    subclass given its own ``options``, of the config's experts, top-k, ``renormalize``: HF's
+    ``norm_topk_prob``, each expert of ``size``) and ``router_aux_loss_coef``."""
     experts, top_k = experts_per_token(config, key)
     coef = getattr(config, "router_aux_loss_coef", 0.001)
-    return {"mlp": functools.partial(_experts_mlp, experts, top_k, bool(renormalize), size),
+    return {"mlp": functools.partial(_experts_mlp, layer, experts, top_k, bool(renormalize), size, options),
             "router_aux_loss_coef": 0.001 if coef is None else float(coef)}
 
 

@@ -40,7 +40,6 @@ routed experts' router logits; the shared expert has no router)::
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -52,7 +51,6 @@ from functree.hf._llama import LlamaMLP, Qwen2ForCausalLM
 from functree.hf._mixtral import (
     QWEN_EXPERTS,
     RoutedExperts,
-    experts_per_token,
     moe_options,
     per_expert_names,
 )
@@ -100,16 +98,6 @@ class SharedExpertMoE(SparseMoE):
         return (y + shared, logits) if return_logits else y + shared
 
 
-def _shared_expert_mlp(num_experts: int, top_k: int, renormalize: bool, size: int, shared: int, d: int,
-                       hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
-                       dtype: Any) -> SharedExpertMoE:
-    """A block's ``mlp`` (LlamaDecoderLayer's MLP call; ``hidden``, the config's dense
-    ``intermediate_size``, and the bias unused: HF's experts are ``moe_intermediate_size``
-    wide and unbiased)."""
-    return SharedExpertMoE(d, size, shared, num_experts=num_experts, top_k=top_k, activation=activation,
-                           renormalize=renormalize, key=key, dtype=dtype)
-
-
 class Qwen2MoeForCausalLM(RoutedExperts, Qwen2ForCausalLM):
     """Hugging Face's ``Qwen2MoeForCausalLM`` (module docstring): Qwen2 whose blocks' ``mlp``
     is a :class:`SharedExpertMoE` (``gate``: the router; ``experts``: ``gate_up_proj``
@@ -138,15 +126,12 @@ class Qwen2MoeForCausalLM(RoutedExperts, Qwen2ForCausalLM):
     def hf_options(cls, config: Any) -> dict[str, Any]:
         check_every_layer_sparse(config, model_type="qwen2_moe", mlp="Qwen2MoeMLP", family="Qwen2-MoE",
                                  example="Qwen1.5-MoE-A2.7B", experts_fix=60)
-        experts, top_k = experts_per_token(config, "num_experts")
-        renormalize = bool(config.norm_topk_prob)
         # HF's Qwen2MoeConfig sets sliding_window 0 unless use_sliding_window: no window read then
         sizes = window(config, layer_types=True, enabled=bool(getattr(config, "use_sliding_window", False)))
         windows = {"windows": sizes} if isinstance(sizes, tuple) else {"window": sizes}
-        mlp = functools.partial(_shared_expert_mlp, experts, top_k, renormalize, config.moe_intermediate_size,
-                                config.shared_expert_intermediate_size)
         return {"attention_bias": bool(getattr(config, "qkv_bias", True)), "output_bias": False, **windows,
-                **moe_options(config, renormalize=renormalize, key="num_experts"), "mlp": mlp}
+                **moe_options(config, renormalize=bool(config.norm_topk_prob), size=config.moe_intermediate_size,
+                              key="num_experts", layer=SharedExpertMoE, shared=config.shared_expert_intermediate_size)}
 
     @classmethod
     def hf_names(cls, weights: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -181,14 +183,30 @@ def all_finite(tree: Any) -> jax.Array:
     return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
 
 
-def register_record(cls: type, data_fields: Sequence[str], meta_fields: Sequence[str] = ()) -> type:
-    """Register a frozen dataclass of state (an optimizer state, the learning context) as a
-    pytree: ``jax.tree_util.register_dataclass``, so that jit flattens it in C++.
+RECORD_FIELDS = """\
+register_record({cls}): the data fields {data} and static fields {meta} must split the \
+dataclass's fields {fields}, each field once:
 
-    An optimizer state is flattened on every call of a training step (its input) and
-    rebuilt once (its output): C++ flattening saves more (about 1.5 µs per record) than
-    the dataclass ``__init__`` costs on the rebuild over a Python ``object.__new__``
-    (about 0.4 µs). Key paths are ``GetAttrKey``s of the field names.
+    wrong:  register_record(Count, ["n"], [])               # a field left out
+    right:  register_record(Count, ["n"], ["name"])         # leaves: n; static: name"""
+
+
+def register_record(cls: type, data_fields: Sequence[str], meta_fields: Sequence[str] = ()) -> type:
+    """Register a frozen dataclass of state (an optimizer state, the learning context, a
+    generation control) as a pytree whose tree definition names its class.
+
+    Not ``jax.tree_util.register_dataclass``: from jaxlib 0.10 on (0.10.2 and 0.12.0.1
+    measured; 0.9.2 is right), two tree definitions of such dataclasses compare equal when
+    their arity and static values agree, whatever their classes or field names
+    (``TopP(p) == MinP(p)``), while their hashes differ. ``jax.jit``'s C++ cache compares the
+    definitions of its arguments only when their hashes share a table slot's few bits, so a
+    call with one class ran the program compiled for the other about once in a hundred
+    lookups: a silently wrong result (``generate(eta_cutoff=...)`` ran the
+    ``epsilon_cutoff`` loop with the eta value). A node registered with functions of its
+    own compares by its class, so its flattening is a Python function here (about 1 µs a
+    record; a training step passes its optimizer state by leaves, ``functree._flat``, and
+    rebuilds it inline, so its loop pays none of it). Key paths are ``GetAttrKey`` entries of
+    the field names; unflattening calls ``cls(**fields)``, as JAX's dataclass path does.
 
     Example:
       >>> import dataclasses, jax
@@ -200,9 +218,44 @@ def register_record(cls: type, data_fields: Sequence[str], meta_fields: Sequence
       >>> _ = register_record(Count, ["n"], ["name"])
       >>> jax.tree.map(lambda n: n + 1, Count(1))
       Count(n=2, name='steps')
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Total:
+      ...     m: jax.Array
+      ...     name: str = "steps"
+      >>> _ = register_record(Total, ["m"], ["name"])
+      >>> jax.tree.structure(Count(1)) == jax.tree.structure(Total(1))
+      False
     """
-    cls.__ft_record__ = (tuple(data_fields), tuple(meta_fields))  # rebuilt inline by functree._flat
-    return jax.tree_util.register_dataclass(cls, list(data_fields), list(meta_fields))
+    data, meta = tuple(data_fields), tuple(meta_fields)
+    declared = {f.name for f in dataclasses.fields(cls) if f.init}
+    if set(data) | set(meta) != declared or set(data) & set(meta):
+        raise ValueError(RECORD_FIELDS.format(cls=cls.__name__, data=data, meta=meta, fields=tuple(sorted(declared))))
+    cls.__ft_record__ = (data, meta)  # rebuilt inline by functree._flat
+    get_data = _getter(data)
+    get_meta = _getter(meta)
+    keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
+
+    def flatten(x: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        return get_data(x), get_meta(x)
+
+    def flatten_with_keys(x: Any) -> tuple[tuple[tuple[Any, Any], ...], tuple[Any, ...]]:
+        return tuple(zip(keys, get_data(x))), get_meta(x)
+
+    def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
+        return cls(**dict(zip(meta, aux)), **dict(zip(data, children)))
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+def _getter(names: tuple[str, ...]) -> Any:
+    """``x -> tuple(getattr(x, n) for n in names)`` as one C call where it can be."""
+    if not names:
+        return lambda x: ()
+    if len(names) == 1:
+        get = operator.attrgetter(names[0])
+        return lambda x: (get(x),)
+    return operator.attrgetter(*names)  # a tuple already
 
 
 def written_dtype(dtype: Any) -> str:

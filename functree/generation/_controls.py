@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._tree import register_record
 from functree.generation._logits import (
     bad_word_ends,
     check_in_vocabulary,
@@ -258,10 +259,12 @@ T = TypeVar("T")
 
 def record(*data: str) -> Callable[[type[T]], type[T]]:
     """Register a frozen dataclass as a pytree whose fields ``data`` are its (traced) leaves and
-    the others its (static, hashable) structure: the key of the compiled loop."""
+    the others its (static, hashable) structure: the key of the compiled loop. Its tree
+    definition names its class (``register_record``: ``TopP(p)`` and ``MinP(p)`` are two
+    keys, which ``jax.tree_util.register_dataclass`` made one from jaxlib 0.10 on)."""
     def make(cls: type[T]) -> type[T]:
         meta = [f.name for f in dataclasses.fields(cls) if f.name not in data]  # type: ignore[arg-type]
-        jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=meta)
+        register_record(cls, data, meta)
         return cls
     return make
 
@@ -783,10 +786,10 @@ class EtaCutoff(Control):
     exp(-H))`` (``H``: the entropy) are removed, the most likely kept (``e = 0``: absent).
 
     Compared in logs, ``log p < min(log e, log(e) / 2 - H)`` (``log e`` taken on the host): the
-    same set, with no ``exp`` of ``H``. (Twice a CI machine's compiled loop removed the first
-    step's tokens below ``e`` itself, as if ``H = 0`` where it is 3.6 nats; XLA had fused the
-    ``exp`` into the entropy's reduction, ``exp(sum(p log p))`` in one kernel, which no other
-    machine got wrong.)"""
+    same set, with no ``exp`` of ``H``. (Rare CI runs removed the tokens below ``e`` itself, as
+    if ``H = 0``, or kept every token: ``jax.jit``'s cache had run the ``epsilon_cutoff``
+    loop with this record's value, because ``register_dataclass`` gave the two records one
+    tree definition; :func:`record` now registers each class as its own.)"""
 
     log_epsilon: Any
     keywords = ("eta_cutoff",)

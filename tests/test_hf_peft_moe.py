@@ -259,3 +259,18 @@ def test_what_is_not_ported_is_refused_naming_it(tmp_path):
     dropping = ft.nn.lora(dropping, "*.experts.down_proj", rank=2, key=jax.random.key(1))
     with pytest.raises(ValueError, match="refuses any lora_dropout != 0"):
         ft.nn.save_lora(dropping, tmp_path / "dropping")
+
+
+def test_a_pattern_selecting_nothing_suggests_the_expert_weights():
+    """PEFT's spelling of a target (``"experts.gate_up_proj"``, matched as a suffix there) is a
+    glob here: the error names the expert weights closest to it and the pattern that runs
+    (before, it offered attention layers and said "no Dense layer")."""
+    base = ft.nn.from_hf(make("mixtral", 6), dtype=jnp.float32)
+    for given, right in [("experts.gate_up_proj", "*.experts.gate_up_proj"), ("down_proj", "*.down_proj")]:
+        with pytest.raises(ValueError, match="selects no Dense layer or expert weight") as caught:
+            ft.nn.lora(base, given, rank=2, key=jax.random.key(0))
+        message = str(caught.value)
+        assert f"'model.layers.0.mlp.{right[2:] if right.startswith('*.experts') else 'experts.down_proj'}'" in message
+        assert f"right:  ft.nn.lora(model, {right!r}, ...)" in message
+        adapted = ft.nn.lora(base, right, rank=2, key=jax.random.key(0))  # the printed fix runs
+        assert any(".experts." in k and k.endswith("lora_a") for k in ft.to_flat_dict(adapted))

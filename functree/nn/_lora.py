@@ -51,6 +51,7 @@ from functree.nn._check import check_input
 from functree.nn._linear import Dense, add_bias
 from functree.nn._lora_experts import (
     EXPERTS_DROPOUT,
+    ExpertWeight,
     LoraExperts,
     LoraParameter,
     adapted_experts,
@@ -65,7 +66,7 @@ from functree.nn._state import record_state, salted
 __all__ = ["LoraDense", "LoraBaseWarning", "lora", "merge_lora", "check_base_untrained", "ADDED_FIELDS"]
 
 NOTHING_SELECTED = """\
-ft.nn.lora: the pattern {pattern!r} selects no Dense layer. Closest layer names: {close}.
+ft.nn.lora: the pattern {pattern!r} selects no {what}. Closest layer names: {close}.
 Patterns are globs over dotted layer names (ft.to_flat_dict(model, unstack=True) lists \
 the leaves; a from_hf model's layers answer to Hugging Face's names too).
     wrong:  ft.nn.lora(model, {pattern!r}, ...)
@@ -440,7 +441,7 @@ def _selected(model: Any, patterns: tuple[str, ...], what: str,
                 raise ValueError(NOT_DENSE.format(pattern=pattern, name=infos[i].name,
                                                   what=_leaf_owner(model, i), right=right))
         if not hit:
-            raise _nothing(pattern, layers, torch)
+            raise _nothing(pattern, layers, torch, weights)
     if subclassed:
         given = patterns[0] if len(patterns) == 1 else list(patterns)
         raise _subclass_error(given, layers[min(subclassed)], [layers[j] for j in sorted(chosen)])
@@ -474,7 +475,7 @@ def _all_linear(model: Any) -> dict[int, bool]:
     if subclassed:
         raise _subclass_error(ALL_LINEAR, subclassed[0], [layers[j] for j in chosen if layers[j] not in subclassed])
     if not chosen:
-        raise ValueError(NOTHING_SELECTED.format(pattern=ALL_LINEAR, close="none", right="*"))
+        raise ValueError(NOTHING_SELECTED.format(pattern=ALL_LINEAR, close="none", right="*", what="Dense layer"))
     return chosen
 
 
@@ -498,25 +499,29 @@ def _stacked_pattern(layer: DenseLayer) -> str:
     return ".".join(parts)
 
 
-def _layer_infos(layers: list[DenseLayer], torch: dict[str, str]) -> list[_naming.LeafInfo]:
+def _layer_infos(layers: list[DenseLayer], torch: dict[str, str],
+                 weights: Sequence[ExpertWeight] = ()) -> list[_naming.LeafInfo]:
     """LeafInfos of the layers (their names without ``.weight``; a Stack's with member names),
-    and of their Hugging Face names: what a NothingSelected error searches."""
+    of their Hugging Face names and of a sparse MoE's expert weights (``...experts.gate_up_proj``):
+    what a NothingSelected error searches."""
     out = []
-    for layer in layers:
-        i = layer.info
-        out.append(_naming.LeafInfo(_layer_name(i.name), (*i.segments[:-1], _layer_name(i.segments[-1])), i.sizes))
+    for info in [layer.info for layer in layers] + [w.info for w in weights]:
+        out.append(_naming.LeafInfo(_layer_name(info.name), (*info.segments[:-1], _layer_name(info.segments[-1])),
+                                    info.sizes))
     out += [_naming.LeafInfo(module, (module,), ()) for module in torch.values()]
     return out
 
 
-def _nothing(pattern: str, layers: list[DenseLayer], torch: dict[str, str]) -> ValueError:
-    infos = _layer_infos(layers, torch)
-    error = _naming.nothing_selected(pattern, "ft.nn.lora", "Dense layer", infos)
+def _nothing(pattern: str, layers: list[DenseLayer], torch: dict[str, str],
+             weights: Sequence[ExpertWeight] = ()) -> ValueError:
+    what = "Dense layer or expert weight" if weights else "Dense layer"
+    infos = _layer_infos(layers, torch, weights)
+    error = _naming.nothing_selected(pattern, "ft.nn.lora", what, infos)
     if error.out_of_range is not None:
         return ValueError(error.out_of_range)
     right = error.suggestion or (error.close[0] if error.close else "*.query_projection")
     return ValueError(NOTHING_SELECTED.format(pattern=pattern, close=", ".join(map(repr, error.close)) or "none",
-                                              right=right))
+                                              right=right, what=what))
 
 
 def _suggested(pattern: str, layers: list[DenseLayer]) -> str:

@@ -19,7 +19,7 @@ import pytest
 
 import functree as ft
 from functree.hf import _peft_params
-from functree.nn import _lora_experts
+from functree.nn import _lora, _lora_experts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -274,3 +274,32 @@ def test_a_pattern_selecting_nothing_suggests_the_expert_weights():
         assert f"right:  ft.nn.lora(model, {right!r}, ...)" in message
         adapted = ft.nn.lora(base, right, rank=2, key=jax.random.key(0))  # the printed fix runs
         assert any(".experts." in k and k.endswith("lora_a") for k in ft.to_flat_dict(adapted))
+
+
+def test_lora_experts_and_lora_parameter_built_by_hand_are_what_ft_nn_lora_builds():
+    """ft.nn.LoraExperts / ft.nn.LoraParameter, exported: the adapters ft.nn.lora puts on a
+    model's experts, built by hand from the same key, equal (leaf for leaf); each refusal named."""
+    base = ft.nn.from_hf(make("mixtral", 6), dtype=jnp.float32)
+    key = jax.random.key(3)
+    adapted = ft.nn.lora(base, "*.experts.gate_up_proj", rank=2, alpha=4.0, key=key)
+    moe = base.model.layers.layers.mlp
+    by_lora = adapted.model.layers.layers.mlp.experts
+    assert isinstance(by_lora, ft.nn.LoraExperts) and isinstance(by_lora.gate_up_proj, ft.nn.LoraParameter)
+    # ft.nn.lora folds its key by the node's place: after the Dense layers, the first Experts
+    fold = jax.random.fold_in(key, len(_lora.dense_layers(base)))
+    by_hand = ft.nn.LoraExperts(moe.experts, 2, 4.0, key=fold, fields=("gate_up_proj",))
+    assert jax.tree.structure(by_hand) == jax.tree.structure(by_lora)
+    for a, b in zip(jax.tree.leaves(by_hand), jax.tree.leaves(by_lora)):
+        np.testing.assert_array_equal(a, b)
+    # lora_b is zero: the adapted experts compute what the plain ones do, in every form
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731 (the Stack's first member)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, moe.experts.gate_up_proj.shape[-2])), jnp.float32)
+    np.testing.assert_array_equal(first(by_hand).every(x), first(moe.experts).every(x))
+    with pytest.raises(TypeError, match=r"adapts a plain ft.nn.Experts .* got a SparseMoE"):
+        ft.nn.LoraExperts(moe, key=key)
+    with pytest.raises(ValueError, match=r"fields must name some of \('gate_up_proj', 'down_proj'\)"):
+        ft.nn.LoraExperts(moe.experts, fields=("up_proj",), key=key)
+    with pytest.raises(ValueError, match=r"a stacked expert weight \[\.\.\., experts, in, out\].*f32\[4,5\]"):
+        ft.nn.LoraParameter(jnp.ones((4, 5)), key=key)
+    with pytest.raises(ValueError, match="rank must be a positive int"):
+        ft.nn.LoraParameter(moe.experts.down_proj, rank=0, key=key)

@@ -413,6 +413,10 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
     "SparseMoE": (lambda c: c(4, 6, num_experts=3, top_k=2, key=K),
                   lambda c: c(d=4, hidden=6, num_experts=3, top_k=2, key=K)),
     "Experts": (lambda c: c(4, 6, 3, key=K), lambda c: c(d=4, hidden=6, num_experts=3, key=K)),
+    "LoraExperts": (lambda c: c(ft.nn.Experts(4, 6, 3, key=K), 2, 4.0, key=K, fields=("down_proj",)),
+                    lambda c: c(experts=ft.nn.Experts(4, 6, 3, key=K), rank=2, alpha=4.0, key=K, fields=("down_proj",))),
+    "LoraParameter": (lambda c: c(jnp.ones((3, 4, 6)), 2, 4.0, key=K),
+                      lambda c: c(weight=jnp.ones((3, 4, 6)), rank=2, alpha=4.0, key=K)),
 }
 for _name, (_positional, _keywords) in _NEWER.items():
     if hasattr(ft.nn, _name):

@@ -69,6 +69,7 @@ from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._fold import Fold, Unfold
 from functree.nn._linear import Dense
 from functree.nn._lora import LoraBaseWarning, LoraDense, lora, merge_lora
+from functree.nn._lora_experts import LoraExperts, LoraParameter
 from functree.nn._lp_pool import LPPool1D, LPPool2D, LPPool3D
 from functree.nn._mlp import MLP
 from functree.nn._mode import Layer, inference, inferring, is_training, training
@@ -314,6 +315,8 @@ __all__ = [
     "save_hf",
     # LoRA
     "LoraDense",
+    "LoraExperts",
+    "LoraParameter",
     "LoraBaseWarning",
     "lora",
     "merge_lora",

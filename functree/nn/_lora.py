@@ -45,7 +45,7 @@ from functree._activations import identity
 from functree._module import Module, field, from_fields
 from functree._naming import foreign_names
 from functree._random import flat_key
-from functree._tree import dotted_name, is_none, written_dtype
+from functree._tree import dotted_name, is_none
 from functree._where import placed_like
 from functree.nn._check import check_input
 from functree.nn._linear import Dense, add_bias
@@ -59,6 +59,8 @@ from functree.nn._lora_experts import (
     is_experts,
     merge_experts,
 )
+from functree.nn._lora_options import check_dtype as _check_dtype
+from functree.nn._lora_options import check_options as _check_options
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_state, salted
@@ -90,28 +92,7 @@ class LoraBaseWarning(UserWarning):
     """An optimizer without ``wrt=`` trains the weights under LoRA adapters (:data:`BASE_TRAINED`)."""
 
 
-BAD_LORA_DTYPE = """\
-{call}: dtype is the adapters' floating dtype (jnp.float32, jnp.bfloat16, jnp.float16; \
-None: the weight's), got {given}. lora_a is drawn at random and both adapters are trained: \
-they need a floating JAX dtype (a torch dtype or a name like "bf16" is not one).
 
-    wrong:  {call}(..., dtype={given})
-    right:  {call}(..., dtype=jnp.bfloat16)
-"""
-
-
-def _check_dtype(dtype: Any, call: str) -> Any:
-    """``dtype`` as a JAX dtype (None stays None), or :data:`BAD_LORA_DTYPE` at the call,
-    not inside ``jax.random.uniform`` or NumPy."""
-    if dtype is None:
-        return None
-    try:
-        dt = jnp.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(BAD_LORA_DTYPE.format(call=call, given=written_dtype(dtype)))
-    return dt
 
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
@@ -140,25 +121,6 @@ Stack layer {layer!r}. A Stack's members share one structure, so all of them get
 adapters or none does.
     wrong:  ft.nn.lora(model, {pattern!r}, ...)
     right:  ft.nn.lora(model, {right!r}, ...)   # every member"""
-
-BAD_RANK = """\
-ft.nn.lora: rank must be a positive int (the adapters' inner size), got {rank!r}.
-    right:  ft.nn.lora(model, pattern, rank=8, alpha=16, key=key)"""
-
-BAD_ALPHA = """\
-ft.nn.lora: alpha must be a positive number (the adapters' output is scaled by alpha / rank), \
-got {alpha!r}.
-    right:  ft.nn.lora(model, pattern, rank=8, alpha=16, key=key)"""
-
-BAD_DROPOUT = """\
-ft.nn.lora: dropout must be in [0, 1) (the probability of zeroing an adapter input), got \
-{dropout!r}.
-    right:  ft.nn.lora(model, pattern, rank=8, alpha=16, dropout=0.05, key=key)"""
-
-NO_KEY = """\
-ft.nn.lora needs a PRNG key (lora_a is drawn at random; lora_b starts at zero).
-    wrong:  ft.nn.lora(model, {pattern!r}, rank={rank})
-    right:  ft.nn.lora(model, {pattern!r}, rank={rank}, key=jax.random.key(0))"""
 
 NOT_A_DENSE = """\
 ft.nn.LoraDense wraps an ft.nn.Dense, got {given}.
@@ -295,17 +257,6 @@ class LoraDense(Layer):
         a, b = self.lora_a.astype(y.dtype), self.lora_b.astype(y.dtype)
         scale = self.alpha / self.rank if self.member_scale is None else self.member_scale.astype(y.dtype)
         return self.activation(y + ((h @ a) * scale) @ b)
-
-
-def _check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) -> None:
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ValueError(BAD_RANK.format(rank=rank))
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(BAD_ALPHA.format(alpha=alpha))
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(BAD_DROPOUT.format(dropout=dropout))
-    if key is None:
-        raise ValueError(NO_KEY.format(pattern=pattern, rank=rank))
 
 
 # ---- the Dense layers of a model and their names ----------------------------------------------

@@ -34,8 +34,10 @@ import numpy as np
 from functree import _naming
 from functree._module import Module, field, from_fields
 from functree._random import flat_key
-from functree._tree import dotted_name, is_none
+from functree._repr import short_array
+from functree._tree import dotted_name, has_shape_and_dtype, is_none
 from functree._where import placed_like
+from functree.nn._lora_options import check_dtype, check_options
 from functree.nn._moe import Experts
 from functree.nn._precision import statistics_dtype
 
@@ -57,6 +59,23 @@ Adapt the expert weights without dropout, in a call of their own:
             model = ft.nn.lora(model, "*.experts.gate_up_proj", ..., key=k2)   # dropout=0"""
 
 
+NOT_AN_EXPERT_WEIGHT = """\
+ft.nn.LoraParameter adapts a stacked expert weight [..., experts, in, out] of a floating \
+dtype (an ft.nn.Experts' gate_up_proj or down_proj), got {given}.
+    wrong:  ft.nn.LoraParameter(dense.weight, rank=8, key=key)        # [in, out]: ft.nn.LoraDense(dense, ...)
+    right:  ft.nn.LoraParameter(experts.gate_up_proj, rank=8, key=key)"""
+
+NOT_EXPERTS = """\
+ft.nn.LoraExperts adapts a plain ft.nn.Experts (a SparseMoE's .experts), got a {given}.
+    wrong:  ft.nn.LoraExperts(moe, rank=8, key=key)
+    right:  ft.nn.LoraExperts(moe.experts, rank=8, key=key)    # or ft.nn.lora(model, "*.experts.*", ...)"""
+
+BAD_EXPERT_FIELDS = """\
+ft.nn.LoraExperts: fields must name some of {allowed} (each once), got {given!r}.
+    wrong:  ft.nn.LoraExperts(experts, fields=("up_proj",), key=key)
+    right:  ft.nn.LoraExperts(experts, fields=("gate_up_proj",), key=key)"""
+
+
 class LoraParameter(Module):
     """A stacked expert weight with a low-rank adapter per expert: ``weight [E, in, out]``,
     ``lora_a [E, in, r]``, ``lora_b [E, r, out]``; :meth:`merged` is ``W + scale · A B``
@@ -72,6 +91,28 @@ class LoraParameter(Module):
     lora_b: jax.Array
     member_scale: jax.Array | None = field(no_derivative=True, default=None)
     alpha: float = field(static=True, default=8.0)
+
+    def __init__(self, weight: jax.Array, rank: int = 8, alpha: float = 8.0, *, key: jax.Array, dtype: Any = None):
+        """A fresh adapter on ``weight [..., E, in, out]``: ``lora_a`` uniform in
+        ``±1/sqrt(in)`` (PEFT's ``lora_A`` default), ``lora_b`` zero, so the merged weight
+        starts as ``weight``. ``dtype``: the adapters' (default: the weight's).
+
+        Example:
+          >>> import jax, jax.numpy as jnp, functree as ft
+          >>> p = ft.nn.LoraParameter(jnp.ones((4, 3, 5)), rank=2, key=jax.random.key(0))
+          >>> p.lora_a.shape, p.lora_b.shape, bool((p.merged() == 1).all())
+          ((4, 3, 2), (4, 2, 5), True)
+        """
+        check_options(rank, alpha, 0.0, key, "*.experts.gate_up_proj")
+        dtype = check_dtype(dtype, "ft.nn.LoraParameter")
+        if not has_shape_and_dtype(weight) or len(weight.shape) < 3 or not jnp.issubdtype(weight.dtype, jnp.floating):
+            raise ValueError(NOT_AN_EXPERT_WEIGHT.format(given=short_array(weight)))
+        lead, (n_in, n_out) = tuple(weight.shape[:-2]), tuple(weight.shape[-2:])
+        kind = weight.dtype if dtype is None else dtype
+        bound = 1.0 / math.sqrt(n_in)
+        a = jax.random.uniform(flat_key(key), (*lead, n_in, rank), kind, -bound, bound)
+        self.lora_a, self.lora_b = placed_like((a, jnp.zeros((*lead, rank, n_out), kind)), weight)
+        self.weight, self.member_scale, self.alpha = weight, None, float(alpha)
 
     @property
     def rank(self) -> int:
@@ -112,6 +153,30 @@ class LoraExperts(Experts):
     gate_up_proj: Any
     down_proj: Any
 
+    def __init__(self, experts: Experts, rank: int = 8, alpha: float = 8.0, *, key: jax.Array,
+                 fields: tuple[str, ...] = EXPERT_FIELDS, dtype: Any = None):
+        """``experts`` with a fresh :class:`LoraParameter` on each of ``fields`` (its
+        ``gate_up_proj`` and ``down_proj`` by default), what ``ft.nn.lora(model,
+        "*.experts.*", ...)`` puts in a model.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, functree as ft
+          >>> experts = ft.nn.Experts(4, 6, 3, key=jax.random.key(0))
+          >>> adapted = ft.nn.LoraExperts(experts, rank=2, key=jax.random.key(1), fields=("gate_up_proj",))
+          >>> type(adapted.gate_up_proj).__name__, type(adapted.down_proj).__name__
+          ('LoraParameter', 'ArrayImpl')
+          >>> x = jnp.ones((5, 4))
+          >>> bool(jnp.allclose(adapted.every(x), experts.every(x)))   # lora_b is zero: the same
+          True
+        """
+        if not isinstance(experts, Experts) or isinstance(experts, LoraExperts):
+            raise TypeError(NOT_EXPERTS.format(given=type(experts).__name__))
+        names = (fields,) if isinstance(fields, str) else tuple(fields)
+        if not names or any(n not in EXPERT_FIELDS for n in names) or len(set(names)) != len(names):
+            raise ValueError(BAD_EXPERT_FIELDS.format(given=fields, allowed=EXPERT_FIELDS))
+        built = adapted_experts(experts, names, rank, alpha, key=key, dtype=dtype)
+        self.gate_up_proj, self.down_proj, self.activation = built.gate_up_proj, built.down_proj, built.activation
+
     def merged(self) -> Experts:
         """The plain :class:`Experts` of the effective weights."""
         return merge_experts(self)
@@ -143,17 +208,8 @@ def adapted_experts(experts: Experts, names: tuple[str, ...], rank: int, alpha: 
     ``±1/sqrt(in)`` (PEFT's default for ``lora_A``, a Linear of ``in`` inputs), ``lora_b`` zero."""
     values: dict[str, Any] = {name: getattr(experts, name) for name in EXPERT_FIELDS}
     for j, name in enumerate(EXPERT_FIELDS):
-        if name not in names:
-            continue
-        weight = values[name]
-        lead, (n_in, n_out) = weight.shape[:-2], weight.shape[-2:]
-        kind = weight.dtype if dtype is None else dtype
-        bound = 1.0 / math.sqrt(n_in)
-        a = jax.random.uniform(flat_key(jax.random.fold_in(key, j)), (*lead, n_in, rank), kind, -bound, bound)
-        b = jnp.zeros((*lead, rank, n_out), kind)
-        a, b = placed_like((a, b), weight)
-        values[name] = from_fields(LoraParameter, {"weight": weight, "lora_a": a, "lora_b": b, "member_scale": None,
-                                                   "alpha": float(alpha)})
+        if name in names:
+            values[name] = LoraParameter(values[name], rank, alpha, key=jax.random.fold_in(key, j), dtype=dtype)
     return from_fields(LoraExperts, {**values, "activation": experts.activation})
 
 

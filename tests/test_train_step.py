@@ -877,3 +877,24 @@ def test_a_step_override_rescaling_accuracy_is_refused_and_compute_metrics_resca
     by_hand = _PercentStep(loss_fn, opt, metrics=[ft.train.accuracy], donate=False)  # a call: no means
     got = by_hand(model, by_hand.optimizer.init(model), data[0])[2]["accuracy"]
     np.testing.assert_allclose(got, 100 * ((pred == y) & keep)[:8].sum() / keep[:8].sum(), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("make", [ft.train.train_step, TrainStep], ids=["train_step", "TrainStep"])
+def test_an_optimizers_option_given_to_the_step_names_the_optimizer(make):
+    """wrt= (the LoRA guide's ``wrt="*.lora_*"``) and the other options of ft.optim.Optimizer
+    given to the step: the error shows them inside ``ft.optim.Optimizer(tx, ...)``, which runs
+    (Python's "unexpected keyword argument 'wrt'" before); a typo gets its closest name."""
+    model, batch = problem()
+    for name, value in [("wrt", "*.bias"), ("accumulate", 2), ("transform_gradients", ())]:
+        with pytest.raises(TypeError, match=f"got {name}=, an option of the optimizer") as caught:
+            make(mse, ft.optim.adam(0.1), **{name: value})
+        assert f"right:  ft.train.train_step(loss_fn, ft.optim.Optimizer(tx, {name}={value!r}))" in str(caught.value)
+    step = make(mse, ft.optim.Optimizer(ft.optim.adam(0.1), wrt="*.bias"))  # the printed fix
+    weight, bias = np.array(model.weight), np.array(model.bias)  # (the step donates model)
+    new, _, _ = step(model, step.optimizer.init(model), batch)
+    np.testing.assert_array_equal(new.weight, weight)
+    assert not np.array_equal(new.bias, bias)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'steps_per_cal' \(did you mean 'steps_per_call'"):
+        make(mse, ft.optim.adam(0.1), steps_per_cal=2)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'learning_rate'\.(.|\n)*help\(ft.train.train_step\)"):
+        make(mse, ft.optim.adam(0.1), learning_rate=0.1)

@@ -23,7 +23,9 @@ axis in ``functree/parallel/_step_specs.py``.
 from __future__ import annotations
 
 import bisect
+import difflib
 import functools
+import inspect
 import operator
 import threading
 import weakref
@@ -107,6 +109,37 @@ train_step needs a ft.optim.Optimizer or an optax GradientTransformation, got {g
     wrong:  ft.train.train_step(loss_fn, 1e-3)
     right:  ft.train.train_step(loss_fn, ft.optim.Optimizer(ft.optim.adam(1e-3)))
        or:  ft.train.train_step(loss_fn, optax.adam(1e-3))"""
+
+
+OPTIMIZER_OPTION = """\
+ft.train.train_step got {name}=, an option of the optimizer: the step trains what its \
+optimizer's wrt= selects and applies the optimizer's hooks, so it is given to \
+ft.optim.Optimizer.
+
+    wrong:  ft.train.train_step(loss_fn, tx, {name}={value})
+    right:  ft.train.train_step(loss_fn, ft.optim.Optimizer(tx, {name}={value}))
+            # tx: the optax transformation, e.g. ft.optim.adam(1e-3)"""
+
+UNKNOWN_STEP_OPTION = """\
+ft.train.train_step got an unexpected keyword argument {name!r}{why}.
+
+    right:  ft.train.train_step(loss_fn, optimizer, {right})"""
+
+
+def misplaced_options(options: Mapping[str, Any]) -> TypeError:
+    """The error for the first of ``options``, keywords ``train_step`` does not take:
+    :data:`OPTIMIZER_OPTION` for one of ``ft.optim.Optimizer``'s (``wrt=``, ``accumulate=``,
+    ``transform_gradients=``...), else :data:`UNKNOWN_STEP_OPTION` with the closest name."""
+    name, value = next(iter(options.items()))
+    theirs = [p for p in inspect.signature(Optimizer).parameters if p not in ("transform", "misplaced")]
+    if name in theirs:
+        text = repr(value)
+        return TypeError(OPTIMIZER_OPTION.format(name=name, value=text if len(text) <= 40 else "..."))
+    ours = [p for p in inspect.signature(TrainStep).parameters if p not in ("loss_fn", "optimizer", "options")]
+    close = difflib.get_close_matches(name, ours, n=1, cutoff=0.6)
+    why, right = (f" (did you mean {close[0]!r}?)", f"{close[0]}=...") if close else (
+        "", "...)   # help(ft.train.train_step")
+    return TypeError(UNKNOWN_STEP_OPTION.format(name=name, why=why, right=right))
 
 
 NOT_STEP_STATE = """\
@@ -357,7 +390,10 @@ class TrainStep:
         sharding: Any = None,
         compute_dtype: Any = None,
         steps_per_call: int = 1,
+        **options: Any,
     ):
+        if options:  # an optimizer's option (wrt=, accumulate=) or a typo, named with the fix
+            raise misplaced_options(options)
         self.on_nan = check_on_nan(on_nan)
         self.steps_per_call = check_steps_per_call(steps_per_call)
         self._scanned: Any = None  # the k-steps program (_scan.py), built on first use

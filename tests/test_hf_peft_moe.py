@@ -295,8 +295,16 @@ def test_lora_experts_and_lora_parameter_built_by_hand_are_what_ft_nn_lora_build
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731 (the Stack's first member)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(5, moe.experts.gate_up_proj.shape[-2])), jnp.float32)
     np.testing.assert_array_equal(first(by_hand).every(x), first(moe.experts).every(x))
-    with pytest.raises(TypeError, match=r"adapts a plain ft.nn.Experts .* got a SparseMoE"):
+    with pytest.raises(TypeError, match=r"adapts an ft.nn.Experts .* got a SparseMoE"):
         ft.nn.LoraExperts(moe, key=key)
+    # one field now, the other later: what both at once give (each field's key is its own fold)
+    both = ft.nn.LoraExperts(moe.experts, 2, 4.0, key=fold)
+    later = ft.nn.LoraExperts(by_hand, 2, 4.0, key=fold, fields=("down_proj",))
+    assert jax.tree.structure(later) == jax.tree.structure(both)
+    for a, b in zip(jax.tree.leaves(later), jax.tree.leaves(both)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"'gate_up_proj' holds an adapter already(.|\n)*ft.nn.merge_lora\(experts\)"):
+        ft.nn.LoraExperts(by_hand, key=key, fields=("gate_up_proj",))
     with pytest.raises(ValueError, match=r"fields must name some of \('gate_up_proj', 'down_proj'\)"):
         ft.nn.LoraExperts(moe.experts, fields=("up_proj",), key=key)
     with pytest.raises(ValueError, match=r"a stacked expert weight \[\.\.\., experts, in, out\].*f32\[4,5\]"):

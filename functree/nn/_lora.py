@@ -54,13 +54,11 @@ from functree.nn._lora_experts import (
     ExpertWeight,
     LoraExperts,
     LoraParameter,
-    adapted_experts,
     expert_weights,
     is_experts,
     merge_experts,
 )
-from functree.nn._lora_options import check_dtype as _check_dtype
-from functree.nn._lora_options import check_options as _check_options
+from functree.nn._lora_options import check_dtype, check_options
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_state, salted
@@ -90,9 +88,6 @@ model with ft.nn.save_hf).
 
 class LoraBaseWarning(UserWarning):
     """An optimizer without ``wrt=`` trains the weights under LoRA adapters (:data:`BASE_TRAINED`)."""
-
-
-
 
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
@@ -205,8 +200,8 @@ class LoraDense(Layer):
             raise TypeError(NOT_A_DENSE.format(given=type(dense).__name__))
         if type(dense) is not Dense:
             raise TypeError(SUBCLASS_WRAPPED.format(given=type(dense).__name__))
-        _check_options(rank, alpha, dropout, key, "*")
-        dtype = _check_dtype(dtype, "ft.nn.LoraDense")
+        check_options(rank, alpha, dropout, key, "*")
+        dtype = check_dtype(dtype, "ft.nn.LoraDense")
         weight = dense.weight
         lead, (n_in, n_out) = weight.shape[:-2], weight.shape[-2:]
         dtype = weight.dtype if dtype is None else dtype
@@ -525,8 +520,8 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     """
     patterns = (pattern,) if isinstance(pattern, str) else tuple(pattern)
     _naming.check_patterns(patterns)
-    _check_options(rank, alpha, dropout, key, patterns[0] if patterns else "*")
-    dtype = _check_dtype(dtype, "ft.nn.lora")
+    check_options(rank, alpha, dropout, key, patterns[0] if patterns else "*")
+    dtype = check_dtype(dtype, "ft.nn.lora")
     assert key is not None
     all_linear = isinstance(pattern, str) and pattern.lower() == ALL_LINEAR
     experts: dict[tuple[Any, ...], set[str]] = {}
@@ -540,8 +535,8 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
         raise ValueError(EXPERTS_DROPOUT.format(pattern=pattern, name=name, dropout=dropout))
     for j, (path, fields) in enumerate(experts.items()):
         node = next(w.node for w in expert_weights(model) if w.path == path)
-        wrapped[path] = adapted_experts(node, tuple(fields), rank, alpha, dtype=dtype,
-                                        key=jax.random.fold_in(key, len(layers) + j))
+        wrapped[path] = LoraExperts(node, rank, alpha, key=jax.random.fold_in(key, len(layers) + j),
+                                    fields=tuple(fields), dtype=dtype)
 
     def one(path: Any, x: Any) -> Any:
         return wrapped.get(tuple(path), x)

@@ -41,7 +41,7 @@ from functree.nn._lora_options import check_dtype, check_options
 from functree.nn._moe import Experts
 from functree.nn._precision import statistics_dtype
 
-__all__ = ["LoraParameter", "LoraExperts", "EXPERT_FIELDS", "EXPERTS_DROPOUT", "adapted_experts", "merge_experts",
+__all__ = ["LoraParameter", "LoraExperts", "EXPERT_FIELDS", "EXPERTS_DROPOUT", "merge_experts",
            "peft_tensors", "from_peft_tensors", "ExpertWeight", "expert_weights", "is_experts",
            "base_experts"]
 
@@ -66,9 +66,15 @@ dtype (an ft.nn.Experts' gate_up_proj or down_proj), got {given}.
     right:  ft.nn.LoraParameter(experts.gate_up_proj, rank=8, key=key)"""
 
 NOT_EXPERTS = """\
-ft.nn.LoraExperts adapts a plain ft.nn.Experts (a SparseMoE's .experts), got a {given}.
+ft.nn.LoraExperts adapts an ft.nn.Experts (a SparseMoE's .experts, plain or with adapters on \
+other fields), got a {given}.
     wrong:  ft.nn.LoraExperts(moe, rank=8, key=key)
     right:  ft.nn.LoraExperts(moe.experts, rank=8, key=key)    # or ft.nn.lora(model, "*.experts.*", ...)"""
+
+FIELD_ADAPTED = """\
+ft.nn.LoraExperts: {name!r} holds an adapter already (a LoraParameter). Merge it first, or \
+adapt the other field:
+    right:  ft.nn.LoraExperts(ft.nn.merge_lora(experts), fields=({name!r},), key=key)"""
 
 BAD_EXPERT_FIELDS = """\
 ft.nn.LoraExperts: fields must name some of {allowed} (each once), got {given!r}.
@@ -156,8 +162,9 @@ class LoraExperts(Experts):
     def __init__(self, experts: Experts, rank: int = 8, alpha: float = 8.0, *, key: jax.Array,
                  fields: tuple[str, ...] = EXPERT_FIELDS, dtype: Any = None):
         """``experts`` with a fresh :class:`LoraParameter` on each of ``fields`` (its
-        ``gate_up_proj`` and ``down_proj`` by default), what ``ft.nn.lora(model,
-        "*.experts.*", ...)`` puts in a model.
+        ``gate_up_proj`` and ``down_proj`` by default; an adapter already on another field
+        kept), what ``ft.nn.lora(model, "*.experts.*", ...)`` puts in a model. Field ``j`` of
+        ``(gate_up_proj, down_proj)`` draws its ``lora_a`` from ``fold_in(key, j)``.
 
         Example:
           >>> import jax, jax.numpy as jnp, functree as ft
@@ -169,13 +176,19 @@ class LoraExperts(Experts):
           >>> bool(jnp.allclose(adapted.every(x), experts.every(x)))   # lora_b is zero: the same
           True
         """
-        if not isinstance(experts, Experts) or isinstance(experts, LoraExperts):
+        if not isinstance(experts, Experts):
             raise TypeError(NOT_EXPERTS.format(given=type(experts).__name__))
         names = (fields,) if isinstance(fields, str) else tuple(fields)
         if not names or any(n not in EXPERT_FIELDS for n in names) or len(set(names)) != len(names):
             raise ValueError(BAD_EXPERT_FIELDS.format(given=fields, allowed=EXPERT_FIELDS))
-        built = adapted_experts(experts, names, rank, alpha, key=key, dtype=dtype)
-        self.gate_up_proj, self.down_proj, self.activation = built.gate_up_proj, built.down_proj, built.activation
+        for j, name in enumerate(EXPERT_FIELDS):  # a field's key: the fold of its place (an adapted one kept)
+            value = getattr(experts, name)
+            if name in names:
+                if isinstance(value, LoraParameter):
+                    raise ValueError(FIELD_ADAPTED.format(name=name))
+                value = LoraParameter(value, rank, alpha, key=jax.random.fold_in(key, j), dtype=dtype)
+            setattr(self, name, value)
+        self.activation = experts.activation
 
     def merged(self) -> Experts:
         """The plain :class:`Experts` of the effective weights."""
@@ -200,17 +213,6 @@ def base_experts(experts: Experts) -> Experts:
     values = {name: getattr(experts, name) for name in EXPERT_FIELDS}
     values = {name: v.weight if isinstance(v, LoraParameter) else v for name, v in values.items()}
     return from_fields(Experts, {**values, "activation": experts.activation})
-
-
-def adapted_experts(experts: Experts, names: tuple[str, ...], rank: int, alpha: float, *, key: jax.Array,
-                    dtype: Any = None) -> LoraExperts:
-    """``experts`` with fresh adapters on the fields ``names``: ``lora_a`` uniform in
-    ``±1/sqrt(in)`` (PEFT's default for ``lora_A``, a Linear of ``in`` inputs), ``lora_b`` zero."""
-    values: dict[str, Any] = {name: getattr(experts, name) for name in EXPERT_FIELDS}
-    for j, name in enumerate(EXPERT_FIELDS):
-        if name in names:
-            values[name] = LoraParameter(values[name], rank, alpha, key=jax.random.fold_in(key, j), dtype=dtype)
-    return from_fields(LoraExperts, {**values, "activation": experts.activation})
 
 
 def peft_tensors(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from functree.optim._skip import DEFAULT_ON_NAN
 from functree.parallel._placement import one_device_mesh
-from functree.train._step import EvalStep, TrainStep, misplaced_options
+from functree.train._step import EvalStep, TrainStep
 
 __all__ = ["train_step", "eval_step", "DataParallelStep", "DataParallelEvalStep"]
 
@@ -44,11 +44,9 @@ def train_step(
       >>> round(float(metrics["loss"]), 4), model["w"]  # (1² + 2²) / 2; w ← 0 - 0.1·(-1, -2)
       (2.5, Array([0.1, 0.2], dtype=float32))
     """
-    if options:  # an optimizer's option (wrt=, accumulate=) or a typo, named with the fix
-        raise misplaced_options(options)
     return TrainStep(loss_fn, optimizer, metrics=metrics, on_nan=on_nan, donate=donate, mesh=mesh,
                      data_axis=data_axis, sharding=sharding, compute_dtype=compute_dtype,
-                     steps_per_call=steps_per_call)
+                     steps_per_call=steps_per_call, **options)  # (an unknown option: named there)
 
 
 def eval_step(

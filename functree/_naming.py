@@ -74,7 +74,8 @@ import difflib
 import fnmatch
 import itertools
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import jax
@@ -139,10 +140,16 @@ class ForeignNames(NamedTuple):
     """A model's Dense members as the framework its weights come from names them: each
     member's module (``"layers.0.attention.query_projection"`` ->
     ``"model.layers.0.self_attn.q_proj"``) and the output head's module (PEFT's
-    ``"all-linear"`` leaves it out), or None."""
+    ``"all-linear"`` leaves it out), or None; and what else PEFT's ``"all-linear"`` reads
+    there: the Dense members it leaves out because their module there is no Linear
+    (``left_out``: transformers 5's sparse-MoE routers), and the stacked expert weights it
+    adapts (``parameters``: ``"<Experts node>.<field>"`` -> the multiple of the rank and
+    alpha it gives them, 2 for a weight fusing two of the Linears it once adapted)."""
 
     modules: dict[str, str]
     head: str | None
+    left_out: frozenset[str] = frozenset()
+    parameters: Mapping[str, int] = MappingProxyType({})
 
 
 # The readers of ForeignNames, tried in order (``functree.hf`` adds Hugging Face's for a

@@ -48,9 +48,9 @@ FLOAT32 = 2.5e-5  # times max|HF| (test_hf_load.py's): measured 1.4e-6
 AUX = 1e-6  # relative: HF's aux loss sums its probabilities in float32: measured 1.6e-8 (value), 7.0e-9 (gradients)
 CASES = {"default": {}, "top1_window": {"num_experts_per_tok": 1, "sliding_window": 5},
          "every_expert_tied": {"num_experts_per_tok": 4, "tie_word_embeddings": True, "num_key_value_heads": 4}}
-# the attention projections (PEFT's own for mixtral) and the router: PEFT 0.21.2 reads an adapter file
-# on mlp.gate as a Linear's; its own adapters on the router ("gate") or "all-linear" hold
-# target_parameters (gate.weight, the stacked experts), which load_lora reads
+# the attention projections (PEFT's own for mixtral) and the router: save_lora writes the router's
+# adapter in target_parameters (mlp.gate.weight), as PEFT 0.21.2's own adapters on the router
+# ("gate") or "all-linear" hold it (with the stacked experts), which load_lora reads
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate"]
 
 
@@ -293,13 +293,16 @@ def assert_task_head_is_hfs(hf, cls):
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT's, on transformers 5
 def test_lora_saved_is_read_by_peft_and_peft_s_is_read_back(tmp_path):
     """``ft.nn.lora`` on the attention projections and the router ``mlp.gate`` with nonzero B,
-    ``save_lora``, PEFT's ``PeftModel.from_pretrained``: PEFT's logits. PEFT's own adapter
-    on the attention read by ``load_lora``: PEFT's logits again. PEFT's adapters on the
+    ``save_lora`` (the router in ``target_parameters``), PEFT's ``PeftModel.from_pretrained``:
+    PEFT's logits. PEFT's own adapter on the attention read by ``load_lora``: PEFT's logits
+    again. PEFT's adapters on the
     router or ``"all-linear"`` (``target_parameters``: the router's weight, the stacked
     experts, gate_up_proj at twice the rank; tests/test_hf_peft_moe.py in float64) are read
     with PEFT's logits."""
     written = assert_lora_both_ways(hf_model, tmp_path, LORA_TARGETS, LORA_TARGETS[:4])
-    assert {name.rpartition(".")[2] for name in written} == set(LORA_TARGETS) and len(written) == 10
+    assert {name.rpartition(".")[2] for name in written} == set(LORA_TARGETS[:4]) and len(written) == 8
+    parameters = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_parameters"]
+    assert parameters == [f"model.layers.{i}.mlp.gate.weight" for i in (0, 1)]  # the router: its weight
     ids, mask = batch()
     real = mask.astype(bool)
     for targets in (["gate"], "all-linear"):

@@ -311,3 +311,123 @@ def test_lora_experts_and_lora_parameter_built_by_hand_are_what_ft_nn_lora_build
         ft.nn.LoraParameter(jnp.ones((4, 5)), key=key)
     with pytest.raises(ValueError, match="rank must be a positive int"):
         ft.nn.LoraParameter(moe.experts.down_proj, rank=0, key=key)
+
+
+def peft_adapters(model):
+    """``{module: (r, scaling)}`` of every LoRA layer of a PeftModel (a ParamWrapper's too)."""
+    return {name.removeprefix("base_model.model."): (layer.r["default"], layer.scaling["default"])
+            for name, layer in model.named_modules() if hasattr(layer, "lora_A") and "default" in layer.lora_A}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_linear_adapts_what_peft_s_all_linear_adapts(family, tmp_path):
+    """``ft.nn.lora(model, "all-linear")`` adapts what PEFT 0.21's ``"all-linear"`` adapts on
+    the same Hugging Face model. Mixtral, Qwen3-MoE, OLMoE (PEFT's MoE conversion): the
+    attention, the router's weight and both stacked expert weights, gate_up_proj at twice the
+    rank and alpha. Qwen2-MoE (no conversion): the attention, the shared expert and its gate,
+    not the router (transformers 5's TopKRouter is no Linear; before, ours adapted it and PEFT
+    refused the file). ``save_lora``'s tensors have PEFT's names and shapes, PEFT builds the
+    same adapters from it (each module's rank and scale), and its logits are ours (float64)."""
+    theirs = peft_adapter(family, tmp_path, "all-linear", None)
+    ids, mask = batch()
+    real = mask.astype(bool)
+    with jax.enable_x64(True):
+        ours = _nonzero_b(ft.nn.lora(ft.nn.from_hf(make(family, 5), dtype=jnp.float64), "all-linear", rank=2,
+                                     alpha=4, key=jax.random.key(1)))
+        logits = np.asarray(ours(ids, mask))
+        ft.nn.save_lora(ours, tmp_path / "ours")
+    written = safetensors_numpy.load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
+    original = safetensors_numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in original.items()}
+    assert any(".experts." in k for k in original) == (family != "qwen2_moe")
+    assert any(".mlp.gate." in k for k in original) == (family != "qwen2_moe")
+    loaded = peft.PeftModel.from_pretrained(make(family, 5), str(tmp_path / "ours")).eval()
+    assert peft_adapters(loaded) == peft_adapters(theirs)
+    with torch.no_grad():
+        expected = torch_loss(loaded, ids, mask)[0].numpy()
+        plain = torch_loss(make(family, 5), ids, mask)[0].numpy()
+    top = float(np.abs(expected[real]).max())
+    assert np.abs(plain[real] - expected[real]).max() > 1e-3 * top  # the adapters matter
+    np.testing.assert_allclose(logits[real], expected[real], rtol=0, atol=WIDENED * top)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_adapted_router_is_written_as_peft_writes_it(family, tmp_path):
+    """An adapter on the router (``"*.mlp.gate"``) is written in ``target_parameters``
+    (``...mlp.gate.weight``: PEFT's ParamWrapper, as its own "all-linear" writes Mixtral's), not
+    ``target_modules``, where PEFT refuses transformers 5's TopKRouter unless its MoE
+    conversion rewrites the name (Qwen2-MoE: "Target module Qwen2MoeTopKRouter() is not
+    supported" before): PEFT's logits are ours, and load_lora reads the file back. With
+    dropout on a LoraDense, save_lora refuses (PEFT's ParamWrapper would), naming the router."""
+    ids, mask = batch()
+    real = mask.astype(bool)
+    with jax.enable_x64(True):
+        ours = _nonzero_b(ft.nn.lora(ft.nn.from_hf(make(family, 5), dtype=jnp.float64), ["*.q_proj", "*.mlp.gate"],
+                                     rank=2, alpha=4, key=jax.random.key(1)))
+        logits = np.asarray(ours(ids, mask))
+        ft.nn.save_lora(ours, tmp_path / "ours")
+        again = ft.nn.load_lora(ft.nn.from_hf(make(family, 5), dtype=jnp.float64), tmp_path / "ours")
+        np.testing.assert_array_equal(np.asarray(again(ids, mask)), logits)
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == [f"model.layers.{i}.mlp.gate.weight" for i in (0, 1)]
+    assert config["target_modules"] == [f"model.layers.{i}.self_attn.q_proj" for i in (0, 1)]
+    loaded = peft.PeftModel.from_pretrained(make(family, 5), str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        expected = torch_loss(loaded, ids, mask)[0].numpy()
+    top = float(np.abs(expected[real]).max())
+    np.testing.assert_allclose(logits[real], expected[real], rtol=0, atol=WIDENED * top)
+    dropping = ft.nn.lora(ft.nn.from_hf(make(family, 5)), "*.k_proj", rank=2, dropout=0.1, key=jax.random.key(0))
+    dropping = ft.nn.lora(dropping, "*.mlp.gate", rank=2, key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"target_parameters \(a sparse MoE's expert weights or router: "
+                                         r"model\.layers\.0\.mlp\.gate\.weight\)(.|\n)*refuses any lora_dropout"):
+        ft.nn.save_lora(dropping, tmp_path / "dropping")
+
+
+def test_all_linear_with_dropout_is_refused_where_it_adapts_expert_weights():
+    """PEFT refuses ``"all-linear"`` with lora_dropout on Mixtral (its ParamWrapper on the
+    experts and router); here the same refusal names the expert weight and both fixes, which
+    run. On Qwen2-MoE "all-linear" adapts Linears alone, and dropout is taken."""
+    base = ft.nn.from_hf(make("mixtral", 6), dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"\"all-linear\" adapts this model's stacked expert weights "
+                                         r"\('model\.layers\.layers\.mlp\.experts\.gate_up_proj'\)") as caught:
+        ft.nn.lora(base, "all-linear", rank=2, dropout=0.1, key=jax.random.key(0))
+    assert 'right:  ft.nn.lora(model, "all-linear", ...)' in str(caught.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="ParamWrapper does not work with lora_dropout"):
+            peft.get_peft_model(make("mixtral", 6), peft.LoraConfig(r=2, target_modules="all-linear",
+                                                                   lora_dropout=0.1))
+    fixed = ft.nn.lora(base, "*.self_attn.*_proj", rank=2, dropout=0.1, key=jax.random.key(0))
+    assert sum(k.endswith("lora_a") for k in ft.to_flat_dict(fixed)) == 4
+    dropped = ft.nn.lora(ft.nn.from_hf(make("qwen2_moe", 6)), "all-linear", rank=2, dropout=0.1, key=jax.random.key(0))
+    assert {layer.node.dropout for layer in _lora.dense_layers(dropped) if isinstance(layer.node, ft.nn.LoraDense)} == {0.1}
+
+
+def test_all_linear_inside_a_model_of_your_own_is_peft_s_there(tmp_path):
+    """A from_hf Mixtral held by a model of one's own (``lm``, beside a ``head``): PEFT's
+    ``"all-linear"`` on the torch module holding HF's model adapts its Linears alone (no
+    config to convert by: not the router, not the experts; its ``lm_head`` too, as no
+    PreTrainedModel is at the root), and so does ours; save_lora names the same modules."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm, self.head = make("mixtral", 6), torch.nn.Linear(4, 2)
+
+    class Ours(ft.Module):
+        lm: object
+        head: ft.nn.Dense
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.get_peft_model(Holder(), peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    with jax.enable_x64(True):
+        model = Ours(lm=ft.nn.from_hf(make("mixtral", 6), dtype=jnp.float64),
+                     head=ft.nn.Dense(4, 2, key=jax.random.key(0), dtype=jnp.float64))
+        adapted = ft.nn.lora(model, "all-linear", rank=2, alpha=4, key=jax.random.key(1))
+        ft.nn.save_lora(adapted, tmp_path)
+    assert not isinstance(adapted.lm.model.layers.layers.mlp.gate, ft.nn.LoraDense)
+    assert type(adapted.lm.model.layers.layers.mlp.experts) is ft.nn.Experts
+    written = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert set(written["target_modules"]) == set(peft_adapters(theirs)) and not written["target_parameters"]
+    assert "lm.model.layers.0.self_attn.q_proj" in written["target_modules"] and "head" in written["target_modules"]

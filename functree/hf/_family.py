@@ -118,6 +118,11 @@ class HFModel(Module):
     # (bert-base-uncased's NSP head and pooler in a masked LM's file): left unread with
     # UnreadTensorsWarning, as transformers' loader leaves them (functree.hf._load).
     hf_unread: ClassVar[tuple[str, ...]] = ()
+    # What PEFT's "all-linear" adapts beyond the HF class's torch Linear modules: PEFT 0.21's MoE
+    # conversion for transformers 5, by model type (Mixtral's names: its router, experts.w1/w3/w2 were
+    # Linears in transformers 4). Parameter name ends -> the multiple of r and lora_alpha PEFT
+    # gives them (2 for gate_up_proj, which fuses w1 and w3).
+    hf_all_linear: ClassVar[dict[str, int]] = {}
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("hf_config",)  # a restore's template decides them (how it is saved and generates by default)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

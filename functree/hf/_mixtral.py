@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import jax
 import numpy as np
@@ -219,6 +219,10 @@ class RoutedExperts(_Base):
     ``model(ids, mask, router_logits=True)``, :meth:`router_logits` and :meth:`aux_loss`."""
 
     router_aux_loss_coef: float
+    # PEFT 0.21's "all-linear" here (HFModel.hf_all_linear): the attention's Linears, the router's
+    # weight and both stacked expert weights, gate_up_proj at twice the rank and alpha
+    hf_all_linear: ClassVar[dict[str, int]] = {"mlp.gate.weight": 1, "mlp.experts.gate_up_proj": 2,
+                                               "mlp.experts.down_proj": 1}
 
     def __init__(self, *args: Any, router_aux_loss_coef: float = 0.001, **kwargs: Any):
         super().__init__(*args, **kwargs)

@@ -15,6 +15,9 @@ module registers :func:`hf_names` (``ft.nn`` sits below this package and cannot 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +26,7 @@ import numpy as np
 from functree import _naming
 from functree._module import from_fields
 from functree._naming import FOREIGN_NAMES, ForeignNames
-from functree._tree import bounded_put, cached, is_none
+from functree._tree import bounded_put, cached, dotted_name, is_none, join_names
 from functree.hf._family import family_of
 from functree.hf._load import to_hf_state_dict
 from functree.interop._ports import holds_port
@@ -34,9 +37,11 @@ from functree.nn._lora import (
     dense_layers,
     member_layer_names,
 )
-from functree.nn._lora_experts import LoraExperts, base_experts
+from functree.nn._lora_experts import LoraExperts, base_experts, expert_weights
+from functree.nn._moe import SparseMoE
 
-__all__ = ["TorchNames", "torch_names", "hf_names", "classifier_of", "TASK_TYPES"]
+__all__ = ["TorchNames", "torch_names", "hf_names", "classifier_of", "TASK_TYPES", "param_names",
+           "all_param_names", "router_members", "router_modules"]
 
 
 def unwrapped(model: Any) -> Any:
@@ -208,17 +213,110 @@ def _prefixes(tensor_name: str) -> list[str]:
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+# ---- a sparse MoE's parts: the stacked expert weights' names and the routers ----------------
+
+_PARAM_NAMES: dict[Any, tuple[dict[tuple[str, int], str], frozenset[str]]] = {}
+
+
+def param_names(model: Any) -> dict[tuple[str, int], str]:
+    """``{(Experts node's name + "." + field, member index): its Hugging Face parameter name}``
+    (``model.layers.0.mlp.experts.gate_up_proj``), found as :func:`._names.torch_names` finds
+    Dense layers': a copy of the model whose expert weights hold a code per member (every
+    other leaf NaN) through ``to_hf_state_dict``. Cached per tree definition and leaf shapes."""
+    return _param_table(model)[0]
+
+
+def all_param_names(model: Any) -> frozenset[str]:
+    """Every parameter name of the model's torch (Hugging Face) state dict."""
+    return _param_table(model)[1]
+
+
+def _param_table(model: Any) -> tuple[dict[tuple[str, int], str], frozenset[str]]:
+    base = unwrapped(model)
+    leaves, treedef = jax.tree.flatten(base, is_leaf=is_none)
+    shapes = tuple(getattr(x, "shape", ()) for x in leaves)
+    key, found = cached(_PARAM_NAMES, (treedef, shapes))
+    if found is not None:
+        return found
+    weights = {w.leaf: w for w in expert_weights(base)}
+    codes: dict[int, tuple[str, int]] = {}
+    markers: list[Any] = []
+    for i, (leaf, info) in enumerate(zip(leaves, _naming.leaf_infos(base))):
+        if leaf is None:
+            markers.append(None)
+            continue
+        shape, k = tuple(np.shape(leaf)), len(info.sizes)
+        kept = shape[:k] + (1,) * (len(shape) - k - 1) + shape[-1:] if len(shape) > k else shape
+        if i in weights:
+            count = max(1, math.prod(info.sizes))
+            first = len(codes) + 1
+            codes.update((first + m, (f"{weights[i].name}.{weights[i].field}", m)) for m in range(count))
+            values = np.arange(first, first + count, dtype=np.float64).reshape((*info.sizes,) + (1,) * (len(shape) - k))
+            markers.append(np.broadcast_to(values, kept))
+        else:
+            markers.append(np.full(kept, np.nan))
+    converted = _converted(jax.tree.unflatten(treedef, markers), True)
+    out: dict[tuple[str, int], str] = {}
+    state = converted[2] if converted is not None else {}
+    for name, array in state.items():
+        flat = np.asarray(array, np.float64).reshape(-1)
+        for c in np.unique(flat[np.isfinite(flat)]):
+            if int(c) in codes and np.all(flat == c):
+                out[codes[int(c)]] = name
+    table = (out, frozenset(state))
+    if key is not None:
+        bounded_put(_PARAM_NAMES, key, table)
+    return table
+
+
+def router_members(model: Any) -> frozenset[str]:
+    """The member names of the model's sparse-MoE routers: the ``gate`` Dense of each
+    :class:`~functree.nn.SparseMoE` (a Stack's members each), adapted or not."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None or isinstance(x, SparseMoE))
+    gates = {join_names(dotted_name(path), "gate") for path, node in pairs if isinstance(node, SparseMoE)}
+    return frozenset(m for layer in dense_layers(model) if layer.name in gates for m in member_layer_names(layer))
+
+
+def router_modules(model: Any, names: TorchNames) -> frozenset[str]:
+    """The Hugging Face modules of the model's sparse-MoE routers (none where the names are
+    not Hugging Face's). transformers 5 holds a router's weight in a module of its own
+    (``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``...), no ``torch.nn.Linear``: PEFT adapts it
+    by its weight alone (``target_parameters=["...mlp.gate.weight"]``, its
+    ``lora.ParamWrapper``), refuses it in ``target_modules`` unless its MoE conversion
+    rewrites it (Mixtral's names), and its ``"all-linear"`` leaves it out there."""
+    if not names.is_hf:
+        return frozenset()
+    return frozenset(names.members[m].module for m in router_members(model) if m in names.members)
+
+
 def hf_names(model: Any) -> ForeignNames | None:
     """Hugging Face's module name of each Dense member of a model of ``from_hf`` (and the
     head ``"all-linear"`` leaves out: its output head, or a task model's classifier, which
     PEFT's ``SEQ_CLS`` / ``TOKEN_CLS`` keep whole), or of a model holding from_hf models
     (theirs under their attributes, its other Dense layers by their torch names; no head),
-    for ``ft.nn.lora``'s patterns; None for other models."""
+    for ``ft.nn.lora``'s patterns; None for other models. What PEFT 0.21's ``"all-linear"``
+    does with a sparse MoE's router and experts (``left_out``, ``parameters``): it adapts
+    ``torch.nn.Linear`` modules, which transformers 5's routers and stacked experts are not,
+    and for a from_hf model at the root of a family with ``hf_all_linear`` (its MoE
+    conversion: Mixtral's names and those built like them) adds the parameters listed
+    there; a model holding from_hf models has no config PEFT converts by."""
     names = torch_names(model, torch_too=False)
     if not names.is_hf:
         return None
+    extra = getattr(family_of(model), "hf_all_linear", {})
+    routers = router_modules(model, names)
+    left_out = frozenset(member for member, found in names.members.items()
+                         if found.module in routers and not _listed(f"{found.module}.weight", extra))
+    parameters = {ft_name: multiple for (ft_name, _), name in param_names(model).items()
+                  for entry, multiple in extra.items() if _listed(name, {entry: multiple})} if extra else {}
     return ForeignNames({member: found.module for member, found in names.members.items()},
-                        names.head or classifier_of(model))
+                        names.head or classifier_of(model), left_out, MappingProxyType(parameters))
+
+
+def _listed(name: str, entries: Mapping[str, Any]) -> bool:
+    """Whether a parameter ``name`` is one of ``entries`` or ends with one after a dot (PEFT's
+    ``target_parameters`` matching)."""
+    return any(name == e or name.endswith(f".{e}") for e in entries)
 
 
 FOREIGN_NAMES.append(hf_names)

@@ -51,7 +51,14 @@ from functree.hf._causal import CausalLM
 from functree.hf._family import family_of
 from functree.hf._heads import tied_copies
 from functree.hf._load import tied_head, to_hf_state_dict
-from functree.hf._names import TASK_TYPES, TorchNames, classifier_of, torch_names, unwrapped
+from functree.hf._names import (
+    TASK_TYPES,
+    TorchNames,
+    classifier_of,
+    router_modules,
+    torch_names,
+    unwrapped,
+)
 from functree.hf._peft_blocks import BLOCKS, member_columns, read_blocks
 from functree.hf._peft_members import (
     chosen_adapter,
@@ -535,9 +542,11 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
                 raise ValueError(NO_NAME.format(layer=name, torch=kind))
             by_module.setdefault(found.module, []).append((name, a, b, scale))
         dropouts.append(layer.node.dropout)
+    routers = router_modules(model, names) & set(by_module)  # written as PEFT's target_parameters (their .weight)
     dropping = [layer for layer in layers if layer.node.dropout > 0]
-    if experts and dropping:  # PEFT's ParamWrapper refuses any lora_dropout
-        raise ValueError(EXPERTS_DROPOUT_SAVED.format(param=experts[0].info.name, dropout=dropping[0].node.dropout,
+    if (experts or routers) and dropping:  # PEFT's ParamWrapper refuses any lora_dropout
+        param = experts[0].info.name if experts else f"{min(routers)}.weight"
+        raise ValueError(EXPERTS_DROPOUT_SAVED.format(param=param, dropout=dropping[0].node.dropout,
                                                       layer=dropping[0].name))
     tensors, param_ranks, param_alphas = expert_tensors(model) if experts else ({}, {}, {})
     ranks: dict[str, int] = {}
@@ -548,7 +557,11 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         if fused is not None:
             blocks[module] = fused
         tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = a, b
-        ranks[module], alphas[module] = a.shape[0], written_alpha(scale, a.shape[0], a.dtype)
+        if module in routers:  # (PEFT's own names for a ParamWrapper on a 2-d weight: a Linear's)
+            param_ranks[f"{module}.weight"] = a.shape[0]
+            param_alphas[f"{module}.weight"] = written_alpha(scale, a.shape[0], a.dtype)
+        else:
+            ranks[module], alphas[module] = a.shape[0], written_alpha(scale, a.shape[0], a.dtype)
     if task_type == "auto":
         # (a causal LM's, not every lm_head's: RoBERTa's masked LM names its head lm_head too)
         task_type = "CAUSAL_LM" if isinstance(model, CausalLM) and names.is_hf else \

@@ -24,14 +24,11 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree import _naming
 from functree._module import from_fields
-from functree._tree import bounded_put, cached, is_none
-from functree.hf._names import _converted, unwrapped
+from functree.hf._names import all_param_names, param_names
 from functree.hf._peft_members import adapter_dtype, member_arrays, written_alpha
 from functree.nn._lora_experts import (
     EXPERT_FIELDS,
@@ -44,9 +41,9 @@ from functree.nn._lora_experts import (
 )
 from functree.nn._precision import statistics_dtype
 
-__all__ = ["param_names", "targeted_params", "expert_tensors", "loaded_experts", "PARAMETER_NOT_PORTED",
+__all__ = ["targeted_params", "expert_tensors", "loaded_experts", "PARAMETER_NOT_PORTED",
            "PARAMETERS_SELECT_NOTHING", "PARAMETER_SHAPE", "PARAMETER_NOT_IN_FILE", "PARAMETER_OPTION",
-           "EXPERTS_DROPOUT_SAVED", "TARGETED_TWICE", "check_params", "all_param_names"]
+           "EXPERTS_DROPOUT_SAVED", "TARGETED_TWICE", "check_params"]
 
 PARAMETER_NOT_PORTED = """\
 ft.nn.load_lora: adapter_config.json's target_parameters={targets!r} selects {params}, which \
@@ -87,9 +84,10 @@ lora.ParamWrapper refuses {option} (ValueError "lora.ParamWrapper does not work 
     right:  "{option}": {right}"""
 
 EXPERTS_DROPOUT_SAVED = """\
-ft.nn.save_lora: the model holds adapters on expert weights ({param}) and LoraDense adapters \
-with dropout={dropout} ({layer}). PEFT's config has one lora_dropout for the whole adapter, \
-and its lora.ParamWrapper (the expert weights' adapter) refuses any lora_dropout != 0: \
+ft.nn.save_lora: the model holds adapters PEFT writes as target_parameters (a sparse MoE's \
+expert weights or router: {param}) and LoraDense adapters with dropout={dropout} ({layer}). \
+PEFT's config has one lora_dropout for the whole adapter, and its lora.ParamWrapper (the \
+adapter on a parameter) refuses any lora_dropout != 0: \
 PeftModel.from_pretrained would fail on the file. Drop the dropout before saving (it acts in \
 training only; the adapters' numbers are the same):
     wrong:  ft.nn.save_lora(model, directory)
@@ -104,60 +102,6 @@ of layer ... which is not a valid target"): one adapter per layer.
 
 
 # ---- names --------------------------------------------------------------------------------------
-
-_PARAM_NAMES: dict[Any, tuple[dict[tuple[str, int], str], frozenset[str]]] = {}
-
-
-def param_names(model: Any) -> dict[tuple[str, int], str]:
-    """``{(Experts node's name + "." + field, member index): its Hugging Face parameter name}``
-    (``model.layers.0.mlp.experts.gate_up_proj``), found as :func:`._names.torch_names` finds
-    Dense layers': a copy of the model whose expert weights hold a code per member (every
-    other leaf NaN) through ``to_hf_state_dict``. Cached per tree definition and leaf shapes."""
-    return _param_table(model)[0]
-
-
-def all_param_names(model: Any) -> frozenset[str]:
-    """Every parameter name of the model's torch (Hugging Face) state dict."""
-    return _param_table(model)[1]
-
-
-def _param_table(model: Any) -> tuple[dict[tuple[str, int], str], frozenset[str]]:
-    base = unwrapped(model)
-    leaves, treedef = jax.tree.flatten(base, is_leaf=is_none)
-    shapes = tuple(getattr(x, "shape", ()) for x in leaves)
-    key, found = cached(_PARAM_NAMES, (treedef, shapes))
-    if found is not None:
-        return found
-    weights = {w.leaf: w for w in expert_weights(base)}
-    codes: dict[int, tuple[str, int]] = {}
-    markers: list[Any] = []
-    for i, (leaf, info) in enumerate(zip(leaves, _naming.leaf_infos(base))):
-        if leaf is None:
-            markers.append(None)
-            continue
-        shape, k = tuple(np.shape(leaf)), len(info.sizes)
-        kept = shape[:k] + (1,) * (len(shape) - k - 1) + shape[-1:] if len(shape) > k else shape
-        if i in weights:
-            count = max(1, math.prod(info.sizes))
-            first = len(codes) + 1
-            codes.update((first + m, (f"{weights[i].name}.{weights[i].field}", m)) for m in range(count))
-            values = np.arange(first, first + count, dtype=np.float64).reshape((*info.sizes,) + (1,) * (len(shape) - k))
-            markers.append(np.broadcast_to(values, kept))
-        else:
-            markers.append(np.full(kept, np.nan))
-    converted = _converted(jax.tree.unflatten(treedef, markers), True)
-    out: dict[tuple[str, int], str] = {}
-    state = converted[2] if converted is not None else {}
-    for name, array in state.items():
-        flat = np.asarray(array, np.float64).reshape(-1)
-        for c in np.unique(flat[np.isfinite(flat)]):
-            if int(c) in codes and np.all(flat == c):
-                out[codes[int(c)]] = name
-    table = (out, frozenset(state))
-    if key is not None:
-        bounded_put(_PARAM_NAMES, key, table)
-    return table
-
 
 def check_params(config: dict[str, Any], model: Any, dense: set[str], modules: set[str]) -> set[str]:
     """The Dense modules (``dense``: their torch names) whose ``.weight`` the config's

@@ -40,7 +40,7 @@ routed experts' router logits; the shared expert has no router)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +121,10 @@ class Qwen2MoeForCausalLM(RoutedExperts, Qwen2ForCausalLM):
 
     router_aux_loss_coef: float = field(static=True, default=0.001)
     model_type = "qwen2_moe"
+    # PEFT 0.21 converts no "qwen2_moe" config (its table maps other model types to Qwen2-MoE's
+    # names, not this one): its "all-linear" adapts the Linears alone (the attention, the shared
+    # expert and its gate), not the router or the stacked experts
+    hf_all_linear: ClassVar[dict[str, int]] = {}
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from functree._where import placed_like
 from functree.nn._check import check_input
 from functree.nn._linear import Dense, add_bias
 from functree.nn._lora_experts import (
+    EXPERT_FIELDS,
     EXPERTS_DROPOUT,
     ExpertWeight,
     LoraExperts,
@@ -91,6 +92,16 @@ class LoraBaseWarning(UserWarning):
 
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
+
+ALL_LINEAR_DROPOUT = """\
+ft.nn.lora: "all-linear" adapts this model's stacked expert weights ({name!r}) as PEFT's \
+"all-linear" does here (its MoE conversion puts them and the router in target_parameters), and \
+an adapter on a weight (W + (alpha/r) A B) has no input of its own to drop: PEFT refuses \
+lora_dropout={dropout} there too (lora.ParamWrapper). Take no dropout, or name the layers that \
+get it:
+    wrong:  ft.nn.lora(model, "all-linear", ..., dropout={dropout})
+    right:  ft.nn.lora(model, "all-linear", ...)                               # dropout=0, as PEFT
+       or:  ft.nn.lora(model, "*.self_attn.*_proj", ..., dropout={dropout})     # Dense layers alone"""
 
 NOT_DENSE = """\
 ft.nn.lora wraps Dense layers, but the pattern {pattern!r} also selects {name!r}, {what}.
@@ -400,13 +411,17 @@ def _inside(module: str | None, head: str) -> bool:
     return module is not None and (module == head or module.startswith(head + "."))
 
 
-def _all_linear(model: Any) -> dict[int, bool]:
-    """PEFT's ``"all-linear"``: every Dense layer but a Hugging Face model's output head (its
+def _all_linear(model: Any) -> tuple[dict[int, bool], dict[tuple[Any, ...], dict[str, int]]]:
+    """PEFT's ``"all-linear"``: ``(Dense layers chosen, {Experts key path: {field: rank
+    multiple}})``. Every Dense layer but a Hugging Face model's output head (its
     ``get_output_embeddings()``, which PEFT leaves out) or a task model's classifier and the
     Dense layers inside it (``score``, ``classifier``; RoBERTa's ``classifier.dense`` and
     ``classifier.out_proj``: PEFT's ``SEQ_CLS`` leaves it out and keeps it whole in
     ``modules_to_save``, as ``ft.hf.save_lora`` writes it; its ``TOKEN_CLS`` puts it there
-    too); every Dense layer of other models."""
+    too), and but a Dense whose Hugging Face module is no Linear (a sparse MoE's router,
+    ``ForeignNames.left_out``); and the stacked expert weights PEFT's MoE conversion adds
+    (``ForeignNames.parameters``: Mixtral's, Qwen3-MoE's and OLMoE's, ``gate_up_proj`` at
+    twice the rank and alpha); every Dense layer of other models."""
     names = foreign_names(model)
     chosen: dict[int, bool] = {}
     layers = dense_layers(model)
@@ -414,15 +429,25 @@ def _all_linear(model: Any) -> dict[int, bool]:
         members = member_layer_names(layer)
         if names.head is not None and any(_inside(names.modules.get(m), names.head) for m in members):
             continue
+        if any(m in names.left_out for m in members):
+            continue
         if isinstance(layer.node, LoraDense):
             raise ValueError(ALREADY_ADAPTED.format(pattern=ALL_LINEAR, name=layer.name))
         chosen[j] = True
+    experts: dict[tuple[Any, ...], dict[str, int]] = {}
+    for w in expert_weights(model):
+        multiple = names.parameters.get(f"{w.name}.{w.field}")
+        if multiple is None:
+            continue
+        if isinstance(getattr(w.node, w.field), LoraParameter):
+            raise ValueError(ALREADY_ADAPTED.format(pattern=ALL_LINEAR, name=w.info.name))
+        experts.setdefault(w.path, {})[w.field] = multiple
     subclassed = [layers[j] for j in chosen if type(layers[j].node) is not Dense]
     if subclassed:
         raise _subclass_error(ALL_LINEAR, subclassed[0], [layers[j] for j in chosen if layers[j] not in subclassed])
-    if not chosen:
+    if not chosen and not experts:
         raise ValueError(NOTHING_SELECTED.format(pattern=ALL_LINEAR, close="none", right="*", what="Dense layer"))
-    return chosen
+    return chosen, experts
 
 
 def _subclass_error(pattern: str | list[str], layer: DenseLayer, plain: list[DenseLayer]) -> ValueError:
@@ -493,7 +518,10 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     docs/guides/lora.md), or its classifier for a task model (``score`` of
     ``LlamaForSequenceClassification``, BERT's ``classifier``: PEFT's ``task_type="SEQ_CLS"``
     selection; train the head whole, ``wrt=["*.lora_*", "score.*"]``, and ``ft.hf.save_lora``
-    writes it in ``modules_to_save``). Inside a ``Stack`` every member gets
+    writes it in ``modules_to_save``); on a sparse MoE of ``from_hf`` what PEFT 0.21's selects
+    there (a router is no torch Linear in transformers 5: left out, unless the family's
+    ``hf_all_linear`` lists it with the stacked expert weights, Mixtral's, Qwen3-MoE's and
+    OLMoE's, ``gate_up_proj`` at twice ``rank`` and ``alpha``). Inside a ``Stack`` every member gets
     adapters (stacked with the members). ``dropout`` drops the adapters' input in training
     mode; ``dtype`` is the adapters' (default: the weight's). A sparse MoE's stacked expert
     weights (``"*.experts.gate_up_proj"``, ``"*.experts.down_proj"``) take an adapter per
@@ -524,19 +552,27 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     dtype = check_dtype(dtype, "ft.nn.lora")
     assert key is not None
     all_linear = isinstance(pattern, str) and pattern.lower() == ALL_LINEAR
-    experts: dict[tuple[Any, ...], set[str]] = {}
-    chosen = _all_linear(model) if all_linear else _selected(model, patterns, "ft.nn.lora", experts)
+    experts: dict[tuple[Any, ...], dict[str, int]] = {}  # Experts key path -> {field: rank and alpha multiple}
+    if all_linear:
+        chosen, experts = _all_linear(model)
+    else:
+        selected: dict[tuple[Any, ...], set[str]] = {}
+        chosen = _selected(model, patterns, "ft.nn.lora", selected)
+        experts = {path: dict.fromkeys(fields, 1) for path, fields in selected.items()}
     layers = dense_layers(model)
     wrapped: dict[Any, Any] = {
         layer.path: LoraDense(layer.node, rank, alpha, dropout, key=jax.random.fold_in(key, j), dtype=dtype)
         for j, layer in enumerate(layers) if j in chosen}
     if experts and dropout > 0.0:
         name = next(w.info.name for w in expert_weights(model) if w.field in experts.get(w.path, ()))
-        raise ValueError(EXPERTS_DROPOUT.format(pattern=pattern, name=name, dropout=dropout))
+        message = ALL_LINEAR_DROPOUT if all_linear else EXPERTS_DROPOUT
+        raise ValueError(message.format(pattern=pattern, name=name, dropout=dropout))
     for j, (path, fields) in enumerate(experts.items()):
         node = next(w.node for w in expert_weights(model) if w.path == path)
-        wrapped[path] = LoraExperts(node, rank, alpha, key=jax.random.fold_in(key, len(layers) + j),
-                                    fields=tuple(fields), dtype=dtype)
+        k = jax.random.fold_in(key, len(layers) + j)  # each field's adapter: fold_in(k, its place) (LoraExperts)
+        for name in (f for f in EXPERT_FIELDS if f in fields):
+            node = LoraExperts(node, rank * fields[name], alpha * fields[name], key=k, fields=(name,), dtype=dtype)
+        wrapped[path] = node
 
     def one(path: Any, x: Any) -> Any:
         return wrapped.get(tuple(path), x)

@@ -267,3 +267,30 @@ def test_all_linear_in_a_config_without_task_type_adapts_the_head(ported, tmp_pa
     loaded = ft.nn.load_lora(base, tmp_path)
     assert isinstance(loaded.classifier, ft.nn.LoraDense)
     close(ours(loaded), theirs(peft_model))
+
+
+def test_all_linear_on_distilbert_s_classifier_leaves_out_what_peft_keeps_whole(tmp_path):
+    """DistilBERT's sequence head is ``pre_classifier`` and ``classifier``, and PEFT's
+    ``modules_to_save`` entry ``"classifier"`` keeps both whole (matched as a name's end).
+    ``"all-linear"`` leaves both out (before, it adapted ``pre_classifier``, and ``save_lora``
+    then refused the model: "modules_to_save names 'pre_classifier', which holds adapters");
+    ``save_lora`` writes both whole, and PEFT's logits from the file are ours."""
+    torch.manual_seed(0)
+    hf = transformers.DistilBertForSequenceClassification(transformers.DistilBertConfig(
+        vocab_size=24, dim=16, hidden_dim=32, n_layers=1, n_heads=4, max_position_embeddings=16, pad_token_id=PAD,
+        num_labels=3))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    hf.eval()
+    adapted = trained(ft.nn.lora(ft.nn.from_hf(hf), "all-linear", rank=4, key=jax.random.key(0)), "classifier")
+    assert not isinstance(adapted.pre_classifier, ft.nn.LoraDense) and not isinstance(adapted.classifier, ft.nn.LoraDense)
+    adapted = adapted.replace(pre_classifier=adapted.pre_classifier.replace(weight=adapted.pre_classifier.weight - 0.3))
+    ft.hf.save_lora(adapted, tmp_path)
+    config, keys = saved(tmp_path)
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["classifier"]
+    assert {"base_model.model.pre_classifier.weight", "base_model.model.classifier.weight"} <= set(keys)
+    _, every, _ = peft_modules(hf, None, "all-linear")  # (PEFT's own under SEQ_CLS fails: it adapts pre_classifier)
+    assert set(config["target_modules"]) == every - {"pre_classifier", "classifier"}
+    peft_model = peft.PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path)).eval()
+    close(theirs(peft_model), ours(adapted))

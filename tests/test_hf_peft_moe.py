@@ -431,3 +431,23 @@ def test_all_linear_inside_a_model_of_your_own_is_peft_s_there(tmp_path):
     written = json.loads((tmp_path / "adapter_config.json").read_text())
     assert set(written["target_modules"]) == set(peft_adapters(theirs)) and not written["target_parameters"]
     assert "lm.model.layers.0.self_attn.q_proj" in written["target_modules"] and "head" in written["target_modules"]
+
+
+def test_all_linear_on_a_moe_sequence_classifier_is_peft_s(tmp_path):
+    """``MixtralForSequenceClassification`` (a task class of :mod:`functree.hf._heads`, which
+    takes the family's ``hf_all_linear``): ``"all-linear"`` adapts what PEFT's does under
+    ``task_type="SEQ_CLS"`` (the router and the experts too; before, neither, as the task class
+    lacked the family's list); ``save_lora``'s file, loaded by PEFT, holds PEFT's adapters,
+    each at its rank and scale, beside the ``score`` head written whole."""
+    make_classifier = lambda: mixtral.hf_model(5, cls="MixtralForSequenceClassification")  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.get_peft_model(make_classifier(), peft.LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                                        task_type="SEQ_CLS"))
+    ours = ft.nn.lora(ft.nn.from_hf(make_classifier()), "all-linear", rank=2, alpha=4, key=jax.random.key(1))
+    ft.nn.save_lora(ours, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
+    loaded = peft.PeftModel.from_pretrained(make_classifier(), str(tmp_path))
+    assert peft_adapters(loaded) == peft_adapters(theirs)
+    assert any(".experts" in name for name in peft_adapters(theirs))

@@ -1099,7 +1099,7 @@ def task_class(head: type[TaskModel], family: type[HFModel]) -> type[TaskModel]:
     """The class of ``head`` on ``family``'s body, named as HF names it, its class variables
     the family's under the field ``body``: layouts, renames (HF's body names: the causal LM's
     own, or BERT's under ``bert.``), the padded embedding and residual projections of the
-    initialization."""
+    initialization, and what PEFT's ``"all-linear"`` adds (``hf_all_linear``)."""
     name = _family_name(family) + head.suffix
     assert family.model_type is not None
     prefix = _BODY_PREFIX.get(family.model_type, "")
@@ -1123,6 +1123,7 @@ def task_class(head: type[TaskModel], family: type[HFModel]) -> type[TaskModel]:
         "hf_padded": None if family.hf_padded is None else f"body.{family.hf_padded}",
         "hf_padded_also": tuple(f"body.{p}" for p in family.hf_padded_also),
         "hf_residual": family.hf_residual,
+        "hf_all_linear": family.hf_all_linear,  # (PEFT converts by the config's model type, the body's)
         "__doc__": f"Hugging Face's ``{name}``: :class:`{head.__name__}` on ``{family.__name__}``'s body.",
     }
     cls = type(name, (head,), namespace)

@@ -41,7 +41,7 @@ from functree.nn._lora_experts import LoraExperts, base_experts, expert_weights
 from functree.nn._moe import SparseMoE
 
 __all__ = ["TorchNames", "torch_names", "hf_names", "classifier_of", "TASK_TYPES", "param_names",
-           "all_param_names", "router_members", "router_modules"]
+           "all_param_names", "router_members", "router_modules", "saved_under"]
 
 
 def unwrapped(model: Any) -> Any:
@@ -305,12 +305,23 @@ def hf_names(model: Any) -> ForeignNames | None:
         return None
     extra = getattr(family_of(model), "hf_all_linear", {})
     routers = router_modules(model, names)
+    classifier = classifier_of(model)  # what save_lora writes whole under the task type, no adapter
     left_out = frozenset(member for member, found in names.members.items()
-                         if found.module in routers and not _listed(f"{found.module}.weight", extra))
+                         if (found.module in routers and not _listed(f"{found.module}.weight", extra))
+                         or (classifier is not None and saved_under(found.module, classifier)))
     parameters = {ft_name: multiple for (ft_name, _), name in param_names(model).items()
                   for entry, multiple in extra.items() if _listed(name, {entry: multiple})} if extra else {}
     return ForeignNames({member: found.module for member, found in names.members.items()},
                         names.head or classifier_of(model), left_out, MappingProxyType(parameters))
+
+
+def saved_under(module: str, entry: str) -> bool:
+    """Whether PEFT's ``modules_to_save`` entry ``entry`` keeps ``module`` whole: the module's
+    name, or an enclosing module's, ends with it (``_set_trainable`` wraps the first module
+    matched, its layers with it: RoBERTa's ``classifier`` holds ``classifier.dense`` and
+    ``classifier.out_proj``; DistilBERT's ``pre_classifier`` ends with ``classifier``)."""
+    parts = module.split(".")
+    return any(".".join(parts[:k]).endswith(entry) for k in range(1, len(parts) + 1))
 
 
 def _listed(name: str, entries: Mapping[str, Any]) -> bool:

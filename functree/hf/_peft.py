@@ -56,6 +56,7 @@ from functree.hf._names import (
     TorchNames,
     classifier_of,
     router_modules,
+    saved_under,
     torch_names,
     unwrapped,
 )
@@ -667,15 +668,6 @@ def _saved_modules(model: Any, names: TorchNames, modules_to_save: Sequence[str]
                 raise ValueError(SAVED_MODULE.format(what=what, module=module, problem=problem, right=right))
             out[module] = layers[member]
     return out
-
-
-def saved_under(module: str, entry: str) -> bool:
-    """Whether PEFT's ``modules_to_save`` entry ``entry`` keeps ``module`` whole: the module's
-    name, or an enclosing module's, ends with it (``_set_trainable`` wraps the first module
-    matched, its layers with it: RoBERTa's ``classifier`` holds ``classifier.dense`` and
-    ``classifier.out_proj``)."""
-    parts = module.split(".")
-    return any(".".join(parts[:k]).endswith(entry) for k in range(1, len(parts) + 1))
 
 
 def _full_tensors(module: str, layer: DenseLayer, i: int, names: TorchNames) -> dict[str, np.ndarray]:

@@ -418,8 +418,9 @@ def _all_linear(model: Any) -> tuple[dict[int, bool], dict[tuple[Any, ...], dict
     Dense layers inside it (``score``, ``classifier``; RoBERTa's ``classifier.dense`` and
     ``classifier.out_proj``: PEFT's ``SEQ_CLS`` leaves it out and keeps it whole in
     ``modules_to_save``, as ``ft.hf.save_lora`` writes it; its ``TOKEN_CLS`` puts it there
-    too), and but a Dense whose Hugging Face module is no Linear (a sparse MoE's router,
-    ``ForeignNames.left_out``); and the stacked expert weights PEFT's MoE conversion adds
+    too; DistilBERT's ``pre_classifier``, which PEFT's ``"classifier"`` entry keeps whole with
+    it), and but a Dense whose Hugging Face module is no Linear (a sparse MoE's router); these two
+    are ``ForeignNames.left_out``; and the stacked expert weights PEFT's MoE conversion adds
     (``ForeignNames.parameters``: Mixtral's, Qwen3-MoE's and OLMoE's, ``gate_up_proj`` at
     twice the rank and alpha); every Dense layer of other models."""
     names = foreign_names(model)

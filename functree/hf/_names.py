@@ -16,7 +16,7 @@ module registers :func:`hf_names` (``ft.nn`` sits below this package and cannot 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -310,7 +310,7 @@ def hf_names(model: Any) -> ForeignNames | None:
                          if (found.module in routers and not _listed(f"{found.module}.weight", extra))
                          or (classifier is not None and saved_under(found.module, classifier)))
     parameters = {ft_name: multiple for (ft_name, _), name in param_names(model).items()
-                  for entry, multiple in extra.items() if _listed(name, {entry: multiple})} if extra else {}
+                  for entry, multiple in extra.items() if _listed(name, (entry,))} if extra else {}
     return ForeignNames({member: found.module for member, found in names.members.items()},
                         names.head or classifier_of(model), left_out, MappingProxyType(parameters))
 
@@ -324,7 +324,7 @@ def saved_under(module: str, entry: str) -> bool:
     return any(".".join(parts[:k]).endswith(entry) for k in range(1, len(parts) + 1))
 
 
-def _listed(name: str, entries: Mapping[str, Any]) -> bool:
+def _listed(name: str, entries: Iterable[str]) -> bool:
     """Whether a parameter ``name`` is one of ``entries`` or ends with one after a dot (PEFT's
     ``target_parameters`` matching)."""
     return any(name == e or name.endswith(f".{e}") for e in entries)

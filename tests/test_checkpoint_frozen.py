@@ -23,10 +23,15 @@ def base(seed: int = 0) -> ft.nn.Sequential:
     return ft.nn.Sequential(ft.nn.Dense(64, 256, jax.nn.relu, key=k[0]), ft.nn.Dense(256, 64, key=k[1]))
 
 
+def _loss(m, x):
+    return jnp.mean((m(x) - x) ** 2)
+
+
 def trainer(model: ft.nn.Sequential, wrt: str | None = "*.lora_*") -> ft.train.Trainer:
+    # one loss function: the trainers of a configuration share its compiled step (a new lambda
+    # each time compiled the same step again, functree/train/_programs.py)
     adapted = ft.nn.lora(model, "layers.*", rank=2, alpha=4, key=jax.random.key(2))
-    return ft.train.Trainer(adapted, ft.optim.Optimizer(ft.optim.adam(1e-2), wrt=wrt),
-                            lambda m, x: jnp.mean((m(x) - x) ** 2))
+    return ft.train.Trainer(adapted, ft.optim.Optimizer(ft.optim.adam(1e-2), wrt=wrt), _loss)
 
 
 def data() -> object:

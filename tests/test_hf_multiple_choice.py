@@ -81,10 +81,11 @@ def test_logits_loss_and_gradient_are_hfs_in_float64(family):
         model = ft.nn.from_hf(hf, dtype=jnp.float64)
         assert TASKS[f"{family}ForMultipleChoice"] is type(model)
         assert sorted(ft.nn.to_hf_state_dict(model, numpy=True)) == sorted(hf.state_dict())
-        logits = model(ids, mask, types)
+        # one program (op by op, each operation compiled apart)
+        logits, (loss, grads) = jax.jit(lambda m: (m(ids, mask, types), jax.value_and_grad(
+            lambda m: m.loss(m(ids, mask, types), LABELS))(m)))(model)
         assert logits.shape == (2, 3)
         assert_close(logits, expected.logits.detach().numpy())
-        loss, grads = jax.value_and_grad(lambda m: m.loss(m(ids, mask, types), LABELS))(model)
         assert_close(loss, expected.loss.item())
         assert_close(ft.hf.task_loss(model, logits, LABELS), expected.loss.item())
     ours = ft.nn.to_hf_state_dict(grads, numpy=True)
@@ -183,9 +184,11 @@ def test_lora_adapters_and_the_trained_classifier_load_in_peft(tmp_path):
     opt = ft.optim.Optimizer(ft.optim.adam(3e-2), wrt=["*.lora_*", "classifier.*"])
     state = opt.init(adapted)
     loss_fn = lambda m: m.loss(m(ids, mask, types), LABELS)  # noqa: E731
-    first = float(loss_fn(adapted))
+    first = float(jax.jit(loss_fn)(adapted))
+    # one compiled step (op by op, each of the model's operations compiled apart)
+    step = ft.jit(lambda m, s: opt.minimize(loss_fn, m, s))
     for _ in range(10):
-        adapted, state, loss = opt.minimize(loss_fn, adapted, state)
+        adapted, state, loss = step(adapted, state)
     assert float(loss) < first
     ft.nn.save_lora(adapted, tmp_path / "adapter")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

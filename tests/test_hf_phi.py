@@ -118,7 +118,8 @@ def test_float64_loss_and_gradients_are_hfs():
         return -jnp.mean(picked)
 
     with jax.enable_x64(True):
-        value, grads = ft.value_with_gradient(loss)(ft.nn.from_hf(hf, dtype=jnp.float64))
+        # one program (op by op, each operation compiled apart)
+        value, grads = jax.jit(ft.value_with_gradient(loss))(ft.nn.from_hf(hf, dtype=jnp.float64))
         ours = ft.nn.to_hf_state_dict(grads, numpy=True)
     np.testing.assert_allclose(float(value), theirs.item(), rtol=GRADIENTS)
     scale = max(float(np.abs(g).max()) for g in hf_grads.values())

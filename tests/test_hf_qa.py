@@ -96,19 +96,24 @@ def test_logits_loss_and_gradient_are_hfs_in_float64(family):
         assert sorted(ft.nn.to_hf_state_dict(model, numpy=True)) == sorted(hf.state_dict())
         with torch.no_grad():
             expected = hf(torch.from_numpy(IDS).long(), attention_mask=torch.from_numpy(MASK).long())
-        out = model(IDS, MASK)
-        real = MASK.astype(bool)  # (a left-padded row's padding: see LOSS_ROWS)
-        assert_close(out.start_logits[real], expected.start_logits.numpy()[real], family)
-        assert_close(out.end_logits[real], expected.end_logits.numpy()[real], family)
-
         ids, mask = IDS[LOSS_ROWS], MASK[LOSS_ROWS]
+
+        @jax.jit  # one program (op by op, each of the model's operations compiled apart)
+        def run(m):
+            loss, grads = jax.value_and_grad(lambda m: m.loss(m(ids, mask), (STARTS, ENDS)))(m)
+            return m(IDS, MASK), loss, grads, m(ids, mask).start_logits
+
+        out, loss, grads, start_logits = run(model)
+        real = MASK.astype(bool)  # (a left-padded row's padding: see LOSS_ROWS)
+        assert_close(np.asarray(out.start_logits)[real], expected.start_logits.numpy()[real], family)
+        assert_close(np.asarray(out.end_logits)[real], expected.end_logits.numpy()[real], family)
+
         hf.zero_grad()
         theirs = hf(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
                     start_positions=torch.from_numpy(STARTS), end_positions=torch.from_numpy(ENDS))
         theirs.loss.backward()
-        loss, grads = jax.value_and_grad(lambda m: m.loss(m(ids, mask), (STARTS, ENDS)))(model)
         assert_close(loss, theirs.loss.item(), family)
-        assert_close(model(ids, mask).start_logits, theirs.start_logits.detach().numpy(), family)
+        assert_close(start_logits, theirs.start_logits.detach().numpy(), family)
         ours = ft.nn.to_hf_state_dict(grads, numpy=True)
         hf_grads = {n: p.grad.numpy() for n, p in hf.named_parameters() if p.grad is not None}
         assert set(hf_grads) <= set(ours) and "qa_outputs.weight" in hf_grads

@@ -29,6 +29,12 @@ TOLERANCE = 1e-14  # times the largest value (gradient): measured 4.9e-16 (top_k
 
 
 def layer(top_k=2, seed=0, **kwargs):
+    """The layer, its weights of order 1, built in one compiled program (eagerly, each
+    initializer and draw compiled apart: the same values, bit for bit)."""
+    return jax.jit(lambda: _layer(top_k, seed, **kwargs))()
+
+
+def _layer(top_k, seed, **kwargs):
     moe = ft.nn.SparseMoE(D, HIDDEN, num_experts=E, top_k=top_k, key=jax.random.key(seed), dtype=jnp.float64,
                           **kwargs)
     flat = ft.to_flat_dict(moe)  # weights of order 1 (the init's std 0.02 makes every expert alike)
@@ -76,8 +82,8 @@ def test_outputs_and_gradients_are_torch_autograds_of_hfs_block(top_k, implement
         def f(m, x):
             return jnp.sum(m(x) * c)
 
-        y = moe(jnp.asarray(x))
-        gm, gx = jax.grad(f, argnums=(0, 1))(moe, jnp.asarray(x))
+        # one program (op by op, each of the layer's ~120 operations compiled apart)
+        y, (gm, gx) = jax.jit(lambda m, x: (m(x), jax.grad(f, argnums=(0, 1))(m, x)))(moe, jnp.asarray(x))
     expected = {"x": xt.grad.numpy(), "gate": block.gate.weight.grad.numpy().T,
                 "gate_up": block.experts.gate_up_proj.grad.numpy().transpose(0, 2, 1),
                 "down": block.experts.down_proj.grad.numpy().transpose(0, 2, 1)}
@@ -96,7 +102,8 @@ def test_gradients_are_finite_differences(implementation):
     with jax.enable_x64(True):
         moe = layer(2, 1, implementation=implementation)
         x = jnp.asarray(np.random.default_rng(2).normal(size=(7, D)))
-        check_grads(lambda m, x: moe.replace(gate=m.gate, experts=m.experts)(x), (moe, x), order=1,
+        # jitted: check_grads calls it (and its jvp, vjp) many times, each op by op otherwise
+        check_grads(jax.jit(lambda m, x: moe.replace(gate=m.gate, experts=m.experts)(x)), (moe, x), order=1,
                     modes=("fwd", "rev"), atol=1e-6, rtol=1e-6)
 
 
@@ -111,7 +118,7 @@ def test_an_expert_no_token_chose_has_zero_gradients_and_no_nan():
         weight[:, 2:] = -50.0  # experts 2, 3: probabilities ~e^-50 per unit input
         x = jnp.ones((6, D))
         moe = moe.replace(gate=moe.gate.replace(weight=jnp.asarray(weight)))
-        grads = [jax.tree.map(np.asarray, jax.grad(lambda m: jnp.sum(m(x) ** 2))(moe.replace(implementation=i)))
+        grads = [jax.tree.map(np.asarray, jax.jit(jax.grad(lambda m: jnp.sum(m(x) ** 2)))(moe.replace(implementation=i)))
                  for i in ("sorted", "dense")]
     for g in grads:
         assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(g))
@@ -171,8 +178,9 @@ def test_auto_gathers_the_experts_of_fewer_rows_than_experts_over_top_k(rows):
     program = str(jax.make_jaxpr(lambda m: m(x))(moe))
     assert f"f32[{rows},{moe.top_k},{D},{2 * HIDDEN}]" in program and "ragged_dot" not in program
     dense = moe.replace(implementation="dense")
-    np.testing.assert_allclose(moe(x), dense(x), rtol=0, atol=1e-6 * float(np.abs(dense(x)).max()))
-    g, gd = (jax.grad(lambda m: jnp.sum(m(x) ** 2))(m) for m in (moe, dense))
+    # each form's output and gradient in one program (op by op, ~110 compiles)
+    (y, g), (yd, gd) = (jax.jit(lambda m: (m(x), jax.grad(lambda m: jnp.sum(m(x) ** 2))(m)))(m) for m in (moe, dense))
+    np.testing.assert_allclose(y, yd, rtol=0, atol=1e-6 * float(np.abs(yd).max()))
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(gd)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(b).max()))
     many = jnp.ones((E, D))  # E rows x top_k >= E: every expert's weights are read anyway
@@ -220,7 +228,7 @@ def test_no_rows_give_an_empty_output_and_zero_gradients(implementation):
         x = jnp.zeros(shape)
         y = jax.jit(lambda m, x: m(x))(moe, x)
         assert y.shape == shape
-        grads = jax.grad(lambda m, x: jnp.sum(m(x)))(moe, x)
+        grads = jax.jit(jax.grad(lambda m, x: jnp.sum(m(x))))(moe, x)
         assert all(not np.any(g) for g in jax.tree_util.tree_leaves(grads))
 
 
@@ -234,9 +242,9 @@ def test_the_sorted_form_under_vmap_is_refused_naming_the_forms_that_vmap():
         with pytest.raises(NotImplementedError, match=r"(?s)implementation='sorted'\) was called under jax.vmap.*"
                                                       r"right:  moe\(x\)"):
             jax.vmap(moe)(x)
-        y = moe(x)
+        y = jax.jit(lambda m, x: m(x))(moe, x)  # (op by op, each operation compiled apart)
         for form in ("gathered", "dense"):
-            np.testing.assert_allclose(jax.vmap(moe.replace(implementation=form))(x), y, rtol=0,
+            np.testing.assert_allclose(jax.jit(jax.vmap(moe.replace(implementation=form)))(x), y, rtol=0,
                                        atol=TOLERANCE * float(jnp.abs(y).max()))
     assert _moe.SORTED_VMAP
 

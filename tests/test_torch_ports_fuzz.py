@@ -133,9 +133,10 @@ def test_margin_and_distance_losses_and_their_gradients_are_torchs_at_ties_and_m
     expected, expected_grads = _torch_grads(theirs, arrays, grads)
     with jax.enable_x64(True):
         value = ours(*arrays)
-        got_grads = jax.grad(lambda *diff: jnp.sum(ours(*[diff[grads.index(i)] if i in grads else a
-                                                         for i, a in enumerate(arrays)])),
-                             argnums=tuple(range(len(grads))))(*[arrays[i] for i in grads])
+        # the gradient as one program (op by op: its forward, its transpose and their glue apart)
+        got_grads = jax.jit(jax.grad(lambda *diff: jnp.sum(ours(*[diff[grads.index(i)] if i in grads else a
+                                                                 for i, a in enumerate(arrays)])),
+                                     argnums=tuple(range(len(grads)))))(*[arrays[i] for i in grads])
     _close(value, expected)
     for got, want in zip(got_grads, expected_grads, strict=True):
         _close(got, want)
@@ -156,7 +157,9 @@ def test_pairwise_distance_and_cosine_similarity_are_torchs(data):
                                             (x1, x2), grads)
     with jax.enable_x64(True):
         _close(ft.nn.pairwise_distance(x1, x2, p=p, eps=eps, keepdims=keep), expected)
-        got = jax.grad(lambda a, b: jnp.sum(ft.nn.pairwise_distance(a, b, p=p, eps=eps)), argnums=(0, 1))(x1, x2)
+        # the gradient as one program (op by op: its forward, its transpose and their glue apart)
+        got = jax.jit(jax.grad(lambda a, b: jnp.sum(ft.nn.pairwise_distance(a, b, p=p, eps=eps)), argnums=(0, 1)))(
+            x1, x2)
         for i in grads:
             _close(got[i], expected_grads[i])
         _close(ft.nn.cosine_similarity(x1, x2), F.cosine_similarity(torch.tensor(x1), torch.tensor(x2), dim=-1))

@@ -451,3 +451,30 @@ def test_all_linear_on_a_moe_sequence_classifier_is_peft_s(tmp_path):
     loaded = peft.PeftModel.from_pretrained(make_classifier(), str(tmp_path))
     assert peft_adapters(loaded) == peft_adapters(theirs)
     assert any(".experts" in name for name in peft_adapters(theirs))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hand_written_all_linear_config_is_read_as_peft_reads_it(family, tmp_path):
+    """A config that keeps PEFT's shorthand (``"target_modules": "all-linear"``, no
+    ``target_parameters``, no patterns: hand-written; PEFT saves what it resolved) beside
+    PEFT's tensors of its own ``"all-linear"``: PEFT reads it with its MoE conversion (the
+    router's weight and the expert weights, gate_up_proj at twice the rank, on Mixtral,
+    Qwen3-MoE and OLMoE; the Linears alone on Qwen2-MoE), and so does ``load_lora`` (before,
+    it took the router for a Linear: "holds tensors for ...mlp.experts, which name no Dense
+    layer", or, on Qwen2-MoE, "selects mlp.gate but holds no lora_A"). PEFT's logits."""
+    peft_adapter(family, tmp_path, "all-linear", None)
+    directory = edited(tmp_path / "peft", target_modules="all-linear", target_parameters=None, rank_pattern={},
+                       alpha_pattern={})
+    ids, mask = batch()
+    real = mask.astype(bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.PeftModel.from_pretrained(make(family, 6), str(directory)).eval()
+    expected, _ = torch_loss(theirs, ids, mask)
+    expected = expected.detach().numpy()
+    with jax.enable_x64(True):
+        model = ft.nn.load_lora(ft.nn.from_hf(make(family, 6), dtype=jnp.float64), directory)
+        logits = np.asarray(model(ids, mask))
+    assert isinstance(model.model.layers.layers.mlp.experts, _lora_experts.LoraExperts) == (family != "qwen2_moe")
+    top = float(np.abs(expected[real]).max())
+    np.testing.assert_allclose(logits[real], expected[real], rtol=0, atol=WIDENED * top)

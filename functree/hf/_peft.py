@@ -77,6 +77,7 @@ from functree.hf._peft_params import (
 from functree.interop._safetensors import load_file, read_header, save_file
 from functree.interop._torch import torch_state_dict
 from functree.nn._lora import (
+    ALL_LINEAR,
     DenseLayer,
     LoraDense,
     dense_layers,
@@ -957,16 +958,41 @@ def _targets(config: dict[str, Any], module: str) -> bool:
     return index is not None and (index == layers if isinstance(layers, int) else index in layers)
 
 
-def _targeted(config: dict[str, Any], names: TorchNames, classifier: str | None = None) -> set[str]:
+def _targeted(config: dict[str, Any], names: TorchNames, model: Any = None) -> set[str]:
     """The torch modules the config adapts; ``"all-linear"``: every Dense module but the
-    output head (PEFT's shorthand), and a task model's classifier under ``SEQ_CLS`` (PEFT's
-    ``_maybe_include_all_linear_layers``; without a task type PEFT adapts it)."""
+    output head (PEFT's shorthand), a task model's classifier under ``SEQ_CLS`` (PEFT's
+    ``_maybe_include_all_linear_layers``; without a task type PEFT adapts it) and a sparse
+    MoE's router (no torch Linear in transformers 5: :func:`_as_peft_reads_it` adds its
+    weight where PEFT's MoE conversion does)."""
     targets = config.get("target_modules")
-    if isinstance(targets, str) and targets.lower() == "all-linear":
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:
         dense = {n.module for n in names.members.values() if n.weight_param}
-        left_out = {names.head, classifier if config.get("task_type") == "SEQ_CLS" else None}
+        classifier = classifier_of(model) if model is not None else None
+        left_out = {names.head, classifier if config.get("task_type") == "SEQ_CLS" else None,
+                    *(router_modules(model, names) if model is not None else ())}
         return {m for m in dense if m not in left_out and _targets({**config, "target_modules": [m]}, m)}
     return {m for m in names.modules if _targets(config, m)}
+
+
+def _as_peft_reads_it(config: dict[str, Any], model: Any) -> dict[str, Any]:
+    """A config whose ``target_modules`` is ``"all-linear"`` as PEFT 0.21 reads it onto this
+    model: where the family lists them (``hf_all_linear``, PEFT's MoE conversion: Mixtral's,
+    Qwen3-MoE's, OLMoE's) the router's weight and the stacked expert weights join
+    ``target_parameters``, a fused one at its multiple of ``r`` and ``lora_alpha``
+    (``rank_pattern`` / ``alpha_pattern`` ``".*\\.gate_up_proj"``, as PEFT sets them). A config
+    PEFT saved lists what it resolved instead; a hand-written one keeps the shorthand."""
+    targets = config.get("target_modules")
+    extra = getattr(family_of(model), "hf_all_linear", {})
+    if not (isinstance(targets, str) and targets.lower() == ALL_LINEAR) or not extra:
+        return config
+    r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    ranks, alphas = dict(config.get("rank_pattern") or {}), dict(config.get("alpha_pattern") or {})
+    for entry, multiple in extra.items():
+        if multiple != 1:
+            pattern = rf".*\.{re.escape(entry.rpartition('.')[2])}"
+            ranks[pattern], alphas[pattern] = r * multiple, alpha * multiple
+    parameters = list(dict.fromkeys([*(config.get("target_parameters") or []), *extra]))
+    return {**config, "target_parameters": parameters, "rank_pattern": ranks, "alpha_pattern": alphas}
 
 
 LOAD_ONTO_ADAPTED = """\
@@ -982,7 +1008,8 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
 
     The config decides, as in PEFT: the modules ``target_modules`` selects (with
     ``layers_to_transform``, ``layers_pattern``, ``exclude_modules``; ``"all-linear"``: every
-    Dense but the output head) get the file's ``lora_A`` / ``lora_B``, as a
+    Dense but the output head and a sparse MoE's router, with the router's weight and the
+    expert weights where PEFT's MoE conversion adds them) get the file's ``lora_A`` / ``lora_B``, as a
     :class:`LoraDense` with rank ``r`` (or ``rank_pattern``'s, which the tensors must have)
     and scale ``lora_alpha / r`` (``alpha_pattern``; ``use_rslora``: ``alpha / sqrt(r)``),
     ``dropout`` from ``lora_dropout``; a Stack's members of other ranks or scales keep PEFT's
@@ -1023,6 +1050,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     config, tensors, blocks = _read_adapter(directory)
     _check_config(config, directory)
     names = torch_names(model)
+    config = _as_peft_reads_it(config, model)
     kind = "Hugging Face" if names.is_hf else "torch"
     if config.get("modules_to_save"):  # another base's adapter: say so before its modules_to_save miss here
         _check_known_modules(tensors, names, kind)
@@ -1041,7 +1069,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
     if config.get("target_parameters"):  # PEFT's ParamWrapper: the expert weights, a Linear's weight
         # (a Linear's weight [out, in] only: PEFT reads a 2-D parameter so, and a Conv1D's [in, out] otherwise)
         dense = {n.module for n in names.members.values() if n.weight_param and n.transposed}
-        by_param = check_params(config, model, dense, _targeted(config, names, classifier_of(model)) & dense)
+        by_param = check_params(config, model, dense, _targeted(config, names, model) & dense)
         adapted = next((w for w in expert_weights(model) if isinstance(getattr(w.node, w.field), LoraParameter)), None)
         if adapted is not None:
             raise ValueError(LOAD_ONTO_ADAPTED.format(name=adapted.info.name, directory=directory))
@@ -1191,7 +1219,7 @@ def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str,
     dense = {n.module for n in names.members.values() if n.weight_param}
     targets = config.get("target_modules")
     if config.get("target_parameters"):  # (checked by check_params: it selects something)
-        targeted = _targeted(config, names, classifier_of(model) if model is not None else None) | (by_param or set())
+        targeted = _targeted(config, names, model) | (by_param or set())
         if not pairs and not targeted:
             return []
         if targets is None:
@@ -1205,7 +1233,7 @@ def _checked_modules(config: dict[str, Any], names: TorchNames, pairs: dict[str,
         raise _not_dense(targets, unknown, model)
     if unknown:
         raise ValueError(UNKNOWN_MODULE.format(modules=unknown[:4], torch=kind, known=sorted(dense)[:4]))
-    targeted = _targeted(config, names, classifier_of(model) if model is not None else None) | (by_param or set())
+    targeted = _targeted(config, names, model) | (by_param or set())
     if not targeted:
         raise ValueError(NOTHING_TARGETED.format(targets=targets, torch=kind, known=sorted(dense)[:4]))
     stray = sorted(m for m in pairs if m not in targeted)

@@ -41,7 +41,8 @@ from functree.nn._lora_experts import LoraExperts, base_experts, expert_weights
 from functree.nn._moe import SparseMoE
 
 __all__ = ["TorchNames", "torch_names", "hf_names", "classifier_of", "TASK_TYPES", "param_names",
-           "all_param_names", "router_members", "router_modules", "saved_under"]
+           "all_param_names", "router_members", "router_modules", "saved_under",
+           "param_listed"]
 
 
 def unwrapped(model: Any) -> Any:
@@ -307,12 +308,12 @@ def hf_names(model: Any) -> ForeignNames | None:
     routers = router_modules(model, names)
     classifier = classifier_of(model)  # what save_lora writes whole under the task type, no adapter
     left_out = frozenset(member for member, found in names.members.items()
-                         if (found.module in routers and not _listed(f"{found.module}.weight", extra))
+                         if (found.module in routers and not param_listed(f"{found.module}.weight", extra))
                          or (classifier is not None and saved_under(found.module, classifier)))
     parameters = {ft_name: multiple for (ft_name, _), name in param_names(model).items()
-                  for entry, multiple in extra.items() if _listed(name, (entry,))} if extra else {}
+                  for entry, multiple in extra.items() if param_listed(name, (entry,))} if extra else {}
     return ForeignNames({member: found.module for member, found in names.members.items()},
-                        names.head or classifier_of(model), left_out, MappingProxyType(parameters))
+                        names.head or classifier, left_out, MappingProxyType(parameters))
 
 
 def saved_under(module: str, entry: str) -> bool:
@@ -324,9 +325,9 @@ def saved_under(module: str, entry: str) -> bool:
     return any(".".join(parts[:k]).endswith(entry) for k in range(1, len(parts) + 1))
 
 
-def _listed(name: str, entries: Iterable[str]) -> bool:
+def param_listed(name: str, entries: Iterable[str]) -> bool:
     """Whether a parameter ``name`` is one of ``entries`` or ends with one after a dot (PEFT's
-    ``target_parameters`` matching)."""
+    ``target_parameters`` matching, ``_inject_parameters``)."""
     return any(name == e or name.endswith(f".{e}") for e in entries)
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import from_fields
-from functree.hf._names import all_param_names, param_names
+from functree.hf._names import all_param_names, param_listed, param_names
 from functree.hf._peft_members import adapter_dtype, member_arrays, written_alpha
 from functree.nn._lora_experts import (
     EXPERT_FIELDS,
@@ -137,10 +137,10 @@ def check_params(config: dict[str, Any], model: Any, dense: set[str], modules: s
 
 
 def targeted_params(config: dict[str, Any], names: Iterable[str]) -> list[str]:
-    """The parameter names PEFT's ``target_parameters`` selects among ``names``: the name itself
-    or its end after a dot (``_inject_parameters``)."""
+    """The parameter names PEFT's ``target_parameters`` selects among ``names``
+    (:func:`~functree.hf._names.param_listed`)."""
     entries = config.get("target_parameters") or []
-    return sorted(n for n in names if n in entries or any(n.endswith(f".{t}") for t in entries))
+    return sorted(n for n in names if param_listed(n, entries))
 
 
 def nested(module: str, fields: list[str], field: str) -> str:

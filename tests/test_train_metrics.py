@@ -95,6 +95,56 @@ def test_labels_of_minus_100_are_left_out():
     assert float(ft.train.accuracy.of(logits, unsigned)) == pytest.approx(4 / 6)
 
 
+def test_another_ignore_index_is_named_through_accuracy_of():
+    """A segmentation mask's void label 255 (torch's ignore_index=255) is no class: scored, it is
+    a miss (as Keras's and scikit-learn's accuracy); accuracy.of(ignore_index=255) leaves it out,
+    in uint8 too, and a Trainer's means over minibatches of unequal size are then the whole
+    data's Σ hits / Σ counted (numpy's)."""
+    rng = np.random.default_rng(255)
+    logits = rng.normal(size=(7, 3, 4)).astype(np.float32)
+    labels = rng.integers(0, 4, (7, 3)).astype(np.uint8)
+    labels[rng.random((7, 3)) < 0.4] = 255
+    kept = labels != 255
+    want = float(np.sum((logits.argmax(-1) == labels) & kept) / kept.sum())
+    scored = float(np.sum((logits.argmax(-1) == labels) & kept) / labels.size)  # 255 a miss
+    assert float(ft.train.accuracy.of(logits, labels)) == pytest.approx(scored, abs=1e-7)
+    assert float(ft.train.accuracy.of(logits, labels, ignore_index=255)) == pytest.approx(want, abs=1e-7)
+    signed = np.where(kept, labels.astype(np.int32), -1)
+    assert float(ft.train.accuracy.of(logits, signed, ignore_index=-1)) == pytest.approx(want, abs=1e-7)
+    assert float(ft.train.accuracy.of(logits, np.where(kept, labels.astype(np.int32), -100), ignore_index=None)) == pytest.approx(scored)
+    t = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), _token_loss(logits, np.ones(7, np.float32)),
+                         metrics={"acc": lambda o: ft.train.accuracy.of(o.aux, o.batch[-1], ignore_index=255)})
+    idx = np.arange(7, dtype=np.int32)
+    data = [(idx[a:b], labels[a:b]) for a, b in ((0, 3), (3, 6), (6, 7))]  # 3, 3, 1 examples
+    t.fit(data, epochs=1, progress=False)
+    atol = 2e-7  # float32 hit fractions times float32 sizes (test_accuracy_over_minibatches_...)
+    np.testing.assert_allclose(t.history.epochs["acc"][0], want, rtol=0, atol=atol)
+    np.testing.assert_allclose(t.evaluate(data)["acc"], want, rtol=0, atol=atol)
+    for bad in ("255", 255.0, True):
+        with pytest.raises(TypeError, match=r"(?s)ignore_index must be a Python int.*right:  ft\.train\.accuracy\.of"):
+            ft.train.accuracy.of(logits, labels, ignore_index=bad)
+
+
+def test_probabilities_are_scored_at_the_threshold_given_to_binary_accuracy_of():
+    """A sigmoid-last model's probabilities (torch's BCELoss, Keras's BinaryAccuracy at 0.5) read
+    as logits count every output above 0 as a 1; threshold=0.5 scores them, in a Trainer too."""
+    rng = np.random.default_rng(5)
+    probs = rng.uniform(size=(6, 1)).astype(np.float32)
+    labels = (rng.uniform(size=(6, 1)) < 0.5).astype(np.int32)
+    want = float(np.mean((probs > 0.5) == (labels > 0.5)))
+    assert want != float(np.mean(labels == 1))  # the data tell the two readings apart
+    assert float(ft.train.binary_accuracy.of(probs, labels)) == pytest.approx(float(np.mean(labels == 1)))
+    assert float(ft.train.binary_accuracy.of(probs, labels, threshold=0.5)) == pytest.approx(want)
+    t = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), _token_loss(probs, np.ones(6, np.float32)),
+                         metrics={"acc": lambda o: ft.train.binary_accuracy.of(o.aux, o.batch[-1], threshold=0.5)})
+    idx = np.arange(6, dtype=np.int32)
+    t.fit([(idx[:4], labels[:4]), (idx[4:], labels[4:])], epochs=1, progress=False)
+    np.testing.assert_allclose(t.history.epochs["acc"][0], want, rtol=0, atol=2e-7)
+    for bad in ("0.5", None, True):
+        with pytest.raises(TypeError, match=r"(?s)threshold must be a Python number.*right:  ft\.train\.binary_accuracy\.of"):
+            ft.train.binary_accuracy.of(probs, labels, threshold=bad)
+
+
 def test_labels_that_are_not_an_array_and_duplicate_metric_names():
     with pytest.raises(ValueError, match=r'could not find the labels.*\["target"\]'):
         ft.train.accuracy(out(LOGITS, {"target": {"class": jnp.zeros(4, jnp.int32)}}))

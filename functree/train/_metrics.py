@@ -40,7 +40,7 @@ from functree.losses._weighted import WeightedMean, ratio
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
-           "InexactMeanWarning"]
+           "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD"]
 
 NO_LOGITS = """\
 ft.train.accuracy needs the model's outputs (logits) as the loss function's aux output, \
@@ -327,19 +327,20 @@ def _float_class_ids(logits: jax.Array, labels: jax.Array, where: str | None, so
                                   logits=_describe(logits), wrong=wrong, right=right)
 
 
-def _accuracy_counts(logits: Any, labels: Any, where: str | None = None,
-                     source: str = "out.aux") -> tuple[jax.Array, jax.Array]:
+def _accuracy_counts(logits: Any, labels: Any, where: str | None = None, source: str = "out.aux",
+                     ignore_index: int | None = IGNORE_INDEX) -> tuple[jax.Array, jax.Array]:
     """``(hits, counted)``: the labels whose predicted class is theirs, and the labels
-    scored (class indices equal to :data:`IGNORE_INDEX` left out), as float32 counts.
+    scored (class indices equal to ``ignore_index`` left out; None: none), as float32 counts.
     Float class indices are refused (:data:`FLOAT_CLASS_IDS`; ``where``: their path in
     ``out.batch``): floats of that shape are weights or a mask more often than labels."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if _class_ids_shape(logits.shape, labels.shape):  # class indices
         if jnp.issubdtype(labels.dtype, jnp.floating):
             raise ValueError(_float_class_ids(logits, labels, where, source))
-        hits = jnp.argmax(logits, axis=-1) == labels.astype(jnp.int32)
-        if jnp.issubdtype(labels.dtype, jnp.signedinteger):
-            counted = labels != IGNORE_INDEX
+        wide = labels.astype(jnp.int32)  # (a uint8 mask's 255 compares as 255, never as -1)
+        hits = jnp.argmax(logits, axis=-1) == wide
+        if ignore_index is not None:
+            counted = wide != ignore_index
             return jnp.sum(hits & counted, dtype=jnp.float32), jnp.sum(counted, dtype=jnp.float32)
     elif labels.shape == logits.shape and logits.ndim >= 2 and logits.shape[-1] > 1:  # one-hot / probabilities
         hits = jnp.argmax(logits, axis=-1) == jnp.argmax(labels, axis=-1)
@@ -350,10 +351,33 @@ def _accuracy_counts(logits: Any, labels: Any, where: str | None = None,
     return jnp.sum(hits, dtype=jnp.float32), jnp.float32(hits.size)
 
 
-def _accuracy_of(logits: Any, labels: Any) -> jax.Array:
+BAD_IGNORE_INDEX = """\
+ft.train.accuracy.of: ignore_index must be a Python int (the label of the positions left \
+out, as the loss's ignore_index) or None (every label scored), got {given!r}.
+
+    wrong:  ft.train.accuracy.of(logits, labels, ignore_index={given!r})
+    right:  ft.train.accuracy.of(logits, labels, ignore_index=255)   # e.g. a segmentation mask's void label"""
+
+
+def _accuracy_of(logits: Any, labels: Any, *, ignore_index: int | None = IGNORE_INDEX) -> jax.Array:
     """Fraction of examples whose predicted class equals the label (class indices equal to
-    :data:`IGNORE_INDEX` left out; 0 where every label of the minibatch is)."""
-    hits, counted = _accuracy_counts(logits, labels)
+    ``ignore_index``, -100 by default, left out; 0 where every label of the minibatch is).
+    ``ignore_index`` names another (torch's ``ignore_index=255`` of segmentation masks, -1);
+    None scores every label. It reads class indices only; in a step its means are
+    Σ hits / Σ counted, as :func:`accuracy`'s.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> logits = jnp.array([[2.0, 0.0], [0.0, 1.0], [3.0, 1.0]])
+      >>> ft.train.accuracy.of(logits, jnp.array([0, 0, 255]))                    # 255 scored: a miss
+      Array(0.33333334, dtype=float32)
+      >>> ft.train.accuracy.of(logits, jnp.array([0, 0, 255]), ignore_index=255)  # left out
+      Array(0.5, dtype=float32)
+    """
+    if ignore_index is not None and (isinstance(ignore_index, (bool, np.bool_))
+                                     or not isinstance(ignore_index, (int, np.integer))):
+        raise TypeError(BAD_IGNORE_INDEX.format(given=ignore_index))
+    hits, counted = _accuracy_counts(logits, labels, ignore_index=None if ignore_index is None else int(ignore_index))
     return _noted(hits / jnp.maximum(counted, 1.0), hits, counted)  # its parts too: exact means
 
 
@@ -375,7 +399,10 @@ def accuracy(out: StepOutput) -> jax.Array:
     ``batch[-2]`` of no labels' shape (a ``[N, D]`` mask) leaves the last as labels. By shape:
 
     - class indices ``logits.shape[:-1]`` compare with ``argmax(logits)``; labels equal to
-      -100 (:data:`IGNORE_INDEX`, HF's padding of token labels) are left out. They are
+      -100 (:data:`IGNORE_INDEX`, HF's padding of token labels) are left out; another
+      ignored label (torch's ``ignore_index=255`` of segmentation masks, -1) is no class and
+      counts as a miss, as in Keras and scikit-learn: name it,
+      ``lambda out: ft.train.accuracy.of(out.aux, out.batch[-1], ignore_index=255)``. They are
       integers: float ones are refused (torch's cross_entropy refuses them too; floats of
       that shape are weights or a mask more often), naming the cast ``.astype(jnp.int32)``;
     - labels of the logits' shape ``[..., C]`` (two axes or more) are one-hot or
@@ -403,9 +430,10 @@ accuracy.of = _accuracy_of  # type: ignore[attr-defined]
 accuracy.__ft_counts__ = _accuracy_out_counts  # type: ignore[attr-defined]  # marks it counting (counting_names)
 
 
-def _binary_hits(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Per label: whether its one logit has its sign (``logit > 0`` against ``label > 0.5``)."""
-    return (logits.reshape(labels.shape) > 0) == (labels.astype(jnp.float32) > 0.5)
+def _binary_hits(logits: jax.Array, labels: jax.Array, threshold: float = 0.0) -> jax.Array:
+    """Per label: whether its one output is on its side of ``threshold`` (``logit > 0``
+    against ``label > 0.5`` by default)."""
+    return (logits.reshape(labels.shape) > threshold) == (labels.astype(jnp.float32) > 0.5)
 
 
 def _binary_fits(logits: tuple, labels: tuple) -> bool:
@@ -413,16 +441,41 @@ def _binary_fits(logits: tuple, labels: tuple) -> bool:
     return logits == labels or logits == (*labels, 1)
 
 
-def _binary_counts(logits: Any, labels: Any) -> tuple[jax.Array, jax.Array]:
+def _binary_counts(logits: Any, labels: Any, threshold: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """``(hits, labels)`` of :func:`binary_accuracy`, as float32 counts."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if not _binary_fits(logits.shape, labels.shape):
         raise ValueError(BINARY_SHAPES.format(logits=logits.shape, labels=labels.shape))
-    return jnp.sum(_binary_hits(logits, labels), dtype=jnp.float32), jnp.float32(labels.size)
+    return jnp.sum(_binary_hits(logits, labels, threshold), dtype=jnp.float32), jnp.float32(labels.size)
 
 
-def _binary_accuracy_of(logits: Any, labels: Any) -> jax.Array:
-    hits, counted = _binary_counts(logits, labels)
+BAD_THRESHOLD = """\
+ft.train.binary_accuracy.of: threshold must be a Python number (a logit's, 0 by default, or a \
+probability's, 0.5), got {given!r}.
+
+    wrong:  ft.train.binary_accuracy.of(probabilities, labels, threshold={given!r})
+    right:  ft.train.binary_accuracy.of(probabilities, labels, threshold=0.5)"""
+
+
+def _binary_accuracy_of(logits: Any, labels: Any, *, threshold: float = 0.0) -> jax.Array:
+    """Fraction of 0/1 labels whose output is on their side of ``threshold``: ``logit > 0``
+    by default (a sigmoid's logit, ``ft.losses.sigmoid_cross_entropy``'s input); a model
+    that outputs probabilities (a sigmoid last, as for ``ft.losses.binary_cross_entropy``
+    or torch's ``BCELoss``) needs ``threshold=0.5`` (Keras's ``BinaryAccuracy`` default).
+    The step cannot tell probabilities from logits: at the default, every probability
+    above 0 counts as a 1.
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> probabilities, labels = jnp.array([0.9, 0.2, 0.4, 0.7]), jnp.array([1, 0, 0, 1])
+      >>> float(ft.train.binary_accuracy.of(probabilities, labels, threshold=0.5))
+      1.0
+      >>> float(ft.train.binary_accuracy.of(probabilities, labels))  # read as logits: all 1
+      0.5
+    """
+    if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.integer, np.floating)):
+        raise TypeError(BAD_THRESHOLD.format(given=threshold))
+    hits, counted = _binary_counts(logits, labels, float(threshold))
     return _noted(hits / jnp.maximum(counted, 1.0), hits, counted)
 
 
@@ -436,7 +489,9 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
     """The fraction of 0/1 targets whose logit has their sign (``logit > 0`` against
     ``label > 0.5``), over every element: multi-label heads and per-token binary tags, with
     logits of the labels' shape (``ft.losses.sigmoid_cross_entropy``'s layout), where
-    :func:`accuracy` reads labels of the logits' shape as one-hot.
+    :func:`accuracy` reads labels of the logits' shape as one-hot. A model that outputs
+    probabilities (a sigmoid last) is scored with ``threshold=0.5``:
+    ``lambda out: ft.train.binary_accuracy.of(out.aux, out.batch[-1], threshold=0.5)``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

@@ -55,7 +55,7 @@ from functree.optim._hyper import OFF_AT_ZERO
 from functree.optim._leafwise import separable
 from functree.optim._masked import masked
 from functree.optim._radam import scale_by_radam
-from functree.optim._signature import Hyper, optimizer
+from functree.optim._signature import Hyper, _is_zero, optimizer
 
 __all__ = [
     "sgd",
@@ -119,12 +119,12 @@ P = ParamSpec("P")
 
 BAD_MOMENTUM_FORM = """\
 momentum_form={form!r}; use "literature" (u = γu + g, w -= ηu), "additive" (v = γ'v + ηg, w -= v)
-or "cntk_unit_gain" (CNTK's unit gain: c = γc + (1 − γ)g, w -= ηc).{extra}
+or "cntk_unit_gain" (CNTK's unit gain: v = γv + η(1 − γ)g, w -= v).{extra}
 """
 
 UNIT_GAIN_RENAMED = """\
 momentum_form="unit_gain" named two forms: functree's, until 2026-11-29, was the additive
-v = γ'v + ηg (w -= v), and CNTK's unit gain is c = γc + (1 − γ)g (w -= ηc), steps (1 − γ)
+v = γ'v + ηg (w -= v), and CNTK's unit gain is v = γv + η(1 − γ)g (w -= v), steps (1 − γ)
 times as large: 10x apart at γ = 0.9. Say which:
     right:  ft.optim.sgd(lr, momentum=0.9, momentum_form="additive")         # functree's former "unit_gain"
        or:  ft.optim.sgd(lr, momentum=0.9, momentum_form="cntk_unit_gain")   # a CNTK model's rate as it is"""
@@ -328,17 +328,27 @@ def _unit_gain_momentum(learning_rate: Any, momentum: Any) -> optax.GradientTran
 
 
 def _cntk_unit_gain(learning_rate: Any, momentum: Any) -> optax.GradientTransformation:
-    """CNTK's unit-gain momentum: ``c ← γc + (1 − γ)g; w ← w − ηc`` (its ``NormalGrad``
-    with ``unitGainFactor = 1 − momentum``): the literature form at rate ``η (1 − γ)``.
-    State: ``(EmptyState, TraceState, EmptyState)``."""
-    return optax.chain(optax.scale(1 - momentum), optax.trace(decay=momentum),
-                       optax.scale_by_learning_rate(learning_rate))
+    """CNTK's unit-gain momentum as its dense ``NormalGrad`` computes it: ``v ← γv + η(1 − γ)g;
+    w ← w − v``, the rate inside the velocity (the additive form at rate ``η (1 − γ)``), so a
+    changing η (a schedule, a per-sample rate on minibatches of other sizes) leaves the
+    velocity taken at the earlier rates as it was. State: ``UnitGainState`` (``velocity``)."""
+    return _unit_gain_momentum(learning_rate * (1 - momentum), momentum)
 
 
 FORMS = ("literature", "additive", "cntk_unit_gain")
 
 
-def _check_sgd(nesterov: bool, momentum_form: str) -> None:
+NESTEROV_WITHOUT_MOMENTUM = """\
+ft.optim.sgd: nesterov=True with momentum={momentum!r} is plain SGD (Nesterov's look-ahead is
+γ times the momentum); torch.optim.SGD refuses it too. Give the momentum:
+
+    wrong:  ft.optim.sgd(0.1, nesterov=True)
+    right:  ft.optim.sgd(0.1, momentum=0.9, nesterov=True)"""
+
+
+def _check_sgd(nesterov: bool, momentum_form: str, momentum: Any) -> None:
+    if nesterov and _is_zero(momentum):
+        raise ValueError(NESTEROV_WITHOUT_MOMENTUM.format(momentum=momentum))
     if momentum_form == "unit_gain":
         raise ValueError(UNIT_GAIN_RENAMED)
     if momentum_form not in FORMS:
@@ -373,12 +383,16 @@ def sgd(
     CNTK's unit-gain form (``momentum_sgd(..., unit_gain=True)``,
     ``momentum_form="cntk_unit_gain"``)::
 
-        c ← γ c + (1 − γ)(g + λ w);   w ← w − η c
+        v ← γ v + η (1 − γ)(g + λ w);   w ← w − v
 
-    the literature form at rate ``η (1 − γ)``: a CNTK model's rate ported as it is.
-    ``"unit_gain"``, which until 2026-11-29 named the additive form, is refused with both.
-    State: ``optax.TraceState`` (``trace``; CNTK's: in a chain) or ``UnitGainState``
-    (``velocity``, additive), shaped like the model's parameters.
+    the additive form at rate ``η (1 − γ)``, as CNTK's ``NormalGrad`` puts the rate inside
+    the velocity: a CNTK model's rate ported as it is. While η is constant it is the
+    literature form at rate ``η (1 − γ)``; when η changes (a schedule's step, or
+    ``ft.optim.per_samples`` on a minibatch of another size: ``η · M``) the velocity
+    keeps the rates it was taken at, as CNTK's does (before 2026-12-04 the new η scaled
+    the whole momentum). ``"unit_gain"``, which until 2026-11-29 named the additive form,
+    is refused with both. State: ``optax.TraceState`` (``trace``, literature) or
+    ``UnitGainState`` (``velocity``, additive and CNTK's), shaped like the model's parameters.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -475,6 +489,9 @@ def adagrad(
         s ← s + g²   (s₀ = initial_accumulator_value);   w ← w − η g / (√s + ε)
 
     optax's ``adagrad`` puts ε inside the root (``g / √(s + ε)``); this follows torch.
+    torch's ``lr_decay=d`` (``η / (1 + (t − 1) d)`` at update ``t``) is the rate
+    ``ft.optim.schedule(lambda c: η / (1 + d * c))``: the step count ``c`` is 0 at the first
+    update (:func:`ft.optim.inverse_time_decay` is swift-apis' decay, counted from 1).
     State: ``AdagradState`` (``sum_of_squares``).
 
     Example:
@@ -644,7 +661,9 @@ def amsgrad(
         m, v as in Adam;   v̄ ← max(v̄, v);   w ← w − η (m / (1 − β₁ᵗ)) / (√v̄ / √(1 − β₂ᵗ) + ε)
 
     The maximum is over raw second moments, as torch and swift-apis; ``optax.amsgrad``
-    takes it over bias-corrected ones, so it differs in early steps.
+    takes it over bias-corrected ones, so it differs in early steps. torch's
+    ``AdamW(lr=η, weight_decay=λ, amsgrad=True)`` is ``optax.chain(ft.optim.amsgrad(η),
+    ft.optim.weight_decay(η * λ, exclude=()))`` (give both a schedule's values when η follows one).
     State: ``AMSGradState`` (``mu``, ``nu``, ``nu_max``).
 
     Example:
@@ -674,8 +693,11 @@ def radam(
         else:    w ← w − η m̂
 
     ρₜ is computed without the cancellation of the formula as written (``_radam.py``), and ε
-    sits where torch and the paper's code put it (optax's ``radam`` uses ``√v̂ + ε``). State:
-    ``optax.ScaleByAdamState``, as ``optax.radam``'s.
+    sits where torch and the paper's code put it (optax's ``radam`` uses ``√v̂ + ε``).
+    ``weight_decay`` is torch's coupled L2 term; torch's ``RAdam(lr=η, weight_decay=λ,
+    decoupled_weight_decay=True)`` is ``optax.chain(ft.optim.radam(η),
+    ft.optim.weight_decay(η * λ, exclude=()))``. State: ``optax.ScaleByAdamState``, as
+    ``optax.radam``'s.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

@@ -36,6 +36,7 @@ import optax
 
 from functree._alias import check_stale
 from functree._tree import is_none, register_record
+from functree.optim._hyper import hyper_dtype
 from functree.optim._lookahead import SlowState
 from functree.optim._multisteps import multisteps_in
 from functree.optim._skip import applied_in, select
@@ -156,7 +157,7 @@ def _wide(x: Any) -> Any:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _averaging(name: str, weight: Callable[[jax.Array], jax.Array], start: int,
+def _averaging(name: str, weight: Callable[[jax.Array, Any], jax.Array], start: int,
                every: int) -> optax.GradientTransformationExtraArgs:
     for what, value, low, kind in (("start", start, 0, "non-negative"), ("every", every, 1, "positive")):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -173,8 +174,10 @@ def _averaging(name: str, weight: Callable[[jax.Array], jax.Array], start: int,
         take = (steps > start) & ((steps - start) % every == 0)
         count = state.count + take.astype(jnp.int32)
         # Before the first averaged step the average follows the parameters (w = 1);
-        # between averaged steps it stays (w = 0).
-        w = jnp.where(take, weight(jnp.maximum(count, 1)), jnp.where(count == 0, 1.0, 0.0))
+        # between averaged steps it stays (w = 0). The weight in float64 for a float64
+        # average (1/3 in float32 put SWA's mean 1e-8 off torch's AveragedModel in float64).
+        dtype = hyper_dtype(state.average)
+        w = jnp.where(take, weight(jnp.maximum(count, 1), dtype), jnp.where(count == 0, 1.0, 0.0).astype(dtype))
 
         def fold(avg: Any, p: Any, u: Any) -> Any:
             if avg is None or p is None:
@@ -212,10 +215,10 @@ def ema(decay: float, *, debias: bool = True, start: int = 0, every: int = 1) ->
         raise ValueError(BAD_DECAY.format(given=decay))
     d = float(decay)
 
-    def weight(k: jax.Array) -> jax.Array:
+    def weight(k: jax.Array, dtype: Any) -> jax.Array:
         if debias:
-            return (1.0 - d) / (1.0 - jnp.power(jnp.float32(d), k.astype(jnp.float32)))
-        return jnp.where(k == 1, 1.0, 1.0 - d)
+            return (1.0 - d) / (1.0 - jnp.power(jnp.asarray(d, dtype), k.astype(dtype)))
+        return jnp.where(k == 1, 1.0, 1.0 - d).astype(dtype)
 
     return _averaging("ft.optim.ema", weight, start, every)
 
@@ -238,7 +241,7 @@ def uniform_average(*, start: int = 0, every: int = 1) -> optax.GradientTransfor
       >>> ft.optim.averaged(state, w)["w"]
       Array(2.5, dtype=float32)
     """
-    return _averaging("ft.optim.uniform_average", lambda k: 1.0 / k.astype(jnp.float32), start, every)
+    return _averaging("ft.optim.uniform_average", lambda k, dtype: 1.0 / k.astype(dtype), start, every)
 
 
 def with_average(transform: Any, average: Any) -> Any:

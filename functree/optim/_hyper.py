@@ -40,7 +40,7 @@ from functree._where import placement_of, put
 from functree.nn._mode import in_mode, mode_free
 from functree.optim._checks import check_redefined, checked_gradients, keep_unchanged
 from functree.optim._context import LearningContext, advance, current, initial_context
-from functree.optim._schedules import piecewise
+from functree.optim._schedules import piecewise, values_of
 
 __all__ = [
     "HyperState",
@@ -57,6 +57,14 @@ OUT_OF_RANGE = """\
 {where}: {name}={value!r} is out of range; {name} must be finite and {rule}.
 
     right:  {where}({name}={example})
+"""
+
+SCHEDULE_OUT_OF_RANGE = """\
+{where}: {name} follows a schedule that takes the value {value!r}, out of range; {name} \
+must be finite and {rule} at every step (the schedule's values are used as they are).
+
+    wrong:  {where}({name}={wrong})
+    right:  {where}({name}={right})
 """
 
 BAD_HYPERPARAMETER = """\
@@ -404,6 +412,26 @@ def _validate(where: str, name: str, spec: Any) -> None:
         raise ValueError(OUT_OF_RANGE.format(where=where, name=name, value=value, rule=text, example=example))
 
 
+def _validate_schedule(where: str, name: str, spec: Any) -> None:
+    """:data:`SCHEDULE_OUT_OF_RANGE` where one of functree's schedules (given as it is or in
+    a :class:`Rate`) was built with a value out of ``name``'s range: a piecewise list's
+    ``(1000, -1e-3)``, a decay from a negative rate (:func:`~functree.optim._schedules.values_of`)."""
+    rule = RULES.get(name)
+    recorded = values_of(spec.value if isinstance(spec, Rate) else spec)
+    if rule is None or recorded is None:
+        return
+    ok, text, example = rule
+    values, code = recorded
+    if isinstance(spec, Rate) and spec.samples is not None:
+        inner, samples = code, spec.samples
+        code = lambda write: f"ft.optim.per_samples({inner(write)}, {samples})"  # noqa: E731
+    for value in values:
+        if _is_number(value) and not (math.isfinite(float(value)) and ok(float(value))):
+            raise ValueError(SCHEDULE_OUT_OF_RANGE.format(
+                where=where, name=name, value=value, rule=text, wrong=code(repr),
+                right=code(lambda v, bad=value: example if v is bad else repr(v))))
+
+
 def _check_value(where: str, name: str, spec: Any, hyper: Mapping[str, Any] | None = None) -> None:
     """A BAD_HYPERPARAMETER error unless ``spec`` (after :func:`_as_spec`) is a number (0-d),
     a schedule, or a :class:`Rate` of one: anything else failed at ``init`` inside JAX
@@ -466,7 +494,7 @@ def _scalar(x: Any, dtype: Any = jnp.float32) -> jax.Array:
     return jnp.array(x, dtype=dtype)  # a fresh buffer: states may be donated
 
 
-def _hyper_dtype(tree: Any) -> Any:
+def hyper_dtype(tree: Any) -> Any:
     """The hyperparameters' dtype for parameters (or gradients) ``tree``: float64 where it
     holds float64 or complex128 leaves (``jax_enable_x64``), else float32. A float32 rate
     in a float64 step is off by its own rounding (``sgd(0.1)``: −0.030000000447 for −0.03;
@@ -528,6 +556,7 @@ def inject(
         spec = _as_spec(spec)
         _check_value(where, name, spec, hyper)
         _validate(where, name, spec)
+        _validate_schedule(where, name, spec)
         specs[name] = _Spec(name, spec)
 
     names = tuple(n for n, sp in specs.items() if not sp.scheduled)
@@ -547,7 +576,7 @@ def inject(
         params = mode_free(parameters(params))
         ctx = initial_context()
         given = [specs[n].rate.value for n in names]
-        dtype = _hyper_dtype(params)
+        dtype = hyper_dtype(params)
         stored = None
         if all(_on_host(v) for v in given):
             # Packed on the host, and the transformation built for its init with NumPy
@@ -569,7 +598,7 @@ def inject(
         """The numerics at the learning context ``ctx``: the updates and the next state."""
         _check_names(where, state, names, scheduled_names)
         packed = state.values if state.values is not None else state.scheduled
-        dtype = packed.dtype if packed is not None else _hyper_dtype(updates)
+        dtype = packed.dtype if packed is not None else hyper_dtype(updates)
         with jax.numpy_dtype_promotion("standard"):  # optax mixes float hyperparameters and int counts
             tx, scheduled = build(ctx, state.values, dtype)
             try:

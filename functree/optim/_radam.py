@@ -1,5 +1,6 @@
 """Rectified Adam as torch.optim.RAdam (and the paper's reference code) computes it, with the
-length of the approximated moving average ρₜ computed without cancellation in float32.
+length of the approximated moving average ρₜ computed without cancellation in float32 (in
+float64 where the hyperparameters are, for float64 parameters: torch's numbers to 1e-16).
 
 Liu et al. 2020::
 
@@ -56,8 +57,15 @@ def _offset(d: jax.Array, log: jax.Array) -> jax.Array:
     return jnp.where(d <= 0.5, series, 2 / d - 2 / log - 1)
 
 
+def _dtype(beta: Any) -> Any:
+    """The dtype RAdam's scalars are computed in: ``beta``'s (float64 where the optimizer's
+    hyperparameters are, for float64 parameters), float32 at least."""
+    return jnp.promote_types(jnp.float32, jnp.asarray(beta).dtype)
+
+
 def rho(beta2: Any, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(ρ∞, ρₜ)`` of RAdam at step ``t`` (a float32 count ≥ 1), without cancellation.
+    """``(ρ∞, ρₜ)`` of RAdam at step ``t`` (a count ≥ 1), without cancellation, in
+    ``beta2``'s dtype (float32 at least).
 
     Example:
       >>> import jax.numpy as jnp
@@ -65,20 +73,22 @@ def rho(beta2: Any, t: jax.Array) -> tuple[jax.Array, jax.Array]:
       >>> [round(float(x), 2) for x in rho(0.999, jnp.float32(6.0))]   # β₂ held as float32 0.99900001
       [1999.03, 5.99]
     """
-    d = 1 - jnp.asarray(beta2, jnp.float32)
+    dtype = _dtype(beta2)
+    d = 1 - jnp.asarray(beta2, dtype)
     log = -jnp.log1p(-d)
-    u = t * log
+    u = jnp.asarray(t, dtype) * log
     rho_inf = 2 / d - 1
     small = u < 1
     safe_u = jnp.where(small, 1.0, u)  # each branch only where it is taken (no inf * 0)
     late = rho_inf - (2 / log) * safe_u / jnp.expm1(safe_u)
-    early = _offset(d, log) + t - (2 / log) * _bernoulli_tail(jnp.where(small, u, 0.0))
+    early = _offset(d, log) + jnp.asarray(t, dtype) - (2 / log) * _bernoulli_tail(jnp.where(small, u, 0.0))
     return rho_inf, jnp.where(small, early, late)
 
 
 def _one_minus_power(beta: Any, t: jax.Array) -> jax.Array:
     """``1 − βᵗ`` without cancellation: ``−expm1(t · log(1 − (1 − β)))``."""
-    return -jnp.expm1(t * jnp.log1p(-(1 - jnp.asarray(beta, jnp.float32))))
+    dtype = _dtype(beta)
+    return -jnp.expm1(jnp.asarray(t, dtype) * jnp.log1p(-(1 - jnp.asarray(beta, dtype))))
 
 
 def scale_by_radam(b1: Any, b2: Any, eps: Any, threshold: float = 5.0) -> optax.GradientTransformation:
@@ -100,14 +110,15 @@ def scale_by_radam(b1: Any, b2: Any, eps: Any, threshold: float = 5.0) -> optax.
         mu = optax.tree.update_moment(updates, state.mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
         count = optax.safe_increment(state.count)
-        t = jnp.asarray(count, jnp.float32)
+        t = jnp.asarray(count, jnp.float32)  # exact to 2²⁴ steps; widened where β₂ is float64
         rho_inf, rho_t = rho(b2, t)
         rectified = rho_t > threshold
         safe = jnp.where(rectified, rho_t, threshold + 1.0)  # r's root only where it is taken
         r = jnp.sqrt((safe - 4) * (safe - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * safe))
         # 1 − β₁ᵗ as written (β₁ far from 1: no cancellation, and at t = 1 exactly the
         # moment's 1 − β₁, so m̂ = g); 1 − β₂ᵗ from expm1 (β₂ near 1: 2e-3 at t = 2).
-        first, second = 1 - jnp.asarray(b1, jnp.float32) ** t, jnp.sqrt(_one_minus_power(b2, t))
+        first = 1 - jnp.asarray(b1, _dtype(b1)) ** jnp.asarray(t, _dtype(b1))
+        second = jnp.sqrt(_one_minus_power(b2, t))
 
         def direction(m: jax.Array, v: jax.Array) -> jax.Array:
             m_hat = m / first.astype(m.dtype)

@@ -7,6 +7,7 @@ counter that drives it: ``"steps"`` (optimizer steps), ``"samples"`` (examples s
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,6 +83,50 @@ def counter(ctx: LearningContext, unit: str) -> jax.Array:
     return ctx.sweep
 
 
+def _float() -> Any:
+    """JAX's default float: float64 under ``jax_enable_x64`` (the hyperparameters of float64
+    parameters are float64, :mod:`functree.optim._hyper`), else float32. A schedule's values
+    are computed in it, so a float64 model's rates are torch's to the last bit, not float32's
+    0.1 (1.49e-9 off)."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
+
+
+Render = Callable[[Callable[[Any], str]], str]
+"""A schedule's constructor call as code, each of its values written by the function given."""
+
+_VALUES: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Render]] = weakref.WeakKeyDictionary()
+
+
+def _recorded(fn: Any, values: Sequence[Any], code: Render) -> Any:
+    """``fn``, with the values its constructor was given (every one it takes at a turn or an
+    end) and its call as code: an optimizer checks them against the hyperparameter's range
+    (:func:`values_of`). Returns ``fn``."""
+    _VALUES[fn] = (tuple(values), code)
+    return fn
+
+
+def values_of(fn: Any) -> tuple[tuple[Any, ...], Render] | None:
+    """The values one of functree's schedules was built with (a piecewise list's values, a
+    ramp's or a decay's start, peak and end: it takes no value outside them but the decays'
+    limit 0) and its constructor call as code; None for any other callable, whose values
+    are known only when it runs.
+
+    Example:
+      >>> import functree as ft
+      >>> values, code = values_of(ft.optim.piecewise([(3, 0.1), (1, 0.01)]))
+      >>> values, code(repr)
+      ((0.1, 0.01), 'ft.optim.piecewise([(3, 0.1), (1, 0.01)])')
+    """
+    try:
+        return _VALUES.get(fn)
+    except TypeError:  # an unhashable callable
+        return None
+
+
+def _unit(unit: str) -> str:
+    return "" if unit == "steps" else f", unit={unit!r}"
+
+
 def _check_unit(unit: str) -> None:
     if unit not in UNITS:
         raise ValueError(BAD_UNIT.format(unit=unit, units=UNITS))
@@ -98,8 +143,11 @@ def schedule(fn: Callable[[Any], Any], unit: str = "steps") -> Callable[[Learnin
     _check_unit(unit)
 
     def at(ctx: LearningContext) -> Any:
+        # JAX's default int (int64 under x64): optax divides the count by Python numbers,
+        # in float32 from an int32 count, in float64 from an int64 one.
+        count = counter(ctx, unit).astype(jax.dtypes.canonicalize_dtype(jnp.int64))
         with jax.numpy_dtype_promotion("standard"):  # optax schedules mix int counts and floats
-            return fn(counter(ctx, unit))
+            return fn(count)
 
     at.__qualname__ = f"schedule({getattr(fn, '__name__', 'fn')}, unit={unit!r})"
     return at
@@ -114,7 +162,7 @@ def constant(value: float) -> Callable[[LearningContext], Any]:
       >>> lr(ft.optim.initial_context().replace(step=1000))
       Array(0.1, dtype=float32)
     """
-    return lambda ctx: jnp.asarray(value, jnp.float32)
+    return _recorded(lambda ctx: jnp.asarray(value, _float()), (value,), lambda w: f"ft.optim.constant({w(value)})")
 
 
 def piecewise(pairs: Sequence[tuple[int, float]], unit: str = "steps") -> Callable[[LearningContext], Any]:
@@ -136,13 +184,14 @@ def piecewise(pairs: Sequence[tuple[int, float]], unit: str = "steps") -> Callab
         raise ValueError(BAD_PIECEWISE.format(pairs=pairs))
     counts = [_count(pairs, i, unit) for i in range(len(pairs))]
     ends = jnp.asarray(np.cumsum(counts)[:-1], jnp.int32)
-    values = jnp.asarray([float(v) for _, v in pairs], jnp.float32)
+    values = np.asarray([float(v) for _, v in pairs], np.float64)
 
     def at(ctx: LearningContext) -> jax.Array:
         index = jnp.sum(counter(ctx, unit) >= ends)
-        return values[index]
+        return jnp.asarray(values, _float())[index]
 
-    return at
+    return _recorded(at, [v for _, v in pairs], lambda w: "ft.optim.piecewise([" + ", ".join(
+        f"({c!r}, {w(v)})" for c, v in pairs) + f"]{_unit(unit)})")
 
 
 def exponential_decay(
@@ -165,10 +214,20 @@ def exponential_decay(
     check_argument("exponential_decay", "transition_steps", transition_steps, transition_steps > 0, "> 0",
                  f"optax reads {transition_steps!r} as no decay at all (init_value at every step)", "1000",
                  f"{init_value!r}, ")
-    return schedule(
+    check_argument("exponential_decay", "decay_rate", decay_rate,
+                   np.isfinite(decay_rate) and decay_rate >= 0, "finite and >= 0",
+                   "a negative base's fractional powers are NaN (without staircase: every rate after the "
+                   "first, silently) and its whole powers alternate in sign (staircase=True: a rate that "
+                   "climbs the loss every other transition)", "0.5", f"{init_value!r}, {transition_steps!r}, ")
+    at = schedule(
         optax.exponential_decay(init_value, transition_steps, decay_rate, staircase=staircase, end_value=end_value),
         unit,
     )
+    ends = (init_value,) if end_value is None else (init_value, end_value)
+    return _recorded(at, ends, lambda w: (
+        f"ft.optim.exponential_decay({w(init_value)}, {transition_steps!r}, {decay_rate!r}"
+        + (", staircase=True" if staircase else "") + ("" if end_value is None else f", end_value={w(end_value)}")
+        + f"{_unit(unit)})"))
 
 
 def cosine_decay(
@@ -176,7 +235,12 @@ def cosine_decay(
 ) -> Callable[[LearningContext], Any]:
     """``init · ((1-α)·½(1 + cos(π c / decay_steps)) + α)`` (``optax.cosine_decay_schedule``).
 
-    ``c`` is capped at ``decay_steps``: the value stays at ``α · init`` afterwards.
+    ``c`` is capped at ``decay_steps``: the value stays at ``α · init`` afterwards. torch's
+    ``CosineAnnealingLR(opt, T_max=decay_steps, eta_min=α · init)`` gives the same rates up
+    to ``decay_steps`` and then keeps following the cosine, back up to ``init`` at
+    ``2 · decay_steps``; its warm restarts (``CosineAnnealingWarmRestarts``) are
+    ``optax.sgdr_schedule`` or ``optax.join_schedules`` of cosine decays, through
+    :func:`schedule`.
 
     Example:
       >>> import functree as ft
@@ -184,7 +248,10 @@ def cosine_decay(
       >>> [round(float(lr(ctx.replace(step=s))), 4) for s in (0, 50, 100, 150)]
       [1.0, 0.55, 0.1, 0.1]
     """
-    return schedule(optax.cosine_decay_schedule(init_value, decay_steps, alpha), unit)
+    at = schedule(optax.cosine_decay_schedule(init_value, decay_steps, alpha), unit)
+    return _recorded(at, (init_value,), lambda w: (
+        f"ft.optim.cosine_decay({w(init_value)}, {decay_steps!r}" + (f", alpha={alpha!r}" if alpha else "")
+        + f"{_unit(unit)})"))
 
 
 def linear_warmup(
@@ -207,8 +274,12 @@ def linear_warmup(
     check_argument("linear_warmup", "warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0",
                  "the steps (or samples, sweeps) before the peak; 0 is no warmup", "0", f"{peak_value!r}, ")
     if warmup_steps == 0:
-        return schedule(optax.constant_schedule(peak_value), unit)
-    return schedule(optax.linear_schedule(init_value, peak_value, warmup_steps), unit)
+        at = schedule(optax.constant_schedule(peak_value), unit)
+    else:
+        at = schedule(optax.linear_schedule(init_value, peak_value, warmup_steps), unit)
+    return _recorded(at, (init_value, peak_value), lambda w: (
+        f"ft.optim.linear_warmup({w(peak_value)}, {warmup_steps!r}"
+        + (f", init_value={w(init_value)}" if init_value else "") + f"{_unit(unit)})"))
 
 
 def warmup_cosine_decay(
@@ -223,10 +294,13 @@ def warmup_cosine_decay(
       >>> float(lr(ft.optim.initial_context().replace(step=10)))
       1.0
     """
-    return schedule(
+    at = schedule(
         optax.warmup_cosine_decay_schedule(init_value, peak_value, warmup_steps, decay_steps, end_value),
         unit,
     )
+    return _recorded(at, (init_value, peak_value, end_value), lambda w: (
+        f"ft.optim.warmup_cosine_decay({w(init_value)}, {w(peak_value)}, {warmup_steps!r}, {decay_steps!r}"
+        + (f", {w(end_value)}" if end_value else "") + f"{_unit(unit)})"))
 
 
 def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") -> Callable[[LearningContext], Any]:
@@ -253,6 +327,6 @@ def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") 
     ahead = 1.0 if unit == "steps" else 0.0
 
     def rate(ctx: LearningContext) -> jax.Array:
-        return init_value / (1.0 + decay * (counter(ctx, unit).astype(jnp.float32) + ahead))
+        return init_value / (1.0 + decay * (counter(ctx, unit).astype(_float()) + ahead))
 
-    return rate
+    return _recorded(rate, (init_value,), lambda w: f"ft.optim.inverse_time_decay({w(init_value)}, {decay!r}{_unit(unit)})")

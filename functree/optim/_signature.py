@@ -138,8 +138,9 @@ def optimizer(
 
     The decorated body takes every argument of the signature and returns an optax
     transformation; the public function binds the call's arguments as the signature does
-    (defaults included), calls ``check(**static_options)`` at once (bad options fail at
-    construction, not at ``init``), and returns ``then(inject(where, body, hyperparameters,
+    (defaults included), calls ``check`` at once with the arguments it names (static
+    options, or a hyperparameter's value as given: bad options fail at construction, not at
+    ``init``), and returns ``then(inject(where, body, hyperparameters,
     static_options))``. A hyperparameter named in ``off_at_zero`` whose value is the number 0
     is not stored: the body gets ``None`` (no weight-decay term, no parameters needed).
 
@@ -160,6 +161,7 @@ def optimizer(
         names = _hyperparameter_names(body)
         if not names:
             raise TypeError(NO_HYPERPARAMETER.format(where=where))
+        checked = () if check is None else tuple(inspect.signature(check).parameters)
         unknown = sorted(set(off_at_zero) - set(names))
         if unknown:
             raise TypeError(UNKNOWN_OFF_AT_ZERO.format(where=where, names=unknown, known=list(names)))
@@ -176,8 +178,8 @@ def optimizer(
             bound.apply_defaults()
             given = bound.arguments
             static = {k: v for k, v in given.items() if k not in names}
-            if check is not None:
-                check(**static)
+            if check is not None:  # the options it names: static ones, or a hyperparameter as given
+                check(**{k: given[k] for k in checked})
             hyper = {}
             for name in names:
                 if name in off_at_zero and _is_zero(given[name]):

@@ -22,6 +22,7 @@ from functree._random import flat_key
 from functree._tree import is_none
 from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of, exclude_patterns
 from functree.optim._arguments import check_argument
+from functree.optim._complex import RealPair, is_pair
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
 from functree.optim._masked import masked
@@ -77,6 +78,10 @@ def _stateless(fn: Callable[[Any, Any], Any], name: str, needs_params: bool = Fa
 def clip(threshold: Hyper) -> optax.GradientTransformation:
     """Elementwise truncation: ``g ← clip(g, −t, t)`` (``optax.clip``).
 
+    Through an ``ft.optim.Optimizer`` a complex parameter's real and imaginary parts are
+    clipped each (torch's ``clip_grad_value_`` refuses complex gradients: "clamp is not
+    supported for complex types").
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> tx, g = ft.optim.clip(1.0), {"w": jnp.array([-3.0, 0.5, 2.0])}
@@ -88,11 +93,26 @@ def clip(threshold: Hyper) -> optax.GradientTransformation:
 
 def _clip_tensor(g: Any, t: Any, members: int = 0) -> Any:
     """``g · min(1, t / ‖g‖₂)``, the norm over the trailing axes of one member: a stacked
-    leaf's ``members`` leading axes (an ``ft.nn.Stack``'s layer axis) are not reduced."""
-    axes = tuple(range(min(members, jnp.ndim(g)), jnp.ndim(g)))
-    norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=axes, keepdims=True))
+    leaf's ``members`` leading axes (an ``ft.nn.Stack``'s layer axis) are not reduced. A
+    complex parameter is one tensor: its :class:`RealPair`'s parts (inside an
+    ``ft.optim.Optimizer``) or its complex elements share one norm, ``√Σ|g|²``, as torch's
+    ``clip_grad_norm_`` takes it. The norm is summed in float32 at least (a bfloat16
+    gradient's), in float64 for a float64 gradient."""
+    parts = tuple(g) if is_pair(g) else (g,)
+    axes = tuple(range(min(members, jnp.ndim(parts[0])), jnp.ndim(parts[0])))
+    square = sum(jnp.sum(_abs_squared(x), axis=axes, keepdims=True) for x in parts)
+    norm = jnp.sqrt(square)
     factor = jnp.minimum(1.0, t / jnp.maximum(norm, 1e-30))
-    return (g * factor).astype(g.dtype)
+    clipped = tuple((x * factor.astype(jnp.finfo(x.dtype).dtype)).astype(x.dtype) for x in parts)
+    return RealPair(*clipped) if is_pair(g) else clipped[0]
+
+
+def _abs_squared(x: Any) -> Any:
+    """``|x|²`` elementwise, in ``x``'s real dtype (float32 at least)."""
+    wide = jnp.promote_types(jnp.finfo(x.dtype).dtype, jnp.float32)
+    if jnp.iscomplexobj(x):
+        return jnp.square(x.real.astype(wide)) + jnp.square(x.imag.astype(wide))
+    return jnp.square(x.astype(wide))
 
 
 def _per_tensor(fn: Callable[[Any, int], Any], tree: Any) -> Any:
@@ -100,17 +120,23 @@ def _per_tensor(fn: Callable[[Any, int], Any], tree: Any) -> Any:
     leading stack axes: a leaf of an ``ft.nn.Stack`` holds one tensor per member (the
     blocks unrolled are separate parameters), each clipped by its own norm. A leaf with
     more leading axes than its stack's (a batch of models made with ``jax.vmap``) keeps
-    one tensor per model and member: only the trailing axes of one member are reduced."""
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_none)
+    one tensor per model and member: only the trailing axes of one member are reduced.
+    A :class:`RealPair` (a complex parameter inside an ``ft.optim.Optimizer``) is one
+    leaf: ``fn`` gets the pair."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: is_none(x) or is_pair(x))
     if not any(is_stacked(x) for x in jax.tree.leaves(tree, is_leaf=is_stacked)):
         return treedef.unflatten([None if x is None else fn(x, 0) for x in leaves])
-    infos = leaf_infos(tree)
+    infos = iter(leaf_infos(tree))  # a pair's two parts have two infos, of one stacked leaf
     out = []
-    for x, info in zip(leaves, infos):
+    for x in leaves:
         if x is None:
+            next(infos)
             out.append(None)
             continue
-        stacks, rank = len(info.sizes), jnp.ndim(x)
+        info = next(infos)
+        if is_pair(x):
+            next(infos)
+        stacks, rank = len(info.sizes), jnp.ndim(x.real if is_pair(x) else x)
         member_rank = rank - stacks if info.ndim is None else info.ndim - stacks
         out.append(fn(x, rank - member_rank if stacks else 0))
     return treedef.unflatten(out)
@@ -121,7 +147,10 @@ def clip_by_norm(threshold: Hyper) -> optax.GradientTransformation:
     """Per-tensor norm clipping: ``g ← g · min(1, t / ‖g‖₂)`` for each parameter separately.
 
     A leaf of an ``ft.nn.Stack`` holds one parameter per member: each member's tensor is
-    clipped by its own norm, as the blocks unrolled (``stack.unstack()``) would be.
+    clipped by its own norm, as the blocks unrolled (``stack.unstack()``) would be. A
+    complex parameter's norm is ``√Σ|g|²`` over its elements (real and imaginary parts
+    together, as torch's ``clip_grad_norm_([p], t)``, whose ``+ 1e-6`` is as in
+    :func:`clip_by_global_norm`).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -139,6 +168,9 @@ def clip_by_global_norm(threshold: Hyper) -> optax.GradientTransformation:
     """Global norm clipping: ``g ← g · min(1, t / ‖g‖)`` over all parameters (optax).
 
     ``‖g‖`` is the 2-norm of all leaves together, so every tensor is scaled by one factor.
+    torch's ``clip_grad_norm_(params, t)`` scales by ``t / (‖g‖ + 1e-6)``: its clipped
+    gradients are ``‖g‖ / (‖g‖ + 1e-6)`` times these (1e-6 smaller, relatively, at
+    ``‖g‖ = 1``); a gradient within the threshold is unchanged by both.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -169,11 +201,17 @@ def clip_per_sample(threshold: Any, *, truncation: bool = True) -> optax.Gradien
 
     def factory(threshold: Any, minibatch: Any) -> Any:
         def fn(g: Any, _: Any) -> Any:
-            def one(x: Any, members: int) -> Any:
-                total = x * minibatch
+            def one(x: Any, members: int) -> Any:  # x: an array, or a complex parameter's RealPair
+                parts = tuple(x) if is_pair(x) else (x,)
+                totals = tuple(part * minibatch for part in parts)
                 limit = threshold * minibatch
-                clipped = jnp.clip(total, -limit, limit) if truncation else _clip_tensor(total, limit, members)
-                return (clipped / minibatch).astype(x.dtype)
+                if truncation:
+                    clipped = tuple(jnp.clip(total, -limit, limit) for total in totals)
+                else:
+                    joint = _clip_tensor(RealPair(*totals) if is_pair(x) else totals[0], limit, members)
+                    clipped = tuple(joint) if is_pair(x) else (joint,)
+                out = tuple((c / minibatch).astype(part.dtype) for c, part in zip(clipped, parts))
+                return RealPair(*out) if is_pair(x) else out[0]
 
             return _per_tensor(one, g)
 

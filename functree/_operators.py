@@ -36,8 +36,9 @@ import numpy as np
 
 from functree import _compat as compat
 from functree import _diagnostics
+from functree._naming import broadcast
 from functree._operator_habits import aux_pair, check_function, named_keywords
-from functree._parameters import is_parameter_leaf, parameters
+from functree._parameters import first_difference, is_parameter_leaf, parameters
 from functree._plan import Plan
 from functree._plan import fn_name as _fn_name
 from functree._tangent import Advice, check_tangent, matched_dtypes
@@ -150,6 +151,12 @@ _DIFFERENTIAL = Advice(
 )
 
 
+# The right code for a tangent with values outside wrt= patterns: None there (ft.select's
+# False; a stacked leaf partly selected is whole in the view, its mask an array).
+_OUTSIDE = ("df(jax.tree.map(lambda t, keep: None if keep is False else jnp.where(jnp.reshape(keep, jnp.shape(keep) "
+            "+ (1,) * (t.ndim - jnp.ndim(keep))), t, 0), tangent, ft.select(model, {patterns})))")
+
+
 _PULLBACK = Advice(
     effect="the pullback takes no cotangent there (its derivative is not taken).",
     wrong="pb(jax.tree.map(jnp.ones_like, y))   # y holds a no_derivative field",
@@ -164,12 +171,25 @@ def _zeros_for(y: Any) -> Any:
     return np.zeros(jnp.shape(y), jax.dtypes.float0)
 
 
+COTANGENT_STRUCTURE = """\
+{what}: the cotangent's structure is not the result's: they differ first at {path}, where \
+the result has {expected} and the cotangent {given}. A cotangent has the structure of the \
+result's parameter view: None stands for one leaf (a non-parameter, or a zero cotangent), \
+never for a subtree.
+
+    wrong:  pb(cotangent)   # at {path}: {given}
+    right:  pb(jax.tree.map(jnp.ones_like, ft.parameters(y)))   # y = f(x), the result; then your values
+"""
+
+
 def _result_cotangent(what: str, value: Any, cotangent: Any) -> Any:
     """The cotangent JAX's pullback takes, from one shaped like the result's parameter view.
 
     A cotangent is a tangent of the result: a value at one of its non-parameters is refused
     like any tangent's (:func:`ft.check_tangent`); ``None`` there becomes JAX's zero, and
-    stays ``None`` where the result itself holds ``None`` (an empty subtree to JAX). A
+    stays ``None`` where the result itself holds ``None`` (an empty subtree to JAX). Another
+    structure (a list for a tuple, a missing key or item) is :data:`COTANGENT_STRUCTURE`,
+    naming the key path; JAX's own error named a position in functree's wrapper. A
     Python number is cast to its result leaf's dtype; an array of another dtype is refused
     (:func:`matched_dtypes`).
     """
@@ -177,20 +197,53 @@ def _result_cotangent(what: str, value: Any, cotangent: Any) -> Any:
     if jax.tree.structure(cotangent) != jax.tree.structure(value):
         c_leaves, c_def = jax.tree.flatten(cotangent, is_leaf=is_none)
         y_leaves, y_def = jax.tree.flatten(value, is_leaf=is_none)
-        if c_def == y_def:  # else another structure: JAX's own check names it
-            cotangent = y_def.unflatten([
-                None if y is None else _zeros_for(y) if c is None else c for c, y in zip(c_leaves, y_leaves)
-            ])
+        if c_def != y_def:
+            _refuse_structure(what, value, cotangent)
+        cotangent = y_def.unflatten([
+            None if y is None else _zeros_for(y) if c is None else c for c, y in zip(c_leaves, y_leaves)
+        ])
     return matched_dtypes(what, "cotangent", cotangent, value)
 
 
+def _refuse_structure(what: str, value: Any, cotangent: Any) -> None:
+    """:data:`COTANGENT_STRUCTURE` at the first key path where ``cotangent``'s structure
+    leaves the result's (``None`` counting as a leaf); nothing where none is found (JAX's
+    own check then speaks)."""
+    try:  # (an error message's helper: never a second error in JAX's place)
+        diff = first_difference(value, cotangent, none_is_leaf=True)
+        if diff is None:
+            return
+        path = diff[0]
+        expected, given = _node_text(path.get(value)), _node_text(path.get(cotangent))
+    except Exception:
+        return
+    raise ValueError(COTANGENT_STRUCTURE.format(what=what, path=str(path) or "<root>", expected=expected,
+                                                given=given))
+
+
+def _node_text(x: Any) -> str:
+    """How :data:`COTANGENT_STRUCTURE` shows one node: a tuple of 2 items, a dict with keys
+    ['a', 'b'], a Net, None, an array."""
+    if x is None:
+        return "None"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)} item(s)"
+    if isinstance(x, dict):
+        return f"a dict with keys {sorted(map(str, x))}"
+    if jax.tree.leaves(x, is_leaf=lambda y: y is not x) == [x]:
+        return "an array" if hasattr(x, "shape") else f"a {type(x).__name__}"
+    return f"a {type(x).__name__}"
+
+
 def _calls_reverse_only(g: Callable[..., Any], primals: Sequence[Any]) -> bool:
-    """Whether ``g``'s program calls a reverse-only custom derivative (read from its jaxpr).
+    """Whether ``g``'s program calls a reverse-only custom derivative on a value that
+    depends on the primals (read from its jaxpr): what forward mode cannot differentiate.
 
     A ``custom_vjp`` call (what ``@ft.derivative(of=f)`` registers) anywhere in the
     program, nested calls and control flow included, except inside a ``custom_jvp`` call
-    (forward mode uses that rule, not its body). Never raises: a program that cannot be
-    traced reports ``False``.
+    (forward mode uses that rule, not its body). One applied to data alone (the batch, a
+    closure's constant) carries no tangent, as JAX's forward mode runs it. Never raises: a
+    program that cannot be traced reports ``False``.
     """
     try:
         with warnings.catch_warnings():
@@ -201,16 +254,79 @@ def _calls_reverse_only(g: Callable[..., Any], primals: Sequence[Any]) -> bool:
     return _has_reverse_only(closed.jaxpr)
 
 
-def _has_reverse_only(jaxpr: Any) -> bool:
+def _has_reverse_only(jaxpr: Any, active: Sequence[bool] | None = None) -> bool:
+    """Whether ``jaxpr`` calls a ``custom_vjp`` on a value depending on its inputs marked
+    ``active`` (every input by default)."""
+    return _reverse_only_in(jaxpr, [True] * len(jaxpr.invars) if active is None else list(active))[0]
+
+
+def _reverse_only_in(jaxpr: Any, active: list[bool]) -> tuple[bool, list[bool]]:
+    """``(found, outputs)``: whether a reverse-only call takes a value depending on the
+    ``active`` inputs, and which outputs depend on them (forward, through every equation;
+    control flow's carries to a fixed point; an equation of another form counts every
+    output of an active one as active and searches its jaxprs with all inputs active)."""
+    from jax.extend import core as jcore
+    live = {v for v, a in zip(jaxpr.invars, active) if a}
     for eqn in jaxpr.eqns:
+        ins = [not isinstance(v, jcore.Literal) and v in live for v in eqn.invars]
+        if not any(ins):
+            continue
         name = eqn.primitive.name
         if name.startswith("custom_vjp_call"):
-            return True
-        if name.startswith("custom_jvp_call"):
-            continue
-        if any(_has_reverse_only(j) for j in compat.sub_jaxprs(eqn.params)):
-            return True
-    return False
+            return True, []
+        if name.startswith("custom_jvp_call"):  # forward mode takes its rule, not its body
+            outs = [True] * len(eqn.outvars)
+        else:
+            found, outs = _reverse_only_eqn(eqn, ins)
+            if found:
+                return True, []
+        live.update(v for v, a in zip(eqn.outvars, outs) if a)
+    return False, [not isinstance(v, jcore.Literal) and v in live for v in jaxpr.outvars]
+
+
+def _reverse_only_eqn(eqn: Any, ins: list[bool]) -> tuple[bool, list[bool]]:
+    """:func:`_reverse_only_in` of one equation with inner jaxprs (a call, cond, while, scan)."""
+    name, p = eqn.primitive.name, eqn.params
+    try:
+        body = compat.body_of_call(eqn)
+        if body is not None:
+            return _reverse_only_in(body[0], ins)
+        if name == "cond":
+            results = [_reverse_only_in(compat.open_jaxpr(b)[0], ins[1:]) for b in p["branches"]]
+            if any(found for found, _ in results):
+                return True, []
+            return False, [any(column) for column in zip(*(outs for _, outs in results))]
+        if name == "while":
+            nc, nb = compat.while_counts(p)
+            body_jaxpr = compat.open_jaxpr(p["body_jaxpr"])[0]
+            found, carry = _carried(lambda c: _reverse_only_in(body_jaxpr, [*ins[nc:nc + nb], *c]), ins[nc + nb:])
+            return found or _reverse_only_in(compat.open_jaxpr(p["cond_jaxpr"])[0], [*ins[:nc], *carry])[0], carry
+        if name == "scan":
+            nconst, ncarry = compat.scan_counts(p)
+            body_jaxpr = compat.open_jaxpr(p["jaxpr"])[0]
+            consts, xs = ins[:nconst], ins[nconst + ncarry:]
+            found, carry = _carried(lambda c: _reverse_only_in(body_jaxpr, [*consts, *c, *xs]),
+                                    ins[nconst:nconst + ncarry])
+            if found:
+                return True, []
+            return _reverse_only_in(body_jaxpr, [*consts, *carry, *xs])  # the carries and ys
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass  # an unfamiliar form: the conservative rule below
+    subs = compat.sub_jaxprs(p)
+    return any(_has_reverse_only(j) for j in subs), [True] * len(eqn.outvars)
+
+
+def _carried(step: Callable[[list[bool]], tuple[bool, list[bool]]], carry: list[bool]) -> tuple[bool, list[bool]]:
+    """A loop's carries that depend on the active inputs (the least fixed point of ``step``,
+    whose outputs begin with the new carries), or ``found`` as soon as a step finds a call."""
+    while True:
+        found, outs = step(carry)
+        if found:
+            return True, carry
+        new = [a or b for a, b in zip(carry, outs)]
+        if new == carry:
+            return False, carry
+        carry = new
 
 
 def _refuse_reverse_only(op: str, fn: Callable[..., Any], g: Callable[..., Any], primals: Sequence[Any]) -> None:
@@ -430,6 +546,13 @@ def value_with_differential(
 
     Returns ``(value, differential, aux)`` when ``has_aux=True``.
 
+    The tangent has the parameter view's structure. With ``wrt=`` patterns it holds ``None``
+    at every parameter they leave out (the structure ``ft.gradient(f, at=x, wrt=...)``
+    returns), and zeros at the members of a stacked leaf they leave out (``wrt="h.2.*"``); a
+    value there is an error naming its key path, as the direction would be cut to the
+    selected parameters. A tangent traced under ``jax.jit`` is not read: its values at
+    left-out members are dropped.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> y, df = ft.value_with_differential(lambda x: x ** 3, at=2.0)
@@ -452,12 +575,16 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
         with _explain_reverse_only(op, fn, g, plan.primals):
             out = jax.linearize(g, *plan.primals, has_aux=has_aux)
 
+    advice = _DIFFERENTIAL if plan.patterns is None else _DIFFERENTIAL._replace(outside=_OUTSIDE.format(
+        patterns=", ".join(map(repr, plan.patterns))))
+
     def differential_fn(tangent: Any) -> Any:
         tangents = plan.split_input(tangent)
         for t, view, i in zip(tangents, plan.primals, plan.indices):
-            check_tangent(f"ft.{op}", t, plan.args[i], view, advice=_DIFFERENTIAL, structure=True)
+            check_tangent(f"ft.{op}", t, plan.args[i], view, advice=advice, structure=True)
         tangents = tuple(matched_dtypes(f"ft.{op}", "tangent", t, view, "" if plan.single else f"[{k}]")
                          for k, (t, view) in enumerate(zip(tangents, plan.primals)))
+        _refuse_unselected_members(op, plan, tangents[0])
         with _forward_mode(), _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here
             # The result's tangent in its parameter view (None at a no_derivative field, and
             # at an integer leaf, whose tangent is float0), as ft.move and pullbacks take it.
@@ -466,9 +593,49 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
     return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
 
 
+TANGENT_OUTSIDE_MEMBERS = """\
+ft.{op}: the tangent at {path} has values at member(s) {members} of a stacked leaf, which \
+wrt={patterns} leaves out (it selects member(s) {selected} there). The differential is \
+taken along the selected members only, so that part of the direction would be dropped \
+without a word.
+    wrong:  df(tangent)   # {path}: nonzero at member(s) {members}
+    right:  {outside}
+"""
+
+
+def _members_text(mask: np.ndarray) -> str:
+    """The members where ``mask`` holds, as a message lists them (``[0, 2]``; of nested
+    stacks, tuples of indices)."""
+    where = np.argwhere(mask)
+    if mask.ndim == 1:
+        return str([int(i) for i in where[:, 0]])
+    return str([tuple(int(i) for i in row) for row in where])
+
+
+def _refuse_unselected_members(op: str, plan: Plan, tangent: Any) -> None:
+    """:data:`TANGENT_OUTSIDE_MEMBERS` for a nonzero value at a stacked leaf's member that
+    ``wrt=`` patterns leave out (``wrt="h.2.*"``: the leaf is whole in the view, its other
+    members' derivatives zero), as a value at a parameter outside ``wrt=`` is refused; a
+    traced tangent (under ``jax.jit``) is not read."""
+    members = plan.members[0] if plan.members else ()
+    if not any(m is not None for m in members):
+        return
+    for (path, t), m in zip(jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)[0], members):
+        if m is None or t is None or isinstance(t, jax.core.Tracer):
+            continue
+        nonzero = np.asarray(t) != 0
+        nonzero = nonzero.reshape(m.shape + (-1,)).any(axis=-1)
+        outside = nonzero & ~np.asarray(broadcast(m, t)).reshape(m.shape)
+        if outside.any():
+            raise ValueError(TANGENT_OUTSIDE_MEMBERS.format(
+                op=op, path=jax.tree_util.keystr(path), members=_members_text(outside), patterns=plan.patterns,
+                selected=_members_text(m), outside=_OUTSIDE.format(patterns=", ".join(map(repr, plan.patterns or ())))))
+
+
 @named_keywords
 def differential(f: Callable[..., Any], at: Any = _MISSING, *, wrt: Any = 0) -> Any:
-    """The differential ``t ↦ J_f(x) t`` at ``at`` (forward mode).
+    """The differential ``t ↦ J_f(x) t`` at ``at`` (forward mode). Its tangent is as
+    :func:`value_with_differential`'s.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

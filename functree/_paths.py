@@ -584,9 +584,16 @@ def _cached_key_paths(x: Any, to: Any, writable: bool) -> list[KeyPath]:
 
 
 def _type_filter(to: Any) -> Any:
-    """A predicate for ``to=``: a Python class (isinstance) or a dtype (leaf dtype)."""
+    """A predicate for ``to=``: a Python class (isinstance), a dtype (leaf dtype) or a kind
+    of dtypes (``jnp.floating``, ``jnp.integer``: ``jnp.issubdtype`` of the leaf's dtype)."""
     if to is None:
         return lambda v: True
+    if _dtype_kind(to):
+        def of_kind(v: Any) -> bool:
+            if isinstance(v, float):
+                return bool(jnp.issubdtype(jnp.asarray(v).dtype, to))
+            return leaf_spec(v) is not None and bool(jnp.issubdtype(v.dtype, to))
+        return of_kind
     dtype = _as_dtype(to)
     if dtype is not None:
         def has_dtype(v: Any) -> bool:
@@ -595,6 +602,19 @@ def _type_filter(to: Any) -> Any:
             return leaf_spec(v) is not None and v.dtype == dtype
         return has_dtype
     return lambda v: isinstance(v, to)
+
+
+def _dtype_kind(to: Any) -> bool:
+    """Whether ``to`` is a kind of dtypes, no dtype itself (``jnp.floating``, ``np.inexact``,
+    ``jnp.integer``, ``np.number``): NumPy's abstract scalar classes, which no leaf is an
+    instance of (``isinstance`` would select nothing) and no dtype names."""
+    if not (isinstance(to, type) and issubclass(to, np.generic)):
+        return False
+    try:
+        np.dtype(to)
+    except TypeError:
+        return True
+    return False
 
 
 def _as_dtype(to: Any) -> np.dtype | None:
@@ -608,8 +628,8 @@ def _as_dtype(to: Any) -> np.dtype | None:
     if isinstance(to, str):
         try:
             return np.dtype(jnp.dtype(to))
-        except TypeError:
-            return None
+        except TypeError:  # no dtype's name ("float33"): isinstance of a string would fail later
+            raise TypeError(BAD_TO.format(to=to, type=type(to).__name__)) from None
     if not isinstance(to, (type, tuple, types.UnionType)):
         raise TypeError(BAD_TO.format(to=to, type=type(to).__name__))
     return None
@@ -649,7 +669,8 @@ def all_writable_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
 def recursively_all_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
     """Every nested key path in pre-order, interior nodes first (``.inner`` before ``.inner.w``).
 
-    ``to=`` filters by type (``jax.Array``, a Module class) or by dtype (``jnp.float32``).
+    ``to=`` filters by type (``jax.Array``, a Module class), by dtype (``jnp.float32``) or by
+    a kind of dtypes (``jnp.floating``: bfloat16 to float64; ``jnp.integer``).
     The key paths are computed once per tree definition (for a model, per architecture):
     a later call on any tree of that definition costs about one JAX flatten.
 
@@ -660,6 +681,8 @@ def recursively_all_key_paths(x: Any, to: Any = None) -> list[KeyPath]:
       ["['inner']", "['inner']['w']", "['b']"]
       >>> [str(p) for p in ft.recursively_all_key_paths(tree, to=jnp.float32)]
       ["['inner']['w']"]
+      >>> [str(p) for p in ft.recursively_all_key_paths(tree, to=jnp.integer)]
+      ["['b']"]
     """
     return _cached_key_paths(x, to, writable=False)
 

@@ -75,12 +75,24 @@ update, a direction) has the parameter view's structure, None at every non-param
        or:  ft.parameters(tangent)            # keep the parameters' values, None elsewhere
        or:  ft.zero_tangent_vector(model)     # zeros at every parameter, None elsewhere"""
 
+TANGENT_OUTSIDE_WRT = """\
+{what}: the tangent has a value at {path}, a parameter outside wrt= (not differentiated \
+here). The differential is taken along the parameters wrt= selects only: a tangent holds \
+None at every other parameter (the structure ft.gradient(f, at=model, wrt=...) returns), \
+or that part of the direction would be dropped without a word.
+    wrong:  df(ft.zero_tangent_vector(model))   # a value at every parameter
+    right:  {outside}"""
+
+
 class Advice(NamedTuple):
-    """What a refused tangent would do, and the wrong and right code, for one operation."""
+    """What a refused tangent would do, and the wrong and right code, for one operation;
+    ``outside``: the right code for a value at a parameter outside ``wrt=`` patterns
+    (:data:`TANGENT_OUTSIDE_WRT`), where the operation has them."""
 
     effect: str
     wrong: str
     right: str
+    outside: str = ""
 
 
 _MOVE = Advice(
@@ -211,12 +223,10 @@ def check_tangent(
     if t_def == v_def:
         for (path, t), v, (k, leaf) in zip(t_leaves, v_leaves, enumerate(jax.tree.leaves(x, is_leaf=is_none))):
             if t is not None and v is None and not (allow_float0 and _is_float0(t)):
-                raise ValueError(
-                    TANGENT_AT_NON_PARAMETER.format(
-                        what=what, path=jax.tree_util.keystr(path) or "<root>",
-                        why=_why_not_parameter(x, k, leaf), **advice._asdict(),
-                    )
-                )
+                why, where = _why_not_parameter(x, k, leaf), jax.tree_util.keystr(path) or "<root>"
+                if why == _OUTSIDE_WRT and advice.outside:
+                    raise ValueError(TANGENT_OUTSIDE_WRT.format(what=what, path=where, outside=advice.outside))
+                raise ValueError(TANGENT_AT_NON_PARAMETER.format(what=what, path=where, why=why, **advice._asdict()))
     if key is not None:
         bounded_put(_CHECKED, key, True)
 
@@ -288,7 +298,10 @@ def _why_not_parameter(x: Any, k: int, leaf: Any) -> str:
                 f"an array: jnp.asarray({leaf!r}))")
     if not is_parameter_leaf(leaf):
         return f"not floating ({getattr(leaf, 'dtype', type(leaf).__name__)}): not a parameter"
-    return "a parameter not differentiated here (outside wrt=: give None there)"
+    return _OUTSIDE_WRT
+
+
+_OUTSIDE_WRT = "a parameter not differentiated here (outside wrt=: give None there)"
 
 
 def _zeros(spec: Any) -> Any:
@@ -371,6 +384,22 @@ def _leafwise(what: str, op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
         raise ValueError(TANGENTS_DIFFER.format(what=what, path=path_of(a, e.leaf), a=e.given, b=e.expected)) from None
 
 
+SCALE_NOT_SCALAR = """\
+ft.tangent_scale: the scale has shape {shape}; it multiplies every leaf, so it is one \
+number (a Python number or a 0-d array). An array would broadcast each leaf to another \
+shape (a (3, 1) scale turns a (3,) leaf into (3, 3)) or scale it elementwise.
+    wrong:  ft.tangent_scale(tangent, scales)         # scales: shape {shape}
+    right:  ft.tangent_scale(tangent, float(scale))   # one number
+       or:  jax.tree.map(lambda t, s: t * s, tangent, scales)   # a scale per leaf, shaped like it"""
+
+COMPLEX_SCALE = """\
+ft.tangent_scale: the scale is complex ({dtype}) and the leaf at {path} is real \
+({leaf_dtype}): the product would silently drop the imaginary part.
+    wrong:  ft.tangent_scale(tangent, {scale})
+    right:  ft.tangent_scale(tangent, jnp.real(scale))   # if the real part is meant
+       or:  make the parameter complex: x.astype(jnp.complex64)"""
+
+
 def tangent_scale(a: Any, scale: Any) -> Any:
     """``scale * a`` at every leaf, keeping each leaf's dtype.
 
@@ -379,12 +408,23 @@ def tangent_scale(a: Any, scale: Any) -> Any:
     is taken in at least float32 (``promote_types(dtype, float32)``) and rounded once to the
     leaf's dtype, as torch's ``bf16_tensor * lr`` and :func:`move` do: rounding the scale to
     bfloat16 first (``0.003`` is ``0.0030059…`` there) biased every product by +0.2%.
+    A scale of another shape (:data:`SCALE_NOT_SCALAR`), or a complex one for a real leaf
+    (:data:`COMPLEX_SCALE`), is an error: the product would change the leaf's shape or drop
+    the imaginary part.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.tangent_scale({"w": jnp.array([1.0, 2.0])}, 0.5)
       {'w': Array([0.5, 1. ], dtype=float32)}
     """
+    if jnp.shape(scale) != ():
+        raise ValueError(SCALE_NOT_SCALAR.format(shape=jnp.shape(scale)))
+    if jnp.iscomplexobj(scale):
+        for path, t in jax.tree_util.tree_flatten_with_path(a)[0]:
+            if not jnp.iscomplexobj(t):
+                raise ValueError(COMPLEX_SCALE.format(
+                    dtype=jnp.result_type(scale), path=jax.tree_util.keystr(path) or "<root>",
+                    leaf_dtype=jnp.result_type(t), scale=scale if isinstance(scale, complex) else "scale"))
 
     def scaled(t: Any) -> Any:
         dtype = jnp.result_type(t)

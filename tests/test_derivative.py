@@ -394,6 +394,30 @@ def test_reverse_only_rules_are_found_in_the_program_not_in_the_error_text():
         ft.differential(nested, at=jnp.ones(2))(jnp.ones(2))
 
 
+def test_under_jit_a_reverse_only_rule_on_data_alone_does_not_stop_forward_mode():
+    """Forward mode carries no tangent into a rule applied to the batch alone (JAX's jvp runs
+    it); under jax.jit every forward operator refused such a program as reverse-only."""
+    from functree._operators import _has_reverse_only
+
+    square, _ = make_scaled_square()
+    x, data = jnp.array([0.5, 1.0]), jnp.array([2.0, 3.0])
+
+    def f(x, d):
+        scaled = jax.lax.scan(lambda c, di: (c + square(di), None), 0.0, d)[0]  # data only
+        return x * jax.lax.cond(d[0] > 0, square, lambda v: v, d) + scaled
+
+    reference = jax.jvp(lambda x: f(x, data), (x,), (jnp.ones(2),))[1]
+    jitted = jax.jit(lambda x, d: (ft.differential(f, wrt=0)(x, d)(jnp.ones(2)),
+                                   ft.jacobian(f, wrt=0, mode="forward")(x, d)))
+    tangent, jac = jitted(x, data)
+    np.testing.assert_allclose(tangent, reference, rtol=1e-6)
+    np.testing.assert_allclose(jac, np.diag(reference), rtol=1e-6)
+    program = jax.make_jaxpr(f)(x, data).jaxpr
+    assert not _has_reverse_only(program, [True, False]) and _has_reverse_only(program, [False, True])
+    with pytest.raises(TypeError, match="custom derivative is reverse-mode only"):  # on the point: refused
+        jax.jit(lambda x, d: ft.differential(f, wrt=1)(x, d)(jnp.ones(2)))(x, data)
+
+
 def test_other_forward_mode_type_errors_are_not_explained_as_reverse_only():
     square, _ = make_scaled_square()
 

@@ -483,10 +483,43 @@ def test_differential_names_a_tangent_value_at_a_parameter_outside_wrt():
     net = make_net()
     df = ft.differential(lambda n: n(X).sum(), at=net, wrt="weight")
     tangent = jax.tree.map(jnp.ones_like, ft.zero_tangent_vector(net))
-    with pytest.raises(ValueError, match=r"\.encoder\.scale, which is a parameter not differentiated here \(outside wrt=: give None"):
+    with pytest.raises(ValueError, match=r"\.encoder\.scale, a parameter outside wrt=") as info:
         df(tangent)
+    # The fix the message shows (ft.zero_tangent_vector's own values were refused the same way).
+    right = _right_code(str(info.value))
+    assert right.startswith("df(jax.tree.map(lambda t, keep: None if keep is False else jnp.where(") and right.endswith(
+        ", t, 0), tangent, ft.select(model, 'weight')))")
+    fixed = eval(right.removeprefix("df"), {"jax": jax, "jnp": jnp, "ft": ft, "tangent": tangent, "model": net})
     weight_only = Net(BatchNorm(None, None), tangent.weight, None, None)  # type: ignore[arg-type]
-    np.testing.assert_allclose(df(weight_only), ft.gradient(lambda n: n(X).sum(), at=net).weight.sum(), rtol=1e-6)
+    assert jax.tree.structure(fixed) == jax.tree.structure(weight_only)
+    expected = ft.gradient(lambda n: n(X).sum(), at=net).weight.sum()
+    np.testing.assert_allclose(df(weight_only), expected, rtol=1e-6)
+    np.testing.assert_allclose(df(fixed), expected, rtol=1e-6)
+
+
+def test_differential_names_a_tangent_value_at_a_stacked_member_outside_wrt():
+    """wrt="h.[12].*" keeps the stacked leaf whole in the view: a tangent's values at members
+    0 and 3 were dropped without a word (J t of the selected members only)."""
+    h = ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, key=k), 4, key=jax.random.key(0))
+    model = {"h": h}
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+
+    @jax.jit  # one program each for the differential and the reference (not op by op)
+    def loss(m):
+        return (m["h"](x) ** 2).sum()
+
+    df = ft.differential(loss, at=model, wrt="h.[12].*")
+    ones = jax.tree.map(jnp.ones_like, ft.zero_tangent_vector(model))
+    with pytest.raises(ValueError) as info:
+        df(ones)
+    message = str(info.value)
+    assert message.startswith("ft.differential: the tangent at ['h'].layers.weight has values at member(s) [0, 3] "
+                              "of a stacked leaf, which wrt=('h.[12].*',) leaves out (it selects member(s) [1, 2]")
+    fixed = eval(_right_code(message).removeprefix("df"), {"jax": jax, "jnp": jnp, "ft": ft, "tangent": ones, "model": model})
+    selected = jax.tree.map(lambda t: jnp.where((jnp.arange(4) % 3 != 0).reshape((4,) + (1,) * (t.ndim - 1)), t, 0.0), ones)
+    expected = jax.jvp(loss, (model,), (jax.tree.map(jnp.zeros_like, model) | {"h": selected["h"]},))[1]
+    np.testing.assert_allclose(df(selected), expected, rtol=1e-6)
+    np.testing.assert_allclose(df(fixed), expected, rtol=1e-6)  # the message's fix, every leaf at once
 
 
 def test_pullback_of_a_module_result_takes_its_parameter_view():
@@ -505,6 +538,25 @@ def test_pullback_of_a_module_result_takes_its_parameter_view():
     message = str(info.value)
     assert "ft.value_with_pullback: the tangent has a value at .mass" in message
     assert "ft.parameters(y)" in message
+
+
+@pytest.mark.parametrize("cotangent, path, expected, given", [
+    ((1.0,), "<root>", "a tuple of 2 item(s)", "a tuple of 1 item(s)"),
+    ([1.0, 1.0], "<root>", "a tuple of 2 item(s)", "a list of 2 item(s)"),
+    ((1.0, {"a": [1.0], "b": 1.0}), "[1]['a']", "a list of 2 item(s)", "a list of 1 item(s)"),
+    ((1.0, {"a": [1.0, 1.0], "c": 1.0}), "[1]", "a dict with keys ['a', 'b']", "a dict with keys ['a', 'c']"),
+    ((1.0, None), "[1]", "a dict with keys ['a', 'b']", "None"),
+])
+def test_a_cotangent_of_another_structure_is_an_error_naming_the_key_path(cotangent, path, expected, given):
+    """JAX's error named a position in functree's wrapper (``g at _plan.py``), not the key path."""
+    pb = ft.pullback(lambda x: (x, {"a": [x, 2.0 * x], "b": 3.0 * x}), at=jnp.ones(()))
+    np.testing.assert_allclose(pb((1.0, {"a": [None, 1.0], "b": 1.0})), 6.0)
+    with pytest.raises(ValueError) as info:
+        pb(cotangent)
+    message = str(info.value)
+    assert message.startswith(f"ft.pullback: the cotangent's structure is not the result's: they "
+                              f"differ first at {path}, where the result has {expected} and the cotangent {given}.")
+    assert _right_code(message).startswith("pb(jax.tree.map(jnp.ones_like, ft.parameters(y)))")
 
 
 def test_a_loss_with_aux_without_has_aux_names_the_fix():

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from _hypothesis import examples
+from _tolerance import needs_float16_conversions
 from hypothesis import given, settings
 
 import functree as ft
@@ -177,6 +178,22 @@ def test_recursively_all_key_paths_filtered_by_type_and_dtype():
 def test_bad_to_argument_is_an_error():
     with pytest.raises(TypeError, match=r"to=3 \(int\) is neither a type nor a dtype"):
         ft.recursively_all_key_paths(make_net(), to=3)
+    with pytest.raises(TypeError, match=r"to='float33' \(str\) is neither a type nor a dtype"):
+        ft.recursively_all_key_paths(make_net(), to="float33")  # was isinstance's TypeError, later
+
+
+def test_key_paths_filtered_by_a_kind_of_dtypes():
+    """to=jnp.floating (jnp.inexact, jnp.integer) failed in NumPy's dtype conversion."""
+    tree = {"h": jnp.ones(2, jnp.bfloat16), "z": jnp.ones(1, jnp.complex64), "w": jnp.ones(2),
+            "n": jnp.arange(2), "f": 0.5, "b": jnp.ones(1, bool)}
+    def named(to):
+        return [str(p) for p in ft.recursively_all_writable_key_paths(tree, to=to)]
+    assert named(jnp.floating) == ["['h']", "['w']", "['f']"]  # a Python float reads as float32
+    assert named(jnp.inexact) == ["['h']", "['z']", "['w']", "['f']"]
+    assert named(jnp.integer) == ["['n']"]
+    assert named(jnp.complexfloating) == ["['z']"]
+    assert [str(p) for p in ft.all_writable_key_paths(tree, to=jnp.number)] == [
+        "['h']", "['z']", "['w']", "['n']", "['f']"]
 
 
 def test_writable_key_paths_skip_static_fields_and_everything_under_them():
@@ -330,6 +347,7 @@ def test_set_works_inside_jit():
     np.testing.assert_array_equal(out.inner.w, [2.0, 2.0])
 
 
+@needs_float16_conversions  # float16 leaves: XLA:CPU below AVX cannot link their conversions
 @settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_get_set_round_trip_on_random_trees(tree: Any):

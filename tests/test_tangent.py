@@ -47,6 +47,7 @@ def test_move_along_a_gradient_is_gradient_descent():
     np.testing.assert_allclose(moved.bias, 0.4)
 
 
+@needs_float16_conversions  # float16 leaves: XLA:CPU below AVX cannot link their conversions
 def test_move_keeps_each_parameters_dtype():
     x = {"h": jnp.ones(2, jnp.bfloat16), "f": jnp.ones(2, jnp.float16), "s": jnp.ones(2)}
     t = {"h": jnp.full(2, 0.5), "f": jnp.full(2, 0.5), "s": jnp.full(2, 0.5, jnp.bfloat16)}
@@ -165,6 +166,7 @@ def test_tangent_ops_are_jittable():
     assert float(out) == pytest.approx(3 * np.sqrt(3))
 
 
+@needs_float16_conversions  # float16 leaves: XLA:CPU below AVX cannot link their conversions
 @settings(max_examples=examples(30), deadline=None)
 @given(nested_trees())
 def test_move_along_zero_is_identity_and_along_a_tangent_inverts(tree: Any):
@@ -321,3 +323,18 @@ def test_a_cotangent_or_tangent_of_another_shape_is_refused_naming_the_key_path(
     ref = jax.jvp(f, (point,), ({"w": t["w"], "b": jnp.ones(())},))[1]
     for key in ("y", "s"):
         np.testing.assert_allclose(df(t)[key], ref[key], rtol=0, atol=0)
+
+
+def test_tangent_scale_refuses_a_scale_that_is_no_number_or_complex_for_a_real_leaf() -> None:
+    """A (3, 1) scale broadcast a (3,) leaf to (3, 3); a complex scale dropped its imaginary
+    part on a real leaf (NumPy's ComplexWarning at most)."""
+    tangent = {"w": jnp.ones(3), "z": jnp.ones(3, jnp.complex64), "n": None}
+    with pytest.raises(ValueError, match=r"ft.tangent_scale: the scale has shape \(3, 1\); it multiplies every leaf"):
+        ft.tangent_scale(tangent, jnp.ones((3, 1)))
+    with pytest.raises(ValueError, match=r"the scale is complex \(complex64\) and the leaf at \['w'\] is real"):
+        ft.tangent_scale(tangent, 1j)
+    with pytest.raises(ValueError, match=r"ft.tangent_scale\(tangent, jnp.real\(scale\)\)"):
+        jax.jit(ft.tangent_scale)(tangent, jnp.asarray(2 + 1j, jnp.complex64))
+    scaled = ft.tangent_scale({"z": tangent["z"]}, 1j)
+    np.testing.assert_array_equal(scaled["z"], np.full(3, 1j, np.complex64))
+    np.testing.assert_array_equal(jax.jit(ft.tangent_scale)(tangent, np.float32(2.0))["w"], np.full(3, 2.0, np.float32))

@@ -796,9 +796,14 @@ def suggestion(pattern: str, infos: Sequence[LeafInfo]) -> str | None:
     ``*.lora_B.default.weight`` → ``*.lora_b``); a name that sits deeper, as a glob over
     every place it is (``q_proj`` → ``*.q_proj``: all of a Stack's members); None when no
     part is close (never an unrelated name, nor a leaf's name for a glob: ``encodr.*`` →
-    ``encoder.*``, the corrected part back in the glob)."""
+    ``encoder.*``, the corrected part back in the glob). An index written as Python's
+    (``layers[0].*``) is first read as the dotted name's (``layers.0.*``): its own
+    correction, ``*.weight``, selected every layer's."""
     every = all_names(infos)
     known = {part for name in every for part in name.split(".")}
+    indexed = _INDEXED.sub(_dotted_index, pattern)  # Python's layers[0] for the dotted layers.0
+    if indexed != pattern and any(matches(name, indexed) for name in every):
+        return indexed
     parts = pattern.split(".")
     trials = list(_replaced(parts, known))
     if not pattern.startswith("*"):  # a name that sits deeper than the root: a glob over its places
@@ -837,6 +842,15 @@ def _replaced(parts: list[str], known: set[str]) -> Iterator[list[str]]:
 
 
 _INDEX = re.compile(r"[0-9]+")
+# An index written as Python's (layers[0], h[1-2]) after a name: a character class to fnmatch,
+# which matches "layers0", never the dotted name's "layers.0".
+_INDEXED = re.compile(r"([^.\[\]*?])\[([0-9]+(?:-[0-9]+)?)\]")
+
+
+def _dotted_index(m: re.Match[str]) -> str:
+    """``layers[0]`` → ``layers.0``, ``h[1-2]`` → ``h.[1-2]`` (a range stays a class)."""
+    index = m.group(2)
+    return f"{m.group(1)}.{index}" if index.isdigit() else f"{m.group(1)}.[{index}]"
 
 
 def _out_of_range(pattern: str, infos: Sequence[LeafInfo], what: str) -> str | None:

@@ -360,6 +360,23 @@ def test_a_pattern_naming_parts_below_a_leaf_suggests_the_leaf(pattern, meant):
     assert _naming.suggestion(pattern, _naming.leaf_infos(tree)) == meant
 
 
+@pytest.mark.parametrize("pattern, meant", [
+    ("model.layers[0].*", "model.layers.0.*"),                # Python's index for the dotted name's
+    ("model.layers[0].mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
+    ("model.layers[0-1].mlp.*", "model.layers.[0-1].mlp.*"),  # a range stays a class
+])
+def test_a_python_index_in_a_pattern_suggests_the_dotted_index(pattern, meant):
+    """fnmatch reads layers[0] as a class (the name "layers0"); the suggestion was a glob over
+    the leaf's last part (*.weight), which selects every layer's."""
+    tree = jax.eval_shape(_llama_like)
+    assert _naming.suggestion(pattern, _naming.leaf_infos(tree)) == meant
+    with pytest.raises(ValueError, match=re.escape(f"right:  ft.select(..., {meant!r})")):
+        ft.select(tree, pattern)
+    selected = [n for n, keep in ft.to_flat_dict(ft.select(tree, meant)).items() if keep]
+    layers = {n.split(".")[2] for n in selected}
+    assert selected and layers == ({"0", "1"} if "-" in pattern else {"0"})  # the layers meant, no other
+
+
 def test_a_peft_spelled_group_is_refused_with_fts_leaf():
     model = ft.nn.lora(_llama_like(), "*.up_proj", rank=2, key=jax.random.key(2))
     tx = ft.optim.groups({"*.lora_B.weight": optax.sgd(16.0)}, default=optax.sgd(1.0))

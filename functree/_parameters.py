@@ -157,7 +157,8 @@ def parameters(model: Any) -> Any:
     is not an array: Python numbers, functions, strings (static data, carried as they are;
     make a number an array to train it). Two exceptions, where a float is declared: a
     Python float that is itself the value of an ``ft.Module`` field (Swift's
-    ``var bias: Float``) and one that *is* the whole point (``ft.gradient(f, at=2.0)``).
+    ``var bias: Float``) and a float or complex number that *is* the whole point
+    (``ft.gradient(f, at=2.0)``, ``at=1 + 1j``).
     Static fields stay in the tree definition.
 
     Example:
@@ -168,7 +169,7 @@ def parameters(model: Any) -> Any:
       >>> ft.parameters(BN(jnp.ones(2), jnp.zeros(2)))
       BN(scale=f32[2], mean=None)
     """
-    if isinstance(model, float):  # a bare Python float point: ft.gradient(f, at=2.0)
+    if isinstance(model, (float, complex)):  # a bare Python number point: ft.gradient(f, at=2.0)
         return model
     leaves, treedef = jax.tree.flatten(model)
     positions, fields = _trainable_positions(model, treedef)

@@ -60,6 +60,10 @@ AS_FLOAT = """\
     right:  pass the value as float: x.astype(jnp.float32)
 """
 
+AS_ARRAY = """\
+    right:  pass the number as an array: jnp.asarray({value!r})
+"""
+
 NOT_A_PYTREE_OF_ARRAYS = """\
 Cannot differentiate at argument {index} of {fn}: the value at {path} is a \
 {type}, not an array or number.
@@ -244,12 +248,15 @@ class Plan:
             dtypes = sorted({str(getattr(leaf, "dtype", type(leaf).__name__)) for leaf in jax.tree.leaves(x)})
             why = f"it holds only non-differentiable values ({', '.join(dtypes) or 'no leaves'})."
         floats = [(p, v) for p, v in jax.tree_util.tree_flatten_with_path(x)[0] if isinstance(v, (float, complex))]
+        right = self._without(i)
         if floats:
             path, value = floats[0]
             why += (f" Python numbers in a tree are static data, not parameters ("
                     f"{jax.tree_util.keystr(path)} = {value!r}); to differentiate one, make it an array: "
                     f"jnp.asarray({value!r}).")
-        return NOT_DIFFERENTIABLE_ARGUMENT.format(index=i, fn=fn_name(self.f), why=why, right=self._without(i))
+            if right is AS_FLOAT:  # (a cast to float32 would drop a complex number's imaginary part)
+                right = AS_ARRAY.format(value=value)
+        return NOT_DIFFERENTIABLE_ARGUMENT.format(index=i, fn=fn_name(self.f), why=why, right=right)
 
     def _without(self, i: int) -> str:
         """The fix's lines: ``wrt=`` the arguments asked for that carry derivatives, without

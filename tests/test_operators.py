@@ -253,6 +253,20 @@ def test_differential_of_a_module_takes_a_parameter_view_tangent():
     np.testing.assert_allclose(df(tangent), grads.weight.sum(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_bare_complex_number_is_a_point_as_a_bare_float_is():
+    """at=1 + 1j was refused as non-differentiable, its fix a cast to float32 (the imaginary
+    part dropped); it is a point as at=2.0 is, with jax.grad's numbers. A complex number in a
+    tree stays static data, its fix jnp.asarray."""
+    def f(z):
+        return jnp.abs(z) ** 2
+
+    assert complex(ft.gradient(f, at=1 + 1j)) == complex(jax.grad(f)(1 + 1j))
+    y, df = ft.value_with_differential(lambda z: z * z, at=1 + 1j)
+    assert complex(y) == 2j and complex(df(1.0 + 0j)) == complex(jax.jvp(lambda z: z * z, (1 + 1j,), (1.0 + 0j,))[1])
+    with pytest.raises(TypeError, match=re.escape("right:  pass the number as an array: jnp.asarray((1+1j))")):
+        ft.gradient(lambda d: f(d["z"]), at={"z": 1 + 1j})
+
+
 def test_scalar_derivative():
     np.testing.assert_allclose(ft.derivative(lambda x: x**3, at=2.0), 12.0)
     curve = ft.derivative(lambda t: jnp.array([jnp.cos(t), jnp.sin(t)]))

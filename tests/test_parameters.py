@@ -64,7 +64,7 @@ def test_parameters_of_python_scalars():
     # a bare float point is differentiated (ft.gradient(f, at=1.5)).
     params = ft.parameters({"w": 1.5, "n": 3, "b": True})
     assert params == {"w": None, "n": None, "b": None}
-    assert ft.parameters(1.5) == 1.5
+    assert ft.parameters(1.5) == 1.5 and ft.parameters(1 + 1j) == 1 + 1j  # a bare point
 
     class Scaled(ft.Module):  # a float that is an ft.Module field's own value is declared: trained
         scale: float

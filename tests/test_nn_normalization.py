@@ -273,3 +273,31 @@ def test_parameter_view_called_as_a_model_names_the_fix(training):
     if not training:
         np.testing.assert_array_equal(model(x), net(x))
         np.testing.assert_array_equal(moved(x), net(x))
+
+
+@pytest.mark.parametrize("unbiased", [False, True])
+def test_batch_norm_training_on_one_value_per_feature_is_refused_as_torchs(unbiased):
+    """torch refuses ("Expected more than 1 value per channel when training"); ours gave the
+    offset for every input and a zero input gradient (the batch variance 0), and recorded
+    that batch as the running statistics. A per-example vmap keeps collect_state's error (its fix)."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        torch.nn.BatchNorm1d(3).train()(torch.ones(1, 3))
+    bn = ft.nn.training(ft.nn.BatchNorm(3, unbiased_running_variance=unbiased))
+    why = "divides by count - 1" if unbiased else "every output would be the offset"
+    for x in (np.ones((1, 3), np.float32), np.ones((1, 1, 1, 3), np.float32)):
+        with pytest.raises(ValueError, match=rf"(?s)needs more than one value per feature: f32\[[1,]+3\] gives 1 .*{why}"
+                                             r".*right:  ft\.nn\.training\(bn\)\(x_batch\)"):
+            ft.nn.collect_state(lambda m, x=x: m(x), bn)
+    y, _ = ft.nn.collect_state(lambda m: m(np.ones((2, 1, 3), np.float32)), bn)  # two values per feature: fine
+    assert y.shape == (2, 1, 3)
+    assert ft.nn.inference(bn)(np.ones((1, 3), np.float32)).shape == (1, 3)  # the running statistics: fine
+
+
+@pytest.mark.parametrize(("make", "right"), [(lambda m: ft.nn.BatchNorm(3, momentum=m), "momentum=0.9"),
+                                             (lambda m: ft.nn.InstanceNorm2D(3, momentum=m), "momentum=1.0")])
+def test_torchs_momentum_none_is_refused_by_name(make, right):
+    """torch's momentum=None (BatchNorm: a cumulative average; InstanceNorm: F.instance_norm's
+    0.0, the running statistics never updated) raised float()'s bare TypeError here."""
+    with pytest.raises(TypeError, match=rf"(?s)momentum=None is torch's .*right:  ft\.nn\.\w+\(3, {right}\)"):
+        make(None)

@@ -64,8 +64,9 @@ class EmbeddingBag(Layer):
     offsets[b + 1]]`` (the last to the end; ``include_last_offset=True``: ``offsets`` has
     ``B + 1`` entries, the last normally ``len(indices)``; as torch's, a last entry below it is
     read as ``len(indices)``: the last bag still runs to the end). Returns ``[B, embedding_size]``; an
-    empty bag is zeros. ``per_sample_weights`` (the indices' shape; ``"sum"`` only) weighs each
-    row. ``padding_index=p`` (torch's ``padding_idx``): row ``p`` starts at zeros, and its
+    empty bag is zeros. ``"max"`` takes each feature's first maximum in the bag, which alone
+    gets its gradient (torch's; a NaN propagates). ``per_sample_weights`` (the indices' shape;
+    ``"sum"`` only) weighs each row. ``padding_index=p`` (torch's ``padding_idx``): row ``p`` starts at zeros, and its
     entries are left out of their bags (not counted by the mean, never the max) and get no
     gradient. ``embeddings`` is torch's ``weight``. As ``ft.nn.Embedding``, out-of-range indices
     are clamped; offsets are checked eagerly (under ``jax.jit`` their values are unknown).
@@ -171,10 +172,15 @@ class EmbeddingBag(Layer):
         w = self.embeddings
         rows = jnp.take(w, jnp.clip(indices, 0, w.shape[0] - 1), axis=0)
         kept = jnp.ones(indices.shape, bool) if self.padding_index is None else indices != self.padding_index
-        if self.mode == "max":
-            lowest = jnp.asarray(-jnp.inf, rows.dtype)
-            found = jax.ops.segment_max(jnp.where(kept[:, None], rows, lowest), bags, n)
-            return jnp.where(jnp.isneginf(found), jnp.zeros((), rows.dtype), found)  # an empty bag: zeros
+        if self.mode == "max":  # torch's: each feature's first maximum in the bag, where the gradient goes
+            # (segment_max's split it between equal maxima); a NaN propagates (the first NaN picked)
+            count = indices.shape[0]
+            masked = jnp.where(kept[:, None], rows, jnp.asarray(-jnp.inf, rows.dtype))
+            found = jax.ops.segment_max(jax.lax.stop_gradient(masked), bags, n)  # [n, d]
+            hit = kept[:, None] & ((masked == found[bags]) | jnp.isnan(masked))
+            first = jax.ops.segment_min(jnp.where(hit, jnp.arange(count)[:, None], count), bags, n)
+            picked = jnp.take_along_axis(masked, jnp.minimum(first, max(count - 1, 0)), axis=0)
+            return jnp.where(first >= count, jnp.zeros((), rows.dtype), picked)  # an empty bag: zeros
         scale = kept.astype(rows.dtype) if weights is None else jnp.where(kept, weights.astype(rows.dtype), 0)
         total = jax.ops.segment_sum(rows * scale[:, None], bags, n)
         if self.mode == "sum":

@@ -57,7 +57,8 @@ class _LPPool(Layer):
         p, n = self.norm_type, self._rank
         if math.isinf(p):
             pool = _MAX[n](self.pool_size, self.strides, 0, ceil_mode=self.ceil_mode)
-            return pool(jnp.abs(x)) if p > 0 else -pool(-jnp.abs(x))
+            magnitude = x * jnp.sign(x)  # |x| with torch's gradient sign(x): 0 at 0 (jnp.abs's is 1 there)
+            return pool(magnitude) if p > 0 else -pool(-magnitude)
         mean = _AVG[n](self.pool_size, self.strides, 0, ceil_mode=self.ceil_mode)(jnp.power(x, jnp.asarray(p, x.dtype)))
         total = mean * jnp.asarray(math.prod(self.pool_size), x.dtype)
         zero = total == 0  # torch's: a window of zeros has gradient 0 (its root's derivative is infinite there)
@@ -69,7 +70,7 @@ _DOC = """Power-average pooling over ``[..., {spatial}, channels]`` (torch's ``L
 
     ``y = (sum_window x^p)^(1/p)`` (``norm_type=p``; ``inf``: the max of ``|x|``); ``pool_size``,
     ``strides=pool_size``, ``ceil_mode=False`` as :class:`MaxPool{n}D`'s, no padding (torch has none).
-    A window of zeros is 0 with gradient 0.
+    A window of zeros is 0 with gradient 0 (``inf`` too: torch's ``abs`` has gradient 0 at 0).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

@@ -20,9 +20,11 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from functree._compat import parent_trace
 from functree._module import field
 from functree._parameters import VIEW_CALLED
 from functree._repr import short_array
+from functree._traces import current_trace, transform_name
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._conv import _channels_first
 from functree.nn._mode import Layer
@@ -39,13 +41,31 @@ ft.nn.BatchNorm: axis must be an int, got {axis!r}. The arguments after the feat
     wrong:  ft.nn.BatchNorm({features}, {axis!r}, {momentum!r})
     right:  ft.nn.BatchNorm({features}, epsilon=1e-5, momentum=0.9)     # torch's momentum m is 1 - m here"""
 
-UNBIASED_ONE = """\
-ft.nn.BatchNorm(unbiased_running_variance=True) in training needs more than one value per \
-feature: {given} gives {count} at axis {axis}, and the unbiased variance divides by count - 1 \
-(torch's BatchNorm raises here too).
+BATCH_ONE = """\
+ft.nn.BatchNorm in training needs more than one value per feature: {given} gives {count} at \
+axis {axis}{why} (torch raises "Expected more than 1 value per channel when training").
 
     wrong:  ft.nn.training(bn)(x)          # x: {given}
-    right:  ft.nn.training(bn)(x_batch)    # several rows (or positions) per feature"""
+    right:  ft.nn.training(bn)(x_batch)    # several rows (or positions) per feature
+       or:  ft.nn.inference(bn)(x)         # one example: the running statistics"""
+
+BATCH_ONE_WHY = (": its batch variance is 0, so every output would be the offset and the input's gradient 0",
+                 ", and the unbiased variance (unbiased_running_variance=True) divides by count - 1")
+
+MOMENTUM_NONE = """\
+ft.nn.{cls}: momentum=None is torch's {what}; ft.nn.{cls} takes a float, the weight of the \
+old running statistics (torch's momentum=m is 1 - m here), and has no None.
+
+    wrong:  ft.nn.{cls}({channels}, momentum=None)
+    right:  ft.nn.{cls}({channels}, momentum={right})     # {right_why}"""
+
+_MOMENTUM_NONE = {  # what torch's momentum=None does, and the float that comes nearest
+    "BatchNorm": ("cumulative average (each batch's statistics weighed 1 / num_batches_tracked: "
+                  "the running statistics are the plain mean over every training batch so far)",
+                  "0.9", "torch's default momentum=0.1, an exponential average"),
+    "InstanceNorm": ("momentum 0 (F.instance_norm's None -> 0.0): training never updates the "
+                     "running statistics", "1.0", "torch's: the running statistics kept as they are"),
+}
 
 BN_AXIS_OUTSIDE = """\
 Its axis {axis} is outside an input of {ndim} axes (axes -{ndim} .. {last}; a negative axis \
@@ -60,6 +80,25 @@ GroupNorm: channels ({channels}) must be divisible by groups ({groups}).
     wrong:  ft.nn.GroupNorm({groups}, {channels})
     right:  ft.nn.GroupNorm({suggestion}, {channels})
 """
+
+
+def _momentum(cls: str, family: str, momentum: Any, channels: Any) -> float:
+    """``momentum`` as a float; torch's None refused by name (:data:`MOMENTUM_NONE`)."""
+    if momentum is None:
+        what, right, why = _MOMENTUM_NONE[family]
+        raise TypeError(MOMENTUM_NONE.format(cls=cls, what=what, channels=channels, right=right, right_why=why))
+    return float(momentum)
+
+
+def _under_vmap() -> bool:
+    """Whether a ``jax.vmap`` is open around the call (a loop or jit inside it included): a
+    per-example vmap, whose one-example batch ``collect_state`` refuses with its own fix."""
+    trace = current_trace()
+    while trace is not None:
+        if transform_name(trace) == "jax.vmap":
+            return True
+        trace = parent_trace(trace)
+    return False
 
 
 def _normalized_shape(shape: Any) -> tuple[int, ...]:
@@ -241,7 +280,10 @@ class BatchNorm(Layer):
     feature) as torch's ``running_var`` does, its ``momentum=m`` being ``momentum=1 - m`` here:
     torch's ``BatchNorm1d(c)`` trains as ``ft.nn.BatchNorm(c, momentum=0.9, epsilon=1e-5,
     unbiased_running_variance=True)`` (with the biased variance and 4 rows a batch, torch's
-    ``running_var`` ends 25% above ft's and eval outputs 15% apart).
+    ``running_var`` ends 25% above ft's and eval outputs 15% apart). Training needs ``n >= 2``
+    (torch's rule: with one value per feature every output is the offset; refused by name,
+    :data:`BATCH_ONE`); torch's ``momentum=None`` (a cumulative average) has no counterpart
+    and is refused.
 
     Inference (the default): the running statistics replace the batch ones. Statistics
     and normalization run in float32 for bfloat16/float16 inputs; the output keeps the
@@ -295,7 +337,8 @@ class BatchNorm(Layer):
         self.offset = jnp.zeros((feature_count,), dtype)
         self.running_mean = jnp.zeros((feature_count,), dtype)
         self.running_variance = jnp.ones((feature_count,), dtype)
-        self.axis, self.momentum, self.epsilon = axis, float(momentum), float(epsilon)
+        self.axis, self.epsilon = axis, float(epsilon)
+        self.momentum = _momentum("BatchNorm", "BatchNorm", momentum, feature_count)
         self.training = training
         self.unbiased_running_variance = bool(unbiased_running_variance)
 
@@ -332,10 +375,12 @@ class BatchNorm(Layer):
             var = jnp.mean(jnp.square(xs - mean.reshape(shape)), axis=reduce)
             m = self.momentum
             recorded = var
-            if self.unbiased_running_variance:  # torch's running_var: var * n / (n - 1)
-                count = x.size // features
-                if count < 2:
-                    raise ValueError(UNBIASED_ONE.format(given=short_array(x), count=count, axis=self.axis))
+            count = x.size // features
+            if count < 2 and not _under_vmap():  # torch's refusal: a batch variance of 0 (n - 1 = 0
+                # for the unbiased one); a per-example vmap's is collect_state's error, its fix vmap's
+                raise ValueError(BATCH_ONE.format(given=short_array(x), count=count, axis=self.axis,
+                                                  why=BATCH_ONE_WHY[self.unbiased_running_variance]))
+            if self.unbiased_running_variance and count > 1:  # torch's running_var: var * n / (n - 1)
                 recorded = var * jnp.asarray(count / (count - 1), var.dtype)
             record_state(
                 self,
@@ -390,7 +435,8 @@ class _InstanceNorm(Layer):
         self.offset = jnp.zeros((channels,), dtype) if affine else None
         self.running_mean = jnp.zeros((channels,), dtype) if track_running_stats else None
         self.running_variance = jnp.ones((channels,), dtype) if track_running_stats else None
-        self.epsilon, self.momentum = float(epsilon), float(momentum)
+        self.epsilon = float(epsilon)
+        self.momentum = _momentum(type(self).__name__, "InstanceNorm", momentum, channels)
         self.track_running_stats, self.training = bool(track_running_stats), training
 
     def __call__(self, x: jax.Array) -> jax.Array:

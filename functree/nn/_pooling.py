@@ -214,22 +214,24 @@ class _MaxPool(_Pool):
         return self.dilation if len(self.dilation) == self._rank else (1,) * self._rank
 
     def __call__(self, x: jax.Array) -> Any:
-        if self.return_indices:
-            return self._dilated(x, self._pads(x), indexed=True)
-        if self._dilation == (1,) * self._rank:
+        if not self.return_indices and self._dilation == (1,) * self._rank:
             return self._window(x, -jnp.inf, jax.lax.max, self._pads(x))  # a Python scalar: lax sees the monoid
-        return self._dilated(x, self._pads(x))
+        # dilated: torch's pick of one maximum (the gradient reaches the first of equal maxima;
+        # jnp.maximum's split it evenly between them)
+        y, indices = self._dilated(x, self._pads(x))
+        return (y, indices) if self.return_indices else y
 
-    def _dilated(self, x: jax.Array, pads: Any, indexed: bool = False) -> Any:
-        """A dilated window's max as the max of its ``prod(pool_size)`` strided slices of the
-        ``-inf``-padded input, ``y[i] = max_j x[i s + j d]``: JAX has no gradient of a
-        dilated ``reduce_window`` max ("VJP not implemented for select_and_gather").
+    def _dilated(self, x: jax.Array, pads: Any) -> tuple[jax.Array, jax.Array]:
+        """A dilated window's max (or any window's, with its index) as the max of its
+        ``prod(pool_size)`` strided slices of the ``-inf``-padded input, ``y[i] = max_j x[i s +
+        j d]``: JAX has no gradient of a dilated ``reduce_window`` max ("VJP not implemented
+        for select_and_gather").
 
-        ``indexed``: ``(y, indices)``, torch's ``return_indices=True``: each maximum's flat
-        index in its channel's unpadded plane (``h W + w`` in 2-D; int32), found as torch's
-        loop finds it, the window read in order, an element taken where it is greater than
-        the maximum so far or NaN (the first of equal maxima, the last NaN) and the first
-        element on the input taken over the padding; the gradient reaches that element."""
+        ``(y, indices)``, torch's ``return_indices=True``: each maximum's flat index in its
+        channel's unpadded plane (``h W + w`` in 2-D; int32), found as torch's loop finds it,
+        the window read in order, an element taken where it is greater than the maximum so far
+        or NaN (the first of equal maxima, the last NaN) and the first element on the input
+        taken over the padding; the gradient reaches that element alone, as torch's."""
         n = self._rank
         check_input(self, x, _spatial(n))
         check_window_fits(self, x, _spatial(n)[:-1], self.pool_size, self.strides, self._dilation, pads,
@@ -252,17 +254,14 @@ class _MaxPool(_Pool):
             part = jax.lax.slice(padded, (0,) * lead + tuple(starts) + (0,),
                                  padded.shape[:lead] + tuple(ends) + padded.shape[-1:],
                                  (1,) * lead + self.strides + (1,))
-            if not indexed:
-                y = part if y is None else jnp.maximum(y, part)
-                continue
             at = jax.lax.slice(flat, (*starts, 0), (*ends, 1), (*self.strides, 1))
             if y is None or index is None:
                 y, index = part, jnp.broadcast_to(at, part.shape)
                 continue
             take = (part > y) | jnp.isnan(part) | ((index < 0) & (at >= 0))  # torch's loop (above)
             y, index = jnp.where(take, part, y), jnp.where(take, at, index)
-        assert y is not None  # pool sizes are >= 1
-        return (y, index) if indexed else y
+        assert y is not None and index is not None  # pool sizes are >= 1
+        return y, index
 
     def _check_windows_read_input(self, x: jax.Array, pads: Any) -> None:
         """Refuse a window all of whose ``k`` positions ``i s - lo + j d`` fall in the padding
@@ -354,7 +353,8 @@ _POOL_DOC = """{op} pooling over ``[..., {spatial}, channels]`` (``pool_size=2``
     """
 
 _MAX_ARGS = (", ``dilation=1`` (torch's: the window reads every ``d``-th element, spanning "
-             "``d (k - 1) + 1``; the padding is at most half the pool, as torch's)")
+             "``d (k - 1) + 1``; the padding is at most half the pool, as torch's; of equal maxima the "
+             "first in the window, row-major, gets the gradient, as torch's)")
 _AVG_ARGS = (", ``count_include_pad=True`` (torch's: int / pair padding's zeros count in the mean; "
              '``"SAME"`` counts the real elements), ``divisor_override=None`` (torch\'s: an int that divides '
              "every window's sum instead)")
@@ -641,11 +641,13 @@ def adaptive_windows(length: int, size: int) -> tuple[tuple[int, int], ...]:
     return tuple((i * length // size, -(-(i + 1) * length // size)) for i in range(size))
 
 
-def _adaptive_axis(x: jax.Array, axis: int, size: int, is_max: bool) -> jax.Array:
+def _adaptive_axis(x: jax.Array, axis: int, size: int, is_max: bool = False) -> jax.Array:
     """``x`` with ``axis`` reduced to ``size`` windows (:func:`adaptive_windows`): each
     window's elements gathered into a new axis (padded to the widest window by the last
-    index, masked out) and reduced, max or sum / count. A box's max or mean is its axes' in
-    turn: the windows are products of one window per axis."""
+    index, masked out) and reduced, sum / count or the max (the element ``argmax`` picks,
+    so that the gradient reaches it alone: ``jnp.max``'s splits it between equal maxima). A
+    box's mean or max is its axes' in turn: the windows are products of one window per axis
+    (the max's last axis first, torch's row-major pick of equal maxima)."""
     length = x.shape[axis]
     bounds = adaptive_windows(length, size)
     if bounds == tuple((i, i + 1) for i in range(length)):
@@ -655,8 +657,9 @@ def _adaptive_axis(x: jax.Array, axis: int, size: int, is_max: bool) -> jax.Arra
     real = np.array([[start + j < end for j in range(width)] for start, end in bounds])
     gathered = jnp.take(x, jnp.asarray(index), axis=axis)  # [..., size, width, ...]
     mask = jnp.asarray(real).reshape(real.shape + (1,) * (x.ndim - axis - 1))
-    if is_max:
-        return jnp.max(jnp.where(mask, gathered, -jnp.inf), axis=axis + 1)
+    if is_max:  # torch's one maximum (the first of equal ones, where the gradient goes; NaN: the first)
+        first = jnp.argmax(jnp.where(mask, gathered, -jnp.inf), axis=axis + 1, keepdims=True)
+        return jnp.squeeze(jnp.take_along_axis(gathered, first, axis=axis + 1), axis + 1)
     counts = np.array([end - start for start, end in bounds]).reshape((size,) + (1,) * (x.ndim - axis - 1))
     return jnp.sum(jnp.where(mask, gathered, 0), axis=axis + 1) / jnp.asarray(counts, x.dtype)
 
@@ -665,7 +668,6 @@ class _AdaptivePool(Layer):
     output_size: tuple[int | None, ...] = field(static=True, default=(1,))
 
     _rank: ClassVar[int] = 1
-    _max: ClassVar[bool] = False
 
     def __init__(self, output_size: int | Sequence[int | None] | None):
         n, name = self._rank, type(self).__name__
@@ -682,9 +684,9 @@ class _AdaptivePool(Layer):
         self._check(x)
         axes = range(x.ndim - self._rank - 1, x.ndim - 1)
         wide = statistics_dtype(x.dtype)  # sums of bfloat16 / float16 in float32, as AvgPool's
-        y = x if self._max else x.astype(wide)
+        y = x.astype(wide)  # (the maxima: _AdaptiveMaxPool's own call)
         for a, size in zip(axes, self.output_size):
-            y = _adaptive_axis(y, a, x.shape[a] if size is None else size, self._max)
+            y = _adaptive_axis(y, a, x.shape[a] if size is None else size)
         return y.astype(x.dtype)
 
     def _check(self, x: jax.Array) -> None:
@@ -750,7 +752,8 @@ _ADAPTIVE_DOC = """Adaptive {op} pooling to ``output_size``: ``[..., {spatial}, 
 
 _MAX_INDICES = """ ``return_indices=True``
     (torch's) returns ``(maxima, indices)``, each maximum's flat index in its channel's plane
-    (``h W + w`` in 2-D, int32; the first of equal maxima), which ``MaxUnpool*`` takes."""
+    (``h W + w`` in 2-D, int32; the first of equal maxima, which alone gets the gradient,
+    with or without it), which ``MaxUnpool*`` takes."""
 
 
 class AdaptiveAvgPool1D(_AdaptivePool):
@@ -771,8 +774,6 @@ class _AdaptiveMaxPool(_AdaptivePool):
     return_indices: bool = field(static=True, default=False)
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("return_indices",)  # files written before it: False
 
-    _max: ClassVar[bool] = True
-
     def __init__(self, output_size: int | Sequence[int | None] | None, return_indices: bool = False):
         super().__init__(output_size)
         self.return_indices = bool(return_indices)
@@ -782,10 +783,13 @@ class _AdaptiveMaxPool(_AdaptivePool):
         plane (``h W + w`` in 2-D; int32), torch's: the last spatial axis reduced first, so
         equal maxima give the first in row-major order and NaNs the last, as torch's loop
         over each window."""
-        if not self.return_indices:
-            return super().__call__(x)
         self._check(x)
         n = self._rank
+        if not self.return_indices:  # the gradient reaches torch's one element of equal maxima
+            y = x
+            for a, size in reversed(list(zip(range(x.ndim - n - 1, x.ndim - 1), self.output_size))):
+                y = _adaptive_axis(y, a, x.shape[a] if size is None else size, is_max=True)
+            return y
         lead = x.ndim - n - 1
         plane = x.shape[lead:-1]
         index = jnp.broadcast_to(jnp.arange(math.prod(plane), dtype=jnp.int32).reshape((*plane, 1)), x.shape)
@@ -797,14 +801,12 @@ class _AdaptiveMaxPool(_AdaptivePool):
 
 class AdaptiveMaxPool1D(_AdaptiveMaxPool):
     _rank: ClassVar[int] = 1
-    _max: ClassVar[bool] = True
     __doc__ = _ADAPTIVE_DOC.format(op="max", indices=_MAX_INDICES, Op="Max", n=1, spatial="length", out="o", shape="1, 5, 1",
                                    name="AdaptiveMaxPool1D", size=3, result="Array([1., 3., 4.], dtype=float32)")
 
 
 class AdaptiveMaxPool2D(_AdaptiveMaxPool):
     _rank: ClassVar[int] = 2
-    _max: ClassVar[bool] = True
     __doc__ = _ADAPTIVE_DOC.format(op="max", indices=_MAX_INDICES, Op="Max", n=2, spatial="height, width", out="o_h, o_w",
                                    shape="1, 5, 1, 1", name="AdaptiveMaxPool2D", size="(3, 1)",
                                    result="Array([1., 3., 4.], dtype=float32)")
@@ -819,7 +821,6 @@ class AdaptiveAvgPool3D(_AdaptivePool):
 
 class AdaptiveMaxPool3D(_AdaptiveMaxPool):
     _rank: ClassVar[int] = 3
-    _max: ClassVar[bool] = True
     __doc__ = _ADAPTIVE_DOC.format(op="max", indices=_MAX_INDICES, Op="Max", n=3, spatial="depth, height, width",
                                    out="o_d, o_h, o_w", shape="1, 1, 5, 1, 1", name="AdaptiveMaxPool3D",
                                    size="(1, 3, None)", result="Array([1., 3., 4.], dtype=float32)")

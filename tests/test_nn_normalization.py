@@ -301,3 +301,34 @@ def test_torchs_momentum_none_is_refused_by_name(make, right):
     0.0, the running statistics never updated) raised float()'s bare TypeError here."""
     with pytest.raises(TypeError, match=rf"(?s)momentum=None is torch's .*right:  ft\.nn\.\w+\(3, {right}\)"):
         make(None)
+
+
+def test_batch_norm_without_running_statistics_is_torchs_track_running_stats_false():
+    """torch's BatchNorm2d(track_running_stats=False) normalizes with the batch's statistics in
+    eval too and its state dict holds no running statistics: the load was refused with
+    strict=False as its fix, which kept 0 and 1 and gave other numbers in inference. Now the
+    layer is ft.nn.BatchNorm(c, track_running_stats=False), torch's in float64 (values ~1:
+    measured 4e-16), trained or not, recording nothing; the load error names it."""
+    torch = pytest.importorskip("torch")
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(3)
+        tm = torch.nn.BatchNorm2d(4, track_running_stats=False).double()
+        with torch.no_grad():
+            tm.weight.copy_(torch.tensor(rng.uniform(0.5, 2, 4)))
+            tm.bias.copy_(torch.tensor(rng.uniform(-1, 1, 4)))
+        x = rng.normal(size=(3, 4, 5, 5))
+        assert sorted(tm.state_dict()) == ["bias", "weight"]
+        with pytest.raises(ValueError, match=r"(?s)no running statistics.*right:  ft\.nn\.BatchNorm\(features, track_running_stats=False\)"):
+            ft.nn.load_torch_state_dict(ft.nn.BatchNorm(4, axis=1, dtype=jnp.float64), tm.state_dict())
+        bn = ft.nn.load_torch_state_dict(
+            ft.nn.BatchNorm(4, axis=1, epsilon=1e-5, dtype=jnp.float64, track_running_stats=False), tm.state_dict())
+        assert bn.running_mean is None and bn.running_variance is None
+        forward = jax.jit(lambda m, x: m(x))
+        for mode, torch_mode in ((ft.nn.inference, tm.eval), (ft.nn.training, tm.train)):
+            torch_mode()
+            want = tm(torch.tensor(x)).detach().numpy()
+            np.testing.assert_allclose(forward(mode(bn), x), want, rtol=0, atol=1e-13)
+        _, updates = ft.nn.collect_state(lambda m: m(x), ft.nn.training(bn))
+        assert updates == {}
+        with pytest.raises(ValueError, match="needs more than one value per feature"):  # torch refuses it in eval too
+            bn(x[:1, :, :1, :1])

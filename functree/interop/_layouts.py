@@ -121,7 +121,7 @@ def _norm(layer: LayerNorm | GroupNorm | RMSNorm | BatchNorm | _InstanceNorm) ->
     rules = [] if layer.scale is None else [same("weight", "scale")]
     if getattr(layer, "offset", None) is not None:
         rules.append(same("bias", "offset"))
-    if isinstance(layer, BatchNorm) or (isinstance(layer, _InstanceNorm) and layer.track_running_stats):
+    if isinstance(layer, (BatchNorm, _InstanceNorm)) and layer.track_running_stats:
         rules += [same("running_mean", "running_mean"), same("running_var", "running_variance")]
     return rules
 

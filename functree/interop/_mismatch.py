@@ -50,6 +50,26 @@ another function: build the RNN of their direction.
     wrong:  ft.nn.RNN(cell{mine_arg})
     right:  ft.nn.RNN(cell{theirs_arg})   # as {torch_layer} runs"""
 
+NO_RUNNING_STATISTICS_HINT = """
+The state dict holds no running statistics for {layers} (no {names}): torch's BatchNorm*d / InstanceNorm*d(..., track_running_stats=False), which normalizes with each batch's own statistics in eval too. Build the layer so: strict=False would keep the initial statistics (0 and 1) and give other numbers in inference, without an error.
+
+    wrong:  ft.nn.load_torch_state_dict(model, sd, strict=False)
+    right:  ft.nn.BatchNorm(features, track_running_stats=False)   # InstanceNorm2D(..., track_running_stats=False)"""
+
+
+def _statistics_hint(report: FlatDictReport) -> str:
+    """:data:`NO_RUNNING_STATISTICS_HINT` where a layer misses both its ``running_mean`` and
+    ``running_var`` (the state dict of a torch norm without tracked statistics)."""
+    missing = set(report.missing)
+    layers = [name.removesuffix("running_mean") for name in report.missing
+              if name.endswith("running_mean") and name.removesuffix("running_mean") + "running_var" in missing]
+    if not layers:
+        return ""
+    shown = ", ".join(layer.rstrip(".") or "(the model)" for layer in layers[:3]) + (", ..." if len(layers) > 3 else "")
+    names = f"{layers[0]}running_mean, {layers[0]}running_var"
+    return NO_RUNNING_STATISTICS_HINT.format(layers=shown, names=names)
+
+
 _FORWARD = ("forward", "", "torch.nn.GRU / LSTM(..., batch_first=True)")
 _REVERSE = ("from its end", ", reverse=True", "the reverse direction of torch's bidirectional=True GRU / LSTM")
 
@@ -127,4 +147,4 @@ def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: Flat
     names = TORCH_NAMES.format(example=example) if rules else ""
     return ValueError(TORCH_MISMATCH.format(report=report, names=names,
                                             hint=_layouts_hint(attentions, report) + _dense_layouts_hint(rules, attentions, report)
-                                            + _rnn_direction_hint(report) + hint))
+                                            + _rnn_direction_hint(report) + _statistics_hint(report) + hint))

@@ -7,7 +7,7 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
     Conv{1,2,3}d  weight [out, in/g, *k]     Conv{1,2,3}D  weight [*k, in/g, out]
     ConvTranspose{1,2,3}d  weight [in, out/g, *k]  Conv{1,2,3}DTranspose  weight [*k, in, out/g]
     LayerNorm, GroupNorm, RMSNorm  weight, bias  scale, offset
-    BatchNorm{1,2}d  weight, bias, running_mean, running_var (num_batches_tracked dropped)
+    BatchNorm{1,2}d  weight, bias, running_mean, running_var (track_running_stats=True; num_batches_tracked dropped)
                                              BatchNorm  scale, offset, running_mean, running_variance
     InstanceNorm{1,2,3}d  weight, bias (affine=True), running_mean, running_var (track_running_stats=True)
                                              InstanceNorm{1,2,3}D  scale, offset, running_mean, running_variance

@@ -285,6 +285,11 @@ class BatchNorm(Layer):
     :data:`BATCH_ONE`); torch's ``momentum=None`` (a cumulative average) has no counterpart
     and is refused.
 
+    ``track_running_stats=False`` (torch's): no running statistics (``running_mean`` and
+    ``running_variance`` are None); the batch statistics normalize in inference too, and
+    nothing is recorded. A torch ``BatchNorm*d(c, track_running_stats=False)`` (its state dict
+    holds no ``running_mean``) loads into ``ft.nn.BatchNorm(c, track_running_stats=False)``.
+
     Inference (the default): the running statistics replace the batch ones. Statistics
     and normalization run in float32 for bfloat16/float16 inputs; the output keeps the
     input dtype. The running statistics are stored in ``dtype``: with
@@ -308,15 +313,16 @@ class BatchNorm(Layer):
 
     scale: jax.Array = field(decay=False)
     offset: jax.Array = field(decay=False)
-    running_mean: jax.Array = field(no_derivative=True)
-    running_variance: jax.Array = field(no_derivative=True)
+    running_mean: jax.Array | None = field(no_derivative=True)
+    running_variance: jax.Array | None = field(no_derivative=True)
     axis: int = field(static=True, default=-1)
     momentum: float = field(static=True, default=0.99)
     epsilon: float = field(static=True, default=1e-3)
     training: bool = field(static=True, default=False)
     unbiased_running_variance: bool = field(static=True, default=False)
+    track_running_stats: bool = field(static=True, default=True)
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("momentum", "unbiased_running_variance")  # a restore's template decides them (how it trains its running statistics)
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("unbiased_running_variance",)  # files written before it: False
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("unbiased_running_variance", "track_running_stats")  # files written before them: False, True
 
     def __init__(
         self,
@@ -328,6 +334,7 @@ class BatchNorm(Layer):
         dtype: Any = jnp.float32,
         training: bool = False,
         unbiased_running_variance: bool = False,
+        track_running_stats: bool = True,
     ):
         try:  # a float here is torch's order: (features, eps, momentum)
             axis = operator.index(axis)
@@ -335,16 +342,18 @@ class BatchNorm(Layer):
             raise TypeError(BN_AXIS.format(axis=axis, momentum=momentum, features=feature_count)) from None
         self.scale = jnp.ones((feature_count,), dtype)
         self.offset = jnp.zeros((feature_count,), dtype)
-        self.running_mean = jnp.zeros((feature_count,), dtype)
-        self.running_variance = jnp.ones((feature_count,), dtype)
+        track = bool(track_running_stats)
+        self.running_mean = jnp.zeros((feature_count,), dtype) if track else None
+        self.running_variance = jnp.ones((feature_count,), dtype) if track else None
         self.axis, self.epsilon = axis, float(epsilon)
         self.momentum = _momentum("BatchNorm", "BatchNorm", momentum, feature_count)
         self.training = training
         self.unbiased_running_variance = bool(unbiased_running_variance)
+        self.track_running_stats = track
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for name in ("running_mean", "running_variance"):  # None only in ft.parameters(model): not a model
-            if getattr(self, name) is None:
+            if self.track_running_stats and getattr(self, name) is None:
                 raise TypeError(VIEW_CALLED.format(layer=type(self).__name__, field=name))
         features = self.scale.shape[0]
         try:
@@ -370,23 +379,24 @@ class BatchNorm(Layer):
         shape[axis] = features
         reduce = tuple(i for i in range(x.ndim) if i != axis)
         xs = x.astype(statistics_dtype(x.dtype))
-        if self.training:
+        if self.training or self.running_mean is None or self.running_variance is None:  # batch statistics
             mean = jnp.mean(xs, axis=reduce)
             var = jnp.mean(jnp.square(xs - mean.reshape(shape)), axis=reduce)
-            m = self.momentum
-            recorded = var
             count = x.size // features
-            if count < 2 and not _under_vmap():  # torch's refusal: a batch variance of 0 (n - 1 = 0
-                # for the unbiased one); a per-example vmap's is collect_state's error, its fix vmap's
+            if count < 2 and not (self.training and _under_vmap()):  # torch's refusal: a batch variance
+                # of 0 (n - 1 = 0 for the unbiased one); a per-example vmap's is collect_state's error
                 raise ValueError(BATCH_ONE.format(given=short_array(x), count=count, axis=self.axis,
                                                   why=BATCH_ONE_WHY[self.unbiased_running_variance]))
-            if self.unbiased_running_variance and count > 1:  # torch's running_var: var * n / (n - 1)
-                recorded = var * jnp.asarray(count / (count - 1), var.dtype)
-            record_state(
-                self,
-                running_mean=m * self.running_mean + (1 - m) * mean.astype(self.running_mean.dtype),
-                running_variance=m * self.running_variance + (1 - m) * recorded.astype(self.running_variance.dtype),
-            )
+            if self.training and self.running_mean is not None and self.running_variance is not None:
+                m = self.momentum
+                recorded = var
+                if self.unbiased_running_variance:  # torch's running_var: var * n / (n - 1)
+                    recorded = var * jnp.asarray(count / (count - 1), var.dtype)
+                record_state(
+                    self,
+                    running_mean=m * self.running_mean + (1 - m) * mean.astype(self.running_mean.dtype),
+                    running_variance=m * self.running_variance + (1 - m) * recorded.astype(self.running_variance.dtype),
+                )
         else:
             mean, var = self.running_mean.astype(xs.dtype), self.running_variance.astype(xs.dtype)
         inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype)) * self.scale.astype(xs.dtype)

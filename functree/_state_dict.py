@@ -69,6 +69,16 @@ real values:
             {caller}({target}, module.state_dict(){options})"""
 
 
+LAZY_TENSORS = """\
+{caller}: {names} are torch's uninitialized parameters (a LazyLinear / LazyConv*d's before \
+its first forward): no shape and no values, nothing to load{strict}. Run the torch module \
+once, which gives them their shapes, then save or load its state dict:
+
+    wrong:  {caller}({target}, lazy_module.state_dict(){options})
+    right:  lazy_module(example_input)    # materializes the lazy parameters
+            {caller}({target}, lazy_module.state_dict(){options})"""
+
+
 _HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}
 
 
@@ -325,8 +335,13 @@ def _python_scalar_fits(old: Any, new: Any) -> bool:
 
 
 def check_no_meta(flat: Mapping[str, Any], caller: str, target: str, options: str = "", strict: str = "") -> None:
-    """:data:`META_TENSORS` naming ``flat``'s torch tensors on the "meta" device (no values):
-    torch's own error, from the conversion, names no key."""
+    """:data:`META_TENSORS` naming ``flat``'s torch tensors on the "meta" device (no values),
+    :data:`LAZY_TENSORS` its uninitialized lazy parameters (no shape): torch's own error, from
+    the conversion, names no key."""
+    lazy = [repr(k) for k, v in flat.items() if type(v).__name__ in ("UninitializedParameter", "UninitializedBuffer")]
+    if lazy:  # torch's own error (its shape read) names no key either
+        raise ValueError(LAZY_TENSORS.format(caller=caller, names=_listed(lazy), strict=strict,
+                                             target=target, options=options))
     names = [repr(k) for k, v in flat.items() if getattr(v, "is_meta", False) is True]
     if names:
         raise ValueError(META_TENSORS.format(caller=caller, names=_listed(names), strict=strict,

@@ -5,10 +5,17 @@ suggestion where an attention's tensors, or a Dense layer's weight, are there in
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from functree._state_dict import FlatDictReport
+from functree.nn._attention import MultiheadAttention
+from functree.nn._bilinear import Bilinear
+from functree.nn._conv import Conv
+from functree.nn._linear import Dense
+from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm, _InstanceNorm
+from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell
+from functree.nn._recurrent_layers import Bidirectional, StackedRNN
 
 __all__ = ["mismatch_error"]
 
@@ -68,6 +75,207 @@ def _statistics_hint(report: FlatDictReport) -> str:
     shown = ", ".join(layer.rstrip(".") or "(the model)" for layer in layers[:3]) + (", ..." if len(layers) > 3 else "")
     names = f"{layers[0]}running_mean, {layers[0]}running_var"
     return NO_RUNNING_STATISTICS_HINT.format(layers=shown, names=names)
+
+
+OPTION_HINT = """
+The state dict holds {tensors} for {layer}, an ft.nn.{kind} built without {them}: its torch \
+module had {what}. strict=False would drop {them} and compute other numbers, without an error. \
+Build the layer with the option (or the block that builds it with the block's):
+
+    right:  {right}"""
+
+NO_COUNTERPART_HINT = """
+The state dict holds {tensors} for {layer}, an ft.nn.MultiheadAttention: torch's \
+MultiheadAttention(..., add_bias_kv=True), a learned key and value appended to every \
+sequence, which ft.nn.MultiheadAttention has no option for. strict=False would drop them and \
+compute other numbers, without an error: this torch module has no ft.nn port."""
+
+PARAMETRIZED_HINT = """
+The state dict holds {layer}'s {weight} as {tensors}, torch's {kind}, not the tensor \
+itself. strict=False would keep the layer's initial {weight}: a silently different model. \
+Save the tensor torch computes from them, in torch:
+
+    wrong:  sd = module.state_dict()
+    right:  {remove}
+            sd = module.state_dict()             # {name}, one tensor"""
+
+PREFIX_HINT = """
+Every unexpected name is a missing one under {prefix!r} ({why}). Strip it:
+
+    right:  ft.nn.load_torch_state_dict(model, sd, rename={{"{stripped}": ""}})"""
+
+# The tensors a layer holds only with a torch option, by their local names: the option and the
+# ft.nn constructor argument that gives the layer them (each a tensor strict=False would drop).
+# A name ending in "_l" is an RNN's per-layer name (bias_ih_l0, bias_ih_l1_reverse).
+_NORMS = (LayerNorm, GroupNorm, RMSNorm)
+_OPTIONS: tuple[tuple[type | tuple[type, ...], tuple[str, ...], str, str], ...] = (
+    ((Dense, Conv), ("bias",), "bias=True", "use_bias=True"),
+    (Bilinear, ("bias",), "bias=True", "bias=True"),
+    (_NORMS, ("weight",), "elementwise_affine=True", "use_scale=True"),
+    (_NORMS, ("bias",), "elementwise_affine=True, bias=True", "use_offset=True"),
+    (_InstanceNorm, ("weight", "bias"), "InstanceNorm*d(..., affine=True)", "affine=True"),
+    ((BatchNorm, _InstanceNorm), ("running_mean", "running_var"),
+     "track_running_stats=True: eval() normalizes with them, not with each batch's statistics",
+     "track_running_stats=True"),
+    (MultiheadAttention, ("in_proj_bias", "out_proj.bias"), "bias=True", "use_bias=True"),
+    ((SimpleRNNCell, GRUCell, LSTMCell), ("bias_ih", "bias_hh"), "bias=True", "use_bias=True"),
+    ((RNN, StackedRNN, Bidirectional), ("bias_ih_l", "bias_hh_l"), "bias=True", "bias=True"),
+)
+
+
+def _named(local: str, name: str) -> bool:
+    """Whether the layer's torch tensor ``local`` is ``name`` (an RNN's ``bias_ih_l`` any layer's
+    and direction's: ``bias_ih_l1_reverse``)."""
+    return local == name or (name.endswith("_l") and re.fullmatch(re.escape(name) + r"\d+(_reverse)?", local) is not None)
+
+
+def _shown(layer: str) -> str:
+    return repr(layer) if layer else "the model"
+
+
+def _option(layer: Any, local: str) -> tuple[str, str] | None:
+    """The option ``layer`` was built without that gives it the torch tensor ``local``, and
+    the constructor argument giving it; None for a tensor no option of its gives."""
+    for cls, names, what, argument in _OPTIONS:
+        if isinstance(layer, cls) and any(_named(local, n) for n in names):
+            return what, argument
+    return None
+
+
+_PARAMETRIZED = {  # the tensor naming the parametrization -> its kind, its tensors, torch's removal
+    "g": ("weight_norm (weight = g v / ||v||)", ("{w}_g", "{w}_v"), "torch.nn.utils.remove_weight_norm(layer)"),
+    "orig": ("spectral_norm (weight = weight_orig / sigma)", ("{w}_orig", "{w}_u", "{w}_v"),
+             "layer.eval(); torch.nn.utils.remove_spectral_norm(layer)   # sigma from the stored u, v"),
+    "original": ("parametrization (torch.nn.utils.parametrizations: weight_norm, spectral_norm, orthogonal)",
+                 ("parametrizations.{w}.",),
+                 'layer.eval(); torch.nn.utils.parametrize.remove_parametrizations(layer, "{w}")'),
+}
+_PARAMETRIZATION = re.compile(r"(?P<w>\w+?)_(?P<kind>g|orig)|parametrizations\.(?P<p>\w+)\.(?P<original>original)\d*")
+
+
+def _parametrized_hint(layer: str, missing: set[str], unexpected: Sequence[str]) -> str:
+    """:data:`PARAMETRIZED_HINT` where ``layer`` misses a tensor its unexpected ones hold as a
+    torch parametrization (``weight_g``/``weight_v``, ``parametrizations.weight.original0``)."""
+    start = f"{layer}." if layer else ""
+    for name in unexpected:
+        found = _PARAMETRIZATION.fullmatch(name[len(start):])
+        weight = "" if found is None else str(found["w"] or found["p"])
+        if found is None or start + weight not in missing:
+            continue
+        kind, parts, remove = _PARAMETRIZED[found["kind"] or found["original"]]
+        prefixes = tuple(start + part.format(w=weight) for part in parts)
+        tensors = [n for n in unexpected if n in prefixes or (n.startswith(prefixes) and prefixes[0].endswith("."))]
+        return PARAMETRIZED_HINT.format(layer=_shown(layer), kind=kind, tensors=", ".join(tensors),
+                                        weight=weight, name=start + weight, remove=remove.format(w=weight))
+    return ""
+
+
+def _options_hint(layers: Mapping[str, Any], report: FlatDictReport) -> str:
+    """:data:`OPTION_HINT` (:data:`NO_COUNTERPART_HINT`, :data:`PARAMETRIZED_HINT`) for the
+    first known layer (``layers``: torch name -> layer) with unexpected tensors of its own: a
+    torch option its ft.nn layer was built without, whose tensors strict=False would drop."""
+    if not report.unexpected:
+        return ""
+    missing = set(report.missing)
+    for layer, node in layers.items():
+        start = f"{layer}." if layer else ""
+        unexpected = [n for n in report.unexpected if n.startswith(start) and (
+            "." not in n[len(start):] or n[len(start):] == "out_proj.bias"
+            or n[len(start):].startswith("parametrizations."))]  # its own tensors, not a sublayer's
+        parametrized = _parametrized_hint(layer, missing, unexpected)
+        if parametrized:
+            return parametrized
+        kv = [n for n in unexpected if n[len(start):] in ("bias_k", "bias_v")]
+        if kv and isinstance(node, MultiheadAttention):
+            return NO_COUNTERPART_HINT.format(tensors=", ".join(kv), layer=_shown(layer))
+        found = [(n, option) for n in unexpected for option in [_option(node, n[len(start):])] if option]
+        if found:
+            (what, argument), kind = found[0][1], type(node).__name__
+            tensors = [n for n, option in found if option == found[0][1]]
+            right = f"ft.nn.{kind}(..., {argument})"
+            if isinstance(node, RNN):  # one direction of one layer: the option is its cell's
+                right = f"ft.nn.RNN(ft.nn.{type(node.cell).__name__}(..., use_bias=True))"
+            return OPTION_HINT.format(tensors=", ".join(tensors), kind=kind, layer=_shown(layer),
+                                      them="them" if len(tensors) > 1 else "it", what=what, right=right)
+    return ""
+
+
+WITHOUT_HINT = """
+The state dict has no {tensors} for {layer}, an ft.nn.{kind}: its torch module was built \
+without {them} ({what}). Build the layer so, and its export is the torch module's state dict \
+again (strict=False would load the same numbers, but keep {them} in the model and its export).{unsure}
+
+    right:  {right}"""
+
+# WITHOUT_HINT's {unsure}: the layer has no tensor in the state dict at all.
+NO_TENSOR_OF_IT = """ No tensor of the layer is given, though: if torch's model has no such layer, the \
+two models differ, and neither fix makes them compute the same numbers."""
+
+BATCH_NORM_AFFINE_HINT = """
+The state dict has no {tensors} for {layer}, an ft.nn.BatchNorm: torch's BatchNorm*d(..., \
+affine=False), which ft.nn.BatchNorm has no option for. strict=False keeps its scale 1 and \
+offset 0, torch's numbers; leave them out of training (wrt=) and out of the export.{unsure}
+
+    right:  model, report = ft.nn.load_torch_state_dict(model, sd, strict=False)
+            sd = {{k: v for k, v in ft.nn.torch_state_dict(model).items() if k not in {names}}}"""
+
+# The tensors a torch option leaves out of a layer, by their local names: the option and the
+# ft.nn argument that leaves them out too (running statistics: NO_RUNNING_STATISTICS_HINT).
+_WITHOUT: tuple[tuple[type | tuple[type, ...], tuple[str, ...], str, str], ...] = (
+    ((Dense, Conv), ("bias",), "bias=False", "use_bias=False"),
+    (Bilinear, ("bias",), "bias=False", "bias=False"),
+    (_NORMS, ("weight", "bias"), "elementwise_affine=False / GroupNorm's affine=False",
+     "use_scale=False, use_offset=False"),
+    (_NORMS, ("weight",), "elementwise_affine=False", "use_scale=False"),
+    (_NORMS, ("bias",), "bias=False", "use_offset=False"),
+    (_InstanceNorm, ("weight", "bias"), "affine=False, InstanceNorm's default", "affine=False"),
+    (MultiheadAttention, ("in_proj_bias", "out_proj.bias"), "bias=False", "use_bias=False"),
+    ((SimpleRNNCell, GRUCell, LSTMCell), ("bias_ih", "bias_hh"), "bias=False", "use_bias=False"),
+    ((StackedRNN, Bidirectional), ("bias_ih_l", "bias_hh_l"), "bias=False", "bias=False"),
+)
+
+
+def _without_hint(layers: Mapping[str, Any], rules: Sequence[Any], report: FlatDictReport) -> str:
+    """:data:`WITHOUT_HINT` (:data:`BATCH_NORM_AFFINE_HINT`) for the first known layer whose
+    missing tensors are exactly those a torch option leaves out, where nothing is unexpected
+    (a name to map elsewhere would be). ``rules``: every layer's torch names, to tell a layer
+    none of whose tensors is given (:data:`NO_TENSOR_OF_IT`)."""
+    if report.unexpected or not report.missing:
+        return ""
+    for layer, node in layers.items():
+        start = f"{layer}." if layer else ""
+        own = {n[len(start):] for n in report.missing if n.startswith(start)} - {"running_mean", "running_var"}
+        if not own or any("." in n and not n.startswith("out_proj.") for n in own):
+            continue
+        tensors = [n for n in report.missing if n.startswith(start) and n[len(start):] in own]
+        held = any(t.startswith(start) and t not in report.missing for rule in rules for t in rule.torch)
+        unsure = "" if held else NO_TENSOR_OF_IT
+        if isinstance(node, BatchNorm) and own == {"weight", "bias"}:
+            return BATCH_NORM_AFFINE_HINT.format(tensors=", ".join(tensors), layer=_shown(layer),
+                                                 names=tuple(tensors), unsure=unsure)
+        for cls, names, what, argument in _WITHOUT:
+            if isinstance(node, cls) and all(any(_named(n, name) for name in names) for n in own) \
+                    and all(any(_named(n, name) for n in own) for name in names):
+                kind = type(node).__name__
+                return WITHOUT_HINT.format(tensors=", ".join(tensors), layer=_shown(layer), unsure=unsure,
+                                           kind=kind, them="them" if len(tensors) > 1 else "it", what=f"torch's {what}",
+                                           right=f"ft.nn.{kind}(..., {argument})")
+    return ""
+
+
+def _prefix_hint(report: FlatDictReport) -> str:
+    """:data:`PREFIX_HINT` where every unexpected name is a missing one under one prefix
+    (DataParallel's ``module.``, ``torch.compile``'s ``_orig_mod.``)."""
+    missing = set(report.missing)
+    if not report.unexpected or not missing:
+        return ""
+    first = report.unexpected[0]
+    for prefix in [first[:i + 1] for i, c in enumerate(first) if c == "."]:
+        if all(n.startswith(prefix) and n[len(prefix):] in missing for n in report.unexpected):
+            why = {"module.": "torch's DataParallel / DistributedDataParallel",
+                   "_orig_mod.": "a torch.compile'd module"}.get(prefix, "a wrapper module's name")
+            return PREFIX_HINT.format(prefix=prefix, why=why, stripped=prefix[:-1])
+    return ""
 
 
 _FORWARD = ("forward", "", "torch.nn.GRU / LSTM(..., batch_first=True)")
@@ -138,13 +346,17 @@ def _dense_layouts_hint(rules: Sequence[Any], attentions: Sequence[str], report:
                                      layouts={pattern: "conv1d" for pattern in patterns})
 
 
-def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: FlatDictReport, hint: str = "") -> ValueError:
+def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: FlatDictReport, hint: str = "",
+                   layers: Mapping[str, Any] | None = None) -> ValueError:
     """:data:`TORCH_MISMATCH` for ``report``: an example of the rules' names (each with ``ft``
     and ``torch`` names: ``key path -> torch name``), the attentions' and Dense layers'
-    ``layouts=`` hints, an RNN's direction, and ``hint`` (the ports')."""
+    ``layouts=`` hints, an RNN's direction, an option a known layer (``layers``: torch name ->
+    layer) was built without, a wrapper's prefix, and ``hint`` (the ports')."""
     example = next((f"{r.ft[0]} -> {r.torch[0]}" for r in rules if "layers" in r.ft[0]), None) or next(
         (f"{r.ft[0]} -> {r.torch[0]}" if r.ft[0] != r.torch[0] else r.torch[0] for r in rules[:1]), "")
     names = TORCH_NAMES.format(example=example) if rules else ""
     return ValueError(TORCH_MISMATCH.format(report=report, names=names,
                                             hint=_layouts_hint(attentions, report) + _dense_layouts_hint(rules, attentions, report)
-                                            + _rnn_direction_hint(report) + _statistics_hint(report) + hint))
+                                            + _rnn_direction_hint(report) + _statistics_hint(report)
+                                            + _options_hint(layers or {}, report) + _without_hint(layers or {}, rules, report)
+                                            + _prefix_hint(report) + hint))

@@ -22,14 +22,16 @@ ft.nn.{kind} with those settings (an ft.nn.RNN is one layer, one direction); bui
 
 _KINDS = {4: ("LSTM", "nn.LSTM"), 3: ("GRU", "nn.GRU"), 1: ("SimpleRNN", "nn.RNN")}
 _LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?)weight_ih_l(?P<k>\d+)(?P<reverse>_reverse)?$")
+_PROJECTION = re.compile(r"^(?P<prefix>(?:.*\.)?)weight_hr_l\d+(_reverse)?$")
 
 
 def recurrent_hint(report: FlatDictReport, given: Mapping[str, Any]) -> str:
     """:data:`RNN_STACK_HINT` for the first torch recurrent module whose further layers or
-    reverse direction the model left unmatched (its names among ``report``'s unexpected)."""
+    reverse direction or projections (``proj_size``) the model left unmatched (its names among
+    ``report``'s unexpected)."""
     for name in report.unexpected:
-        found = _LAYER.match(name)
-        if found is None or (found["k"] == "0" and not found["reverse"]):
+        found = _LAYER.match(name) or _PROJECTION.match(name)  # a projection: torch's proj_size, one layer too
+        if found is None or (found.re is _LAYER and found["k"] == "0" and not found["reverse"]):
             continue
         prefix = found["prefix"]
         first, hidden = given.get(f"{prefix}weight_ih_l0"), given.get(f"{prefix}weight_hh_l0")

@@ -301,6 +301,7 @@ class _Plan:
     ties: list[_Tie]
     attentions: list[str] = dataclasses.field(default_factory=list)  # MultiheadAttention layers' torch names
     ports: list[Found] = dataclasses.field(default_factory=list)  # subtrees named by their own converter
+    layers: dict[str, Any] = dataclasses.field(default_factory=dict)  # each known layer by its torch name
 
 
 ADAPTED_LAYER = """\
@@ -367,6 +368,7 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: 
             return plan.ports.append(Found(ft, torch, node, port))
         local = layer_rules(node, ft, torch, options)
         if local is not None:
+            plan.layers.setdefault(torch, node)  # an option it lacks, named by a mismatch's error
             add(local, node, ft, stored, index, torch)
             return uncovered({n for _, f, _, _ in local for n in f}, node, ft, stored, index, torch)
         if is_stacked(node):
@@ -707,7 +709,12 @@ def load_torch_state_dict(
     Each known layer (module docstring) takes its torch tensors converted to its own
     layout; any other array leaf takes the tensor of its name as it is. Values are cast
     to the model's floating dtypes and every shape is checked. ``strict=True`` raises one
-    error listing missing, unexpected and mis-shaped torch names; ``strict=False`` keeps
+    error listing missing, unexpected and mis-shaped torch names, and naming where it can the
+    torch option behind them: a layer's bias, affine or running statistics its ``ft.nn``
+    layer was built without (or with: the option that leaves them out), an LSTM's
+    ``proj_size``, ``MultiheadAttention(add_bias_kv=True)`` (no port), a weight stored as a
+    parametrization (``weight_norm``: ``weight_g``, ``parametrizations.weight.original0``) and
+    a wrapper's prefix (DataParallel's ``module.``); ``strict=False`` keeps
     the model's value wherever the state dict does not fit and returns ``(model, report)``
     (an ``ft.FlatDictReport`` in torch's names). ``num_batches_tracked`` is dropped.
     ``state_dict`` may be the path of a ``.safetensors`` file, of a sharded checkpoint's
@@ -807,7 +814,9 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     if given_names:
         report = _as_given(report, state_dict, rename)
     if strict and not report.ok:
-        raise mismatch_error(plan.rules, plan.attentions, report, recurrent_hint(report, given) + hint(plan.ports))
+        # layers' options are named for a model of ft.nn layers, not a port's own (from_hf: its config builds them)
+        raise mismatch_error(plan.rules, plan.attentions, report, recurrent_hint(report, given) + hint(plan.ports),
+                             plan.layers if ports else {})
     return tree if strict else (tree, report)
 
 

@@ -560,7 +560,10 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
 
     Without a template the tree is rebuilt with its saved types (registered types and
     Module subclasses only, see :func:`functree.train.register`); with one, every leaf
-    must match it in key path, shape and dtype. Every array's CRC-32 is checked. Arrays
+    must match it in key path, shape and dtype, its static values must be the saved ones,
+    and so must its layers without arrays: a template that adds, drops or replaces one (a
+    ``Lambda(relu)`` appended to a ``Sequential``) is refused, naming the key path
+    (``LAYERS_DIFFER``). Every array's CRC-32 is checked. Arrays
     are placed by this process, never by the devices that wrote them: with ``mesh`` (and
     ``sharding``: None, "fsdp" or rules) onto that mesh, placed by the rules, each device
     reading its own shards; else with ``sharding`` (a device or a ``Sharding``: torch's
@@ -861,7 +864,8 @@ class CheckpointManager:
 
         ``template`` (a model), ``opt_state_template`` and ``extra_template`` are checked
         against the saved leaves by key path, shape and dtype, every mismatch reported at
-        once; parts without a template are rebuilt from the saved type information, using
+        once, then against the saved static values and layers without arrays (as
+        :func:`load`); parts without a template are rebuilt from the saved type information, using
         only registered types (:func:`functree.train.register`). Parts left out of
         ``include`` come back as None (e.g. ``include=("model",)`` to continue a saved
         model with new optimizer options). Damage raises :class:`CheckpointError`.

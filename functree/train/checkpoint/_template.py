@@ -16,10 +16,10 @@ from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict, t
 from functree.nn._lora import ADDED_FIELDS
 from functree.train.checkpoint._decode import decode, decode_leaf, leaf_specs
 from functree.train.checkpoint._errors import CheckpointError
-from functree.train.checkpoint._treespec import static_differences
+from functree.train.checkpoint._treespec import layer_differences, static_differences
 
-__all__ = ["rebuild", "with_template", "TemplateMismatch", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "TEMPLATE_WITH_SAVED", "CAST_ON_LOAD",
-           "CAST_CODE", "CAST_ON_RESTORE"]
+__all__ = ["rebuild", "with_template", "TemplateMismatch", "TEMPLATE_MISMATCH", "STATIC_MISMATCH", "TEMPLATE_WITH_SAVED",
+           "LAYERS_DIFFER", "CAST_ON_LOAD", "CAST_CODE", "CAST_ON_RESTORE"]
 
 # A type's opt-in: the fields named by this class attribute hold running values (a metric
 # such as the learning context's latest loss), not parameters: a floating value saved in
@@ -68,6 +68,18 @@ Build the template with the saved values, or restore without a template to get t
 {part} as it was saved:
 
     wrong:  {wrong}      # the template's {where} is {mine}; saved: {saved}
+    right:  {right}"""
+
+LAYERS_DIFFER = """\
+{what} holds other layers than the template. A template gives the saved arrays their \
+structure; a layer without arrays that it adds or drops (an activation, a pooling, a Flatten, \
+a Dropout), or a layer of another class in a saved one's place, leaves every key path, shape \
+and dtype as saved, and the {part} would compute another function silently:
+{lines}
+Build the template with the saved layers, or restore without a template to get the saved \
+{part} as it was saved (and change its layers in code):
+
+    wrong:  {wrong}      # {where}: the template's {mine}; saved: {saved}
     right:  {right}"""
 
 
@@ -144,7 +156,8 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
         report = _loader_hints(report, part or "tree", plain.split("#")[0].strip())
         raise TemplateMismatch(TEMPLATE_MISMATCH.format(part=part or "tree", at=at, plain=plain, report=report,
                                                         hint=hint), part)
-    differences = static_differences(spec, template, part)
+    layers = layer_differences(spec, template, part)
+    differences = layers or static_differences(spec, template, part)
     if differences:
         lines = "\n".join(f"    {where}: saved {saved}, the template's {mine}" for where, saved, mine in differences[:8])
         more = f"\n    ... and {len(differences) - 8} more" if len(differences) > 8 else ""
@@ -157,8 +170,9 @@ def rebuild(spec: dict[str, Any], arrays: dict[str, Any], template: Any, part: s
             wrong, right = f"manager.restore({step}, {given}=...)", (plain or f"manager.restore({step}).{part}") + hint
         if saved.startswith("functools.partial("):  # read as saved, it would need a template again
             right = TEMPLATE_WITH_SAVED.format(wrong=wrong, field=where.rsplit(".", 1)[-1], saved=saved)
-        raise TemplateMismatch(STATIC_MISMATCH.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
-                                                      right=right, where=where, mine=mine, saved=saved), part)
+        message = LAYERS_DIFFER if layers else STATIC_MISMATCH
+        raise TemplateMismatch(message.format(what=what, part=part or "tree", lines=lines + more, wrong=wrong,
+                                              right=right, where=where, mine=mine, saved=saved), part)
     return tree
 
 

@@ -39,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module
+from functree._naming import is_tied
 from functree._paths import KeyPath
+from functree._stacked import is_stacked
 from functree._tree import child_name, dotted_name
 from functree.hf._config import HFConfig
 from functree.train.checkpoint._decode import (
@@ -47,6 +49,7 @@ from functree.train.checkpoint._decode import (
     check_names,
     decode,
     flag_bits,
+    leaf_specs,
     namedtuple_names,
     numpy_scalar,
     safe_dtype,
@@ -61,7 +64,8 @@ from functree.train.checkpoint._registry import (
 )
 
 # decode, check_names, CheckpointError and SpecError: imported from here by other modules.
-__all__ = ["encode", "decode", "same_classes", "check_names", "static_differences", "template_chooses",
+__all__ = ["encode", "decode", "same_classes", "check_names", "static_differences", "layer_differences",
+           "template_chooses",
            "CheckpointError", "SpecError", "UNENCODABLE_KEY"]
 
 STATIC_DROPPED = """\
@@ -331,6 +335,12 @@ def static_differences(spec: Any, template: Any, path: str = "", *, texts: bool 
     if not isinstance(spec, dict):
         return []
     kind, out = spec.get("kind"), []
+    same_class = kind == "module" and spec.get("class") == type_name(type(template))
+    if not same_class and is_tied(template):  # a tie reads an untied tree by its resolved model's names
+        return static_differences(spec, template.model, path, texts=texts)
+    if not same_class and is_stacked(template) and kind in ("list", "tuple"):  # a Stack's members saved one by one
+        return [d for n, c in _named_children(spec, path)
+                for d in static_differences(c, template.layers, child_name(path, n), texts=texts)]
     if kind in ("module", "dataclass"):
         out += _static_fields_differ(spec, template, path, texts)
     elif kind == "function" and callable(template):  # a function at a leaf: the template's is kept
@@ -342,6 +352,120 @@ def static_differences(spec: Any, template: Any, path: str = "", *, texts: bool 
         if found:
             out += static_differences(child, value, child_name(path, name), texts=texts)
     return out
+
+
+def layer_differences(spec: Any, template: Any, path: str = "") -> list[tuple[str, str, str]]:
+    """``(key path, saved, template's)`` of every layer without arrays that the template adds,
+    drops or replaces (a layer is a Module or a function at a leaf): a ``Lambda(relu)`` or a
+    ``Flatten`` appended to a Sequential, a ``Dropout`` dropped, a ``GlobalMaxPool1D`` where
+    the template has a ``GlobalAvgPool1D``. The arrays' key paths, shapes and dtypes cannot
+    tell (a layer with arrays added or dropped changes them), and each of these computes
+    another function. A leafless Module of another class counts where the saved class is
+    defined in this process and neither class derives from the other; a layer with arrays
+    may be of a class renamed since the save (its fields and static values are compared:
+    :func:`static_differences`). A Stack's members saved one by one and an untied tree read
+    into an ``ft.nn.Shared`` are compared member by member and through the tie."""
+    if not isinstance(spec, dict):
+        return []
+    kind = spec.get("kind")
+    if kind == "none" or template is None:
+        saved, mine = _layers_in_spec(spec), _layers_in(template)
+        return [(path or "(the root)", _layer_shown(spec), _template_shown(template))] if saved or mine else []
+    same_class = kind == "module" and spec.get("class") == type_name(type(template))
+    if not same_class and is_tied(template):  # a tie reads an untied tree by its resolved model's names
+        return layer_differences(spec, template.model, path)
+    if not same_class and is_stacked(template):  # a Stack reads its members saved one by one
+        members = _named_children(spec, path) if kind in ("list", "tuple") else []
+        return [d for n, c in members for d in layer_differences(c, template.layers, child_name(path, n))]
+    if not same_class and kind == "module" and any(is_stacked(c) or is_tied(c) for c in _saved_classes(spec)):
+        return []  # a saved Stack or tie read by other names: its arrays' key paths told
+    out = []
+    if (kind == "module" and not same_class and isinstance(template, Module)
+            and not any(s.get("kind") == "leaf" for _, s in leaf_specs(spec))
+            and _other_class(spec, type(template))):  # a leafless layer is its class (a renamed one's arrays tell)
+        out.append((path or "(the root)", _layer_shown(spec), _template_shown(template)))
+    if kind not in ("module", "dataclass", "list", "tuple", "namedtuple", "dict"):
+        return out
+    names = set()
+    for name, child in _named_children(spec, path):
+        names.add(name)
+        found, value = _template_child(template, name)
+        if found:
+            out += layer_differences(child, value, child_name(path, name))
+        elif _layers_in_spec(child) and not (isinstance(template, dict) and kind in ("module", "dataclass")):
+            out.append((child_name(path, name), _layer_shown(child), "none"))  # (a dict template reads arrays)
+    for name, value in _template_children(template):
+        if name not in names and _layers_in(value):
+            out.append((child_name(path, name), "none", _template_shown(value)))
+    return out
+
+
+def _saved_classes(spec: dict[str, Any]) -> list[type]:
+    """The classes defined here that a stored Module's class name may mean."""
+    name = spec.get("class")
+    return [c for c in lookup_type(name) if isinstance(c, type)] if isinstance(name, str) else []
+
+
+def _other_class(spec: dict[str, Any], mine: type) -> bool:
+    """Whether a stored Module's class is defined here and unrelated to ``mine``."""
+    found = _saved_classes(spec)
+    return bool(found) and not any(issubclass(mine, c) or issubclass(c, mine) for c in found)
+
+
+def _layers_in_spec(spec: Any) -> bool:
+    """Whether a stored node is or holds a Module or a function."""
+    if not isinstance(spec, dict):
+        return False
+    if spec.get("kind") in ("module", "function"):
+        return True
+    return any(_layers_in_spec(child) for _, child in _named_children(spec, ""))
+
+
+def _layers_in(tree: Any) -> bool:
+    """Whether a template's subtree is or holds a Module or a function (not an array)."""
+    nodes = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Module))
+    return any(isinstance(x, Module) or (callable(x) and not isinstance(x, (jax.Array, np.ndarray))) for x in nodes)
+
+
+def _template_children(template: Any) -> list[tuple[str, Any]]:
+    """``(name, child)`` of a template's node, named as :func:`_named_children` names a
+    stored node's (a Module's and a dataclass's data fields, positions, dict keys as text)."""
+    if isinstance(template, Module):
+        cls = type(template)
+        return [(n, template.__dict__.get(n)) for n in cls.__ft_fields__ if n not in cls.__ft_static__]
+    if _is_namedtuple(template):
+        return list(zip(type(template)._fields, template))
+    if isinstance(template, (list, tuple)):
+        return [(str(i), v) for i, v in enumerate(template)]
+    if isinstance(template, dict):
+        return [(str(k), v) for k, v in template.items()]
+    if dataclasses.is_dataclass(template) and not isinstance(template, type):
+        with_paths = jax.tree_util.tree_flatten_with_path(template, is_leaf=lambda y: y is not template)[0]
+        return [(p[0].name, v) for p, v in with_paths if isinstance(p[0], jax.tree_util.GetAttrKey)]
+    return []
+
+
+def _layer_shown(spec: dict[str, Any]) -> str:
+    """A stored node as the user wrote it: ``Lambda(fn=relu)``, ``relu``, ``None``."""
+    kind = spec.get("kind")
+    if kind == "module":
+        return _shown({"module": spec})
+    if kind == "function":
+        return _shown({"function": spec.get("name")})
+    if kind == "none":
+        return "None"
+    return f"a {kind} of layers"
+
+
+def _template_shown(value: Any) -> str:
+    """A template's node as the user wrote it (a Module's statics, without its arrays)."""
+    if value is None:
+        return "None"
+    if isinstance(value, Module):
+        return _shown({"module": _Encoder().module(value, "")})
+    if not isinstance(value, (list, tuple, dict)) and callable(value):
+        return _shown(_encode_static(value))
+    return f"a {type(value).__name__} of layers"
 
 
 def _static_fields_differ(spec: dict[str, Any], template: Any, path: str,

@@ -19,7 +19,7 @@ from jax.core import Tracer
 
 from functree._compat import CURRENT_TRACE, TOP_TRACE, parent_trace, trace_of, traced_for
 
-__all__ = ["CURRENT", "TOP", "current_trace", "inner_trace", "staged", "transform_name", "under_transformation"]
+__all__ = ["CURRENT", "TOP", "current_trace", "inner_trace", "staged", "transform_name", "under_transformation", "under_vmap"]
 
 # ``CURRENT.value is not TOP``: under a transformation (read in C from JAX 0.10).
 CURRENT: Any = CURRENT_TRACE
@@ -58,6 +58,26 @@ def staged() -> bool:
     trace = CURRENT.value
     while trace is not None and trace is not TOP:
         if traced_for(trace) is not None:
+            return True
+        trace = parent_trace(trace)
+    return False
+
+
+def under_vmap() -> bool:
+    """Whether a ``jax.vmap`` is open around the call (a loop or jit inside it included):
+    a per-example vmap, whose layers see one example at a time.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._traces import under_vmap
+      >>> seen = []
+      >>> _ = jax.vmap(lambda x: seen.append(under_vmap()) or x)(jnp.ones(2)), jax.jit(lambda x: seen.append(under_vmap()) or x)(1.0)
+      >>> seen
+      [True, False]
+    """
+    trace = CURRENT.value
+    while trace is not None:
+        if transform_name(trace) == "jax.vmap":
             return True
         trace = parent_trace(trace)
     return False

@@ -20,11 +20,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from functree._compat import parent_trace
 from functree._module import field
 from functree._parameters import VIEW_CALLED
 from functree._repr import short_array
-from functree._traces import current_trace, transform_name
+from functree._traces import under_vmap
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._conv import _channels_first
 from functree.nn._mode import Layer
@@ -88,17 +87,6 @@ def _momentum(cls: str, family: str, momentum: Any, channels: Any) -> float:
         what, right, why = _MOMENTUM_NONE[family]
         raise TypeError(MOMENTUM_NONE.format(cls=cls, what=what, channels=channels, right=right, right_why=why))
     return float(momentum)
-
-
-def _under_vmap() -> bool:
-    """Whether a ``jax.vmap`` is open around the call (a loop or jit inside it included): a
-    per-example vmap, whose one-example batch ``collect_state`` refuses with its own fix."""
-    trace = current_trace()
-    while trace is not None:
-        if transform_name(trace) == "jax.vmap":
-            return True
-        trace = parent_trace(trace)
-    return False
 
 
 def _normalized_shape(shape: Any) -> tuple[int, ...]:
@@ -383,7 +371,7 @@ class BatchNorm(Layer):
             mean = jnp.mean(xs, axis=reduce)
             var = jnp.mean(jnp.square(xs - mean.reshape(shape)), axis=reduce)
             count = x.size // features
-            if count < 2 and not (self.training and _under_vmap()):  # torch's refusal: a batch variance
+            if count < 2 and not (self.training and under_vmap()):  # torch's refusal: a batch variance
                 # of 0 (n - 1 = 0 for the unbiased one); a per-example vmap's is collect_state's error
                 raise ValueError(BATCH_ONE.format(given=short_array(x), count=count, axis=self.axis,
                                                   why=BATCH_ONE_WHY[self.unbiased_running_variance]))

@@ -23,7 +23,6 @@ axis in ``functree/parallel/_step_specs.py``.
 from __future__ import annotations
 
 import bisect
-import copy
 import difflib
 import functools
 import inspect
@@ -56,7 +55,7 @@ from functree.nn._state import collect_state, salted_keys
 from functree.optim import Optimizer, OptimizerState, context, hyperparameters
 from functree.optim._accumulate import check_accumulation
 from functree.optim._hyper import learning_rate_names
-from functree.optim._optimizer import Gradients, OptimizerWrapper
+from functree.optim._optimizer import Gradients, with_axis_name
 from functree.optim._replicas import all_varying, as_varying, replica_mean, replica_weighted_mean
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
@@ -230,34 +229,6 @@ def as_optimizer(optimizer: Any) -> Optimizer:
     ):
         return Optimizer(optimizer)
     raise TypeError(BAD_OPTIMIZER.format(given=repr(optimizer)[:80]))
-
-
-def on_data_axis(optimizer: Any, axis: str) -> Any:
-    """``optimizer`` with its data-parallel ``axis_name`` bound to ``axis`` (a copy: the
-    innermost Optimizer's set, a wrapper's own hooks kept), for the gradient half a mesh
-    step runs per device. Its default aggregation (the mean, or the count-weighted mean of a
-    ``WeightedMean`` loss) then runs between ``transform_unaggregated_gradients`` and
-    ``transform_gradients``, as on one device: a global-norm clip in
-    ``transform_gradients`` sees the whole batch's gradient, not each device's (which
-    clipped each device's gradient by its own norm before the mean: parameters 4.6e-2 of
-    their largest value from one device's after 3 SGD steps on 8 devices). An optimizer
-    that names an axis of its own, or aggregates its own way (``aggregate_gradients=``,
-    an override: it runs with the axis bound anyway), is kept as it is.
-
-    Example:
-      >>> import functree as ft
-      >>> opt = ft.optim.LossScaleOptimizer(ft.optim.Optimizer(ft.optim.sgd(0.1)))
-      >>> on_data_axis(opt, "data").axis_name, opt.axis_name
-      ('data', None)
-    """
-    if optimizer.axis_name is not None:
-        return optimizer
-    bound = copy.copy(optimizer)
-    if isinstance(optimizer, OptimizerWrapper):
-        object.__setattr__(bound, "inner", on_data_axis(optimizer.inner, axis))
-    else:
-        object.__setattr__(bound, "_axis_name", axis)
-    return bound if bound._weighing_axis() == axis else optimizer  # (None: not the default aggregation)
 
 
 def _merge_microbatches(aux: Any, size: int, accumulate: int, rows: Any) -> Any:
@@ -518,7 +489,7 @@ class TrainStep:
         rows = self._per_example(model, batch, key) if where is not None or self.optimizer.accumulate > 1 else None
         # On a mesh the optimizer aggregates over the data axis itself, before its
         # transform_gradients (one device on the axis: nothing to aggregate, no collective).
-        optimizer = self.optimizer if where is None or where.devices == 1 else on_data_axis(self.optimizer, where.data_axis)
+        optimizer = self.optimizer if where is None or where.devices == 1 else with_axis_name(self.optimizer, where.data_axis)
         result = optimizer.step(
             loss_fn, model, opt_state, (batch,), has_aux=True, minibatch_size=size, on_nan=self.on_nan,
             enabled=enabled, replicas=None if where is None else functools.partial(self._replicas, rows=rows), key=key,

@@ -122,6 +122,18 @@ def test_a_weighted_loss_weighs_each_replica_by_its_count():
     rv, _, rloss = ref.minimize(_weighted, v0, ref.init(v0), x[1], y[1])
     np.testing.assert_allclose(v["v"][0], rv["v"], rtol=0, atol=1e-6 * scale)
     np.testing.assert_allclose(loss[0], float(rloss), rtol=0, atol=1e-6)
+    # An override reaching the default through super() is weighed too (it was the equal mean:
+    # 0.15 off, and its loss the mean of the replicas' means).
+    class Logged(fo.Optimizer):
+        def aggregate_gradients(self, grads):
+            return super().aggregate_gradients(grads)
+    logged = Logged(fo.sgd(1.0), axis_name="r")
+    y[0, :] = y[1, :]
+    y[0, 1:] = -100
+    v, _, loss = jax.vmap(lambda xb, yb: logged.minimize(_weighted, v0, logged.init(v0), xb, yb), axis_name="r")(x, y)
+    rv, _, rloss = ref.minimize(_weighted, v0, ref.init(v0), x.reshape(12, 3), y.reshape(12))
+    np.testing.assert_allclose(v["v"], np.stack([rv["v"]] * 2), rtol=0, atol=1e-6 * scale)
+    np.testing.assert_allclose(loss, [float(rloss)] * 2, rtol=0, atol=1e-6)
     # A custom aggregation is the user's: the replicas' gradients reach it unweighed.
     seen = []
     custom = fo.Optimizer(fo.sgd(1.0), axis_name="r", aggregate_gradients=lambda g: seen.append(g) or jax.lax.pmean(g, "r"))

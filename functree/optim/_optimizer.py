@@ -26,6 +26,7 @@ of arrays and NamedTuples, and one ``ft.jit``-compiled step runs all of it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import functools
 import inspect
@@ -90,6 +91,8 @@ from functree.optim._replicas import (
     axis_size,
     replica_mean,
     replica_weighted_mean,
+    tracks_varying,
+    varying_axes,
 )
 from functree.optim._skip import (
     SkipState,
@@ -566,7 +569,9 @@ class Optimizer:
         return self._axis_name
 
     def aggregate_gradients(self, grads: Any) -> Any:
-        """The data-parallel all-reduce: the replicas' mean gradient over ``axis_name``.
+        """The data-parallel all-reduce: the replicas' mean gradient over ``axis_name``
+        (weighed by their counts for a :class:`~functree.losses.WeightedMean` loss, also
+        when an override reaches it through ``super()``).
 
         Identity without an ``axis_name``; a ``ValueError`` naming it when that axis is
         not bound where the step runs. Under ``shard_map`` both ``check_vma`` settings
@@ -576,14 +581,15 @@ class Optimizer:
             return self._aggregate(grads)
         if self._axis_name is None:
             return grads
+        record = _WEIGHED.get()
+        if record is not None:
+            return replica_weighted_mean(record, grads, self._axis_name)[1]
         return replica_mean(grads, self._axis_name, reduced="sum")
 
-    def _weighing_axis(self) -> Any:
-        """``axis_name`` where the default aggregation runs (no ``aggregate_gradients=`` given
-        or overridden): a :class:`~functree.losses.WeightedMean` loss is then weighed by its
-        replicas' counts."""
-        default = self._aggregate is None and type(self).aggregate_gradients is Optimizer.aggregate_gradients
-        return self._axis_name if default else None
+    def _custom_aggregation(self) -> bool:
+        """Whether ``aggregate_gradients=`` was given: a function that cannot reach the
+        default (an override can, through ``super()``)."""
+        return self._aggregate is not None
 
     def transform_gradients(self, grads: Any) -> Any:
         """Gradient transforms after aggregation (clipping, ...)."""
@@ -610,10 +616,13 @@ class Optimizer:
         comes out of it NaN (:func:`~functree.optim._skip.keep_nonfinite`; a clip would make
         an overflowed ``inf`` a plausible 1, where torch's ``unscale_`` checks before it).
 
-        With an ``axis_name`` and the default aggregation, a
-        :class:`~functree.losses.WeightedMean` loss (``reduction="weighted"``) weighs each
-        replica's gradient by its count (:func:`~functree.optim._replicas.replica_weighted_mean`):
-        the global batch's mean, as ``ft.train.train_step(mesh=)`` takes it."""
+        With an ``axis_name`` and the default aggregation (an override's ``super()``
+        included), a :class:`~functree.losses.WeightedMean` loss (``reduction="weighted"``)
+        weighs each replica's gradient by its count
+        (:func:`~functree.optim._replicas.replica_weighted_mean`): the global batch's mean,
+        as ``ft.train.train_step(mesh=)`` takes it. Under ``shard_map``, what a custom
+        aggregation leaves varying over the axis is averaged (so weighed) before
+        ``transform_gradients``."""
         def differentiated(model: Any) -> tuple[Any, Any]:
             if self.accumulate > 1:
                 return accumulated_gradients(self, loss_fn, model, batch, has_aux, state, key)
@@ -621,18 +630,21 @@ class Optimizer:
             return self.get_gradients(fn, model, *batch, has_aux=has_aux, state=state)
 
         out, grads = differentiated(model)
-        axis = self._weighing_axis()
+        axis, custom = self.axis_name, self._custom_aggregation()
         weighed = axis is not None and isinstance(out[0] if has_aux else out, WeightedMean)
-        if weighed and not all_varying(grads, axis):
+        if weighed and not custom and not all_varying(grads, axis):
             # shard_map summed the replicated parameters' gradients: once more, each replica's own
             out, grads = differentiated(as_varying(model, axis))
         checked = self.handles_nonfinite if checked is None else checked
         hooked = self.transform_unaggregated_gradients(grads)
-        if weighed:
-            record = out[0] if has_aux else out
-            grads = replica_weighted_mean(record, _keep(grads, hooked) if checked else hooked, axis)[1]
-        else:
+        record = (out[0] if has_aux else out) if weighed else None
+        token = _WEIGHED.set(record)  # the default aggregation weighs by it (an override's super() too)
+        try:
             grads = self.aggregate_gradients(_keep(grads, hooked) if checked else hooked)
+        finally:
+            _WEIGHED.reset(token)
+        if axis is not None and (custom or _overrides_aggregation(self)):
+            grads = _complete_aggregation(grads, record, axis)
         hooked = self.transform_gradients(grads)
         return out, _keep(grads, hooked) if checked else hooked
 
@@ -750,7 +762,7 @@ class Optimizer:
             layer_state = jax.tree.map(lambda u: u[-1], layer_state)
             out = (record, out[1]) if has_aux else record
         if self.axis_name is not None:  # the global batch's loss: replicas' states stay identical
-            if self._weighing_axis() is not None and isinstance(record, WeightedMean):
+            if isinstance(record, WeightedMean):
                 record = replica_weighted_mean(record, None, self.axis_name)[0]  # Σ total / Σ count
                 loss = record.value
             else:
@@ -979,9 +991,8 @@ class OptimizerWrapper(Optimizer):
     def aggregate_gradients(self, grads: Any) -> Any:
         return self.inner.aggregate_gradients(grads)
 
-    def _weighing_axis(self) -> Any:  # the inner's, unless this wrapper aggregates itself
-        own = type(self).aggregate_gradients is not OptimizerWrapper.aggregate_gradients
-        return None if own else self.inner._weighing_axis()
+    def _custom_aggregation(self) -> bool:
+        return self.inner._custom_aggregation()
 
     def transform_gradients(self, grads: Any) -> Any:
         return self.inner.transform_gradients(grads)
@@ -1024,8 +1035,10 @@ def with_axis_name(optimizer: Any, axis: str) -> Any:
     device: a global-norm clip in ``transform_gradients`` sees the whole batch's gradient,
     not each device's (which clipped each device's gradient by its own norm before the
     mean: parameters 4.6e-2 of their largest value from one device's after 3 SGD steps on
-    8 devices). An optimizer that names an axis of its own, or aggregates its own way
-    (``aggregate_gradients=``, an override: it runs with the axis bound anyway), is kept.
+    8 devices). An override of ``aggregate_gradients`` reaches that default through
+    ``super()``; what a custom aggregation (an override, or ``aggregate_gradients=``)
+    leaves varying over the axis is averaged before ``transform_gradients`` too
+    (:func:`_complete_aggregation`). An optimizer that names an axis of its own is kept.
 
     Example:
       >>> import functree as ft
@@ -1033,10 +1046,38 @@ def with_axis_name(optimizer: Any, axis: str) -> Any:
       >>> with_axis_name(opt, "data").axis_name, opt.axis_name
       ('data', None)
     """
-    if optimizer.axis_name is not None:
-        return optimizer
-    bound = _innermost_set(optimizer, "_axis_name", axis)
-    return bound if bound._weighing_axis() == axis else optimizer  # (None: not the default aggregation)
+    return optimizer if optimizer.axis_name is not None else _innermost_set(optimizer, "_axis_name", axis)
+
+
+# The WeightedMean record whose replicas the default aggregation weighs (set by
+# compute_gradients around the aggregate_gradients call, read by the default body, which an
+# override may reach through super(); None: a plain mean).
+_WEIGHED: contextvars.ContextVar[Any] = contextvars.ContextVar("functree_weighed_record", default=None)
+
+
+def _overrides_aggregation(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (or a wrapper on the way to the innermost) overrides
+    ``aggregate_gradients``."""
+    base = OptimizerWrapper if isinstance(optimizer, OptimizerWrapper) else Optimizer
+    if type(optimizer).aggregate_gradients is not base.aggregate_gradients:
+        return True
+    return isinstance(optimizer, OptimizerWrapper) and _overrides_aggregation(optimizer.inner)
+
+
+def _complete_aggregation(grads: Any, record: Any, axis: Any) -> Any:
+    """A custom aggregation's gradients with what it left varying over ``axis`` averaged
+    (weighed by ``record``'s counts when it is a WeightedMean): ``transform_gradients``
+    then sees the replicas' aggregate, as after the default. A leaf the aggregation
+    reduced (a ``psum``, a ``pmean``) is kept as it is. Where JAX does not track varying
+    values (``vmap``, ``pmap``), the aggregation is trusted, as before."""
+    if not tracks_varying(axis):
+        return grads
+    varying = jax.tree.map(lambda g: g if isinstance(g, jax.Array) and axis in varying_axes(g) else None, grads)
+    if not jax.tree.leaves(varying):
+        return grads
+    meaned = (replica_weighted_mean(record, varying, axis)[1] if record is not None
+              else replica_mean(varying, axis, reduced="value"))
+    return jax.tree.map(lambda g, m: g if m is None else m, grads, meaned, is_leaf=lambda x: x is None)
 
 
 def _innermost_set(optimizer: Optimizer, name: str, value: Any) -> Optimizer:

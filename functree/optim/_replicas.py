@@ -28,7 +28,8 @@ import jax
 
 from functree.losses._weighted import WeightedMean, ratio
 
-__all__ = ["all_varying", "as_varying", "axis_size", "replica_mean", "replica_weighted_mean", "varying_axes", "UNBOUND_AXIS"]
+__all__ = ["all_varying", "as_varying", "axis_size", "replica_mean", "replica_weighted_mean", "tracks_varying",
+           "varying_axes", "UNBOUND_AXIS"]
 
 UNBOUND_AXIS = """\
 The optimizer aggregates gradients over axis_name={name!r}, but no axis of that name is \
@@ -60,7 +61,7 @@ def varying_axes(x: Any) -> frozenset[Any]:
     return frozenset(vma)
 
 
-def _tracksvarying_axes(name: Any) -> bool:
+def tracks_varying(name: Any) -> bool:
     """Whether JAX tracks which values vary over ``name`` (shard_map with check_vma=True)."""
     return name in varying_axes(jax.lax.axis_index(name))
 
@@ -80,7 +81,7 @@ def replica_mean(tree: Any, name: Any, *, reduced: str = "sum") -> Any:
       Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
     """
     n = axis_size(name)
-    tracked = _tracksvarying_axes(name)
+    tracked = tracks_varying(name)
 
     def one(x: Any) -> Any:
         if x is None:
@@ -96,7 +97,7 @@ def all_varying(tree: Any, name: Any) -> bool:
     """Whether every array leaf of ``tree`` holds each replica's own value: JAX tracks no
     varying axes for ``name`` (``vmap``, ``pmap``, ``shard_map(check_vma=False)``), or each
     varies over it."""
-    if not _tracksvarying_axes(name):
+    if not tracks_varying(name):
         return True
     return all(name in varying_axes(x) for x in jax.tree.leaves(tree) if isinstance(x, jax.Array))
 
@@ -105,7 +106,7 @@ def as_varying(tree: Any, name: Any) -> Any:
     """``tree`` with every array leaf varying over ``name`` where JAX tracks varying axes
     (``shard_map(check_vma=True)``): differentiated, each replica then gets its own
     gradient, not the sum JAX would insert (elsewhere ``tree`` as it is)."""
-    if not _tracksvarying_axes(name):
+    if not tracks_varying(name):
         return tree
 
     def one(x: Any) -> Any:
@@ -137,7 +138,7 @@ def replica_weighted_mean(record: WeightedMean, grads: Any, name: Any) -> tuple[
       (8.0, 7.0)
     """
     n = axis_size(name)
-    tracked = _tracksvarying_axes(name)
+    tracked = tracks_varying(name)
 
     def summed(x: Any) -> Any:  # a value equal on every replica sums to n times itself
         return jax.lax.psum(x, name) if not tracked or name in varying_axes(x) else x * n

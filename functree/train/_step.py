@@ -303,8 +303,8 @@ class TrainStep:
         over ``data_axis`` only; other mesh axes are left to the compiler) with the
         optimizer's ``axis_name`` bound to ``data_axis`` (unless it names one itself), so
         ``aggregate_gradients`` averages before ``transform_gradients`` (a global-norm clip
-        sees the whole batch's gradient, as on one device), gradients still varying over the
-        axis after it (a custom aggregator's) are averaged, and the update
+        sees the whole batch's gradient, as on one device; gradients a custom aggregator
+        leaves varying over the axis are averaged before it too), and the update
         half runs once on the parameters and moments placed by ``sharding``. The loss and
         gradients are the mean of the devices' own: the whole batch's for a mean over
         examples; a mean over a variable count (unmasked tokens) weights each device's
@@ -558,7 +558,7 @@ class TrainStep:
             record = g.out[0]
             weighted = isinstance(record, WeightedMean)
             # Each device weighed by its count (kept tokens), unless the optimizer's own
-            # aggregation did (a custom aggregate_gradients leaves the record per device).
+            # aggregation did (an optimizer naming another axis leaves the record per device).
             if weighted and (alone or all_varying(record, axis)):
                 record, grads = replica_weighted_mean(record, g.grads, axis)
             else:  # what the optimizer's aggregation left varying, meaned

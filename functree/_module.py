@@ -43,6 +43,7 @@ import jax
 from functree import _functions
 from functree._field_checks import check_dict_keys, refuse_kw_only_marker
 from functree._fields import NO_DERIVATIVE, PARAMETER, STATIC, field, field_kind, is_missing
+from functree._foreign_arguments import foreign_argument
 from functree._foreign_methods import missing_attribute
 from functree._labels import label_calls
 from functree._module_flatten import pytree_functions
@@ -529,6 +530,13 @@ def _constructor(init: Callable[..., None], kind: str = "user") -> Callable[...,
         d[_BUILDING] = True
         try:
             init(self, *args, **kwargs)
+        except TypeError:
+            # Only when the signature itself refuses a keyword: another library's name
+            # (torch's bias=, eps=, p=) named with functree's (nothing runs on success).
+            better = foreign_argument(type(self), init, args, kwargs)
+            if better is None:
+                raise
+            raise better from None
         finally:
             self.__dict__.pop(_BUILDING, None)
         _finish(self)

@@ -356,6 +356,22 @@ for name, where, axis in (("mean", None, None), ("mean", mesh4, None), ("weighte
     res[f"{name}-{where is not None}-{axis}"] = {
         "weights": [np.asarray(x).ravel().tolist() for x in jax.tree.leaves(model)],
         "count": float(record.count) if name == "weighted" else None}
+# In a user's own shard_map the custom aggregation is trusted: what it leaves varying may be a
+# shard (FSDP's psum_scatter), and reaches transform_gradients as it is.
+from functree.optim._replicas import varying_axes
+seen = []
+def spy(g):
+    seen.append(all("data" in varying_axes(x) for x in jax.tree.leaves(g)))
+    return g
+own = ft.optim.Optimizer(ft.optim.sgd(0.5), axis_name="data", aggregate_gradients=lambda g: g, transform_gradients=spy)
+m0 = mlp()
+def per_device(xb, yb):
+    m = jax.tree.map(lambda a: jax.lax.pcast(a, "data", to="varying"), m0)
+    return own.compute_gradients(losses["mean"], m, (xb, yb))[1]
+split = lambda a: jax.device_put(a, jax.NamedSharding(mesh4, jax.P("data")))
+jax.shard_map(per_device, mesh=mesh4, in_specs=(jax.P("data"), jax.P("data")), out_specs=jax.P("data"))(
+    split(xs[0]), split(ys[0]))
+res["own_shard_map_varying"] = seen
 report(res)
 """,
 }
@@ -629,6 +645,7 @@ def test_a_global_norm_clip_sees_the_whole_batchs_gradient_and_weighted_counts_o
     own (2.7e-3 / 2.5e-3 off): the axis is bound for them too, super() weighs by the counts,
     and what a custom aggregation leaves varying is averaged before the hook."""
     out = part(eight_devices, "a_global_norm_clip_sees_the_whole_batchs_gradient_and_weighted_counts_once")
+    assert out.pop("own_shard_map_varying") == [True]
     for case, got in out.items():
         ref = out[case.split("-")[0] + "-False-None"]
         err = max(np.max(np.abs(np.asarray(a) - np.asarray(b))) for a, b in zip(got["weights"], ref["weights"]))

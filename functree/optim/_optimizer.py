@@ -344,6 +344,7 @@ class Optimizer:
     _transform_gradients: tuple[Callable[[Any], Any], ...]
     _apply_updates: Callable[[Any, Any], Any] | None
     _axis_name: Any
+    _step_axis: bool = False  # axis_name bound by a mesh step (with_axis_name), not the user's
     _accumulate: int
     _wrt: tuple[str, ...] | None
     _separable: bool
@@ -620,9 +621,9 @@ class Optimizer:
         included), a :class:`~functree.losses.WeightedMean` loss (``reduction="weighted"``)
         weighs each replica's gradient by its count
         (:func:`~functree.optim._replicas.replica_weighted_mean`): the global batch's mean,
-        as ``ft.train.train_step(mesh=)`` takes it. Under ``shard_map``, what a custom
-        aggregation leaves varying over the axis is averaged (so weighed) before
-        ``transform_gradients``."""
+        as ``ft.train.train_step(mesh=)`` takes it. On a mesh step's axis, what a custom
+        aggregation leaves varying over it is averaged (so weighed) before
+        ``transform_gradients`` (:func:`_complete_aggregation`)."""
         def differentiated(model: Any) -> tuple[Any, Any]:
             if self.accumulate > 1:
                 return accumulated_gradients(self, loss_fn, model, batch, has_aux, state, key)
@@ -643,7 +644,7 @@ class Optimizer:
             grads = self.aggregate_gradients(_keep(grads, hooked) if checked else hooked)
         finally:
             _WEIGHED.reset(token)
-        if axis is not None and (custom or _overrides_aggregation(self)):
+        if axis is not None and _innermost(self)._step_axis and (custom or _overrides_aggregation(self)):
             grads = _complete_aggregation(grads, record, axis)
         hooked = self.transform_gradients(grads)
         return out, _keep(grads, hooked) if checked else hooked
@@ -1024,7 +1025,7 @@ def with_wrt(optimizer: Any, wrt: Any) -> Any:
     old = optimizer.wrt  # (a wrapper's is its inner's)
     if old is not None and old != patterns:
         raise ValueError(WRT_CONFLICT.format(old=old, new=patterns))
-    return _innermost_set(optimizer, "_wrt", patterns)
+    return _innermost_set(optimizer, _wrt=patterns)
 
 
 def with_axis_name(optimizer: Any, axis: str) -> Any:
@@ -1046,7 +1047,15 @@ def with_axis_name(optimizer: Any, axis: str) -> Any:
       >>> with_axis_name(opt, "data").axis_name, opt.axis_name
       ('data', None)
     """
-    return optimizer if optimizer.axis_name is not None else _innermost_set(optimizer, "_axis_name", axis)
+    if optimizer.axis_name is not None:
+        return optimizer
+    return _innermost_set(optimizer, _axis_name=axis, _step_axis=True)
+
+
+def _innermost(optimizer: Optimizer) -> Optimizer:
+    while isinstance(optimizer, OptimizerWrapper):
+        optimizer = optimizer.inner
+    return optimizer
 
 
 # The WeightedMean record whose replicas the default aggregation weighs (set by
@@ -1068,8 +1077,12 @@ def _complete_aggregation(grads: Any, record: Any, axis: Any) -> Any:
     """A custom aggregation's gradients with what it left varying over ``axis`` averaged
     (weighed by ``record``'s counts when it is a WeightedMean): ``transform_gradients``
     then sees the replicas' aggregate, as after the default. A leaf the aggregation
-    reduced (a ``psum``, a ``pmean``) is kept as it is. Where JAX does not track varying
-    values (``vmap``, ``pmap``), the aggregation is trusted, as before."""
+    reduced (a ``psum``, a ``pmean``) is kept as it is. Only on a mesh step's axis
+    (:func:`with_axis_name`): there every parameter is whole on each device, so a
+    gradient still varying is a device's own, which the step would average after the hook.
+    Under a user's own ``shard_map`` a varying gradient may be a shard (a ``psum_scatter``
+    of FSDP's), and where JAX does not track varying values (``vmap``, ``pmap``) nothing
+    tells: there the aggregation is trusted."""
     if not tracks_varying(axis):
         return grads
     varying = jax.tree.map(lambda g: g if isinstance(g, jax.Array) and axis in varying_axes(g) else None, grads)
@@ -1080,12 +1093,13 @@ def _complete_aggregation(grads: Any, record: Any, axis: Any) -> Any:
     return jax.tree.map(lambda g, m: g if m is None else m, grads, meaned, is_leaf=lambda x: x is None)
 
 
-def _innermost_set(optimizer: Optimizer, name: str, value: Any) -> Optimizer:
-    """A copy of ``optimizer`` whose innermost Optimizer has ``name`` set to ``value`` (each
+def _innermost_set(optimizer: Optimizer, **values: Any) -> Optimizer:
+    """A copy of ``optimizer`` whose innermost Optimizer has the attributes ``values`` (each
     wrapper copied, its own hooks kept)."""
     new = copy.copy(optimizer)
     if isinstance(optimizer, OptimizerWrapper):
-        object.__setattr__(new, "inner", _innermost_set(optimizer.inner, name, value))
+        object.__setattr__(new, "inner", _innermost_set(optimizer.inner, **values))
     else:
-        object.__setattr__(new, name, value)
+        for name, value in values.items():
+            object.__setattr__(new, name, value)
     return new

@@ -18,7 +18,7 @@ import difflib
 import inspect
 from typing import Any
 
-__all__ = ["FOREIGN_ARGUMENT", "ALWAYS_ARGUMENT", "UNKNOWN_ARGUMENT", "FOREIGN_ARGUMENTS", "foreign_argument"]
+__all__ = ["FOREIGN_ARGUMENT", "ALWAYS_ARGUMENT", "UNKNOWN_ARGUMENT", "FOREIGN_ARGUMENTS", "foreign_argument", "public_name"]
 
 FOREIGN_ARGUMENT = """\
 {cls}() got an unexpected keyword argument{plural} {names}: {why}
@@ -108,7 +108,7 @@ def foreign_argument(cls: type, init: Any, args: tuple, kwargs: dict[str, Any]) 
     unknown = [k for k in kwargs if k not in params]
     if not unknown:
         return None
-    shown = _public_name(cls)
+    shown = public_name(cls)
     known = [n for n, p in list(params.items())[1:]
              if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY)]
     found = {name: _renamed(name, params) for name in unknown}
@@ -141,7 +141,7 @@ def _renamed(name: str, params: Any) -> tuple[str, tuple[str, ...]] | None:
     return (f"{whose}: {_ALWAYS[name]}", ()) if name in _ALWAYS else None
 
 
-def _public_name(cls: type) -> str:
+def public_name(cls: type) -> str:
     """``ft.nn.Dense`` for a class of ``functree.nn._linear``; a user's class by its name."""
     parts = cls.__module__.split(".")
     if parts[0] != "functree":

@@ -56,6 +56,7 @@ from functree._parameter_warnings import (
 )
 from functree._repr import module_html, module_repr
 from functree._tree import is_array_value
+from functree._undeclared import not_a_field
 
 # field, field_kind and the kinds (functree._fields) are imported from here by other modules.
 __all__ = [
@@ -116,16 +117,6 @@ MISSING_FIELDS = """\
 
 
 UNKNOWN_FIELD = "{cls} has no field {name!r}; its fields are {fields}."
-
-NOT_A_FIELD = """\
-{cls}.__init__ assigns self.{name}, which is not a declared field: it would be lost the \
-first time JAX rebuilds the module (jit, grad, tree_map). Declare it in the class body:
-
-    {name}: int = ft.field(static=True)          # configuration, e.g. a size or a flag
-    {name}: jax.Array                            # a parameter
-    {name}: jax.Array = ft.field(no_derivative=True)   # carried state
-"""
-
 
 class FrozenModuleError(dataclasses.FrozenInstanceError):
     """Raised when assigning to a field of a constructed :class:`Module`.
@@ -302,7 +293,7 @@ class Module:
     def __setattr__(self, name: str, value: Any) -> None:
         if _BUILDING in self.__dict__:
             if name not in type(self).__ft_field_set__:
-                raise AttributeError(NOT_A_FIELD.format(cls=type(self).__name__, name=name))
+                raise not_a_field(self, name, value, Module)
             self.__dict__[name] = value
             return
         raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))

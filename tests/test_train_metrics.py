@@ -1046,3 +1046,39 @@ def test_keras_accuracy_name_through_the_trainer():
     trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics=["acc"])
     with pytest.raises(ValueError, match=r"right:  metrics=\[ft\.train\.accuracy\]   # the loss function returns"):
         trainer.fit(ft.train.batches((x, y), 4), epochs=1, progress=False)
+
+
+def test_aux_scalars_no_metric_records_are_named_with_the_metrics_that_record_them():
+    """Flax's and Equinox's way of returning metrics, (loss, {"accuracy": acc}), reached no
+    history: a step records the metrics= it is given, and without any the aux went nowhere,
+    silently."""
+    import warnings
+
+    import functree.optim as fo
+
+    def loss_fn(w, batch):
+        x, y = batch
+        logits = x @ w["w"]
+        acc = jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32))
+        return ft.losses.softmax_cross_entropy(logits, y), {"accuracy": acc, "logits": logits}
+
+    w = {"w": jnp.ones((3, 2))}
+    batch = (jnp.ones((4, 3)), jnp.array([0, 1, 0, 1]))
+    opt = fo.Optimizer(fo.sgd(0.1))
+    with pytest.warns(ft.train.UnrecordedAuxWarning, match=r"returns 'accuracy' in its aux, and the step records no "
+                                                            r"metric: it reaches no history") as caught:
+        ft.train.train_step(loss_fn, opt, donate=False)(w, opt.init(w), batch)
+    assert "metrics=[ft.train.mean('accuracy')])" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, _, metrics = ft.train.train_step(loss_fn, opt, donate=False, metrics=[ft.train.mean("accuracy")])(
+            w, opt.init(w), batch)
+        assert float(metrics["accuracy"]) == 0.5
+
+        class Own(ft.train.TrainStep):  # an override records what it likes
+            def compute_metrics(self, out):
+                return {"loss": out.loss, "acc": out.aux["accuracy"]}
+
+        Own(loss_fn, opt, donate=False)(w, opt.init(w), batch)
+        ft.train.train_step(lambda w, b: (loss_fn(w, b)[0], {"logits": jnp.zeros((4, 2))}), opt, donate=False)(
+            w, opt.init(w), batch)

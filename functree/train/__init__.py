@@ -16,7 +16,13 @@ from functree.train._data import Batches, DataContext, batches, to_arrays
 from functree.train._history import History
 from functree.train._job import JobState
 from functree.train._loggers import CSVLogger, TensorBoardLogger
-from functree.train._metrics import StepOutput, accuracy, binary_accuracy, mean
+from functree.train._metrics import (
+    StepOutput,
+    UnrecordedAuxWarning,
+    accuracy,
+    binary_accuracy,
+    mean,
+)
 from functree.train._nonfinite import NonFiniteError
 from functree.train._scan import stack_batches
 from functree.train._setup import FrozenStateWarning, TrainingModeWarning
@@ -46,6 +52,7 @@ __all__ = [
     "NonFiniteError",
     "FrozenStateWarning",
     "TrainingModeWarning",
+    "UnrecordedAuxWarning",
     "History",
     "TrainingContext",
     "Callback",

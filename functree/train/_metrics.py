@@ -36,11 +36,13 @@ import numpy as np
 from jax.core import Tracer
 
 from functree import _compat as compat
+from functree._warnings import user_stacklevel
 from functree.losses._weighted import WeightedMean, ratio
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
-           "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD"]
+           "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "UNRECORDED_AUX", "UnrecordedAuxWarning",
+           "warn_unrecorded_aux"]
 
 NO_LOGITS = """\
 ft.train.accuracy needs the model's outputs (logits) as the loss function's aux output, \
@@ -745,6 +747,43 @@ INEXACT_MEAN = """The metric {name!r} reports a value computed from {what}; its 
 MIXED = ("a counting metric's value and other traced values (or host code, such as a jax.debug.callback or "
          "pure_callback around the value, which is never run on anything but the step's own values)")
 """What :data:`INEXACT_MEAN` says a value mixed its counting value with."""
+
+
+UNRECORDED_AUX = """\
+The loss function returns {names} in its aux, and the step records no metric: {they} no \
+history, progress bar or log (a step records the metrics it is given, read from the aux). \
+Record {them}:
+
+    wrong:  ft.train.Trainer(model, opt, loss_fn)              # loss_fn returns (loss, {{{key!r}: ...}})
+    right:  ft.train.Trainer(model, opt, loss_fn, metrics=[{fix}])"""
+
+
+class UnrecordedAuxWarning(UserWarning):
+    """A loss function's aux holds scalars (``{"accuracy": acc}``, Flax's and Equinox's way
+    of returning metrics) that a step with no metrics records nowhere (:data:`UNRECORDED_AUX`)."""
+
+
+def warn_unrecorded_aux(aux: Any) -> None:
+    """Warn (:class:`UnrecordedAuxWarning`) where ``aux`` is a dict holding scalars: called
+    at trace time by a step that records no metric, once per compilation.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     warn_unrecorded_aux({"accuracy": jnp.float32(0.5), "logits": jnp.zeros((4, 3))})
+      >>> "metrics=[ft.train.mean('accuracy')]" in str(caught[0].message)
+      True
+    """
+    if not isinstance(aux, Mapping):
+        return
+    names = [k for k, v in aux.items() if isinstance(k, str) and getattr(v, "ndim", None) == 0]
+    if names:
+        shown = ", ".join(repr(n) for n in names)
+        fix = ", ".join(f"ft.train.mean({n!r})" for n in names)
+        warnings.warn(UNRECORDED_AUX.format(names=shown, they="they reach" if len(names) > 1 else "it reaches",
+                                            them="them" if len(names) > 1 else "it", key=names[0], fix=fix),
+                      UnrecordedAuxWarning, stacklevel=user_stacklevel())
 
 
 class InexactMeanWarning(UserWarning):

@@ -86,6 +86,7 @@ from functree.train._metrics import (
     evaluate_metrics,
     measured,
     resolve_metrics,
+    warn_unrecorded_aux,
     without_parts,
 )
 from functree.train._modes import warn_step_in_inference
@@ -595,6 +596,8 @@ class TrainStep:
         # Here, not in compute_metrics: an override that does not call super() still gets
         # the parts of the counting values it reports (their epoch means Σ hits / Σ counted).
         metrics = measured(lambda: self.compute_metrics(out), self.metrics, out)
+        if not self.metrics and type(self).compute_metrics is TrainStep.compute_metrics:
+            warn_unrecorded_aux(aux)  # scalars returned in the aux, and nothing records them
         # What check_parts compares an override of step() against (a value changed after).
         _MEASURED.values = {k: (metrics[k], metrics[k + PART_SUM]) for k in metrics
                             if k != "loss" and k + PART_SUM in metrics and k + PART_COUNT in metrics}

@@ -55,6 +55,14 @@ def test_a_nested_port_loads_torch_state_dict_of_the_torch_model(template):
     assert_close(torch_outputs(other, tokens()), torch_outputs(reference, tokens()))
 
 
+def test_a_torch_module_holding_the_port_is_read_as_its_state_dict(template):
+    """The module given whole: its own layers' options are compared, the port's (BERT's
+    LayerNorm eps=1e-12, its dropouts) are its config's, not ft.nn layers' (no error)."""
+    reference = torch_classifier()
+    loaded = ft.nn.load_torch_state_dict(template, reference)
+    assert_close(outputs(loaded, tokens()), torch_outputs(reference, tokens()))
+
+
 def test_renames_apply_to_a_ports_names_too(template):
     renamed = {k.replace("bert.", "encoder.", 1): v for k, v in torch_classifier().state_dict().items()}
     loaded = ft.nn.load_torch_state_dict(template, renamed, rename={"encoder": "bert"})

@@ -1371,11 +1371,18 @@ def test_a_module_or_a_list_of_pairs_for_the_state_dict_names_it_and_the_fix():
     """Was AttributeError: 'Linear' object has no attribute 'items'."""
     from functree.interop._torch import MODULE_GIVEN, NOT_A_STATE_DICT, PAIRS_GIVEN
 
+    class Holder:  # no torch module (those are read whole: test_interop_torch_options.py), a state_dict method
+        def state_dict(self):
+            return linear.state_dict()
+
     linear, dense = nn.Linear(4, 2), ft.nn.Dense(4, 2, key=K[0])
     with pytest.raises(TypeError) as e:
-        ft.nn.load_torch_state_dict(dense, linear)
-    assert str(e.value) == NOT_A_STATE_DICT.format(kind="torch.nn.modules.linear.Linear", fix=MODULE_GIVEN)
+        ft.nn.load_torch_state_dict(dense, Holder())  # pyright: ignore[reportArgumentType]
+    kind = f"{Holder.__module__}.{Holder.__qualname__}"
+    assert str(e.value) == NOT_A_STATE_DICT.format(kind=kind, fix=MODULE_GIVEN)
     assert "right:  ft.nn.load_torch_state_dict(model, module.state_dict())" in str(e.value)
+    np.testing.assert_array_equal(np.asarray(ft.nn.load_torch_state_dict(dense, linear).weight),
+                                  linear.weight.detach().numpy().T)  # a torch module: its state_dict() and options
     with pytest.raises(TypeError) as e:
         ft.nn.load_torch_state_dict(dense, list(linear.state_dict().items()))  # pyright: ignore[reportArgumentType]
     assert str(e.value) == NOT_A_STATE_DICT.format(kind="list", fix=PAIRS_GIVEN)

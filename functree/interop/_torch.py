@@ -109,6 +109,7 @@ from functree._where import committed_sharding
 from functree.interop._host import copied, copy_all, empty
 from functree.interop._layouts import Local, Options, absent, gradient_to_torch, layer_rules, same
 from functree.interop._mismatch import mismatch_error
+from functree.interop._options import check_options, torch_module
 from functree.interop._ports import (
     Found,
     check_placement,
@@ -302,6 +303,8 @@ class _Plan:
     attentions: list[str] = dataclasses.field(default_factory=list)  # MultiheadAttention layers' torch names
     ports: list[Found] = dataclasses.field(default_factory=list)  # subtrees named by their own converter
     layers: dict[str, Any] = dataclasses.field(default_factory=dict)  # each known layer by its torch name
+    # every module by its torch name, with its key path (the innermost: a Remat's layer, a Shared's model)
+    nodes: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 ADAPTED_LAYER = """\
@@ -362,6 +365,7 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: 
             plan.rules.append(_Rule(tuple(join_names(torch, n) for n in t), names, a, b))
 
     def walk(node: Any, ft: str, stored: str | None, index: tuple[int, ...], torch: str) -> None:
+        _record(plan, node, ft, torch)
         port = port_of(node) if ports else None
         if port is not None:  # named by its own converter: Hugging Face's names under its torch prefix
             check_placement(ft, index, port)
@@ -423,6 +427,13 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: 
             patterns=unused, names=names, pattern=unused[0], first=names[0] if names else "h.*.attn"))
     plan.attentions = options.attentions
     return plan
+
+
+def _record(plan: _Plan, node: Any, ft: str, torch: str) -> None:
+    """``node`` by its torch name, a module's options compared with a torch module's
+    (:mod:`functree.interop._options`); the innermost of a name (a Remat's layer) last."""
+    if isinstance(node, Module):
+        plan.nodes[torch] = (ft, node)
 
 
 def _check_flattened(steps: list[tuple[str, str, Any]], ft: str, torch: str, options: Options, *,
@@ -721,6 +732,24 @@ def load_torch_state_dict(
     ``model.safetensors.index.json`` or of a directory holding either (read without torch,
     one tensor at a time from memory maps).
 
+    ``state_dict`` may also be the torch ``nn.Module`` itself: its ``state_dict()`` is loaded
+    as above, and the options no tensor holds are compared for every ``ft.nn`` layer at the
+    torch name of one of its submodules (a user's own module is walked through; a
+    ``from_hf`` port inside reads its tensors as always): a ``TransformerEncoderLayer``'s
+    ``norm_first``, activation, ``nhead``, ``layer_norm_eps``, ``batch_first`` and ``dropout``;
+    a convolution's ``stride``, ``padding`` (a transpose's with ``output_padding``),
+    ``dilation``, ``groups`` and ``padding_mode``; the norms' ``eps``, ``num_groups``,
+    ``normalized_shape`` and a ``BatchNorm``'s or tracking ``InstanceNorm``'s ``momentum``
+    (and torch's unbiased running variance); ``Embedding(Bag)``'s ``padding_idx``, ``mode``,
+    ``include_last_offset``; an RNN's ``batch_first``, ``nonlinearity`` and ``dropout``; an
+    attention's ``num_heads`` and ``dropout``; pools' windows, ``Dropout``'s ``p``, and an
+    activation module against the function at its place in a ``Sequential`` (checked on sample
+    values: ``nn.GELU()`` is ``ft.nn.gelu_exact``). Any difference is refused, ``strict=False``
+    too, by one error (:data:`~functree.interop._options.OPTIONS_DIFFER`) that lists each by
+    torch name and key path with the argument that gives torch's; options no ``ft.nn`` layer
+    has (``max_norm``, ``scale_grad_by_freq``, ``add_zero_attn``, a sequence-first standalone
+    ``MultiheadAttention``) are named alike. ``module.state_dict()`` loads the tensors alone.
+
     Structural layers nest freely: a ``Stack``'s members are torch's ``h.0``, ``h.1``, ...
     (each converted as its layer is); ``Sequential``'s ``layers``, ``Remat``'s ``layer``
     and ``Shared``'s ``model`` are not part of torch's names. A ``Shared`` tie answers to
@@ -768,20 +797,35 @@ def load_torch_state_dict(
       >>> _, report = ft.nn.load_torch_state_dict(model, {"0.weight": np.ones((2, 3))}, strict=False)
       >>> report.missing
       ('0.bias', '1.weight', '1.bias')
+      >>> import torch
+      >>> norm = torch.nn.LayerNorm(2, eps=1e-6)
+      >>> ft.nn.load_torch_state_dict(ft.nn.LayerNorm(2, 1e-6), norm).epsilon     # the module: options compared too
+      1e-06
+      >>> ft.nn.load_torch_state_dict(ft.nn.LayerNorm(2), norm)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: ft.nn.load_torch_state_dict: the torch module's options that no tensor holds differ ...
+        (the module) (LayerNorm; ft: (the model), LayerNorm): torch's eps=1e-06, the model's epsilon=1e-05
+      Build each layer with the argument shown:
+          right:  ft.nn.LayerNorm(..., epsilon=1e-06)   # at (the model)
+             or:  ft.nn.load_torch_state_dict(model, module.state_dict())   # the tensors alone, options unchecked
     """
-    return load_by_rules(model, state_dict, strict=strict, rename=rename, flattened=flattened, layouts=layouts,
-                         ports=True)
+    module = torch_module(state_dict)
+    return load_by_rules(model, state_dict if module is None else module.state_dict(), strict=strict, rename=rename,
+                         flattened=flattened, layouts=layouts, ports=True, module=module)
 
 
 def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[str], *, strict: bool = True,
                   rename: Rename = None, flattened: Mapping[str, Sequence[int] | None] | None = None,
                   layouts: Mapping[str, Any] | None = None, ports: bool = False, given_names: bool = False,
-                  complete: bool = False) -> Any:
+                  complete: bool = False, module: Any = None) -> Any:
     """:func:`load_torch_state_dict`; ``ports=False`` (a port's own converter: ``from_hf``)
     reads every layer by the rules above, a port's root included. ``given_names``: the
     report names tensors as the state dict does (a port's: Hugging Face's names), not as
     ``rename=`` maps them onto the model. ``complete``: every Stack member is required
-    (:class:`ShortStack` where the state dict ends before a Stack does)."""
+    (:class:`ShortStack` where the state dict ends before a Stack does). ``module``: the torch
+    module the state dict is of, whose options the model's layers must have
+    (:func:`~functree.interop._options.check_options`)."""
     if isinstance(state_dict, (str, os.PathLike)):
         state_dict = load_checkpoint(state_dict)
     else:  # a checkpoint's tensors are read lazily, and never meta
@@ -790,6 +834,8 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
     plan = _plan(model, shapes, layouts, values=False, ports=ports, complete=set(given) if complete else None)
+    if module is not None:  # strict=False too: the report lists tensors, and every one may load into other numbers
+        check_options(module, plan.nodes, to_model, [found.torch for found in plan.ports])
     loaded, ported, taken = load_ports(model, plan.ports, given) if plan.ports else ({}, FlatDictReport(), set())
     given = {k: v for k, v in given.items() if k not in taken}
     values, absent, mismatched = _converted(plan, given)

@@ -351,6 +351,25 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
         "SGD": ("torch's torch.optim.SGD(model.parameters(), lr, momentum) holds the parameters; "
                 "ft.optim.sgd takes the hyperparameters alone",
                 "tx = ft.optim.sgd(0.1, momentum=0.9);  opt_state = tx.init(ft.parameters(model))"),
+        **{torch: (f"torch's torch.optim.{torch}(model.parameters(), lr) holds the parameters; ft.optim.{ours} "
+                   f"takes the hyperparameters alone (torch's numbers{note})",
+                   f"tx = ft.optim.{ours}({args});  opt_state = tx.init(ft.parameters(model))")
+           for torch, (ours, args, note) in {
+               "NAdam": ("nadam", "2e-3", "; NAdamW: decoupled_weight_decay=True"),
+               "Rprop": ("rprop", "1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50)", ""),
+               "ASGD": ("asgd", "1e-2", "; its averaged parameters ax: ft.optim.averaged(opt_state, model)"),
+               "RAdam": ("radam", "1e-3", ""),
+               "Adamax": ("adamax", "2e-3", ""),
+               "Adagrad": ("adagrad", "1e-2, initial_accumulator_value=0.0", "; torch's accumulator starts at 0"),
+               "Adadelta": ("adadelta", "1.0, rho=0.9", "; torch's rho is 0.9, ε 1e-6"),
+               "RMSprop": ("rmsprop", "1e-2, rho=0.99", "; torch's alpha is rho here"),
+           }.items()},
+        **dict.fromkeys(("LBFGS", "lbfgs"), (
+            "torch's torch.optim.LBFGS steps with a closure (up to max_iter iterations a step); here optax.lbfgs, "
+            "one iteration a step with its zoom line search (other numbers than torch's), runs through "
+            "ft.optim.Optimizer, whose minimize gives it the loss and its function",
+            "opt = ft.optim.Optimizer(optax.lbfgs());  model, opt_state, loss = opt.minimize(loss_fn, model, "
+            "opt_state, x, y)")),
         "lr_scheduler": ("torch's lr_scheduler objects are stepped by hand; here a schedule is given as the "
                          "learning rate and the optimizer's state counts the steps",
                          "ft.optim.adam(ft.optim.schedule(optax.cosine_decay_schedule(1e-3, 1000), unit=\"steps\"))"),

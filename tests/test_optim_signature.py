@@ -42,7 +42,7 @@ def test_the_public_function_keeps_the_signature_and_docstring():
     assert list(inspect.signature(scaled).parameters) == ["factor", "shift", "flip"]
     assert scaled.__doc__.startswith("Scale by")
     assert list(inspect.signature(ft.optim.adam).parameters) == [
-        "learning_rate", "beta1", "beta2", "epsilon", "weight_decay"]
+        "learning_rate", "beta1", "beta2", "epsilon", "weight_decay", "maximize"]
 
 
 def test_a_set_hyperparameter_drives_the_next_step():
@@ -82,7 +82,7 @@ def test_off_at_zero_must_name_a_hyperparameter():
 def test_optax_and_torch_names_are_refused_with_functree_names_and_the_fix_matches_optax():
     """adam(1e-3, b1=0.9) raised a bare "got an unexpected keyword argument 'b1'"."""
     with pytest.raises(TypeError, match=r"ft\.optim\.adam: got an unexpected keyword argument 'b1'\. Its arguments: "
-                                        r"learning_rate, beta1, beta2, epsilon, weight_decay\.\n.*b1 → beta1") as info:
+                                        r"learning_rate, beta1, beta2, epsilon, weight_decay, maximize\.\n.*b1 → beta1") as info:
         ft.optim.adam(1e-3, b1=0.8, eps=1e-6)
     right = next(line.split("right:")[1].strip() for line in str(info.value).splitlines() if "right:" in line)
     assert right == "ft.optim.adam(0.001, beta1=0.8, epsilon=1e-06)"

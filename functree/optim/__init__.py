@@ -54,15 +54,21 @@ from functree.optim._per_member import PerMemberState, WholeStackState, per_memb
 from functree.optim._schedules import (
     constant,
     cosine_decay,
+    cosine_warm_restarts,
+    cyclic,
+    cyclic_momentum,
     exponential_decay,
     inverse_time_decay,
     linear_warmup,
+    one_cycle,
+    one_cycle_momentum,
     piecewise,
     schedule,
     warmup_cosine_decay,
 )
 from functree.optim._skip import SkipState, skip_non_finite
 from functree.optim._state import OptimizerState, upgrade_state
+from functree.optim._torch_optimizers import asgd, nadam, rprop
 from functree.optim._transforms import (
     add_gradient_noise,
     add_parameter_noise,
@@ -90,6 +96,9 @@ __all__ = [
     "amsgrad",
     "radam",
     "lion",
+    "nadam",
+    "rprop",
+    "asgd",
     "moments",
     "DEFAULT_NO_DECAY",
     "DECLARED",
@@ -159,6 +168,12 @@ __all__ = [
     "linear_warmup",
     "warmup_cosine_decay",
     "inverse_time_decay",
+    # schedules: torch.optim.lr_scheduler's cycles (OneCycleLR, CyclicLR, CosineAnnealingWarmRestarts)
+    "one_cycle",
+    "one_cycle_momentum",
+    "cyclic",
+    "cyclic_momentum",
+    "cosine_warm_restarts",
 ]
 
 

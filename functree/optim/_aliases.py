@@ -35,6 +35,8 @@ second moment is ``|g|²`` per complex element.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, ParamSpec
@@ -51,7 +53,7 @@ from functree._tree import is_none
 from functree.optim._checks import moment_fields
 from functree.optim._complex import RealPair, is_pair
 from functree.optim._groups import merge_members
-from functree.optim._hyper import OFF_AT_ZERO
+from functree.optim._hyper import OFF_AT_ZERO, OUT_OF_RANGE, _is_number
 from functree.optim._leafwise import separable
 from functree.optim._masked import masked
 from functree.optim._radam import scale_by_radam
@@ -294,11 +296,41 @@ def _l2(weight_decay: Any) -> optax.GradientTransformation:
 
 
 def _optimizer(
-    where: str, check: Callable[..., None] | None = None
+    where: str, check: Callable[..., None] | None = None, off_at_zero: Sequence[str] = OFF_AT_ZERO
 ) -> Callable[[Callable[P, Any]], Callable[P, optax.GradientTransformationExtraArgs]]:
     """An optimizer of this module: its ``weight_decay=0`` (the number) adds no L2 term and
-    needs no parameters; its update is declared :func:`separable`."""
-    return optimizer(where, off_at_zero=OFF_AT_ZERO, check=check, then=separable)
+    needs no parameters; its update is declared :func:`separable`; one whose signature has
+    ``maximize`` ascends when it is True (:func:`_maximizing`)."""
+    made = optimizer(where, off_at_zero=off_at_zero, check=check, then=separable)
+    return lambda body: made(_maximizing(body))
+
+
+def _maximizing(body: Callable[P, Any]) -> Callable[P, Any]:
+    """``body`` (an optimizer's, declaring ``maximize: bool = False`` as torch.optim's do),
+    built as :func:`ascending` when ``maximize`` is True: one way for every optimizer."""
+    if "maximize" not in inspect.signature(body).parameters:
+        return body
+
+    @functools.wraps(body)
+    def build(*args: P.args, **kwargs: P.kwargs) -> Any:
+        tx = body(*args, **kwargs)
+        return ascending(tx) if kwargs.get("maximize") else tx
+
+    return build
+
+
+def ascending(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``tx`` given the negated gradient: it ascends (torch.optim's ``maximize=True``).
+
+    The negation comes before everything ``tx`` does, as torch negates the gradient before
+    its weight decay adds ``λw`` (the step climbs ``f`` and still shrinks ``w``). The state
+    is ``tx``'s own: a state saved with ``maximize=False`` fits."""
+    tx = optax.with_extra_args_support(tx)
+
+    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
+        return tx.update(jax.tree.map(jnp.negative, updates), state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def _decayed(weight_decay: Any, *rest: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -346,9 +378,32 @@ ft.optim.sgd: nesterov=True with momentum={momentum!r} is plain SGD (Nesterov's 
     right:  ft.optim.sgd(0.1, momentum=0.9, nesterov=True)"""
 
 
-def _check_sgd(nesterov: bool, momentum_form: str, momentum: Any) -> None:
+NESTEROV_WITH_DAMPENING = """\
+ft.optim.sgd: nesterov=True with dampening={dampening!r}: Nesterov momentum is defined without
+dampening, and torch.optim.SGD refuses the pair too. Drop one:
+
+    wrong:  ft.optim.sgd(0.1, momentum=0.9, nesterov=True, dampening={dampening!r})
+    right:  ft.optim.sgd(0.1, momentum=0.9, nesterov=True)
+       or:  ft.optim.sgd(0.1, momentum=0.9, dampening={dampening!r})"""
+
+DAMPENING_FORM = """\
+ft.optim.sgd: dampening={dampening!r} is torch's, for the literature form; the
+{form!r} form has none (CNTK's unit gain scales the gradient by 1 − γ already):
+
+    wrong:  ft.optim.sgd(0.1, momentum=0.9, momentum_form={form!r}, dampening={dampening!r})
+    right:  ft.optim.sgd(0.1, momentum=0.9, dampening={dampening!r})"""
+
+
+def _check_sgd(nesterov: bool, momentum_form: str, momentum: Any, dampening: Any) -> None:
     if nesterov and _is_zero(momentum):
         raise ValueError(NESTEROV_WITHOUT_MOMENTUM.format(momentum=momentum))
+    if _is_number(dampening) and not 0 <= float(dampening) <= 1:  # nan too
+        raise ValueError(OUT_OF_RANGE.format(where="ft.optim.sgd", name="dampening", value=dampening,
+                                             rule="in [0, 1]", example="0.1"))
+    if nesterov and not _is_zero(dampening):
+        raise ValueError(NESTEROV_WITH_DAMPENING.format(dampening=dampening))
+    if momentum_form != "literature" and not _is_zero(dampening):
+        raise ValueError(DAMPENING_FORM.format(dampening=dampening, form=momentum_form))
     if momentum_form == "unit_gain":
         raise ValueError(UNIT_GAIN_RENAMED)
     if momentum_form not in FORMS:
@@ -357,7 +412,33 @@ def _check_sgd(nesterov: bool, momentum_form: str, momentum: Any) -> None:
         raise ValueError(BAD_MOMENTUM_FORM.format(form=momentum_form, extra=" Nesterov needs the literature form."))
 
 
-@_optimizer("ft.optim.sgd", check=_check_sgd)
+class DampenedTraceState(NamedTuple):
+    """torch's momentum buffer with dampening: the step count (the first step takes the
+    gradient undampened) and the buffer ``trace`` (parameter view)."""
+
+    count: jax.Array
+    trace: Any
+
+
+def _dampened_trace(momentum: Any, dampening: Any, nesterov: bool) -> optax.GradientTransformation:
+    """``u₁ = g``, ``uₜ = γ uₜ₋₁ + (1 − δ) g`` (torch.optim.SGD's buffer); the direction
+    ``u`` (``g + γu`` with ``nesterov``), ``g`` itself where γ is 0 (torch keeps no buffer)."""
+
+    def init(params: Any) -> DampenedTraceState:
+        return DampenedTraceState(jnp.zeros((), jnp.int32), _tree_zeros(params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, DampenedTraceState]:
+        first = state.count == 0
+        trace = jax.tree.map(lambda u, g: jnp.where(first, g, momentum * u + (1 - dampening) * g),
+                             state.trace, updates)
+        step = jax.tree.map(lambda u, g: g + momentum * u, trace, updates) if nesterov else trace
+        step = jax.tree.map(lambda s, g: jnp.where(momentum == 0, g, s), step, updates)
+        return step, DampenedTraceState(jnp.asarray(optax.safe_increment(state.count)), trace)
+
+    return optax.GradientTransformation(init, update)
+
+
+@_optimizer("ft.optim.sgd", check=_check_sgd, off_at_zero=(*OFF_AT_ZERO, "dampening"))
 def sgd(
     learning_rate: Hyper = 0.01,
     momentum: Hyper = 0.0,
@@ -365,6 +446,8 @@ def sgd(
     weight_decay: Hyper = 0.0,
     *,
     momentum_form: str = "literature",
+    dampening: Hyper = 0.0,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Stochastic gradient descent with momentum (torch.optim.SGD, swift-apis SGD).
 
@@ -394,6 +477,15 @@ def sgd(
     is refused with both. State: ``optax.TraceState`` (``trace``, literature) or
     ``UnitGainState`` (``velocity``, additive and CNTK's), shaped like the model's parameters.
 
+    ``dampening=δ`` (torch's; literature form only, never with ``nesterov``, as torch)::
+
+        u₁ = g + λw;   uₜ ← γ uₜ₋₁ + (1 − δ)(g + λw);   w ← w − η u
+
+    the first step undampened, as torch's buffer starts as the gradient. State then:
+    ``DampenedTraceState`` (``count``, ``trace``). ``maximize=True`` (torch's) ascends: the
+    gradient is negated before anything else (before the weight decay adds ``λw``), as in
+    every optimizer here that has it.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> tx = ft.optim.sgd(0.1, momentum=0.9)
@@ -401,11 +493,19 @@ def sgd(
       >>> updates, state = tx.update({"w": jnp.ones(2)}, state)
       >>> updates["w"]
       Array([-0.1, -0.1], dtype=float32)
+      >>> tx, g = ft.optim.sgd(0.1, momentum=0.9, dampening=0.5), {"w": jnp.ones(1)}
+      >>> first, state = tx.update(g, tx.init(g))
+      >>> second, _ = tx.update(g, state)       # u = 0.9 · 1 + (1 − 0.5) · 1
+      >>> first["w"], second["w"]
+      (Array([-0.1], dtype=float32), Array([-0.14], dtype=float32))
     """
     if momentum_form == "additive":
         return _decayed(weight_decay, _unit_gain_momentum(learning_rate, momentum))
     if momentum_form == "cntk_unit_gain":
         return _decayed(weight_decay, _cntk_unit_gain(learning_rate, momentum))
+    if dampening is not None:
+        return _decayed(weight_decay, _dampened_trace(momentum, dampening, nesterov),
+                        optax.scale_by_learning_rate(learning_rate))
     return _decayed(weight_decay, optax.sgd(learning_rate, momentum, nesterov))
 
 
@@ -418,6 +518,7 @@ def rmsprop(
     weight_decay: Hyper = 0.0,
     *,
     centered: bool = False,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """RMSProp (torch.optim.RMSprop with ``alpha=rho``; swift-apis RMSProp)::
 
@@ -483,6 +584,8 @@ def adagrad(
     initial_accumulator_value: Hyper = 0.1,
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
+    *,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad (torch.optim.Adagrad, swift-apis AdaGrad)::
 
@@ -510,7 +613,12 @@ def adagrad(
 
 @_optimizer("ft.optim.adadelta")
 def adadelta(
-    learning_rate: Hyper = 1.0, rho: Hyper = 0.95, epsilon: Hyper = 1e-6, weight_decay: Hyper = 0.0
+    learning_rate: Hyper = 1.0,
+    rho: Hyper = 0.95,
+    epsilon: Hyper = 1e-6,
+    weight_decay: Hyper = 0.0,
+    *,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaDelta (torch.optim.Adadelta, swift-apis AdaDelta)::
 
@@ -537,6 +645,8 @@ def adam(
     beta2: Hyper = 0.999,
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
+    *,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam (torch.optim.Adam's and optax.adam's numbers)::
 
@@ -573,6 +683,7 @@ def adamw(
     weight_decay: Hyper = 0.01,
     *,
     exclude: Sequence[str] = DEFAULT_NO_DECAY,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Adam with decoupled weight decay (torch.optim.AdamW, optax.adamw)::
 
@@ -606,6 +717,8 @@ def adamax(
     beta2: Hyper = 0.999,
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
+    *,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaMax (torch.optim.Adamax, optax.adamax, swift-apis AdaMax)::
 
@@ -655,6 +768,8 @@ def amsgrad(
     beta2: Hyper = 0.999,
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
+    *,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AMSGrad (torch.optim.Adam(amsgrad=True), swift-apis AMSGrad)::
 
@@ -685,6 +800,8 @@ def radam(
     beta2: Hyper = 0.999,
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
+    *,
+    maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Rectified Adam (torch.optim.RAdam's numbers; swift-apis RAdam)::
 

@@ -28,6 +28,11 @@ __all__ = [
     "linear_warmup",
     "warmup_cosine_decay",
     "inverse_time_decay",
+    "one_cycle",
+    "one_cycle_momentum",
+    "cyclic",
+    "cyclic_momentum",
+    "cosine_warm_restarts",
 ]
 
 UNITS = ("steps", "samples", "sweeps")
@@ -238,9 +243,8 @@ def cosine_decay(
     ``c`` is capped at ``decay_steps``: the value stays at ``α · init`` afterwards. torch's
     ``CosineAnnealingLR(opt, T_max=decay_steps, eta_min=α · init)`` gives the same rates up
     to ``decay_steps`` and then keeps following the cosine, back up to ``init`` at
-    ``2 · decay_steps``; its warm restarts (``CosineAnnealingWarmRestarts``) are
-    ``optax.sgdr_schedule`` or ``optax.join_schedules`` of cosine decays, through
-    :func:`schedule`.
+    ``2 · decay_steps``; its warm restarts (``CosineAnnealingWarmRestarts``, ``T_mult`` too)
+    are :func:`cosine_warm_restarts`.
 
     Example:
       >>> import functree as ft
@@ -330,3 +334,315 @@ def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") 
         return init_value / (1.0 + decay * (counter(ctx, unit).astype(_float()) + ahead))
 
     return _recorded(rate, (init_value,), lambda w: f"ft.optim.inverse_time_decay({w(init_value)}, {decay!r}{_unit(unit)})")
+
+
+# torch.optim.lr_scheduler's cycles: OneCycleLR, CyclicLR, CosineAnnealingWarmRestarts.
+
+ANNEALS = ("cos", "linear")
+
+
+def _options(**given: tuple[Any, Any]) -> str:
+    """The keyword arguments given other than their defaults, as code (``", pct_start=0.25"``;
+    a function as ``...``)."""
+    return "".join(f", {name}={'...' if callable(value) else repr(value)}"
+                   for name, (value, default) in given.items() if value is not default and value != default)
+
+
+def _anneal(strategy: str, start: Any, end: Any, pct: jax.Array) -> jax.Array:
+    """From ``start`` at ``pct`` 0 to ``end`` at 1: half a cosine or a line (torch's
+    ``OneCycleLR`` anneals, in its order of operations)."""
+    if strategy == "cos":
+        return end + (start - end) / 2.0 * (jnp.cos(jnp.pi * pct) + 1)
+    return (end - start) * pct + start
+
+
+def _one_cycle_phases(total_steps: int, pct_start: float, three_phase: bool) -> list[float]:
+    """The last count of each phase, as torch's (fractional where ``pct_start · total_steps``
+    is): up to the peak, down (to the start, then to the end with ``three_phase``)."""
+    up = float(pct_start * total_steps) - 1
+    if three_phase:
+        return [up, float(2 * pct_start * total_steps) - 2, float(total_steps - 1)]
+    return [up, float(total_steps - 1)]
+
+
+def _check_one_cycle(where: str, total_steps: int, pct_start: float, anneal_strategy: str, call: str) -> None:
+    whole = isinstance(total_steps, (int, np.integer)) and not isinstance(total_steps, bool)
+    check_argument(where, "total_steps", total_steps, whole and total_steps > 0, "a whole number > 0",
+                   "the count (in `unit`) the cycle lasts", "1000", call)
+    check_argument(where, "pct_start", pct_start, 0 <= pct_start <= 1, "in [0, 1]",
+                   "the part of the cycle spent rising", "0.3", f"{call}{total_steps!r}, ")
+    check_argument(where, "pct_start", pct_start, pct_start * total_steps != 1,
+                   "not 1 / total_steps", "the rise would last no step: the first value is 0 / 0 (torch's "
+                   "OneCycleLR raises ZeroDivisionError)", "0.3", f"{call}{total_steps!r}, ")
+    check_argument(where, "anneal_strategy", anneal_strategy, anneal_strategy in ANNEALS, f"one of {ANNEALS}",
+                   "half a cosine or a line between the turns", "'linear'", f"{call}{total_steps!r}, ")
+
+
+def _phased(ends: list[float], starts: list[Any], stops: list[Any], anneal_strategy: str, unit: str,
+            total_steps: int) -> Callable[[LearningContext], jax.Array]:
+    """The value at a count: the first phase whose last count it has not passed (the last
+    phase past them all), annealed from its start to its stop over its counts, as torch's
+    ``OneCycleLR.get_lr``; counts after ``total_steps - 1`` hold the last value."""
+    dtype = _float()
+
+    def at(ctx: LearningContext) -> jax.Array:
+        step = jnp.minimum(counter(ctx, unit), total_steps - 1).astype(dtype)
+        last = jnp.asarray(ends, dtype)
+        index = jnp.argmax(jnp.append(step <= last[:-1], True))
+        first = jnp.asarray([0.0, *ends[:-1]], dtype)[index]
+        pct = (step - first) / (last[index] - first)
+        return _anneal(anneal_strategy, jnp.asarray(starts, dtype)[index], jnp.asarray(stops, dtype)[index], pct)
+
+    return at
+
+
+def one_cycle(
+    max_value: float, total_steps: int, *, pct_start: float = 0.3, anneal_strategy: str = "cos",
+    div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False, unit: str = "steps",
+) -> Callable[[LearningContext], Any]:
+    """torch's ``OneCycleLR`` learning rate: up from ``max_value / div_factor`` to
+    ``max_value``, then down to ``max_value / div_factor / final_div_factor``.
+
+    With ``v₀ = max_value / div_factor`` and ``v_min = v₀ / final_div_factor``, the rise
+    ends at count ``e₁ = pct_start · total_steps − 1`` and the fall at ``total_steps − 1``;
+    in each phase from ``a`` (at count ``s``) to ``b`` (at ``e``), with ``p = (c − s)/(e − s)``:
+
+    .. math:: v(c) = b + \\tfrac{a - b}{2}(\\cos(\\pi p) + 1) \\quad\\text{("cos")}, \\qquad
+              v(c) = (b - a) p + a \\quad\\text{("linear")}
+
+    ``three_phase=True`` rises to ``max_value`` until ``e₁``, falls back to ``v₀`` at
+    ``2 · pct_start · total_steps − 2``, then to ``v_min`` at ``total_steps − 1``. The
+    phases end at torch's fractional counts, so the rates are torch's: the ``k``-th update
+    (count ``k``, from 0) takes the rate torch's optimizer holds after ``k`` calls of
+    ``scheduler.step()``. Counts from ``total_steps`` on hold ``v_min``: torch's rate after
+    ``total_steps`` calls continues the last anneal past its end (back above ``v_min``), and
+    one more call raises. ``OneCycleLR(..., epochs=e, steps_per_epoch=n)`` is
+    ``total_steps=e · n``.
+
+    torch's ``OneCycleLR`` also cycles the momentum (``cycle_momentum=True`` by default: an
+    ``SGD(lr)`` of momentum 0 trains with momentum 0.95 → 0.85 → 0.95), which is
+    :func:`one_cycle_momentum` given as ``momentum`` of :func:`~functree.optim.sgd` (``beta1``
+    of :func:`~functree.optim.adam`, as torch's ``betas[0]``)::
+
+        ft.optim.sgd(ft.optim.one_cycle(0.1, 1000), momentum=ft.optim.one_cycle_momentum(1000))
+
+    Example:
+      >>> import functree as ft
+      >>> lr, ctx = ft.optim.one_cycle(1.0, 10), ft.optim.initial_context()
+      >>> [round(float(lr(ctx.replace(step=s))), 5) for s in range(10)]
+      [0.04, 0.52, 1.0, 0.95048, 0.81175, 0.61126, 0.38874, 0.18826, 0.04952, 0.0]
+    """
+    _check_unit(unit)
+    _check_one_cycle("one_cycle", total_steps, pct_start, anneal_strategy, f"{max_value!r}, ")
+    for name, factor, example in (("div_factor", div_factor, "25.0"), ("final_div_factor", final_div_factor, "1e4")):
+        check_argument("one_cycle", name, factor, bool(np.isfinite(factor)) and factor > 0, "finite and > 0",
+                       "the rate starts at max_value / div_factor and ends at that / final_div_factor",
+                       example, f"{max_value!r}, {total_steps!r}, ")
+    low = max_value / div_factor
+    end = low / final_div_factor
+    starts, stops = ([low, max_value, low], [max_value, low, end]) if three_phase else ([low, max_value], [max_value, end])
+    at = _phased(_one_cycle_phases(total_steps, pct_start, three_phase), starts, stops, anneal_strategy, unit,
+                 total_steps)
+    # its values lie between max_value and the positive fractions of it
+    options = _options(pct_start=(pct_start, 0.3), anneal_strategy=(anneal_strategy, "cos"),
+                       div_factor=(div_factor, 25.0), final_div_factor=(final_div_factor, 1e4),
+                       three_phase=(three_phase, False), unit=(unit, "steps"))
+    return _recorded(at, (max_value,), lambda w: f"ft.optim.one_cycle({w(max_value)}, {total_steps!r}{options})")
+
+
+def one_cycle_momentum(
+    total_steps: int, base_momentum: float = 0.85, max_momentum: float = 0.95, *, pct_start: float = 0.3,
+    anneal_strategy: str = "cos", three_phase: bool = False, unit: str = "steps",
+) -> Callable[[LearningContext], Any]:
+    """torch's ``OneCycleLR`` momentum (``cycle_momentum=True``): against the rate of
+    :func:`one_cycle` of the same ``total_steps``, ``pct_start``, ``anneal_strategy``,
+    ``three_phase``: down from ``max_momentum`` to ``base_momentum`` while the rate rises, back
+    up while it falls (``three_phase``: held at ``max_momentum`` in the third phase).
+
+    Give it as ``momentum`` of :func:`~functree.optim.sgd` (torch's ``SGD`` momentum) or
+    ``beta1`` of :func:`~functree.optim.adam` / :func:`~functree.optim.adamw` (torch's
+    ``betas[0]``; the bias correction ``1 − β₁ᵗ`` takes the step's β₁, as torch's).
+
+    Example:
+      >>> import functree as ft
+      >>> m, ctx = ft.optim.one_cycle_momentum(10), ft.optim.initial_context()
+      >>> [round(float(m(ctx.replace(step=s))), 5) for s in (0, 1, 2, 6, 9)]
+      [0.95, 0.9, 0.85, 0.91113, 0.95]
+      >>> tx = ft.optim.sgd(ft.optim.one_cycle(0.1, 10), momentum=ft.optim.one_cycle_momentum(10))
+    """
+    _check_unit(unit)
+    _check_one_cycle("one_cycle_momentum", total_steps, pct_start, anneal_strategy, "")
+    hi, lo = max_momentum, base_momentum
+    starts, stops = ([hi, lo, hi], [lo, hi, hi]) if three_phase else ([hi, lo], [lo, hi])
+    at = _phased(_one_cycle_phases(total_steps, pct_start, three_phase), starts, stops, anneal_strategy, unit,
+                 total_steps)
+    options = _options(pct_start=(pct_start, 0.3), anneal_strategy=(anneal_strategy, "cos"),
+                       three_phase=(three_phase, False), unit=(unit, "steps"))
+    return _recorded(at, (base_momentum, max_momentum), lambda w: (
+        f"ft.optim.one_cycle_momentum({total_steps!r}, {w(base_momentum)}, {w(max_momentum)}{options})"))
+
+
+CYCLIC_MODES = ("triangular", "triangular2", "exp_range")
+
+
+def _cycled(low: float, high: float, step_size_up: float, step_size_down: float | None, mode: str, gamma: float,
+            scale_fn: Callable[[jax.Array], Any] | None, scale_mode: str, unit: str,
+            falling: bool) -> Callable[[LearningContext], jax.Array]:
+    """torch's ``CyclicLR``: a triangle of ``step_size_up`` counts up and ``step_size_down``
+    down, its height scaled by the mode's function of the cycle (from 1) or of the count;
+    ``falling``: from ``high`` down (the momentum), else from ``low`` up (the rate)."""
+    up = float(step_size_up)
+    total = up + (up if step_size_down is None else float(step_size_down))
+    ratio = up / total
+    scale: Callable[[jax.Array], Any]
+    if scale_fn is None:
+        scale_mode = "iterations" if mode == "exp_range" else "cycle"
+        scale = {"triangular": lambda x: 1.0, "triangular2": lambda x: 1 / (2.0 ** (x - 1)),
+                 "exp_range": lambda x: gamma ** x}[mode]
+    else:
+        scale = scale_fn
+    dtype = _float()
+
+    def at(ctx: LearningContext) -> jax.Array:
+        count = counter(ctx, unit).astype(dtype)
+        cycle = jnp.floor(1 + count / total)
+        x = 1.0 + count / total - cycle
+        factor = jnp.where(x <= ratio, x / ratio, (x - 1) / (ratio - 1))
+        height = (high - low) * factor * jnp.asarray(scale(cycle if scale_mode == "cycle" else count), dtype)
+        return high - height if falling else low + height
+
+    return at
+
+
+def _check_cyclic(where: str, step_size_up: float, step_size_down: float | None, mode: str,
+                  scale_fn: Any, scale_mode: str, call: str) -> None:
+    check_argument(where, "step_size_up", step_size_up, step_size_up > 0, "> 0",
+                   "the counts (in `unit`) of the rise; torch's CyclicLR divides by it", "2000", call)
+    check_argument(where, "step_size_down", step_size_down, step_size_down is None or step_size_down > 0,
+                   "> 0 or None (as step_size_up)", "the counts of the fall; 0 divides by 0 at every peak", "None",
+                   f"{call}{step_size_up!r}, ")
+    check_argument(where, "mode", mode, scale_fn is not None or mode in CYCLIC_MODES, f"one of {CYCLIC_MODES}",
+                   "the height of each cycle (or give scale_fn=)", "'triangular2'", f"{call}{step_size_up!r}, ")
+    check_argument(where, "scale_mode", scale_mode, scale_mode in ("cycle", "iterations"),
+                   "'cycle' or 'iterations'", "what scale_fn is a function of", "'iterations'",
+                   f"{call}{step_size_up!r}, scale_fn=..., ")
+
+
+def cyclic(
+    base_value: float, max_value: float, step_size_up: float = 2000, step_size_down: float | None = None,
+    mode: str = "triangular", gamma: float = 1.0, *, scale_fn: Callable[[jax.Array], Any] | None = None,
+    scale_mode: str = "cycle", unit: str = "steps",
+) -> Callable[[LearningContext], Any]:
+    """torch's ``CyclicLR`` learning rate: triangles from ``base_value`` up to ``max_value``
+    in ``step_size_up`` counts and down in ``step_size_down`` (``None``: as up).
+
+    With ``T = up + down``, the cycle ``k = ⌊1 + c/T⌋`` and ``x = 1 + c/T − k``:
+
+    .. math:: v(c) = v_{base} + (v_{max} - v_{base})\\,h(x)\\,s, \\qquad
+              h(x) = x / r \\text{ for } x \\le r = up/T, \\text{ else } (x - 1)/(r - 1)
+
+    where ``s`` is 1 (``"triangular"``), ``1 / 2^{k−1}`` (``"triangular2"``: each cycle half as
+    high) or ``gamma^c`` (``"exp_range"``). ``scale_fn`` replaces it, a function of ``k``
+    (``scale_mode="cycle"``) or ``c`` (``"iterations"``) taking and returning arrays.
+
+    torch's ``CyclicLR`` also cycles the momentum by default (``cycle_momentum=True``, 0.9 →
+    0.8 → 0.9: an ``SGD(lr)`` of momentum 0 trains with momentum): that is
+    :func:`cyclic_momentum`, as ``momentum`` of :func:`~functree.optim.sgd` or ``beta1`` of
+    :func:`~functree.optim.adam`.
+
+    Example:
+      >>> import functree as ft
+      >>> lr, ctx = ft.optim.cyclic(0.1, 0.5, 2, mode="triangular2"), ft.optim.initial_context()
+      >>> [round(float(lr(ctx.replace(step=s))), 4) for s in range(9)]
+      [0.1, 0.3, 0.5, 0.3, 0.1, 0.2, 0.3, 0.2, 0.1]
+    """
+    _check_unit(unit)
+    _check_cyclic("cyclic", step_size_up, step_size_down, mode, scale_fn, scale_mode,
+                  f"{base_value!r}, {max_value!r}, ")
+    at = _cycled(base_value, max_value, step_size_up, step_size_down, mode, gamma, scale_fn, scale_mode, unit,
+                 falling=False)
+    options = _options(step_size_up=(step_size_up, 2000), step_size_down=(step_size_down, None), mode=(mode, "triangular"),
+                       gamma=(gamma, 1.0), scale_fn=(scale_fn, None), scale_mode=(scale_mode, "cycle"),
+                       unit=(unit, "steps"))
+    return _recorded(at, (base_value, max_value), lambda w: f"ft.optim.cyclic({w(base_value)}, {w(max_value)}{options})")
+
+
+def cyclic_momentum(
+    base_momentum: float = 0.8, max_momentum: float = 0.9, step_size_up: float = 2000,
+    step_size_down: float | None = None, mode: str = "triangular", gamma: float = 1.0, *,
+    scale_fn: Callable[[jax.Array], Any] | None = None, scale_mode: str = "cycle", unit: str = "steps",
+) -> Callable[[LearningContext], Any]:
+    """torch's ``CyclicLR`` momentum (``cycle_momentum=True``): against the rate of
+    :func:`cyclic` of the same arguments, from ``max_momentum`` down to ``base_momentum``
+    while the rate rises, back up while it falls (the same triangles, the same scaling).
+
+    Example:
+      >>> import functree as ft
+      >>> m, ctx = ft.optim.cyclic_momentum(step_size_up=2), ft.optim.initial_context()
+      >>> [round(float(m(ctx.replace(step=s))), 4) for s in range(5)]
+      [0.9, 0.85, 0.8, 0.85, 0.9]
+      >>> tx = ft.optim.sgd(ft.optim.cyclic(1e-3, 1e-2, 2), momentum=ft.optim.cyclic_momentum(step_size_up=2))
+    """
+    _check_unit(unit)
+    _check_cyclic("cyclic_momentum", step_size_up, step_size_down, mode, scale_fn, scale_mode,
+                  f"{base_momentum!r}, {max_momentum!r}, ")
+    at = _cycled(base_momentum, max_momentum, step_size_up, step_size_down, mode, gamma, scale_fn, scale_mode,
+                 unit, falling=True)
+    options = _options(step_size_up=(step_size_up, 2000), step_size_down=(step_size_down, None), mode=(mode, "triangular"),
+                       gamma=(gamma, 1.0), scale_fn=(scale_fn, None), scale_mode=(scale_mode, "cycle"),
+                       unit=(unit, "steps"))
+    return _recorded(at, (base_momentum, max_momentum), lambda w: (
+        f"ft.optim.cyclic_momentum({w(base_momentum)}, {w(max_momentum)}{options})"))
+
+
+def cosine_warm_restarts(
+    init_value: float, period: int, period_mult: int = 1, end_value: float = 0.0, *, unit: str = "steps",
+) -> Callable[[LearningContext], Any]:
+    """torch's ``CosineAnnealingWarmRestarts(opt, T_0=period, T_mult=period_mult,
+    eta_min=end_value)``: cosine decays from ``init_value`` towards ``end_value``, restarted
+    after ``period`` counts, each period ``period_mult`` times the one before.
+
+    With ``t`` the counts since the last restart and ``T`` the current period:
+
+    .. math:: v(c) = v_{end} + (v_0 - v_{end})\\,\\tfrac{1}{2}(1 + \\cos(\\pi t / T))
+
+    torch's per-batch ``scheduler.step(epoch + i / iters)`` is ``period = T_0 · iters`` in
+    steps (the same restarts; its rates to rounding).
+
+    Example:
+      >>> import functree as ft
+      >>> lr, ctx = ft.optim.cosine_warm_restarts(1.0, 2, period_mult=2), ft.optim.initial_context()
+      >>> [round(float(lr(ctx.replace(step=s))), 5) for s in range(7)]
+      [1.0, 0.5, 1.0, 0.85355, 0.5, 0.14645, 1.0]
+    """
+    _check_unit(unit)
+    whole = isinstance(period, (int, np.integer)) and not isinstance(period, bool)
+    check_argument("cosine_warm_restarts", "period", period, whole and period > 0, "a whole number > 0",
+                   "the counts (in `unit`) before the first restart", "1000", f"{init_value!r}, ")
+    whole = isinstance(period_mult, (int, np.integer)) and not isinstance(period_mult, bool)
+    check_argument("cosine_warm_restarts", "period_mult", period_mult, whole and period_mult >= 1,
+                   "a whole number >= 1", "each period is period_mult times the last (torch's T_mult)", "2",
+                   f"{init_value!r}, {period!r}, ")
+    dtype = _float()
+    if period_mult == 1:
+        def position(count: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return count % period, jnp.asarray(period, dtype)
+    else:
+        starts, lengths = [0], [period]  # every restart that an int32 count reaches
+        while starts[-1] + lengths[-1] < 2**31:
+            starts.append(starts[-1] + lengths[-1])
+            lengths.append(lengths[-1] * period_mult)
+
+        def position(count: jax.Array) -> tuple[jax.Array, jax.Array]:
+            index = jnp.sum(count >= jnp.asarray(starts[1:], count.dtype))
+            return count - jnp.asarray(starts, count.dtype)[index], jnp.asarray(lengths, dtype)[index]
+
+    def at(ctx: LearningContext) -> jax.Array:
+        since, length = position(counter(ctx, unit))
+        ratio = since.astype(dtype) / length
+        return end_value + (init_value - end_value) * (1 + jnp.cos(jnp.pi * ratio)) / 2
+
+    return _recorded(at, (init_value, end_value), lambda w: (
+        f"ft.optim.cosine_warm_restarts({w(init_value)}, {period!r}"
+        + (f", period_mult={period_mult!r}" if period_mult != 1 else "")
+        + (f", end_value={w(end_value)}" if end_value else "") + f"{_unit(unit)})"))

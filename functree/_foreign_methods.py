@@ -341,6 +341,24 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
         "Rngs": ("Flax NNX's nnx.Rngs is not needed: layers take key= at construction, and Dropout a key per call",
                  "ft.nn.Dense(4, 3, key=jax.random.key(0));  model(x, key=jax.random.fold_in(key, step))"),
     },
+    "functree.train": {
+        "restore": ("Orbax's restore(path) is ft.train.load here, given the tree it fills as its template "
+                    "(a Trainer's trainer.restore(path) continues a whole job)",
+                    "model = ft.train.load(path, MyModel(..., key=jax.random.key(0)))"),
+        **dict.fromkeys(("load_checkpoint", "restore_checkpoint"), (
+            "a checkpoint is read with ft.train.load (any tree: a model, an optimizer state), given the tree "
+            "it fills as its template", "model = ft.train.load(path, model)")),
+        **dict.fromkeys(("save_checkpoint", "save_model"), (
+            "a checkpoint is written with ft.train.save (any tree: a model, an optimizer state)",
+            "ft.train.save(path, model)")),
+        "TensorBoard": ("Keras's callbacks.TensorBoard is ft.train.TensorBoardLogger here",
+                        "trainer.fit(data, epochs=5, callbacks=[ft.train.TensorBoardLogger(log_dir)])"),
+        "LearningRateScheduler": ("Keras's LearningRateScheduler callback is a schedule given as the learning "
+                                  "rate here (the optimizer's state counts the steps)",
+                                  "ft.optim.adam(ft.optim.cosine_decay(1e-3, 1000))"),
+        "fit": ("Keras's model.fit is Trainer.fit here: a Trainer holds the model, the optimizer and the loss",
+                "ft.train.Trainer(model, ft.optim.adam(1e-3), loss_fn).fit((x, y), epochs=5)"),
+    },
     "functree.optim": {
         "Adam": ("torch's torch.optim.Adam(model.parameters(), lr) holds the parameters; ft.optim.adam takes "
                  "the hyperparameters alone, and its state is made from the model",

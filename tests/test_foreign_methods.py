@@ -65,3 +65,17 @@ def test_a_hf_ports_attention_names_its_fields():
     attention = ft.nn.from_hf(config, key=jax.random.key(0)).model.layers.layers.self_attn
     with pytest.raises(AttributeError, match=r"calls it key_projection"):
         attention.k_proj  # noqa: B018
+
+
+@pytest.mark.parametrize("name, right", [("restore", "ft.train.load(path, "), ("save_checkpoint", "ft.train.save(path, model)"),
+                                         ("TensorBoard", "ft.train.TensorBoardLogger(log_dir)"),
+                                         ("fit", "ft.train.Trainer(model, ")])
+def test_train_names_of_other_libraries_name_functrees(name, right):
+    """ft.train.restore (Orbax's name, and the Trainer's method) raised Python's bare error."""
+    with pytest.raises(AttributeError, match=rf"^module 'functree.train' has no attribute {name!r}: ") as info:
+        getattr(ft.train, name)
+    assert f"right:  {right}" in str(info.value) or right in str(info.value)
+    for called in ("load", "save", "TensorBoardLogger", "Trainer"):  # the names the fixes call exist
+        assert callable(getattr(ft.train, called))
+    with pytest.raises(AttributeError, match=r"did you mean ft.train.load\?"):
+        ft.train.laod  # noqa: B018  # pyright: ignore[reportAttributeAccessIssue]

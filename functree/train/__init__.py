@@ -1,6 +1,7 @@
 """functree.train: the training step, the Trainer, data, metrics and checkpoints."""
 
 import sys
+from typing import TYPE_CHECKING
 
 from functree import losses, nn, optim
 from functree.train._callbacks import (
@@ -83,3 +84,13 @@ __all__ = [
     "migrate",
     "register",
 ]
+
+if not TYPE_CHECKING:  # hidden from type checkers: `ft.train.laod` stays an error there
+
+    def __getattr__(name: str):
+        """Another library's name (Orbax's ``restore``, Keras's ``TensorBoard`` callback) names
+        functree's way (:data:`functree._foreign_methods.FOREIGN_FUNCTIONS`); else Python's
+        error with the close public names."""
+        from functree._foreign_methods import missing_module_attribute
+
+        raise missing_module_attribute(__name__, name)

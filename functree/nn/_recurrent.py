@@ -13,6 +13,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 from functree._activations import tanh
 from functree._module import field
@@ -50,6 +51,18 @@ FIX_STATE = """\
 Pass the structure and shapes of the cell's zero state (batch axes {batch}, the axes of xs \
 before the time axis), or build the cell for the hidden size you have:
     right:  rnn(xs, cell.zero_state({batch}))   # or arrays of those shapes"""
+
+LENGTHS_EXPECTED = "lengths: integers of the batch's shape {batch}, each in [0, {time}] (the steps of xs {xs})"
+
+FIX_LENGTHS = """\
+Pass one length per sequence, as torch's pack_padded_sequence(xs, lengths) and Flax's \
+seq_lengths take them: the real steps of each, the rest of its time axis padding:
+    right:  rnn(xs, lengths=jnp.array([7, 3, 5]))   # xs [3, 7, features]: batch 3, 7 steps at most"""
+
+LENGTHS_COLLECTING = """\
+ft.nn.RNN: lengths= with a cell that records layer state (a BatchNorm in training mode, a \
+recorded intermediate): its records would hold the padded steps too. Run it in inference \
+mode (ft.nn.inference(model)), or without lengths= on sequences of one length."""
 
 CHANGES_STATE = """\
 ft.nn.RNN: the cell maps its state to the same structure, shapes and dtypes at every step \
@@ -351,6 +364,14 @@ class RNN(Layer):
     called step by step in a Python loop inside one ``collect_state`` records, as torch's
     loop over a cell does.
 
+    ``lengths=`` (integers of the batch's shape; torch's ``pack_padded_sequence(xs,
+    lengths)``, Flax's ``seq_lengths``) runs each sequence over its first ``lengths[b]``
+    steps alone, the rest of its time axis padding: the state is carried unchanged over the
+    padded steps and their outputs are 0, as torch's ``pad_packed_sequence`` pads them, so
+    the final state is each sequence's own last step's; ``reverse=True`` starts each at its
+    own last real step (torch's packed backward direction). Without it every step is read,
+    padding included: a padded batch's final states are the padding's.
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> rnn = ft.nn.RNN(ft.nn.LSTMCell(3, 5, key=jax.random.key(0)))
@@ -363,6 +384,10 @@ class RNN(Layer):
       >>> h0 = ft.nn.LSTMState(jnp.zeros((2, 5)), jnp.zeros((2, 5)))  # not a plain (h, c)
       >>> rnn(xs, h0).shape
       (2, 7, 5)
+      >>> ys, state = rnn(xs, lengths=jnp.array([7, 3]), return_state=True)   # the second: 3 real steps
+      >>> _, alone = rnn(xs[1:, :3], return_state=True)                       # its 3 steps alone
+      >>> bool(jnp.all(ys[1, 3:] == 0)), bool(jnp.allclose(state.hidden[1], alone.hidden[0], atol=1e-6))
+      (True, True)
     """
 
     cell: Any  # a SimpleRNNCell, GRUCell, LSTMCell or any Module with __call__(state, x) and zero_state
@@ -370,19 +395,20 @@ class RNN(Layer):
     reverse: bool = field(static=True, default=False)
 
     def __call__(self, xs: jax.Array, initial_state: Any = None, *, key: jax.Array | None = None,
-                 return_state: bool = False) -> Any:
+                 return_state: bool = False, lengths: Any = None) -> Any:
         check_input(self, xs, ("time", "features"))
         axis = self.time_axis % xs.ndim
         steps = jnp.moveaxis(xs, axis, 0)
         batch = steps.shape[1:-1]
         state = self.cell.zero_state(batch) if initial_state is None else self._checked(initial_state, batch, xs)
         keys = jax.random.split(key, steps.shape[0]) if key is not None and takes_key(self.cell) else None
+        real = None if lengths is None else self._real_steps(lengths, steps, xs)
         try:
             try:
-                final, ys, paths, values = self._scan(state, steps, keys, widen=True)
+                final, ys, paths, values = self._scan(state, steps, keys, real, widen=True)
             except _Widened as w:  # the cell promotes its state (bfloat16 weights, float32 xs)
                 state = jax.tree.map(lambda s, d: jnp.asarray(s).astype(d), state, w.dtypes)
-                final, ys, paths, values = self._scan(state, steps, keys, widen=False)
+                final, ys, paths, values = self._scan(state, steps, keys, real, widen=False)
         except LayerInputError as e:
             raise e.within(self.cell, (Entry(ATTR, "cell"),)) from None
         if paths and steps.shape[0]:  # the last step run: time T - 1, or 0 scanning backwards
@@ -392,24 +418,41 @@ class RNN(Layer):
         ys = jnp.moveaxis(ys, 0, axis)
         return (ys, final) if return_state else ys
 
-    def _scan(self, state: Any, steps: jax.Array, keys: Any, *, widen: bool) -> tuple[Any, Any, list[KeyPath], Any]:
+    def _scan(self, state: Any, steps: jax.Array, keys: Any, real: Any, *,
+              widen: bool) -> tuple[Any, Any, list[KeyPath], Any]:
         """One ``lax.scan`` of the cell: ``(final state, outputs, state paths, state values)``.
 
         The cell's half-precision leaves ride in the carry as float32 (``wide``), cast back
         inside the body (exact): scan's transpose sums a weight's gradient over the steps in
-        its carry's dtype, so a bfloat16 bias summed 256 steps of cotangents in bfloat16."""
+        its carry's dtype, so a bfloat16 bias summed 256 steps of cotangents in bfloat16.
+        ``real`` (``[time, *batch]`` booleans, or None): the steps each sequence runs."""
         wide = _widened(self.cell)
         if not collecting():
-            body = _step(self.cell, keys is not None, widen, bool(wide))
-            (final, _), (ys, values) = jax.lax.scan(body, (state, wide), (steps, keys), reverse=self.reverse)
+            body = _step(self.cell, keys is not None, widen, bool(wide), real is not None)
+            (final, _), (ys, values) = jax.lax.scan(body, (state, wide), (steps, keys, real), reverse=self.reverse)
             return final, ys, [], values
+        if real is not None:
+            raise ValueError(LENGTHS_COLLECTING)
         # Running statistics are threaded through the carry: step t reads step t - 1's record.
         threaded = floating_state(self.cell)
         paths: list[KeyPath] = []
         body = _Step(self.cell, keys is not None, widen, paths, threaded=tuple(threaded), wide=bool(wide))
         ((final, _), _), (ys, values) = jax.lax.scan(body, ((state, tuple(threaded.values())), wide),
-                                                     (steps, keys), reverse=self.reverse)
+                                                     (steps, keys, None), reverse=self.reverse)
         return final, ys, paths, values
+
+    def _real_steps(self, lengths: Any, steps: jax.Array, xs: jax.Array) -> jax.Array:
+        """``[time, *batch]``: whether step ``t`` of each sequence is real (``t < lengths``),
+        ``lengths`` checked (its values where they are known: not under ``jit``)."""
+        time, batch = steps.shape[0], steps.shape[1:-1]
+        given = jnp.asarray(lengths) if not isinstance(lengths, jax.Array) else lengths
+        ok = given.shape == batch and jnp.issubdtype(given.dtype, jnp.integer)
+        if ok and not isinstance(given, Tracer):
+            ok = bool(jnp.all((given >= 0) & (given <= time)))
+        if not ok:
+            raise LayerInputError(self, LENGTHS_EXPECTED.format(batch=batch, time=time, xs=short_array(xs)),
+                                  f"{short_array(given)} {_values(given)}", FIX_LENGTHS)
+        return jnp.arange(time).reshape((time,) + (1,) * len(batch)) < given
 
     def _checked(self, state: Any, batch: tuple[int, ...], xs: jax.Array) -> Any:
         """``state`` if it has the structure and shapes of ``cell.zero_state(batch)``."""
@@ -437,6 +480,13 @@ class RNN(Layer):
         )
 
 
+def _values(given: jax.Array) -> str:
+    """A known integer array's range, for an error (nothing for a traced one)."""
+    if isinstance(given, Tracer) or given.size == 0 or not jnp.issubdtype(given.dtype, jnp.number):
+        return ""
+    return f"(from {given.min()} to {given.max()})"
+
+
 def _show(tree: Any) -> str:
     """``f32[2,4]``, ``LSTMState(hidden=f32[2,4], cell=f32[2,4])``, ``tuple(f32[2,4], ...)``."""
     if hasattr(tree, "shape") and hasattr(tree, "dtype"):
@@ -452,8 +502,9 @@ def _show(tree: Any) -> str:
 
 
 class _Step:
-    """The scan body ``(carry, (x, k)) -> (new, (y, values))``: the cell, given its step's
-    key if ``keyed``, its new state checked; with ``paths``, the cell (traced by scan: new
+    """The scan body ``(carry, (x, k, real)) -> (new, (y, values))``: the cell, given its step's
+    key if ``keyed``, its new state checked (where ``masked``, kept and the output 0 at a
+    step that is not ``real``: padding); with ``paths``, the cell (traced by scan: new
     tracers, not the model's arrays) records its layer state into a collection of its own,
     stacked by the scan (``values``), its key paths stored into ``paths`` while tracing.
 
@@ -462,22 +513,27 @@ class _Step:
     every call) without the cache keeping the cell alive."""
 
     def __init__(self, cell: Any, keyed: bool, widen: bool, paths: list[KeyPath] | None = None,
-                 weak: bool = False, threaded: tuple[KeyPath, ...] = (), wide: bool = False) -> None:
+                 weak: bool = False, threaded: tuple[KeyPath, ...] = (), wide: bool = False,
+                 masked: bool = False) -> None:
         self.cell: Callable[[], Any] = weakref.ref(cell) if weak else (lambda: cell)
         self.keyed, self.widen, self.paths, self.threaded, self.wide = keyed, widen, paths, threaded, wide
+        self.masked = masked
 
-    def __call__(self, carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
+    def __call__(self, carry: Any, step: tuple[jax.Array, Any, Any]) -> tuple[Any, Any]:
         carry, wide = carry
         cell: Any = _narrowed(self.cell(), wide) if self.wide else self.cell()
         new, out = self._call(cell, carry, step)
         return (new, wide), out
 
-    def _call(self, cell: Any, carry: Any, step: tuple[jax.Array, Any]) -> tuple[Any, Any]:
-        x, k = step
+    def _call(self, cell: Any, carry: Any, step: tuple[jax.Array, Any, Any]) -> tuple[Any, Any]:
+        x, k, real = step
         kw = {"key": k} if self.keyed else {}
         if self.paths is None:
             (new, y), values = cell(carry, x, **kw), ()
             _check_carry(cell, carry, new, self.widen)
+            if self.masked:  # a padded step: the state carried on, the output 0 (pad_packed_sequence's)
+                new = jax.tree.map(lambda n, o: jnp.where(_over(real, n), n, o), new, carry)
+                y = jax.tree.map(lambda v: jnp.where(_over(real, v), v, jnp.zeros_like(v)), y)
             return new, (y, values)
         carry, stats = carry  # collecting: (the cell's state, the threaded running statistics)
         cell = apply_state(cell, dict(zip(self.threaded, stats)))
@@ -488,17 +544,22 @@ class _Step:
         return (new, stats), (y, values)
 
 
-_STEPS: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool, bool], _Step]] = weakref.WeakKeyDictionary()
+def _over(real: jax.Array, value: jax.Array) -> jax.Array:
+    """``real`` (``[*batch]``) broadcast over ``value``'s trailing axes (``[*batch, ...]``)."""
+    return real.reshape(real.shape + (1,) * (jnp.ndim(value) - real.ndim))
 
 
-def _step(cell: Any, keyed: bool, widen: bool, wide: bool) -> _Step:
+_STEPS: weakref.WeakKeyDictionary[Any, dict[tuple[bool, bool, bool, bool], _Step]] = weakref.WeakKeyDictionary()
+
+
+def _step(cell: Any, keyed: bool, widen: bool, wide: bool, masked: bool = False) -> _Step:
     try:
         steps = _STEPS.setdefault(cell, {})
     except TypeError:  # not weakly referable: a fresh body (retraced at each eager call)
-        return _Step(cell, keyed, widen, wide=wide)
-    found = steps.get((keyed, widen, wide))
+        return _Step(cell, keyed, widen, wide=wide, masked=masked)
+    found = steps.get((keyed, widen, wide, masked))
     if found is None:
-        found = steps[keyed, widen, wide] = _Step(cell, keyed, widen, weak=True, wide=wide)
+        found = steps[keyed, widen, wide, masked] = _Step(cell, keyed, widen, weak=True, wide=wide, masked=masked)
     return found
 
 

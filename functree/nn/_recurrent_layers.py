@@ -93,7 +93,8 @@ class Bidirectional(Layer):
     whose output is ``[forward, backward]`` on the feature axis, and Flax's
     ``nn.Bidirectional`` (which reverses its backward RNN itself: here it is built reversed).
     ``initial_state`` and the final state are pairs ``(forward, backward)`` of the cells'
-    states; ``key=`` is split between the two.
+    states; ``key=`` is split between the two; ``lengths=`` goes to both (the backward RNN
+    starts each sequence at its own last real step, as torch's packed sequences).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -118,13 +119,14 @@ class Bidirectional(Layer):
         self.forward, self.backward = forward, backward
 
     def __call__(self, xs: jax.Array, initial_state: Any = None, *, key: jax.Array | None = None,
-                 return_state: bool = False) -> Any:
+                 return_state: bool = False, lengths: Any = None) -> Any:
         start = (None, None) if initial_state is None else _pair(self, initial_state, xs)
         keys = (None, None) if key is None else tuple(jax.random.split(key))
         outs, finals = [], []
+        given = {} if lengths is None else {"lengths": lengths}
         for name, state, k in zip(("forward", "backward"), start, keys):
             try:
-                ys, final = getattr(self, name)(xs, state, key=k, return_state=True)
+                ys, final = getattr(self, name)(xs, state, key=k, return_state=True, **given)
             except LayerInputError as e:
                 raise e.within(getattr(self, name), (Entry(ATTR, name),)) from None
             outs.append(ys)
@@ -155,7 +157,10 @@ class StackedRNN(Layer):
     (layer 0 forward, layer 0 backward, layer 1 forward, ...). torch's ``h_n`` is them
     stacked, ``jax.tree.map(lambda *s: jnp.stack(s), *final)`` (an LSTM's:
     ``LSTMState(h_n, c_n)``); ``initial_state`` is either form (``None``: zeros), an LSTM's
-    stacked form an ``ft.nn.LSTMState(h_0, c_0)``.
+    stacked form an ``ft.nn.LSTMState(h_0, c_0)``. ``lengths=`` (one per sequence) goes to
+    every layer: torch's ``pack_padded_sequence(xs, lengths, batch_first=...,
+    enforce_sorted=False)`` through the module, its outputs ``pad_packed_sequence``'s (0 at
+    the padded steps) and its final states each sequence's own (``ft.nn.RNN``).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -184,8 +189,9 @@ class StackedRNN(Layer):
         return sum(_directions(layer) for layer in self.layers)
 
     def __call__(self, xs: jax.Array, initial_state: Any = None, *, key: jax.Array | None = None,
-                 return_state: bool = False) -> Any:
+                 return_state: bool = False, lengths: Any = None) -> Any:
         starts = self._grouped(initial_state, xs)
+        given = {} if lengths is None else {"lengths": lengths}
         n = len(self.layers)
         keys: list[Any] = [None] * (2 * n) if key is None else list(jax.random.split(key, 2 * n))
         finals: list[Any] = []
@@ -193,7 +199,7 @@ class StackedRNN(Layer):
             if k:  # torch: dropout on every layer's outputs but the last's, in training
                 xs = self.dropout(xs, key=keys[n + k])
             try:
-                xs, final = layer(xs, start, key=keys[k], return_state=True)
+                xs, final = layer(xs, start, key=keys[k], return_state=True, **given)
             except LayerInputError as e:
                 raise e.within(layer, (Entry(ATTR, "layers"), Entry(INDEX, k))) from None
             finals.extend(final if isinstance(layer, Bidirectional) else (final,))

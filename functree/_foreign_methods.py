@@ -274,10 +274,35 @@ FOREIGN_FUNCTIONS: dict[str, dict[str, tuple[str, str]]] = {
                    "class Net(ft.Module):  layer: ft.nn.Dense;  def __call__(self, x): ..."),
         "ReLU": ("torch's and Keras's activation layers are functions here; Sequential takes them as layers",
                  "ft.nn.Sequential(ft.nn.Dense(4, 8, key=k), ft.nn.relu, ...)   # or ft.nn.relu(x)"),
+        **{name: (f"torch's nn.{name}(dim=...) is the function ft.nn.{fn} here; Sequential takes it as a layer "
+                  "(torch's dim=1 of [N, C] or NCHW is the last axis here: channels last)",
+                  f"ft.nn.Sequential(..., ft.nn.{fn}, ...)   # or ft.nn.{fn}(x, axis=-1)")
+           for name, fn in (("Softmax", "softmax"), ("LogSoftmax", "log_softmax"))},
+        "Identity": ("torch's nn.Identity is the function ft.nn.identity here (Sequential takes functions as layers)",
+                     "ft.nn.Sequential(..., ft.nn.identity, ...)   # a field: head = ft.nn.identity (a static function)"),
+        **dict.fromkeys(("ModuleList", "ParameterList"), (
+            "torch's nn.ModuleList / nn.ParameterList are plain lists here: a field holding a list of layers or "
+            "arrays (their key paths are layers.0, layers.1, ... as torch's names)",
+            "class Net(ft.Module):  layers: list[ft.nn.Dense];   self.layers = [ft.nn.Dense(8, 8, key=k) for k in keys]"
+            "   # same layers in a loop: ft.nn.Stack")),
+        **dict.fromkeys(("ModuleDict", "ParameterDict"), (
+            "torch's nn.ModuleDict / nn.ParameterDict are plain dicts here: a field holding a dict of layers or "
+            "arrays (key paths heads.cls, heads.box, as torch's names)",
+            "class Net(ft.Module):  heads: dict[str, ft.nn.Dense];   self.heads = {\"cls\": ft.nn.Dense(8, 3, key=k)}")),
+        "one_hot": ("torch's F.one_hot(labels, n) is jax.nn.one_hot(labels, n) (floats; torch's are integers)",
+                    "jax.nn.one_hot(labels, num_classes)"),
+        "scaled_dot_product_attention": ("torch's F.scaled_dot_product_attention is jax.nn.dot_product_attention "
+                                         "([batch, seq, heads, head_dim], JAX's layout; torch's is [batch, heads, "
+                                         "seq, head_dim]), the kernel ft.nn.MultiheadAttention calls",
+                                         "jax.nn.dot_product_attention(q, k, v, is_causal=True)   # q, k, v [B, T, H, D]"),
+        "layer_norm": ("torch's F.layer_norm(x, shape, weight, bias) is the layer ft.nn.LayerNorm here (its "
+                       "scale and offset are its parameters)", "ft.nn.LayerNorm(shape, epsilon=1e-5)(x)"),
+        "dropout": ("torch's F.dropout(x, p, training) is the layer ft.nn.Dropout here, given a key when training",
+                    "ft.nn.training(ft.nn.Dropout(p))(x, key=key)   # off in inference mode"),
         "BatchNorm1d": ("torch's nn.BatchNorm1d is ft.nn.BatchNorm here (features on the last axis; "
-                        "torch's momentum m is 1 - m here)", "ft.nn.BatchNorm(num_features, momentum=0.9, epsilon=1e-5)   # torch's defaults"),
+                        "torch's momentum m is 1 - m here)", "ft.nn.BatchNorm(num_features, momentum=0.9, epsilon=1e-5, unbiased_running_variance=True)   # torch's defaults"),
         "BatchNorm2d": ("torch's nn.BatchNorm2d is ft.nn.BatchNorm here (channels last: [..., H, W, C]; "
-                        "torch's momentum m is 1 - m here)", "ft.nn.BatchNorm(num_channels, momentum=0.9, epsilon=1e-5)   # torch's defaults"),
+                        "torch's momentum m is 1 - m here)", "ft.nn.BatchNorm(num_channels, momentum=0.9, epsilon=1e-5, unbiased_running_variance=True)   # torch's defaults"),
         "CrossEntropyLoss": ("torch's nn.CrossEntropyLoss is a function in ft.losses, (predicted, expected)",
                              "loss = ft.losses.softmax_cross_entropy(logits, labels)"),
         "MSELoss": ("torch's nn.MSELoss is a function in ft.losses, (predicted, expected)",

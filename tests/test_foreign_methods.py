@@ -79,3 +79,35 @@ def test_train_names_of_other_libraries_name_functrees(name, right):
         assert callable(getattr(ft.train, called))
     with pytest.raises(AttributeError, match=r"did you mean ft.train.load\?"):
         ft.train.laod  # noqa: B018  # pyright: ignore[reportAttributeAccessIssue]
+
+
+@pytest.mark.parametrize("name, says", [("ModuleList", "plain lists here"), ("ModuleDict", "plain dicts here"),
+                                        ("Softmax", "the function ft.nn.softmax"), ("Identity", "ft.nn.identity"),
+                                        ("scaled_dot_product_attention", "jax.nn.dot_product_attention"),
+                                        ("dropout", "the layer ft.nn.Dropout")])
+def test_torchs_containers_and_functional_names_name_functrees(name, says):
+    """torch's nn.ModuleList, nn.Softmax, nn.Identity and F.scaled_dot_product_attention spelt on ft.nn
+    raised Python's bare error (nn.Softmax: "did you mean ft.nn.log_softmax, ft.nn.softmax?", no word
+    on dim=1 of NCHW being the last axis here)."""
+    with pytest.raises(AttributeError, match=rf"^module 'functree.nn' has no attribute {name!r}: .*{says}"):
+        getattr(ft.nn, name)
+
+
+def test_the_fixes_the_container_and_softmax_hints_give_run():
+    import jax
+    import jax.numpy as jnp
+
+    k = jax.random.key(0)
+    probs = ft.nn.Sequential(ft.nn.Dense(4, 3, key=k), ft.nn.softmax, ft.nn.identity)(jnp.ones((2, 4)))
+    assert jnp.allclose(probs.sum(-1), 1.0)
+
+    class Net(ft.Module):
+        layers: list[ft.nn.Dense]
+        heads: dict[str, ft.nn.Dense]
+
+        def __init__(self, keys):
+            self.layers = [ft.nn.Dense(8, 8, key=key) for key in keys]
+            self.heads = {"cls": ft.nn.Dense(8, 3, key=keys[0])}
+
+    names = set(ft.to_flat_dict(Net(jax.random.split(k, 2))))
+    assert {"layers.0.weight", "layers.1.bias", "heads.cls.weight"} <= names  # torch's names

@@ -141,7 +141,7 @@ from functree.nn._rotary import RopeScaling, RotaryEmbedding, apply_rotary
 from functree.nn._sequential import Lambda, Sequential
 from functree.nn._shared import Shared
 from functree.nn._shuffle import ChannelShuffle, PixelShuffle, PixelUnshuffle, Unflatten
-from functree.nn._similarity import cosine_similarity, pairwise_distance
+from functree.nn._similarity import cosine_similarity, normalize, pairwise_distance
 from functree.nn._stack import Stack
 from functree.nn._state import (
     UncollectedStateWarning,
@@ -349,6 +349,7 @@ __all__ = [
     "log_softmax",
     "tanh",
     "cosine_similarity",
+    "normalize",
     "pairwise_distance",
     "interpolate",
     "initializers",

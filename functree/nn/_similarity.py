@@ -1,4 +1,4 @@
-"""torch's ``nn.CosineSimilarity`` and ``nn.PairwiseDistance``, as functions."""
+"""torch's ``nn.CosineSimilarity``, ``nn.PairwiseDistance`` and ``F.normalize``, as functions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from functree._distances import pairwise_distance_terms
 
-__all__ = ["cosine_similarity", "pairwise_distance"]
+__all__ = ["cosine_similarity", "normalize", "pairwise_distance"]
 
 BAD_P = """\
 pairwise_distance: p must be a number >= 0 (the norm's order: 1, 2, float("inf"); 0 counts the \
@@ -46,6 +46,40 @@ def cosine_similarity(x1: Any, x2: Any, axis: int = -1, eps: float = 1e-8) -> ja
     n1 = jnp.maximum(_norm(x1, axis), eps_)
     n2 = jnp.maximum(_norm(x2, axis), eps_)
     return jnp.sum((x1 / n1) * (x2 / n2), axis=axis)
+
+
+BAD_NORM_ORDER = """\
+normalize: p must be a number > 0 (the norm's order: 1, 2, float("inf")), got {given!r}.
+
+    wrong:  ft.nn.normalize(x, p={given!r})
+    right:  ft.nn.normalize(x, p=2.0)
+"""
+
+
+def normalize(x: Any, p: float = 2.0, axis: int = -1, eps: float = 1e-12) -> jax.Array:
+    """``x / max(||x||_p, eps)`` along ``axis`` (torch's ``F.normalize``; its default ``dim=1``
+    is the features of ``[N, D]`` and the channels of ``NCHW``: here the last axis, functree's
+    features and channels). Its gradient is torch's: 0 through the norm where the norm is
+    below ``eps`` (a zero vector's gradient is ``1 / eps``, not NaN).
+
+    Example:
+      >>> import functree as ft, jax.numpy as jnp
+      >>> ft.nn.normalize(jnp.array([[3.0, 4.0], [0.0, 0.0]]))
+      Array([[0.6, 0.8],
+             [0. , 0. ]], dtype=float32)
+    """
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0:
+        raise ValueError(BAD_NORM_ORDER.format(given=p))
+    x = jnp.asarray(x)
+    if p == 2:
+        norm = _norm(x, axis)
+    elif math.isinf(p):
+        norm = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    else:
+        total = jnp.sum(jnp.abs(x) ** p, axis=axis, keepdims=True)
+        positive = total > 0
+        norm = jnp.where(positive, jnp.where(positive, total, 1) ** (1 / p), 0)
+    return x / jnp.maximum(norm, jnp.asarray(eps, x.dtype))
 
 
 def _norm(x: jax.Array, axis: int) -> jax.Array:

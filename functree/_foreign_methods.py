@@ -102,6 +102,20 @@ FOREIGN_METHODS: dict[str, tuple[str, str, str]] = {
                 "by key path, with parameter totals.", "model.summary()", "print(ft.summary(model))"),
     "count_params": ("Keras's model.count_params() is the summary's total here.",
                      "model.count_params()", "ft.summary(model).parameter_count"),
+    "num_parameters": ("Hugging Face's model.num_parameters() is the summary's total here.",
+                       "model.num_parameters()", "ft.summary(model).parameter_count"),
+    "tabulate": ("Flax's nn.tabulate(model, ...) is ft.summary here: the table of the model's leaves by key path.",
+                 "model.tabulate(x)", "print(ft.summary(model))"),
+    **dict.fromkeys(("modules", "named_modules", "children"), (
+        "torch's model.modules() walks the submodules; here their key paths are listed, by type if you "
+        "like, and each read or replaced through its path (a new model: modules are immutable).",
+        "for m in model.modules():  if isinstance(m, nn.Conv2d): nn.init.kaiming_normal_(m.weight)",
+        "for path in ft.recursively_all_key_paths(model, to=ft.nn.Conv2D):  layer = path.get(model);  "
+        "model = path.set(model, layer.replace(weight=ft.nn.initializers.kaiming_normal()(k, layer.weight.shape)))")),
+    "get_weights": ("Keras's model.get_weights() lists the arrays; here the parameter view is a function of the "
+                    "model (by name: ft.to_flat_dict).", "model.get_weights()", "ft.to_flat_dict(ft.parameters(model))"),
+    "set_weights": ("Keras's model.set_weights(ws) fills the model in place; a functree model is immutable: a new "
+                    "one is made with the arrays.", "model.set_weights(ws)", "model = ft.with_parameters(model, params)"),
     "trainable_variables": ("Keras's model.trainable_variables lists the trained tensors; here the "
                             "parameter view is a function of the model.",
                             "model.trainable_variables", "ft.parameters(model)"),

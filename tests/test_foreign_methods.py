@@ -111,3 +111,24 @@ def test_the_fixes_the_container_and_softmax_hints_give_run():
 
     names = set(ft.to_flat_dict(Net(jax.random.split(k, 2))))
     assert {"layers.0.weight", "layers.1.bias", "heads.cls.weight"} <= names  # torch's names
+
+
+def test_torchs_module_walk_and_keras_weights_name_functrees_and_the_walk_runs():
+    """model.modules() (torch's re-initialisation loop), get_weights/set_weights (Keras),
+    num_parameters (HF) and tabulate (Flax) raised Python's bare error. The walk's fix runs."""
+    import jax
+
+    from functree._foreign_methods import FOREIGN_METHODS
+
+    k = jax.random.key(0)
+    model = ft.nn.Sequential(ft.nn.Conv2D(3, 16, 3, key=k), ft.nn.relu, ft.nn.Conv2D(16, 64, 3, key=k))
+    for name in ("modules", "named_modules", "children", "get_weights", "set_weights", "num_parameters", "tabulate"):
+        with pytest.raises(AttributeError, match=rf"^'Sequential' object has no attribute {name!r}: "):
+            getattr(model, name)
+    right = FOREIGN_METHODS["modules"][2].replace(":  ", ":\n    ").replace(";  ", "\n    ")
+    scope = {"ft": ft, "model": model, "k": jax.random.key(1)}
+    exec(right, scope)  # the hint's own code, as a user pastes it
+    walked = scope["model"]
+    assert float(walked.layers[2].weight.std()) == pytest.approx((2 / (3 * 3 * 16)) ** 0.5, rel=0.05)
+    assert not bool((walked.layers[2].weight == model.layers[2].weight).all())
+    assert ft.summary(model).parameter_count == sum(x.size for x in jax.tree.leaves(model))

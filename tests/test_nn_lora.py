@@ -503,3 +503,16 @@ def test_an_optimizer_without_wrt_warns_that_the_adapted_weights_train_too(tmp_p
             ft.optim.Optimizer(ft.optim.sgd(0.1), wrt=wrt).init(adapted)
         ft.optim.Optimizer(ft.optim.sgd(0.1)).init(model)
         ft.train.Trainer(adapted, ft.optim.sgd(0.1), batch_loss, wrt="*.lora_*")
+
+
+def test_lora_refuses_the_dense_a_wrapper_computes_the_weight_of():
+    """ft.nn.lora on a WeightNorm's inner Dense (its weight None) crashed: AttributeError
+    'NoneType' object has no attribute 'shape'. Now a named error (COMPUTED_WEIGHT)."""
+    from functree.nn._lora import COMPUTED_WEIGHT
+
+    model = ft.nn.Sequential(ft.nn.WeightNorm(ft.nn.Dense(3, 4, key=jax.random.key(0))), ft.nn.Dense(4, 2, key=jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"'layers.0.layer' is the Dense inside a WeightNorm or SpectralNorm") as info:
+        ft.nn.lora(model, "layers.0.layer", rank=2, key=jax.random.key(0))
+    assert 'wrt="layers.0.*"' in str(info.value) and "there is no stored weight" in COMPUTED_WEIGHT
+    adapted = ft.nn.lora(model, "layers.1", rank=2, key=jax.random.key(0))  # the others adapt
+    assert type(adapted.layers[1]).__name__ == "LoraDense"

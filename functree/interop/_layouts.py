@@ -31,6 +31,7 @@ from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm,
 from functree.nn._prelu import PReLU
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell
 from functree.nn._recurrent_layers import Bidirectional, StackedRNN
+from functree.nn._weight_norm import SpectralNorm, WeightNorm
 
 FLATTENED_SIZE = """\
 ft.nn: flattened={{{name!r}: {shape}}} has {size} values per example; the Dense layer takes \
@@ -115,6 +116,31 @@ def _conv(layer: Conv) -> list[Local]:
     # torch [out, in, *k] (transposes: [in, out, *k]) -> ft [*k, in, out]
     perm = (*range(2, n + 2), 0, 1) if isinstance(layer, ConvTranspose) else (*range(2, n + 2), 1, 0)
     return [_permuted("weight", "weight", perm)] + ([same("bias", "bias")] if layer.bias is not None else [])
+
+
+def _weight_perm(layer: Dense | Conv) -> tuple[int, ...]:
+    """torch's weight axes → ft's, for a Dense or a convolution (``_dense``'s and ``_conv``'s)."""
+    if isinstance(layer, Dense):
+        return (1, 0)
+    n = layer._rank
+    return (*range(2, n + 2), 0, 1) if isinstance(layer, ConvTranspose) else (*range(2, n + 2), 1, 0)
+
+
+def _reparametrized(layer: WeightNorm | SpectralNorm) -> list[Local]:
+    """torch's ``parametrizations`` of a Linear or conv weight (torch >= 2.1's
+    ``nn.utils.parametrizations.weight_norm`` / ``spectral_norm``): weight norm's
+    ``original0`` (g, the weight's layout with size one on the other axes, or a scalar) and
+    ``original1`` (v); spectral norm's ``original`` (the weight) and its power iteration's
+    ``0._u``, ``0._v`` (torch's matrix vectors, as they are). The bias is the wrapped layer's."""
+    perm = _weight_perm(layer.layer)
+    if isinstance(layer, WeightNorm):
+        g = same("parametrizations.weight.original0", "g") if layer.dim is None else _permuted(
+            "parametrizations.weight.original0", "g", perm)
+        rules = [g, _permuted("parametrizations.weight.original1", "v", perm)]
+    else:
+        rules = [_permuted("parametrizations.weight.original", "weight", perm),
+                 same("parametrizations.weight.0._u", "u"), same("parametrizations.weight.0._v", "v")]
+    return rules + ([same("bias", "layer.bias")] if layer.layer.bias is not None else [])
 
 
 def _norm(layer: LayerNorm | GroupNorm | RMSNorm | BatchNorm | _InstanceNorm) -> list[Local]:
@@ -306,6 +332,7 @@ def _stacked(layer: StackedRNN | Bidirectional) -> list[Local] | None:
 
 
 _LAYERS: tuple[tuple[type | tuple[type, ...], Callable[[Any], list[Local] | None]], ...] = (
+    ((WeightNorm, SpectralNorm), _reparametrized),
     (Conv, _conv),
     ((LayerNorm, GroupNorm, RMSNorm, BatchNorm, _InstanceNorm), _norm),
     ((Embedding, EmbeddingBag), lambda layer: [same("weight", "embeddings")]),

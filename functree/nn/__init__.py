@@ -67,6 +67,7 @@ from functree.nn._dropout import (
 from functree.nn._embedding import Embedding
 from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._fold import Fold, Unfold
+from functree.nn._grid_sample import affine_grid, grid_sample
 from functree.nn._linear import Dense
 from functree.nn._lora import LoraBaseWarning, LoraDense, lora, merge_lora
 from functree.nn._lora_experts import LoraExperts, LoraParameter
@@ -159,6 +160,7 @@ from functree.nn._transformer import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
+from functree.nn._weight_norm import SpectralNorm, WeightNorm
 
 if TYPE_CHECKING:  # what ELSEWHERE's names are, for type checkers and editors
     from functree.generation import generate
@@ -285,6 +287,8 @@ __all__ = [
     "EmbeddingBag",
     "Bilinear",
     "PReLU",
+    "WeightNorm",
+    "SpectralNorm",
     "SimpleRNNCell",
     "GRUCell",
     "LSTMCell",
@@ -352,5 +356,7 @@ __all__ = [
     "normalize",
     "pairwise_distance",
     "interpolate",
+    "grid_sample",
+    "affine_grid",
     "initializers",
 ]

@@ -503,6 +503,16 @@ def _suggested(pattern: str, layers: list[DenseLayer]) -> str:
     return f"*.{close[0]}" if close else "*.query_projection"
 
 
+COMPUTED_WEIGHT = """\
+ft.nn.lora: {name!r} is the Dense inside a WeightNorm or SpectralNorm: its weight is None, computed \
+by the wrapper at each call (g · v / ||v||, weight / σ), so there is no stored weight for an \
+adapter to add to. Leave it out, and train the wrapper's own tensors instead:
+
+    wrong:  ft.nn.lora(model, {pattern!r}, ...)
+    right:  ft.nn.lora(model, <patterns of the other Dense layers>, ...)
+       or:  ft.train.Trainer(model, opt, loss_fn, wrt="{owner}.*")   # the wrapper's g and v (weight)"""
+
+
 def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: float = 8.0, dropout: float = 0.0,
          key: jax.Array | None = None, dtype: Any = None) -> Any:
     """``model`` with LoRA adapters on the ``Dense`` layers that ``pattern`` selects.
@@ -561,6 +571,11 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
         chosen = _selected(model, patterns, "ft.nn.lora", selected)
         experts = {path: dict.fromkeys(fields, 1) for path, fields in selected.items()}
     layers = dense_layers(model)
+    computed = [layer.name for j, layer in enumerate(layers)
+                if j in chosen and isinstance(layer.node, Dense) and layer.node.weight is None]
+    if computed:
+        raise ValueError(COMPUTED_WEIGHT.format(name=computed[0], owner=computed[0].rpartition(".")[0] or "*",
+                                                pattern=patterns[0] if patterns else "*"))
     wrapped: dict[Any, Any] = {
         layer.path: LoraDense(layer.node, rank, alpha, dropout, key=jax.random.fold_in(key, j), dtype=dtype)
         for j, layer in enumerate(layers) if j in chosen}

@@ -455,6 +455,43 @@ def test_keras_optimizer_name():
     assert str(info.value) == KERAS_OPTIMIZER.format(given="adam", right="ft.optim.adam(1e-3, epsilon=1e-7)",
                                                      note="   # Keras's defaults")
     with pytest.raises(TypeError, match=r"right:  ft\.train\.Trainer\(model, ft\.optim\.adam\(1e-3\), loss_fn\)$"):
-        ft.train.Trainer(model, "nadam", _loss)  # no entry: the message's generic line
+        ft.train.Trainer(model, "ftrl", _loss)  # no entry: the message's generic line
     for right in KERAS_OPTIMIZERS.values():
         eval(right, {"ft": ft})  # the `right:` lines build
+
+
+def _keras_nadam(w, grads, lr=1e-3, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """Keras 3's Nadam update, transcribed in NumPy from its documented algorithm: the
+    momentum schedule u_t = β₁ (1 − ½ 0.96^t), its running product, Nesterov's blend."""
+    m, v, product = np.zeros_like(w), np.zeros_like(w), 1.0
+    for t, g in enumerate(grads, start=1):
+        u_t, u_next = (beta_1 * (1 - 0.5 * 0.96 ** s) for s in (t, t + 1))
+        product *= u_t
+        m = beta_1 * m + (1 - beta_1) * g
+        v = beta_2 * v + (1 - beta_2) * g * g
+        m_hat = u_next * m / (1 - product * u_next) + (1 - u_t) * g / (1 - product)
+        w = w - lr * m_hat / (np.sqrt(v / (1 - beta_2 ** t)) + epsilon)
+    return w
+
+
+def test_keras_nadam_is_named_with_its_momentum_schedule():
+    """Keras's "nadam" got the generic ft.optim.adam line. Keras 3's Nadam is torch's NAdam
+    with momentum_decay 1.0 (its schedule's 0.96^t, torch's 0.96^(0.004 t)) and ε 1e-7: the
+    line built so gives Keras's update (float64, 6 steps, measured 2.8e-17: atol 1e-15 of
+    weights of about 1), and torch's default schedule is another (1.6e-4 apart here)."""
+    rng = np.random.default_rng(0)
+    w0, grads = rng.normal(size=5), rng.normal(size=(6, 5))
+    with pytest.raises(TypeError, match=r"ft\.optim\.nadam\(1e-3, momentum_decay=1\.0, epsilon=1e-7\)"):
+        ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), "Nadam", _loss)
+    expected = _keras_nadam(w0, grads)
+    with jax.enable_x64(True):
+        runs = {}
+        for name, tx in (("keras", eval(KERAS_OPTIMIZERS["nadam"], {"ft": ft})),
+                         ("torch's schedule", ft.optim.nadam(1e-3, epsilon=1e-7))):
+            w, state = jnp.asarray(w0), tx.init(jnp.asarray(w0))
+            for g in grads:
+                updates, state = tx.update(jnp.asarray(g), state, w)
+                w = w + updates
+            runs[name] = np.asarray(w)
+    np.testing.assert_allclose(runs["keras"], expected, rtol=0, atol=1e-15)
+    assert np.abs(runs["torch's schedule"] - expected).max() > 1e-5

@@ -311,6 +311,9 @@ KERAS_OPTIMIZERS = {
     "adagrad": "ft.optim.adagrad(1e-3, initial_accumulator_value=0.1, epsilon=1e-7)",
     "adadelta": "ft.optim.adadelta(1e-3, rho=0.95, epsilon=1e-7)", "adamax": "ft.optim.adamax(1e-3, epsilon=1e-7)",
     "lion": "ft.optim.lion(1e-3)",
+    # Keras 3's Nadam is torch's NAdam with the momentum schedule's 0.96^t (momentum_decay 1.0,
+    # not torch's 0.004): the same update otherwise, ε outside the root
+    "nadam": "ft.optim.nadam(1e-3, momentum_decay=1.0, epsilon=1e-7)",
 }
 
 KERAS_OPTIMIZER = """\

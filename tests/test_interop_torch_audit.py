@@ -94,6 +94,8 @@ def test_a_parametrized_weight_names_torch_s_removal_and_the_removed_weight_load
         layer(torch.ones(1, 4))  # spectral_norm's power iteration: its u, v
     message = _error(ft.nn.Dense(4, 3, key=K), layer.state_dict())
     assert removal in message and "keep the layer's initial weight" in message
+    # torch's parametrizations load as they are into ft.nn's wrapper (the older names do not)
+    assert ("ft.nn.WeightNorm(layer) / ft.nn.SpectralNorm(layer, key=k)" in message) == (kind != "old_weight_norm")
     layer.eval()
     if kind == "old_weight_norm":
         nn.utils.remove_weight_norm(layer)

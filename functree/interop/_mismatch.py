@@ -97,7 +97,11 @@ Save the tensor torch computes from them, in torch:
 
     wrong:  sd = module.state_dict()
     right:  {remove}
-            sd = module.state_dict()             # {name}, one tensor"""
+            sd = module.state_dict()             # {name}, one tensor{keep}"""
+
+# PARAMETRIZED_HINT's {keep}: torch's parametrizations of a weight, which ft.nn's wrappers read as they are.
+KEEP_PARAMETRIZED = """
+       or:  ft.nn.WeightNorm(layer) / ft.nn.SpectralNorm(layer, key=k)   # keep it trainable: reads parametrizations.weight.*"""
 
 PREFIX_HINT = """
 Every unexpected name is a missing one under {prefix!r} ({why}). Strip it:
@@ -165,8 +169,9 @@ def _parametrized_hint(layer: str, missing: set[str], unexpected: Sequence[str])
         kind, parts, remove = _PARAMETRIZED[found["kind"] or found["original"]]
         prefixes = tuple(start + part.format(w=weight) for part in parts)
         tensors = [n for n in unexpected if n in prefixes or (n.startswith(prefixes) and prefixes[0].endswith("."))]
+        keep = KEEP_PARAMETRIZED if found["original"] and weight == "weight" else ""
         return PARAMETRIZED_HINT.format(layer=_shown(layer), kind=kind, tensors=", ".join(tensors),
-                                        weight=weight, name=start + weight, remove=remove.format(w=weight))
+                                        weight=weight, name=start + weight, remove=remove.format(w=weight), keep=keep)
     return ""
 
 

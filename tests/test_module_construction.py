@@ -277,6 +277,10 @@ LAYER_CALLS: dict[type, tuple[Callable[[], ft.Module], Callable[[], ft.Module]]]
         lambda: ft.nn.Dense(input_size=2, output_size=3, activation=jax.nn.relu, use_bias=False, key=K),
     ),
     ft.nn.Lambda: (lambda: ft.nn.Lambda(jnp.tanh), lambda: ft.nn.Lambda(fn=jnp.tanh)),
+    ft.nn.WeightNorm: (lambda: ft.nn.WeightNorm(ft.nn.Dense(2, 3, key=K), 0),
+                       lambda: ft.nn.WeightNorm(layer=ft.nn.Dense(2, 3, key=K), dim=0)),
+    ft.nn.SpectralNorm: (lambda: ft.nn.SpectralNorm(ft.nn.Dense(2, 3, key=K), 2, key=K),
+                         lambda: ft.nn.SpectralNorm(layer=ft.nn.Dense(2, 3, key=K), n_power_iterations=2, key=K)),
     ft.nn.MLP: (
         lambda: ft.nn.MLP(2, 1, 4, 2, key=K),
         lambda: ft.nn.MLP(in_size=2, out_size=1, width_size=4, depth=2, key=K),

@@ -230,7 +230,13 @@ def test_exponential_decay_refuses_a_negative_decay_rate():
     ("ft.optim.adamw(learning_rate=ft.optim.warmup_cosine_decay(0.0, 0.001, 10, 100, -1e-05))", "-1e-05"),
     ("ft.optim.sgd(learning_rate=ft.optim.per_samples(ft.optim.linear_warmup(-0.1, 4), 2))", "-0.1"),
     ("ft.optim.adam(beta1=ft.optim.piecewise([(3, 0.9), (1, 1.5)]))", "1.5"),
-], ids=["piecewise", "exponential", "warmup_cosine", "per_samples", "beta1"])
+    # torch's SGD/NAdam/ASGD hyperparameters: a number out of range was refused, a schedule not
+    ("ft.optim.sgd(dampening=ft.optim.piecewise([(3, 0.1), (1, 1.5)]))", "1.5"),
+    ("ft.optim.nadam(momentum_decay=ft.optim.piecewise([(3, 0.004), (1, -1.0)]))", "-1.0"),
+    ("ft.optim.asgd(lambd=ft.optim.exponential_decay(-0.1, 4, 0.5))", "-0.1"),
+    ("ft.optim.asgd(t0=ft.optim.piecewise([(3, 4.0), (1, -2.0)]))", "-2.0"),
+], ids=["piecewise", "exponential", "warmup_cosine", "per_samples", "beta1", "dampening", "momentum_decay", "lambd",
+        "t0"])
 def test_a_schedule_built_with_an_out_of_range_value_is_refused_and_the_fix_runs(code, value):
     """The raw list ``sgd([(3, 0.1), (1, -0.01)])`` was refused, the same schedule as
     ``ft.optim.piecewise(...)`` (or any of functree's schedules from a negative rate) was
@@ -377,6 +383,59 @@ def test_nesterov_without_momentum_is_refused_as_torchs_sgd_refuses_it():
 def test_bad_options_are_refused_with_the_fix(code, match):
     with pytest.raises(ValueError, match=match):
         eval(code)
+
+
+@pytest.mark.parametrize("make, name, value", [
+    (lambda: fo.nadam(), "momentum_decay", -1e-3), (lambda: fo.asgd(), "lambd", -1.0),
+    (lambda: fo.asgd(), "alpha", float("nan")), (lambda: fo.asgd(), "t0", -1.0),
+    (lambda: fo.sgd(0.1, 0.9, dampening=0.2), "dampening", 1.5),
+])
+def test_set_hyperparameters_checks_torchs_hyperparameters_as_construction_does(make, name, value):
+    """Their ranges were checked at construction only (a table of _torch_optimizers, and
+    sgd's own check): set_hyperparameters took momentum_decay=-1e-3, t0=-1, dampening=1.5."""
+    state = make().init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match=rf"set_hyperparameters: {name}={value!r} is out of range"):
+        fo.set_hyperparameters(state, **{name: value})
+
+
+def test_dampening_set_on_an_sgd_built_without_it_names_why_and_the_fixes_run():
+    """``sgd(dampening=0.0)`` keeps no dampening (torch's buffer without it): setting one got
+    the generic "no hyperparameter 'dampening'"; now the weight-decay message's reasons,
+    with sgd's code. Each printed way to build it takes the value set (or the schedule's)."""
+    p, g = {"w": jnp.ones(2)}, {"w": jnp.array([1.0, -2.0])}
+    with pytest.raises(KeyError, match=r"no hyperparameter 'dampening'(?s:.*)given dampening=0 \(the number\) is "
+                                       r"built without that term \(torch's momentum buffer without dampening\)") as info:
+        fo.set_hyperparameters(fo.sgd(0.1, momentum=0.9).init(p), dampening=0.5)
+    fixes = [line.split("tx = ")[1].split("   #")[0].strip() for line in info.value.args[0].splitlines()
+             if line.strip().startswith(("right:", "or:"))]
+    assert len(fixes) == 3, fixes
+
+    def steps(tx, state, n=3) -> Any:
+        for _ in range(n):
+            u, state = tx.update(g, state)
+        return u["w"]
+
+    expected = steps(fo.sgd(0.1, momentum=0.9, dampening=0.5), fo.sgd(0.1, momentum=0.9, dampening=0.5).init(p))
+    for fix in fixes[:2]:  # a nonzero number, a zero array: stored, settable
+        tx = eval(fix, {"ft": ft, "jnp": jnp})
+        np.testing.assert_allclose(steps(tx, fo.set_hyperparameters(tx.init(p), dampening=0.5)), expected, atol=1e-6)
+    tx = eval(fixes[2], {"ft": ft, "jnp": jnp})  # a schedule: 0 until step 1000
+    np.testing.assert_allclose(steps(tx, tx.init(p)), steps(fo.sgd(0.1, momentum=0.9), fo.sgd(0.1, momentum=0.9).init(p)),
+                               atol=1e-6)
+
+
+def test_rprop_state_of_another_shape_is_refused_and_its_state_is_its_moments():
+    """Rprop's ``step_sizes`` and ``previous`` were no moments to the state checks: a state made
+    for a (1,) parameter broadcast into a (3,) one silently (all three stepped by the one
+    size); ``ft.optim.moments`` listed nothing."""
+    opt = fo.Optimizer(fo.rprop(0.1))
+    state = opt.init({"w": jnp.ones(1)})
+    with pytest.raises(ValueError, match=r"its moment step_sizes differs from the gradients at w: the gradient has "
+                                         r"shape \(3,\), the moment \(1,\)"):
+        opt.update({"w": jnp.ones(3)}, state, {"w": jnp.ones(3)})
+    moments = fo.moments(state)
+    assert sorted(moments) == ["previous", "step_sizes"]
+    np.testing.assert_array_equal(moments["step_sizes"]["w"], np.array([0.1], np.float32))
 
 
 def test_asgd_needs_the_parameters():

@@ -232,12 +232,13 @@ def _names(tree: Any, treedef: Any) -> list[str]:
 
 
 # The fields of optax's states that hold a tree shaped like the parameters (Adam's ``mu``
-# and ``nu``, momentum's ``trace``, adafactor's factored ``v_row``, ``v_col``, ``v`` ...):
-# those of ``_aliases.MOMENT_FIELDS`` (not imported: ``_aliases`` imports this module
-# through ``_hyper``; a test keeps the two equal).
-MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x", "v_row", "v_col", "v")
+# and ``nu``, momentum's ``trace``, adafactor's factored ``v_row``, ``v_col``, ``v``, Rprop's
+# ``step_sizes`` and ``previous`` ...): ``ft.optim.moments`` reads them, and a state's are
+# checked against the gradients' shapes (Rprop's (1,) were broadcast into a (3,) layer's).
+MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x", "v_row", "v_col", "v",
+                 "step_sizes", "previous")
 # Of those, the running sums of the gradient itself: shaped like it, leaf for leaf.
-_GRADIENT_SHAPED = ("mu", "trace", "velocity")
+_GRADIENT_SHAPED = ("mu", "trace", "velocity", "step_sizes", "previous")
 # Second-moment-like sums: the gradient's shape, or reduced to one scalar per parameter
 # (NovoGrad's ``nu``). Unchecked, an old accumulator of another shape broadcast silently
 # into a changed layer's (adagrad, adadelta, rmsprop).

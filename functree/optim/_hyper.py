@@ -106,17 +106,25 @@ OFF_AT_ZERO = ("weight_decay",)
 """Hyperparameters an ``ft.optim`` optimizer leaves out when given the number 0: no term is
 built (no decay computed, no parameters read), so its state stores no such value."""
 
+DROPPED: dict[str, tuple[str, str, str]] = {
+    "weight_decay": ("no decay is computed", "ft.optim.adamw(1e-3, ", "1e-4"),
+    "dampening": ("torch's momentum buffer without dampening", "ft.optim.sgd(0.1, momentum=0.9, ", "0.1"),
+}
+"""Every name an ``ft.optim`` optimizer leaves out at 0 (:data:`OFF_AT_ZERO`, ``sgd``'s
+``dampening``): what is left out, the call that builds one, and a nonzero value
+(:data:`DROPPED_AT_ZERO`)."""
+
 DROPPED_AT_ZERO = """\
 set_hyperparameters: this state has no hyperparameter {key!r}. It has: {known}. An ft.optim \
-optimizer given {name}=0 (the number) is built without that term (no decay is computed), so \
+optimizer given {name}=0 (the number) is built without that term ({what}), so \
 its state holds no {name} to set. Build it with the value stored, or give the values to come \
 as a schedule:
 
-    wrong:  tx = ft.optim.adamw(1e-3, {name}=0.0); state = tx.init(model)
-            state = ft.optim.set_hyperparameters(state, {name}=0.01)
-    right:  tx = ft.optim.adamw(1e-3, {name}=1e-4)               # nonzero: stored, settable
-       or:  tx = ft.optim.adamw(1e-3, {name}=jnp.asarray(0.0))   # a zero array: stored, settable
-       or:  tx = ft.optim.adamw(1e-3, {name}=ft.optim.piecewise([(1000, 0.0), (1, 0.01)]))  # 0.01 from step 1000
+    wrong:  tx = {call}{name}=0.0); state = tx.init(model)
+            state = ft.optim.set_hyperparameters(state, {name}={example})
+    right:  tx = {call}{name}={example})               # nonzero: stored, settable
+       or:  tx = {call}{name}=jnp.asarray(0.0))   # a zero array: stored, settable
+       or:  tx = {call}{name}=ft.optim.piecewise([(1000, 0.0), (1, {example})]))  # {example} from step 1000
 """
 
 SCHEDULED_HYPERPARAMETER = """\
@@ -206,6 +214,12 @@ RULES: dict[str, tuple[Callable[[float], bool], str, str]] = {
     "weight": (lambda v: v >= 0, ">= 0", "1e-4"),
     "std": (lambda v: v >= 0, ">= 0", "0.01"),
     "eta": (lambda v: v >= 0, ">= 0", "0.01"),
+    # torch's SGD (dampening), NAdam (momentum_decay) and ASGD (lambd, alpha, t0)
+    "dampening": (lambda v: 0 <= v <= 1, "in [0, 1]", "0.1"),
+    "momentum_decay": (lambda v: v >= 0, ">= 0", "4e-3"),
+    "lambd": (lambda v: v >= 0, ">= 0", "1e-4"),
+    "alpha": (lambda v: v >= 0, ">= 0", "0.75"),
+    "t0": (lambda v: v >= 0, ">= 0", "1e6"),
 }
 
 
@@ -904,11 +918,12 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
 
 def _unknown(key: str, keys: list[str]) -> str:
     """The error for a hyperparameter ``key`` the state does not hold: :data:`DROPPED_AT_ZERO`
-    for a name an optimizer leaves out at 0 (``weight_decay=0.0``; ``"head.*/weight_decay"``
-    by its last part), else :data:`UNKNOWN_HYPERPARAMETER`."""
+    for a name an optimizer leaves out at 0 (``weight_decay=0.0``, sgd's ``dampening=0.0``;
+    ``"head.*/weight_decay"`` by its last part, :data:`DROPPED`), else :data:`UNKNOWN_HYPERPARAMETER`."""
     name, known = key.rsplit("/", 1)[-1], sorted(set(keys))
-    if name in OFF_AT_ZERO:
-        return DROPPED_AT_ZERO.format(key=key, name=name, known=known)
+    if name in DROPPED:
+        what, call, example = DROPPED[name]
+        return DROPPED_AT_ZERO.format(key=key, name=name, known=known, what=what, call=call, example=example)
     return UNKNOWN_HYPERPARAMETER.format(name=key, known=known)
 
 

@@ -9,8 +9,6 @@ computed in the hyperparameters' dtype: float64 for float64 parameters.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -19,28 +17,10 @@ import optax
 
 from functree.optim._aliases import _decayed, _optimizer, _tree_zeros
 from functree.optim._average import _averaging
-from functree.optim._hyper import OUT_OF_RANGE, _is_number, hyper_dtype
+from functree.optim._hyper import _is_number, hyper_dtype
 from functree.optim._signature import Hyper
 
 __all__ = ["nadam", "rprop", "asgd", "NAdamState", "RpropState", "ASGDState"]
-
-
-RANGES: dict[str, tuple[Callable[[float], bool], str, str]] = {
-    "momentum_decay": (lambda v: v >= 0, ">= 0", "4e-3"),
-    "lambd": (lambda v: v >= 0, ">= 0", "1e-4"),
-    "alpha": (lambda v: v >= 0, ">= 0", "0.75"),
-    "t0": (lambda v: v >= 0, ">= 0", "1e6"),
-}
-"""The ranges of the hyperparameters that :data:`functree.optim._hyper.RULES` does not know
-(the new optimizers' own), checked as given at construction when they are numbers."""
-
-
-def in_range(where: str, **given: Any) -> None:
-    """:data:`functree.optim._hyper.OUT_OF_RANGE` for a number given out of its :data:`RANGES`."""
-    for name, value in given.items():
-        ok, rule, example = RANGES[name]
-        if _is_number(value) and not (math.isfinite(float(value)) and ok(float(value))):
-            raise ValueError(OUT_OF_RANGE.format(where=where, name=name, value=value, rule=rule, example=example))
 
 
 class NAdamState(NamedTuple):
@@ -78,11 +58,7 @@ def _scale_by_nadam(b1: Any, b2: Any, eps: Any, momentum_decay: Any) -> optax.Gr
     return optax.GradientTransformation(init, update)
 
 
-def _check_nadam(momentum_decay: Any) -> None:
-    in_range("ft.optim.nadam", momentum_decay=momentum_decay)
-
-
-@_optimizer("ft.optim.nadam", check=_check_nadam)
+@_optimizer("ft.optim.nadam")
 def nadam(
     learning_rate: Hyper = 2e-3,
     beta1: Hyper = 0.9,
@@ -124,7 +100,7 @@ def nadam(
 
 class RpropState(NamedTuple):
     """Rprop's per-element step sizes and the previous step's gradient (zero where its sign
-    flipped), in the parameter view."""
+    flipped), in the parameter view (:func:`ft.optim.moments` reads both)."""
 
     step_sizes: Any
     previous: Any
@@ -254,11 +230,7 @@ ft.optim.asgd decays and averages the parameters, so update needs them: pass the
     right:  updates, state = tx.update(grads, state, model)"""
 
 
-def _check_asgd(lambd: Any, alpha: Any, t0: Any) -> None:
-    in_range("ft.optim.asgd", lambd=lambd, alpha=alpha, t0=t0)
-
-
-@_optimizer("ft.optim.asgd", check=_check_asgd)
+@_optimizer("ft.optim.asgd")
 def asgd(
     learning_rate: Hyper = 1e-2,
     lambd: Hyper = 1e-4,

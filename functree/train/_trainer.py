@@ -304,10 +304,15 @@ alone (Keras's predict(x)); its output is the model's on them.
     right:  trainer.predict(x)                 # or trainer.predict(data, lambda model, batch: ...)"""
 
 # Keras's compile(optimizer="adam"): the name with Keras's defaults (docs/migration/defaults.md).
+# Keras's Adam and AdamW add ε to √v before the bias correction (η √(1−β₂ᵗ)/(1−β₁ᵗ) ·
+# m/(√v + ε)): here ε/√(1−β₂ᵗ) added to √v̂, 31.6ε at the first step (a plain ε = 1e-7 stepped
+# 2.5× Keras's for gradients of order 1e-6); its RMSprop divides by √(s + ε) (eps_in_sqrt:
+# g / (√s + ε) stepped 17× Keras's for gradients of order 1e-4)
+KERAS_EPSILON = "ft.optim.schedule(lambda t: 1e-7 / (1 - 0.999 ** (t + 1)) ** 0.5)"
 KERAS_OPTIMIZERS = {
-    "adam": "ft.optim.adam(1e-3, epsilon=1e-7)", "sgd": "ft.optim.sgd(0.01)",
-    "rmsprop": "ft.optim.rmsprop(1e-3, rho=0.9, epsilon=1e-7)",
-    "adamw": "ft.optim.adamw(1e-3, weight_decay=0.004, epsilon=1e-7, exclude=())",
+    "adam": f"ft.optim.adam(1e-3, epsilon={KERAS_EPSILON})", "sgd": "ft.optim.sgd(0.01)",
+    "rmsprop": "ft.optim.rmsprop(1e-3, rho=0.9, epsilon=1e-7, eps_in_sqrt=True)",
+    "adamw": f"ft.optim.adamw(1e-3, weight_decay=0.004, epsilon={KERAS_EPSILON}, exclude=())",
     "adagrad": "ft.optim.adagrad(1e-3, initial_accumulator_value=0.1, epsilon=1e-7)",
     "adadelta": "ft.optim.adadelta(1e-3, rho=0.95, epsilon=1e-7)", "adamax": "ft.optim.adamax(1e-3, epsilon=1e-7)",
     "lion": "ft.optim.lion(1e-3)",

@@ -85,7 +85,7 @@ FUNCTREE_TYPES = {
     "functree.optim": (
         "LearningContext", "HyperState", "OptimizerState", "SkipState", "LossScaleState",
         "AdagradState", "AMSGradState", "UnitGainState", "NoiseState", "PlateauState",
-        "AverageState", "SlowState",
+        "AverageState", "SlowState", "NAdamState", "RpropState", "ASGDState", "DampenedTraceState",
         "ContextState",  # format 1's wrapper of plain optax states; ft.optim.upgrade_state reads it
     ),
     "functree.nn": ("LSTMState", "RopeScaling"),  # RopeScaling: a static record (_treespec)

@@ -18,19 +18,13 @@ import difflib
 import inspect
 from typing import Any
 
-__all__ = ["FOREIGN_ARGUMENT", "ALWAYS_ARGUMENT", "UNKNOWN_ARGUMENT", "FOREIGN_ARGUMENTS", "foreign_argument", "public_name"]
+__all__ = ["FOREIGN_ARGUMENT", "UNKNOWN_ARGUMENT", "FOREIGN_ARGUMENTS", "foreign_argument", "public_name"]
 
 FOREIGN_ARGUMENT = """\
 {cls}() got an unexpected keyword argument{plural} {names}: {why}
 
     wrong:  {cls}(..., {wrong})
     right:  {cls}(..., {right})"""
-
-ALWAYS_ARGUMENT = """\
-{cls}() got an unexpected keyword argument{plural} {names}: {why}
-
-    wrong:  {cls}(..., {wrong})
-    right:  {cls}(...)"""
 
 UNKNOWN_ARGUMENT = """\
 {cls}() got an unexpected keyword argument {name!r}{close} Its arguments: {params}."""
@@ -77,14 +71,6 @@ FOREIGN_ARGUMENTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "batch_first": ("torch's batch_first=", ()),
 }
 
-# Where the layer takes no such option because it always behaves one way.
-_ALWAYS = {
-    "batch_first": "this layer is batch-first ([batch, seq, features]) as torch's batch_first=True; "
-                   "drop the argument (torch's default batch_first=False takes [seq, batch, features]: "
-                   "transpose such inputs with jnp.swapaxes(x, 0, 1))",
-}
-
-
 def foreign_argument(cls: type, init: Any, args: tuple, kwargs: dict[str, Any]) -> TypeError | None:
     """The error for ``cls(*args, **kwargs)`` when ``init``'s signature refuses one of the
     keywords (None otherwise: the constructor's own TypeError stands). Every refused
@@ -122,14 +108,13 @@ def foreign_argument(cls: type, init: Any, args: tuple, kwargs: dict[str, Any]) 
     wrong = ", ".join(f"{n}={kwargs[n]!r}" for n in unknown)
     right = ", ".join(f"{p}={kwargs[n]!r}" for n in unknown for p in found[n][1])  # type: ignore[index]
     plural = "s" if len(unknown) > 1 else ""
-    template = ALWAYS_ARGUMENT if not right else FOREIGN_ARGUMENT
-    return TypeError(template.format(cls=shown, plural=plural, names=names, why=why + ".", wrong=wrong,
+    return TypeError(FOREIGN_ARGUMENT.format(cls=shown, plural=plural, names=names, why=why + ".", wrong=wrong,
                                      right=right))
 
 
 def _renamed(name: str, params: Any) -> tuple[str, tuple[str, ...]] | None:
     """``(why, functree's parameters)`` for another library's keyword ``name`` where this
-    signature has them (``()``: an option the layer always has; drop it), else None."""
+    signature has them, else None."""
     foreign = FOREIGN_ARGUMENTS.get(name)
     if foreign is None:
         return None
@@ -138,7 +123,7 @@ def _renamed(name: str, params: Any) -> tuple[str, tuple[str, ...]] | None:
         parts = tuple(target.split("+"))
         if all(p in params for p in parts):
             return f"{whose} is {' and '.join(p + '=' for p in parts)} here", parts
-    return (f"{whose}: {_ALWAYS[name]}", ()) if name in _ALWAYS else None
+    return None
 
 
 def public_name(cls: type) -> str:

@@ -1435,3 +1435,30 @@ def test_bfloat16_nan_payloads_are_exported_bit_for_bit():
     sd = ft.nn.torch_state_dict({"w": jnp.asarray(bits.view(jnp.bfloat16))})
     assert sd["w"].dtype == torch.bfloat16
     np.testing.assert_array_equal(sd["w"].view(torch.int16).numpy().view(np.uint16), bits)
+
+
+def test_a_batch_norm_without_affine_names_use_scale_false_and_round_trips():
+    """torch's BatchNorm2d(affine=False) (no weight, bias) is ft.nn.BatchNorm(..., use_scale=False,
+    use_offset=False): the missing-keys error of the default layer names it (it named strict=False
+    and an export filtered by hand, ft.nn.BatchNorm having no such option), the unexpected-keys
+    error of a layer without them names use_scale=True, and its export is torch's state dict."""
+    from functree.interop._mismatch import WITHOUT_HINT
+
+    module = torch.nn.BatchNorm2d(4, affine=False)
+    module.running_mean.normal_()
+    with pytest.raises(ValueError) as e:
+        ft.nn.load_torch_state_dict(ft.nn.BatchNorm(4, axis=1, epsilon=1e-5), module.state_dict())
+    assert WITHOUT_HINT.split("{", 1)[0] in str(e.value)
+    assert "right:  ft.nn.BatchNorm(..., use_scale=False, use_offset=False)" in str(e.value)
+    with pytest.raises(ValueError, match=r"use_scale=True, use_offset=True"):
+        ft.nn.load_torch_state_dict(ft.nn.BatchNorm(4, axis=1, use_scale=False, use_offset=False),
+                                    torch.nn.BatchNorm2d(4).state_dict())
+    bn = ft.nn.load_torch_state_dict(ft.nn.BatchNorm(4, axis=1, momentum=0.9, epsilon=1e-5, use_scale=False,
+                                                     use_offset=False, unbiased_running_variance=True), module)
+    exported = ft.nn.torch_state_dict(bn)
+    assert set(exported) == {"running_mean", "running_var"}  # num_batches_tracked: not written
+    module.load_state_dict(exported, strict=False)
+    x = np.random.default_rng(0).normal(size=(2, 4, 3, 3)).astype(np.float32)
+    with torch.no_grad():
+        expected = module.eval()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(bn(jnp.asarray(x)), expected, rtol=0, atol=1e-6 * np.abs(expected).max())

@@ -213,14 +213,18 @@ def test_tensors_a_torch_option_leaves_out_name_the_option_and_its_export_loads_
     module.load_state_dict(ft.nn.torch_state_dict(loaded))  # strict: the torch module's own keys
 
 
-def test_a_batch_norm_without_affine_names_strict_false_and_the_export_without_its_scale():
+def test_a_batch_norm_without_affine_names_the_layer_without_its_scale_and_its_export():
+    # torch's affine=False: the error names the layer built without scale and offset (it named
+    # strict=False and a hand-filtered export before ft.nn.BatchNorm could be built so).
     module = nn.BatchNorm1d(4, affine=False)
     module.running_mean.normal_()
     message = _error(ft.nn.BatchNorm(4, epsilon=1e-5), module.state_dict())
-    assert "affine=False" in message and "k not in ('weight', 'bias')" in message
-    model, _ = ft.nn.load_torch_state_dict(ft.nn.BatchNorm(4, epsilon=1e-5), module.state_dict(), strict=False)
-    module.load_state_dict({k: v for k, v in ft.nn.torch_state_dict(model).items() if k not in {"weight", "bias"}},
-                           strict=False)  # num_batches_tracked is not written
+    assert "affine=False" in message and "right:  ft.nn.BatchNorm(..., use_scale=False, use_offset=False)" in message
+    model = ft.nn.load_torch_state_dict(ft.nn.BatchNorm(4, epsilon=1e-5, use_scale=False, use_offset=False),
+                                        module.state_dict())
+    written = ft.nn.torch_state_dict(model)
+    assert "weight" not in written and "bias" not in written
+    module.load_state_dict(written, strict=False)  # num_batches_tracked is not written
     x = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
     expected = module.eval()(torch.from_numpy(x)).detach().numpy()
     np.testing.assert_allclose(model(x), expected, rtol=0, atol=1e-6 * np.abs(expected).max())

@@ -19,12 +19,10 @@ from functree.interop._options import (
     FUNCTION_LINE,
     NO_COUNTERPART_LINE,
     NO_MAX_NORM,
-    NO_SCALE_GRAD,
     NO_ZERO_ATTN,
     NONE_LINE,
     OPTION_LINE,
     OPTIONS_DIFFER,
-    SEQUENCE_FIRST,
 )
 
 torch = pytest.importorskip("torch")
@@ -100,12 +98,12 @@ def _cases():
             lambda: ft.nn.SimpleRNN(3, 4, num_layers=2, batch_first=True, key=K, **F64),
             (RNG.normal(size=(5, 2, 3)),), ["batch_first", "nonlinearity"],
             "ft.nn.SimpleRNN(..., batch_first=False, nonlinearity='relu')", None),
-        "attention": (
-            lambda: nn.MultiheadAttention(8, 4, batch_first=True),
-            lambda: ft.nn.MultiheadAttention(8, 4, key=K, **F64),
+        "attention": (  # torch's default batch_first=False: x_seq read as [L, N, E]
+            lambda: nn.MultiheadAttention(8, 4, add_zero_attn=True),
+            lambda: ft.nn.MultiheadAttention(8, 4, batch_first=False, add_zero_attn=True, key=K, **F64),
             lambda: ft.nn.MultiheadAttention(8, 2, key=K, **F64),
-            (x_seq, x_seq, x_seq), ["num_heads", "num_heads (key and value heads)"],
-            "ft.nn.MultiheadAttention(..., num_heads=4, num_kv_heads=4)", None),
+            (x_seq, x_seq, x_seq), ["num_heads", "num_heads (key and value heads)", "add_zero_attn", "batch_first"],
+            "ft.nn.MultiheadAttention(..., num_heads=4, num_kv_heads=4, add_zero_attn=True, batch_first=False)", None),
         "bag": (
             lambda: nn.EmbeddingBag(7, 3, mode="max", padding_idx=2),
             lambda: ft.nn.EmbeddingBag(7, 3, mode="max", padding_index=2, key=K, **F64),
@@ -207,21 +205,23 @@ def test_options_without_an_ft_counterpart_are_refused_by_name():
     with pytest.raises(ValueError) as e:
         ft.nn.load_torch_state_dict(ft.nn.Embedding(10, 4, key=K), emb)
     shown = dict(torch="(the module)", torch_class="Embedding", ft="(the model)", ft_class="Embedding")
-    for option, value, none in (("max_norm", "1.0", NO_MAX_NORM), ("scale_grad_by_freq", "True", NO_SCALE_GRAD)):
-        assert NO_COUNTERPART_LINE.format(option=option, torch_value=value, **shown) in str(e.value)
-        assert NONE_LINE.format(none=none, option=option) + "   # at (the model)" in str(e.value)
+    assert NO_COUNTERPART_LINE.format(option="max_norm", torch_value="1.0", **shown) in str(e.value)
+    assert NONE_LINE.format(none=NO_MAX_NORM, option="max_norm") + "   # at (the model)" in str(e.value)
+    assert FIX_LINE.format(call="ft.nn.Embedding(..., scale_grad_by_freq=True)") + "   # at (the model)" in str(e.value)
+    ft.nn.load_torch_state_dict(ft.nn.Embedding(10, 4, scale_grad_by_freq=True, key=K), nn.Embedding(10, 4, scale_grad_by_freq=True))
     with pytest.raises(ValueError) as e:  # a Dense with an activation of its own where torch's Linear has none
         ft.nn.load_torch_state_dict(ft.nn.Dense(4, 2, ft.nn.relu, key=K), nn.Linear(4, 2))
     assert FIX_LINE.format(call="ft.nn.Dense(..., activation=None)") + "   # at (the model)" in str(e.value)
-    attention = nn.MultiheadAttention(8, 2, add_zero_attn=True)  # torch's default batch_first=False
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    layer.self_attn.add_zero_attn = True  # a transformer layer's attention: no argument of ft's layer sets it
     with pytest.raises(ValueError) as e:
-        ft.nn.load_torch_state_dict(ft.nn.MultiheadAttention(8, 2, key=K), attention)
-    assert NONE_LINE.format(none=NO_ZERO_ATTN, option="add_zero_attn") in str(e.value)
-    assert NONE_LINE.format(none=SEQUENCE_FIRST, option="batch_first") in str(e.value)
-    # the sequence-first attention's fix: its tensors alone, called on swapped axes, are torch's numbers
-    plain = nn.MultiheadAttention(8, 2).double().eval()
-    loaded = ft.nn.load_torch_state_dict(ft.nn.MultiheadAttention(8, 2, key=K, **F64), plain.state_dict())
-    x = RNG.normal(size=(5, 3, 8))  # [L, N, E]
-    expected = _run_torch(plain, x, x, x)
-    got = np.swapaxes(np.asarray(loaded(jnp.swapaxes(jnp.asarray(x), 0, 1))), 0, 1)
-    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-14 * max(1.0, float(np.abs(expected).max())))
+        ft.nn.load_torch_state_dict(ft.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, key=K), layer)
+    assert NONE_LINE.format(none=NO_ZERO_ATTN, option="self_attn.add_zero_attn") + "   # at (the model)" in str(e.value)
+    model = ft.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, key=K, **F64)
+    model = ft.nn.load_torch_state_dict(model.replace(self_attn=model.self_attn.replace(add_zero_attn=True)),
+                                        layer.double().train())  # the fix NO_ZERO_ATTN names: torch's numbers (eval: its
+    # fast path, which leaves add_zero_attn out)
+    x = RNG.normal(size=(2, 5, 8))
+    expected = _run_torch(layer, x)
+    np.testing.assert_allclose(_forward(model, jnp.asarray(x)), expected, rtol=0,
+                               atol=2e-14 * max(1.0, float(np.abs(expected).max())))

@@ -118,6 +118,7 @@ _OPTIONS: tuple[tuple[type | tuple[type, ...], tuple[str, ...], str, str], ...] 
     (_NORMS, ("weight",), "elementwise_affine=True", "use_scale=True"),
     (_NORMS, ("bias",), "elementwise_affine=True, bias=True", "use_offset=True"),
     (_InstanceNorm, ("weight", "bias"), "InstanceNorm*d(..., affine=True)", "affine=True"),
+    (BatchNorm, ("weight", "bias"), "BatchNorm*d(..., affine=True), its default", "use_scale=True, use_offset=True"),
     ((BatchNorm, _InstanceNorm), ("running_mean", "running_var"),
      "track_running_stats=True: eval() normalizes with them, not with each batch's statistics",
      "track_running_stats=True"),
@@ -216,14 +217,6 @@ again (strict=False would load the same numbers, but keep {them} in the model an
 NO_TENSOR_OF_IT = """ No tensor of the layer is given, though: if torch's model has no such layer, the \
 two models differ, and neither fix makes them compute the same numbers."""
 
-BATCH_NORM_AFFINE_HINT = """
-The state dict has no {tensors} for {layer}, an ft.nn.BatchNorm: torch's BatchNorm*d(..., \
-affine=False), which ft.nn.BatchNorm has no option for. strict=False keeps its scale 1 and \
-offset 0, torch's numbers; leave them out of training (wrt=) and out of the export.{unsure}
-
-    right:  model, report = ft.nn.load_torch_state_dict(model, sd, strict=False)
-            sd = {{k: v for k, v in ft.nn.torch_state_dict(model).items() if k not in {names}}}"""
-
 # The tensors a torch option leaves out of a layer, by their local names: the option and the
 # ft.nn argument that leaves them out too (running statistics: NO_RUNNING_STATISTICS_HINT).
 _WITHOUT: tuple[tuple[type | tuple[type, ...], tuple[str, ...], str, str], ...] = (
@@ -234,6 +227,7 @@ _WITHOUT: tuple[tuple[type | tuple[type, ...], tuple[str, ...], str, str], ...] 
     (_NORMS, ("weight",), "elementwise_affine=False", "use_scale=False"),
     (_NORMS, ("bias",), "bias=False", "use_offset=False"),
     (_InstanceNorm, ("weight", "bias"), "affine=False, InstanceNorm's default", "affine=False"),
+    (BatchNorm, ("weight", "bias"), "BatchNorm*d(..., affine=False)", "use_scale=False, use_offset=False"),
     (MultiheadAttention, ("in_proj_bias", "out_proj.bias"), "bias=False", "use_bias=False"),
     ((SimpleRNNCell, GRUCell, LSTMCell), ("bias_ih", "bias_hh"), "bias=False", "use_bias=False"),
     ((StackedRNN, Bidirectional), ("bias_ih_l", "bias_hh_l"), "bias=False", "bias=False"),
@@ -241,7 +235,7 @@ _WITHOUT: tuple[tuple[type | tuple[type, ...], tuple[str, ...], str, str], ...] 
 
 
 def _without_hint(layers: Mapping[str, Any], rules: Sequence[Any], report: FlatDictReport) -> str:
-    """:data:`WITHOUT_HINT` (:data:`BATCH_NORM_AFFINE_HINT`) for the first known layer whose
+    """:data:`WITHOUT_HINT` for the first known layer whose
     missing tensors are exactly those a torch option leaves out, where nothing is unexpected
     (a name to map elsewhere would be). ``rules``: every layer's torch names, to tell a layer
     none of whose tensors is given (:data:`NO_TENSOR_OF_IT`)."""
@@ -255,9 +249,6 @@ def _without_hint(layers: Mapping[str, Any], rules: Sequence[Any], report: FlatD
         tensors = [n for n in report.missing if n.startswith(start) and n[len(start):] in own]
         held = any(t.startswith(start) and t not in report.missing for rule in rules for t in rule.torch)
         unsure = "" if held else NO_TENSOR_OF_IT
-        if isinstance(node, BatchNorm) and own == {"weight", "bias"}:
-            return BATCH_NORM_AFFINE_HINT.format(tensors=", ".join(tensors), layer=_shown(layer),
-                                                 names=tuple(tensors), unsure=unsure)
         for cls, names, what, argument in _WITHOUT:
             if isinstance(node, cls) and all(any(_named(n, name) for name in names) for n in own) \
                     and all(any(_named(n, name) for n in own) for name in names):

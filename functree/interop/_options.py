@@ -63,12 +63,10 @@ FUNCTION_LINE = "    right:  ft.nn.Sequential(..., {function}, ...)"
 NONE_LINE = "    none:   {none} ({option})"
 
 # The {fix} of a torch option no ft.nn layer has.
-NO_ZERO_ATTN = "ft.nn.MultiheadAttention has no add_zero_attn (a zero key and value after the projections)"
+NO_ZERO_ATTN = ("ft.nn's transformer layers build their attention without add_zero_attn: set it on the attention, "
+                "layer.replace(self_attn=layer.self_attn.replace(add_zero_attn=True))")
 NO_MAX_NORM = "renormalize the rows yourself, emb = emb.renormalized(tokens, max_norm), before each forward"
-NO_SCALE_GRAD = "ft.nn has no scale_grad_by_freq (the gradient divided by each index's count in the batch)"
 NO_CUMULATIVE = "ft.nn's running statistics are exponential averages (torch's momentum=None: a cumulative one)"
-SEQUENCE_FIRST = ("ft.nn.MultiheadAttention is batch-first ([N, L, E]) and has no batch_first: call the port on "
-                  "jnp.swapaxes(x, 0, 1), torch's [L, N, E], and load module.state_dict() (no options compared)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +261,9 @@ def _embedding(t: Any, f: Any, kind: str) -> list[Differs] | None:
     if not isinstance(f, EmbeddingBag if bag else Embedding):
         return None
     f = _any(f)  # an EmbeddingBag's fields read where bag
-    rows = [("padding_idx", t.padding_idx, "padding_index", f.padding_index, f"padding_index={t.padding_idx!r}")]
+    rows = [("padding_idx", t.padding_idx, "padding_index", f.padding_index, f"padding_index={t.padding_idx!r}"),
+            ("scale_grad_by_freq", bool(t.scale_grad_by_freq), "scale_grad_by_freq", f.scale_grad_by_freq,
+             f"scale_grad_by_freq={bool(t.scale_grad_by_freq)}")]
     if bag:
         rows += [("mode", t.mode, "mode", f.mode, f"mode={t.mode!r}"),
                  ("include_last_offset", bool(t.include_last_offset), "include_last_offset", f.include_last_offset,
@@ -271,8 +271,6 @@ def _embedding(t: Any, f: Any, kind: str) -> list[Differs] | None:
     differs = _options(rows)
     if t.max_norm is not None:
         differs.append(Differs("max_norm", t.max_norm, "", None, None, NO_MAX_NORM))
-    if t.scale_grad_by_freq:
-        differs.append(Differs("scale_grad_by_freq", True, "", None, None, NO_SCALE_GRAD))
     return differs
 
 
@@ -332,10 +330,15 @@ def _attention(t: Any, f: Any, kind: str, *, standalone: bool = True, layer: str
     differs = _options(rows if not layer else rows[:1])
     if not layer:
         differs += _options([("dropout", float(t.dropout), "dropout", f.dropout, f"dropout={float(t.dropout)!r}")])
-    if t.add_zero_attn:
-        differs.append(Differs("add_zero_attn", True, "", None, None, NO_ZERO_ATTN))
-    if standalone and not t.batch_first:
-        differs.append(Differs("batch_first", False, "(batch-first)", True, None, SEQUENCE_FIRST))
+    if not layer:
+        differs += _options([("add_zero_attn", bool(t.add_zero_attn), "add_zero_attn", f.add_zero_attn,
+                              f"add_zero_attn={bool(t.add_zero_attn)}")])
+    elif bool(t.add_zero_attn) != f.add_zero_attn:  # a transformer layer's argument has none
+        differs.append(Differs("add_zero_attn", bool(t.add_zero_attn), "add_zero_attn", f.add_zero_attn, None,
+                               NO_ZERO_ATTN))
+    if standalone:  # a transformer layer's batch_first is its own (its attention is batch-first)
+        differs += _options([("batch_first", bool(t.batch_first), "batch_first", f.batch_first,
+                              f"batch_first={bool(t.batch_first)}")])
     return differs
 
 

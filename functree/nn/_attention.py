@@ -107,6 +107,14 @@ keys= and values= cannot be passed with cache=.
     right:  out, cache = attn(x, cache=cache, positions=pos)
 """
 
+CACHE_OPTION = """\
+MultiheadAttention({option}) has no cache: the cached call reads x as [batch, T, features] and \
+attends the cache's slots only.
+
+    wrong:  out, cache = attn.replace({option})(x, cache=cache, positions=pos)
+    right:  out, cache = attn.replace({right})(x, cache=cache, positions=pos)   # x: [batch, T, features]
+"""
+
 NEEDS_POSITIONS = """\
 MultiheadAttention: cache= needs positions= (int32 [batch, T]: the absolute position of each \
 token of x; its keys and values are written into the cache at those slots).
@@ -242,6 +250,18 @@ class MultiheadAttention(Layer):
     elsewhere; ``"xla"`` or ``"cudnn"`` force one (``"cudnn"`` where it cannot run is an
     error naming the constraint); None is JAX's own default (XLA).
 
+    ``batch_first=False`` (torch's ``nn.MultiheadAttention`` default) reads ``query``,
+    ``keys`` and ``values`` as ``[queries, *batch, features]`` (torch's ``[L, N, E]``; ``[L,
+    E]`` unbatched is the same either way) and returns ``[queries, *batch, output_size]``: the
+    sequence axis moved behind the batch axes and back, nothing else (``mask``, ``bias`` and
+    ``positions`` keep their batch-first shapes, as torch's ``attn_mask`` ``[N * heads, L, S]``
+    and ``key_padding_mask`` ``[N, S]`` do). ``add_zero_attn=True`` (torch's) appends a key
+    and a value of zeros after the projections (after ``clip``, the norms and the rotation):
+    every query also attends it, with logit 0, whatever ``mask``, ``bias``, ``causal`` or
+    ``window`` say (their last key column padded with True / 0, the causal band made an
+    explicit mask first), so ``softmax([l_1 .. l_S, 0])`` weighs ``V`` extended by a zero row.
+    Neither is taken with a cache (:data:`CACHE_OPTION`).
+
     Decoding with a key-value cache (:class:`KVCache`): ``out, cache = attn(x, mask=m,
     cache=cache, positions=pos)`` with ``x [batch, T, query_size]`` and ``pos`` int32
     ``[batch, T]``, the absolute positions of ``x``'s tokens. Queries and keys are rotated
@@ -289,6 +309,10 @@ class MultiheadAttention(Layer):
       >>> gqa = ft.nn.MultiheadAttention(8, num_heads=4, num_kv_heads=2, key=jax.random.key(0))
       >>> gqa.key_projection.weight.shape, gqa(x).shape  # 2 key heads of size 2
       ((8, 4), (3, 5, 8))
+      >>> seq_first = ft.nn.MultiheadAttention(8, 2, batch_first=False, key=jax.random.key(0))
+      >>> y = seq_first(jnp.swapaxes(x, 0, 1))             # torch's [L, N, E]: 5 tokens, batch 3
+      >>> y.shape, bool(jnp.allclose(jnp.swapaxes(y, 0, 1), seq_first.replace(batch_first=True)(x)))
+      ((5, 3, 8), True)
     """
 
     query_projection: Dense
@@ -312,11 +336,13 @@ class MultiheadAttention(Layer):
     k_norm: Any = None
     qk_norm_per_head: bool = field(static=True, default=True)
     logit_softcap: float | None = field(static=True, default=None)
+    batch_first: bool = field(static=True, default=True)
+    add_zero_attn: bool = field(static=True, default=False)
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation")  # a restore's template decides them (how it trains, its kernel)
     # Fields added after checkpoints and pickles were written without them: read at their default (None).
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("logit_scale", "member_window", "clip", "q_norm", "k_norm",
                                                       "qk_norm_per_head", "logit_softcap", "member_rope",
-                                                      "member_rotates")
+                                                      "member_rotates", "batch_first", "add_zero_attn")
 
     def __init__(
         self,
@@ -338,6 +364,8 @@ class MultiheadAttention(Layer):
         dtype: Any = jnp.float32,
         training: bool = False,
         window: int | None = None,
+        batch_first: bool = True,
+        add_zero_attn: bool = False,
     ):
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(BAD_WINDOW.format(given=window))
@@ -370,6 +398,7 @@ class MultiheadAttention(Layer):
         self.implementation = check_implementation(implementation)
         self.training = training
         self.window = window
+        self.batch_first, self.add_zero_attn = bool(batch_first), bool(add_zero_attn)
 
     def __call__(
         self,
@@ -387,6 +416,10 @@ class MultiheadAttention(Layer):
         if cache is not None:
             if bias is not None:
                 raise ValueError(BIAS_WITH_CACHE)
+            if not self.batch_first or self.add_zero_attn:
+                option = "batch_first=False" if not self.batch_first else "add_zero_attn=True"
+                right = "batch_first=True" if not self.batch_first else "add_zero_attn=False"
+                raise ValueError(CACHE_OPTION.format(option=option, right=right))
             return self._cached(query, keys, values, mask, key, cache, positions, rotary_positions)
         self_attention = keys is None and values is None
         keys = query if keys is None else keys
@@ -394,6 +427,8 @@ class MultiheadAttention(Layer):
         check_input(self, query, ("queries", self.query_projection.weight.shape[0]))
         check_input(self, keys, ("keys", self.key_projection.weight.shape[0]))
         check_input(self, values, ("keys", self.value_projection.weight.shape[0]))
+        if not self.batch_first:  # torch's [L, *batch, E]: the sequence axis behind the batch axes
+            query, keys, values = (jnp.moveaxis(a, 0, -2) for a in (query, keys, values))
         if positions is not None:
             if not self_attention:
                 raise ValueError(POSITIONS_SELF_ONLY)
@@ -418,7 +453,12 @@ class MultiheadAttention(Layer):
         elif self.window is not None:  # keys j > i - window (indices in the sequence)
             band = jnp.arange(k.shape[-3]) > jnp.arange(q.shape[-3])[:, None] - self.window
             mask = band if mask is None else mask & band
-        return self._attend(q, k, v, mask, self.causal, key, bias)
+        causal = self.causal
+        if self.add_zero_attn:  # torch's: a zero key and value every query attends
+            k, v, mask, bias = _zero_attention(k, v, mask, bias, q.shape[-3], causal)
+            causal = False
+        out = self._attend(q, k, v, mask, causal, key, bias)
+        return out if self.batch_first else jnp.moveaxis(out, -2, 0)
 
     def _rotated(self, q: jax.Array, k: jax.Array, at: jax.Array,
                  per_slot: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -570,6 +610,25 @@ class MultiheadAttention(Layer):
             name, dtype = ("bias", "float") if additive else ("mask", "bool")
             raise LayerInputError(self, f"{name} broadcastable to {list(shape)} ({dtype})", short_array(mask),
                                   BAD_BIAS if additive else BAD_MASK)
+
+
+def _zero_attention(k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: jax.Array | None, queries: int,
+                    causal: bool) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+    """torch's ``add_zero_attn``: ``k`` and ``v`` (``[..., keys, heads, size]``) with a key and
+    a value of zeros appended, and the ``mask`` (the ``causal`` band made explicit first) and
+    ``bias`` padded so that every query attends it (True; 0)."""
+    keys = k.shape[-3]
+    k, v = (jnp.concatenate([a, jnp.zeros((*a.shape[:-3], 1, *a.shape[-2:]), a.dtype)], axis=-3) for a in (k, v))
+    if causal:  # JAX's band (key j <= query i), made a mask: the appended key lies outside it
+        band = jnp.arange(keys) <= jnp.arange(queries)[:, None]
+        mask = band if mask is None else mask & band
+    padded = []
+    for a, value in ((mask, True), (bias, 0)):
+        if a is not None:
+            a = jnp.broadcast_to(a, jnp.broadcast_shapes(jnp.shape(a), (queries, keys)))
+            a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, 1)], constant_values=value)
+        padded.append(a)
+    return k, v, padded[0], padded[1]
 
 
 def _clipped(arrays: tuple[jax.Array, ...], clip: float) -> tuple[jax.Array, ...]:

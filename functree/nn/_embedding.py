@@ -49,6 +49,11 @@ class Embedding(Layer):
     :meth:`renormalized`, called before each step; ``max_norm=`` here is refused
     (:data:`MAX_NORM`).
 
+    ``scale_grad_by_freq=True`` (torch's) divides the gradient each lookup passes back by
+    the number of times its index occurs in ``indices`` (the whole call's: torch's batch), so
+    row ``r`` gets ``sum_{i: idx_i = r} g_i / count(r)``, the mean of its cotangents, not their
+    sum. The output is unchanged; the scaling is a custom JVP (forward and reverse mode).
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> emb = ft.nn.Embedding(10, 4, key=jax.random.key(0))
@@ -58,11 +63,15 @@ class Embedding(Layer):
       >>> grad = ft.gradient(lambda e: e(jnp.array([0, 0, 5])).sum(), at=padded)
       >>> grad.embeddings[0].tolist(), grad.embeddings[5].tolist()
       ([0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0])
+      >>> freq = ft.nn.Embedding(10, 2, key=jax.random.key(0), scale_grad_by_freq=True)
+      >>> ft.gradient(lambda e: e(jnp.array([3, 3, 3, 5])).sum(), at=freq).embeddings[jnp.array([3, 5])].tolist()
+      [[1.0, 1.0], [1.0, 1.0]]
     """
 
     embeddings: jax.Array
     padding_index: int | None = field(static=True, default=None)
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("padding_index",)  # files written before it read as None
+    scale_grad_by_freq: bool = field(static=True, default=False)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("padding_index", "scale_grad_by_freq")  # files written before them: None, False
 
     def __init__(
         self,
@@ -74,16 +83,21 @@ class Embedding(Layer):
         initializer: Initializer = _standard_normal,
         padding_index: int | None = None,
         max_norm: None = None,
+        scale_grad_by_freq: bool = False,
     ):
         if max_norm is not None:  # torch's argument: no counterpart in a forward (MAX_NORM says why)
             raise ValueError(MAX_NORM.format(max_norm=max_norm))
         self.embeddings, self.padding_index = embedding_table(initializer, key, vocabulary_size, embedding_size,
                                                               dtype, padding_index)
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
 
     def __call__(self, indices: jax.Array) -> jax.Array:
         check_input(self, indices, (), kind="int")
         read = jnp.clip(indices, 0, self.embeddings.shape[0] - 1)  # the rows jnp.take's "clip" reads
-        return without_padding_gradient(jnp.take(self.embeddings, read, axis=0), read, self.padding_index)
+        rows = jnp.take(self.embeddings, read, axis=0)
+        if self.scale_grad_by_freq:
+            rows = frequency_scaled(rows, read, self.embeddings.shape[0])
+        return without_padding_gradient(rows, read, self.padding_index)
 
     def renormalized(self, indices: jax.Array, max_norm: float, norm_type: float = 2.0) -> Embedding:
         """This layer with torch's ``max_norm`` renormalization of the rows ``indices`` look up
@@ -139,6 +153,26 @@ def embedding_table(initializer: Initializer, key: jax.Array, vocabulary_size: i
         raise ValueError(PADDING_INDEX.format(index=padding_index, size=vocabulary_size))
     padding_index %= vocabulary_size
     return table.at[padding_index].set(0), padding_index  # torch's padding row
+
+
+def frequency_scaled(rows: jax.Array, read: jax.Array, vocabulary_size: int) -> jax.Array:
+    """``rows [..., d]`` (looked up at ``read [...]``, in range) as they are, the cotangent of
+    each divided by its index's count in ``read`` (torch's ``scale_grad_by_freq``)."""
+    counts = jnp.zeros((vocabulary_size,), jnp.int32).at[read.ravel()].add(1)
+    return _tangent_scaled(rows, (1 / counts[read].astype(rows.dtype))[..., None])
+
+
+@jax.custom_jvp
+def _tangent_scaled(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x``, its tangent (and so its cotangent) times ``scale`` (constant: its tangent unused)."""
+    del scale
+    return x
+
+
+@_tangent_scaled.defjvp
+def _tangent_scaled_jvp(primals: tuple[jax.Array, jax.Array], tangents: tuple[Any, Any]) -> tuple[jax.Array, Any]:
+    x, scale = primals
+    return x, tangents[0] * scale
 
 
 def without_padding_gradient(rows: jax.Array, indices: jax.Array, padding: int | None) -> jax.Array:

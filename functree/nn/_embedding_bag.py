@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,7 @@ import numpy as np
 from functree._module import field
 from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input, concrete
-from functree.nn._embedding import embedding_table, renormalized_rows
+from functree.nn._embedding import embedding_table, frequency_scaled, renormalized_rows
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
 
@@ -23,6 +23,14 @@ BAD_MODE = """\
 ft.nn.EmbeddingBag: mode must be "sum", "mean" or "max", got {mode!r}.
 
     right:  ft.nn.EmbeddingBag(n, d, mode="mean", key=key)   # torch's default"""
+
+MAX_FREQUENCY = """\
+ft.nn.EmbeddingBag: scale_grad_by_freq=True divides each entry's gradient by its index's count; \
+mode="max" passes the gradient to one entry per feature, and takes no such scaling (torch's rule: \
+"max mode does not support scaling the gradient by the frequency").
+
+    wrong:  ft.nn.EmbeddingBag(n, d, mode="max", scale_grad_by_freq=True, key=key)
+    right:  ft.nn.EmbeddingBag(n, d, mode="max", key=key)"""
 
 BAGS = """\
 ft.nn.EmbeddingBag: {why}
@@ -72,7 +80,14 @@ class EmbeddingBag(Layer):
     are clamped; offsets are checked eagerly (under ``jax.jit`` their values are unknown).
     torch's ``max_norm=m`` (an in-place change of the weight at each forward) is
     :meth:`renormalized`, called before each step; ``max_norm=`` here is refused
-    (:data:`MAX_NORM`).
+    (:data:`MAX_NORM`). ``scale_grad_by_freq=True`` (torch's) divides the gradient each entry
+    passes back to its row by the number of times its index occurs in the call's ``indices``
+    (all bags; padding entries counted too, as torch's): row ``r`` gets ``sum_{i: idx_i = r}
+    g_i / count(r)`` (``g_i``: entry ``i``'s share of its bag's cotangent, weighted or
+    averaged); ``per_sample_weights``' gradient is unscaled; ``mode="max"`` refuses it
+    (torch's rule, :data:`MAX_FREQUENCY`). This is torch's documented gradient, its CUDA one,
+    and ``nn.Embedding``'s; torch 2.13's CPU ``EmbeddingBag`` divides a row by another row's
+    count where an index occurring once sorts after a repeated one (pytorch#190063).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -86,19 +101,24 @@ class EmbeddingBag(Layer):
     mode: str = field(static=True, default="mean")
     padding_index: int | None = field(static=True, default=None)
     include_last_offset: bool = field(static=True, default=False)
+    scale_grad_by_freq: bool = field(static=True, default=False)
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("scale_grad_by_freq",)  # files written before it: False
 
     def __init__(
         self, vocabulary_size: int, embedding_size: int, mode: str = "mean", *, key: jax.Array,
         dtype: Any = jnp.float32, initializer: Initializer = _standard_normal, padding_index: int | None = None,
-        include_last_offset: bool = False, max_norm: None = None,
+        include_last_offset: bool = False, max_norm: None = None, scale_grad_by_freq: bool = False,
     ):
         if max_norm is not None:  # torch's argument: no counterpart in a forward (MAX_NORM says why)
             raise ValueError(MAX_NORM.format(max_norm=max_norm))
         if mode not in ("sum", "mean", "max"):
             raise ValueError(BAD_MODE.format(mode=mode))
+        if mode == "max" and scale_grad_by_freq:
+            raise ValueError(MAX_FREQUENCY)
         self.embeddings, self.padding_index = embedding_table(initializer, key, vocabulary_size, embedding_size,
                                                               dtype, padding_index)
         self.mode, self.include_last_offset = mode, bool(include_last_offset)
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
 
     def __call__(self, indices: Any, offsets: Any = None, per_sample_weights: Any = None) -> jax.Array:
         indices = jnp.asarray(indices)
@@ -170,7 +190,10 @@ class EmbeddingBag(Layer):
 
     def _reduce(self, indices: jax.Array, bags: jax.Array, n: int, weights: jax.Array | None) -> jax.Array:
         w = self.embeddings
-        rows = jnp.take(w, jnp.clip(indices, 0, w.shape[0] - 1), axis=0)
+        read = jnp.clip(indices, 0, w.shape[0] - 1)
+        rows = jnp.take(w, read, axis=0)
+        if self.scale_grad_by_freq:
+            rows = frequency_scaled(rows, read, w.shape[0])
         kept = jnp.ones(indices.shape, bool) if self.padding_index is None else indices != self.padding_index
         if self.mode == "max":  # torch's: each feature's first maximum in the bag, where the gradient goes
             # (segment_max's split it between equal maxima); a NaN propagates (the first NaN picked)

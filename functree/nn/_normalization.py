@@ -273,6 +273,13 @@ class BatchNorm(Layer):
     :data:`BATCH_ONE`); torch's ``momentum=None`` (a cumulative average) has no counterpart
     and is refused.
 
+    ``use_scale=False`` / ``use_offset=False`` leave out ``scale`` / ``offset`` (None; as
+    ``LayerNorm``'s): ``y = (x - mean) / sqrt(var + epsilon)``, torch's ``BatchNorm*d(c,
+    affine=False)``, whose state dict (no ``weight`` or ``bias``) loads into
+    ``ft.nn.BatchNorm(c, use_scale=False, use_offset=False)``. Without scale, offset and
+    running statistics, the layer holds no array of ``feature_count`` features and normalizes
+    every feature the input has (torch's).
+
     ``track_running_stats=False`` (torch's): no running statistics (``running_mean`` and
     ``running_variance`` are None); the batch statistics normalize in inference too, and
     nothing is recorded. A torch ``BatchNorm*d(c, track_running_stats=False)`` (its state dict
@@ -297,10 +304,13 @@ class BatchNorm(Layer):
              [ 1.,  1.]], dtype=float32)
       >>> [round(v, 3) for v in ft.nn.apply_state(bn, updates).running_variance.tolist()]
       [1.0, 1.03]
+      >>> plain = ft.nn.BatchNorm(2, use_scale=False, use_offset=False)   # torch's affine=False
+      >>> plain.scale is None, bool(jnp.allclose(ft.nn.collect_state(lambda m: m(x), ft.nn.training(plain))[0], y))
+      (True, True)
     """
 
-    scale: jax.Array = field(decay=False)
-    offset: jax.Array = field(decay=False)
+    scale: jax.Array | None = field(decay=False)
+    offset: jax.Array | None = field(decay=False)
     running_mean: jax.Array | None = field(no_derivative=True)
     running_variance: jax.Array | None = field(no_derivative=True)
     axis: int = field(static=True, default=-1)
@@ -323,13 +333,15 @@ class BatchNorm(Layer):
         training: bool = False,
         unbiased_running_variance: bool = False,
         track_running_stats: bool = True,
+        use_scale: bool = True,
+        use_offset: bool = True,
     ):
         try:  # a float here is torch's order: (features, eps, momentum)
             axis = operator.index(axis)
         except TypeError:
             raise TypeError(BN_AXIS.format(axis=axis, momentum=momentum, features=feature_count)) from None
-        self.scale = jnp.ones((feature_count,), dtype)
-        self.offset = jnp.zeros((feature_count,), dtype)
+        self.scale = jnp.ones((feature_count,), dtype) if use_scale else None
+        self.offset = jnp.zeros((feature_count,), dtype) if use_offset else None
         track = bool(track_running_stats)
         self.running_mean = jnp.zeros((feature_count,), dtype) if track else None
         self.running_variance = jnp.ones((feature_count,), dtype) if track else None
@@ -343,7 +355,8 @@ class BatchNorm(Layer):
         for name in ("running_mean", "running_variance"):  # None only in ft.parameters(model): not a model
             if self.track_running_stats and getattr(self, name) is None:
                 raise TypeError(VIEW_CALLED.format(layer=type(self).__name__, field=name))
-        features = self.scale.shape[0]
+        held = [a for a in (self.scale, self.offset, self.running_mean) if a is not None]
+        features = held[0].shape[0] if held else _features_at(x, self.axis)  # none held: any count (torch's)
         try:
             check_input(self, x, (features,) if self.axis == -1 else ())
         except LayerInputError as e:  # torch's [N, C, *spatial]: move the channels, or say where they are
@@ -387,9 +400,19 @@ class BatchNorm(Layer):
                 )
         else:
             mean, var = self.running_mean.astype(xs.dtype), self.running_variance.astype(xs.dtype)
-        inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype)) * self.scale.astype(xs.dtype)
-        y = (xs - mean.reshape(shape)) * inv.reshape(shape) + self.offset.astype(xs.dtype).reshape(shape)
+        inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype))
+        if self.scale is not None:
+            inv = inv * self.scale.astype(xs.dtype)
+        y = (xs - mean.reshape(shape)) * inv.reshape(shape)
+        if self.offset is not None:
+            y = y + self.offset.astype(xs.dtype).reshape(shape)
         return y.astype(x.dtype)
+
+
+def _features_at(x: Any, axis: int) -> int:
+    """The size of ``x``'s axis ``axis`` (0 where there is none: the layer's checks name it)."""
+    ndim = jnp.ndim(x)
+    return int(jnp.shape(x)[axis]) if -ndim <= axis < ndim else 0
 
 
 INSTANCE_ONE = """\

@@ -22,7 +22,7 @@ import numpy as np
 from functree._naming import matches
 from functree.nn._attention import MultiheadAttention
 from functree.nn._bilinear import Bilinear
-from functree.nn._conv import Conv, ConvTranspose
+from functree.nn._conv import Conv, torch_weight_axes
 from functree.nn._embedding import Embedding
 from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._linear import Dense
@@ -112,18 +112,9 @@ def _prefixed(rule: Local, torch: str, ft: str) -> Local:
 
 
 def _conv(layer: Conv) -> list[Local]:
-    n = layer._rank
-    # torch [out, in, *k] (transposes: [in, out, *k]) -> ft [*k, in, out]
-    perm = (*range(2, n + 2), 0, 1) if isinstance(layer, ConvTranspose) else (*range(2, n + 2), 1, 0)
+    perm = torch_weight_axes(layer)  # torch [out, in, *k] (transposes: [in, out, *k]) -> ft [*k, in, out]
+    assert perm is not None
     return [_permuted("weight", "weight", perm)] + ([same("bias", "bias")] if layer.bias is not None else [])
-
-
-def _weight_perm(layer: Dense | Conv) -> tuple[int, ...]:
-    """torch's weight axes → ft's, for a Dense or a convolution (``_dense``'s and ``_conv``'s)."""
-    if isinstance(layer, Dense):
-        return (1, 0)
-    n = layer._rank
-    return (*range(2, n + 2), 0, 1) if isinstance(layer, ConvTranspose) else (*range(2, n + 2), 1, 0)
 
 
 def _reparametrized(layer: WeightNorm | SpectralNorm) -> list[Local]:
@@ -132,7 +123,8 @@ def _reparametrized(layer: WeightNorm | SpectralNorm) -> list[Local]:
     ``original0`` (g, the weight's layout with size one on the other axes, or a scalar) and
     ``original1`` (v); spectral norm's ``original`` (the weight) and its power iteration's
     ``0._u``, ``0._v`` (torch's matrix vectors, as they are). The bias is the wrapped layer's."""
-    perm = _weight_perm(layer.layer)
+    perm = torch_weight_axes(layer.layer)
+    assert perm is not None  # (the wrappers take a Dense or a convolution)
     if isinstance(layer, WeightNorm):
         g = same("parametrizations.weight.original0", "g") if layer.dim is None else _permuted(
             "parametrizations.weight.original0", "g", perm)

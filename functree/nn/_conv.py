@@ -21,7 +21,7 @@ from functree._repr import short_array
 from functree.nn import _window as window
 from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input
-from functree.nn._linear import Initializer, add_bias, glorot_uniform
+from functree.nn._linear import Dense, Initializer, add_bias, glorot_uniform
 from functree.nn._mode import Layer
 from functree.nn._xla_conv import dilated_axes_at_risk, pads_at_risk
 
@@ -485,3 +485,16 @@ class Conv3DTranspose(ConvTranspose):
         out_per_group=" // groups", name="Conv3DTranspose", ks="(3, 3, 3)",
         stride_arg="strides=2, ", wshape="(3, 3, 3, 3, 8)", xshape="2, 5, 5", yshape="(2, 4, 10, 10, 8)",
     )
+
+
+def torch_weight_axes(layer: Any) -> tuple[int, ...] | None:
+    """``perm`` with ft's weight axis ``j`` holding torch's axis ``perm[j]`` (``torch_weight.
+    transpose(perm)`` is ft's), for a Dense (torch's Linear ``[out, in]``, ft's ``[in, out]``)
+    or a convolution (torch's ``[out, in / groups, *k]``, a transpose's ``[in, out / groups,
+    *k]``; ft's ``[*k, in / groups, out]``, ``[*k, in, out / groups]``); None for another layer."""
+    if isinstance(layer, Dense):
+        return (1, 0)
+    if isinstance(layer, Conv):
+        n = layer._rank
+        return (*range(2, n + 2), 0, 1) if isinstance(layer, ConvTranspose) else (*range(2, n + 2), 1, 0)
+    return None

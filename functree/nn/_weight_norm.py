@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
-from functree.nn._conv import Conv, ConvTranspose
+from functree.nn._conv import ConvTranspose, torch_weight_axes
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
+from functree.nn._similarity import normalize
 from functree.nn._state import record_state
 from functree.nn._window import is_int
 
@@ -68,14 +69,12 @@ _INIT_ITERATIONS = 15  # torch's power iterations when spectral_norm is applied
 
 
 def _torch_axes(layer: Any, cls: str, key_arg: str) -> tuple[int, ...]:
-    """``perm`` with ft's weight axis ``j`` holding torch's axis ``perm[j]``."""
-    if isinstance(layer, Dense):
-        return (1, 0)
-    if isinstance(layer, Conv):
-        n = layer._rank
-        return (*range(2, n + 2), 0, 1) if isinstance(layer, ConvTranspose) else (*range(2, n + 2), 1, 0)
-    given = type(layer).__name__
-    raise TypeError(NOT_WRAPPABLE.format(cls=cls, given=given, given_name=given, key=key_arg))
+    """``perm`` with ft's weight axis ``j`` holding torch's axis ``perm[j]``, or :data:`NOT_WRAPPABLE`."""
+    perm = torch_weight_axes(layer)
+    if perm is None:
+        given = type(layer).__name__
+        raise TypeError(NOT_WRAPPABLE.format(cls=cls, given=given, given_name=given, key=key_arg))
+    return perm
 
 
 def _torch_layout(layer: Any) -> str:
@@ -167,17 +166,12 @@ class WeightNorm(Layer):
         return self.layer.replace(weight=self.weight)(x)
 
 
-def _normalize(a: jax.Array, eps: float) -> jax.Array:
-    """``a / max(||a||, eps)`` (torch's ``F.normalize``)."""
-    return a / jnp.maximum(jnp.linalg.norm(a), jnp.asarray(eps, a.dtype))
-
-
 def _power(matrix: jax.Array, u: jax.Array, v: jax.Array, steps: int, eps: float) -> tuple[jax.Array, jax.Array]:
     """``steps`` power iterations ``u = normalize(W v), v = normalize(W^T u)``, not differentiated."""
     matrix = jax.lax.stop_gradient(matrix)
     for _ in range(steps):
-        u = _normalize(matrix @ v, eps)
-        v = _normalize(matrix.T @ u, eps)
+        u = normalize(matrix @ v, eps=eps)
+        v = normalize(matrix.T @ u, eps=eps)
     return u, v
 
 
@@ -185,8 +179,8 @@ def _power(matrix: jax.Array, u: jax.Array, v: jax.Array, steps: int, eps: float
 def _start(matrix: jax.Array, key: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """torch's starting ``u``, ``v``: normal draws normalized, then 15 power iterations (one
     compiled program, not 60 operations run one by one)."""
-    u = _normalize(jax.random.normal(key, matrix.shape[:1], matrix.dtype), eps)
-    v = _normalize(jax.random.normal(jax.random.fold_in(key, 1), matrix.shape[1:], matrix.dtype), eps)
+    u = normalize(jax.random.normal(key, matrix.shape[:1], matrix.dtype), eps=eps)
+    v = normalize(jax.random.normal(jax.random.fold_in(key, 1), matrix.shape[1:], matrix.dtype), eps=eps)
     return _power(matrix, u, v, _INIT_ITERATIONS, eps)
 
 
@@ -200,7 +194,7 @@ class SpectralNorm(Layer):
     torch's ``_u`` ``[h]`` and ``_v`` ``[w]`` port as they are). ``dim=None`` is torch's
     default: 0, 1 for a transposed convolution (its output channels). In training mode
     (``ft.nn.training``) each call runs ``n_power_iterations`` steps
-    ``u = normalize(W v), v = normalize(W^T u)`` (``normalize(a) = a / max(||a||, eps)``) and
+    ``u = normalize(W v), v = normalize(W^T u)`` (:func:`~functree.nn.normalize`: ``a / max(||a||, eps)``) and
     records the new ``u``, ``v`` for ``ft.nn.collect_state`` (no-derivative state, as
     BatchNorm's statistics); inference uses the stored ones. Gradients reach ``weight`` through
     ``W`` in ``sigma`` and the division, not through ``u`` and ``v`` (torch's ``no_grad``).

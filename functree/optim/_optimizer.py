@@ -644,7 +644,7 @@ class Optimizer:
             grads = self.aggregate_gradients(_keep(grads, hooked) if checked else hooked)
         finally:
             _WEIGHED.reset(token)
-        if axis is not None and _innermost(self)._step_axis and (custom or _overrides_aggregation(self)):
+        if axis is not None and _innermost(self)._step_axis:  # what any aggregation left varying
             grads = _complete_aggregation(grads, record, axis)
         hooked = self.transform_gradients(grads)
         return out, _keep(grads, hooked) if checked else hooked
@@ -1064,19 +1064,11 @@ def _innermost(optimizer: Optimizer) -> Optimizer:
 _WEIGHED: contextvars.ContextVar[Any] = contextvars.ContextVar("functree_weighed_record", default=None)
 
 
-def _overrides_aggregation(optimizer: Any) -> bool:
-    """Whether ``optimizer`` (or a wrapper on the way to the innermost) overrides
-    ``aggregate_gradients``."""
-    base = OptimizerWrapper if isinstance(optimizer, OptimizerWrapper) else Optimizer
-    if type(optimizer).aggregate_gradients is not base.aggregate_gradients:
-        return True
-    return isinstance(optimizer, OptimizerWrapper) and _overrides_aggregation(optimizer.inner)
-
-
 def _complete_aggregation(grads: Any, record: Any, axis: Any) -> Any:
-    """A custom aggregation's gradients with what it left varying over ``axis`` averaged
-    (weighed by ``record``'s counts when it is a WeightedMean): ``transform_gradients``
-    then sees the replicas' aggregate, as after the default. A leaf the aggregation
+    """The aggregated gradients with what the aggregation left varying over ``axis``
+    averaged (weighed by ``record``'s counts when it is a WeightedMean): a custom
+    aggregation's, as after the default (whose gradients arrive reduced: nothing to do).
+    ``transform_gradients`` then sees the replicas' aggregate. A leaf the aggregation
     reduced (a ``psum``, a ``pmean``) is kept as it is. Only on a mesh step's axis
     (:func:`with_axis_name`): there every parameter is whole on each device, so a
     gradient still varying is a device's own, which the step would average after the hook.

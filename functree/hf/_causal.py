@@ -36,6 +36,7 @@ from functree._module import Module, field
 from functree._repr import short_array
 from functree.hf._dropout import block_keys, decoding, drop, top_keys
 from functree.hf._family import HFModel
+from functree.losses._linear_cross_entropy import linear_cross_entropy
 from functree.nn._attention import KVCache, MultiheadAttention, check_cache_positions
 from functree.nn._check import concrete
 from functree.nn._embedding import Embedding, without_padding_gradient
@@ -410,6 +411,14 @@ def is_tied(lm_head: Any) -> bool:
     return lm_head is None or isinstance(lm_head, TiedBias)
 
 
+LM_LABELS = """\
+lm_loss: labels must be [batch, T] as input_ids are ({ids}), one label per token (the loss \
+shifts them: each position predicts the next label), got {labels}.
+
+    wrong:  model.lm_loss(ids, ids[:, 1:])
+    right:  model.lm_loss(ids, ids)                                   # or a collator's labels, -100 where ignored"""
+
+
 def _head(x: jax.Array, lm_head: Dense | TiedBias | None, embedding: Embedding) -> jax.Array:
     if lm_head is None:
         return _ties(x, embedding.embeddings)
@@ -520,8 +529,56 @@ class CausalLM(HFModel):
     def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None,
                  key: jax.Array | None = None) -> Any:
         self._check_call(input_ids, cache)
-        tokens, lm_head = self._tokens(), getattr(self, "lm_head", None)
-        return _run(self, input_ids, attention_mask, positions, cache, vocab=tokens.embeddings.shape[0],
-                    blocks=self._blocks(), embed=self._embed,
-                    head=lambda x: _head(self._final_norm(x), lm_head, tokens), rotary=self.rotates,
+        return _run(self, input_ids, attention_mask, positions, cache, vocab=self._tokens().embeddings.shape[0],
+                    blocks=self._blocks(), embed=self._embed, head=lambda x: self.lm_logits(self._final_norm(x)),
+                    rotary=self.rotates, limit=self._limit(), key=key)
+
+    def last_hidden_state(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None,
+                          key: jax.Array | None = None) -> jax.Array:
+        """The final norm's output ``[batch, T, hidden_size]``, Hugging Face's base model's
+        ``last_hidden_state`` (``LlamaModel``'s, ``GPT2Model``'s; OPT's after
+        ``project_out``): the call's logits are :meth:`lm_logits` of it. The arguments are
+        the call's (no cache)."""
+        self._check_call(input_ids, None)
+        return _run(self, input_ids, attention_mask, positions, None, vocab=self._tokens().embeddings.shape[0],
+                    blocks=self._blocks(), embed=self._embed, head=self._final_norm, rotary=self.rotates,
                     limit=self._limit(), key=key)
+
+    def lm_logits(self, hidden: jax.Array) -> jax.Array:
+        """The logits of :meth:`last_hidden_state`'s rows: the head (``lm_head``, or tied to
+        the token embedding) and the family's own last step (Granite's ``logits_scaling``,
+        Gemma 2's ``final_logit_softcapping``). Any leading axes."""
+        return _head(hidden, getattr(self, "lm_head", None), self._tokens())
+
+    def lm_loss(self, input_ids: Any, labels: Any, attention_mask: Any = None, *, positions: Any = None,
+                key: jax.Array | None = None, chunk_size: int | str = "auto", label_smoothing: float = 0.0,
+                ignore_index: int | None = -100, reduction: str = "mean") -> Any:
+        """Hugging Face's causal LM loss, ``model(input_ids, labels=labels).loss``, without
+        the logits ``[batch, T, vocab]`` in memory: the next-token cross entropy
+        ``softmax_cross_entropy(logits[:, :-1], labels[:, 1:])`` (each position predicts the
+        next label; labels of ``ignore_index``, -100 as HF's collators write on the prompt
+        and padding, are left out; the mean is over the kept labels), computed by
+        :func:`ft.losses.linear_cross_entropy` from :meth:`last_hidden_state` and
+        :meth:`lm_logits`, a chunk of positions at a time (``chunk_size``; ``"auto"``: 2**25
+        logits a chunk), the gradient making each chunk's logits again. ``labels``
+        ``[batch, T]``, as ``input_ids`` (often the ids themselves); ``reduction="weighted"``
+        gives the parts ``Optimizer(accumulate=k)`` combines (HF's ``num_items_in_batch``).
+        A mixture of experts' load-balancing loss is not in it (:meth:`aux_loss`).
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp, numpy as np
+          >>> config = {"model_type": "llama", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 16,
+          ...           "num_hidden_layers": 2, "num_attention_heads": 2}
+          >>> model = ft.nn.from_hf(config, key=jax.random.key(0))
+          >>> ids = np.array([[1, 4, 2, 7, 3]])
+          >>> loss = model.lm_loss(ids, ids, chunk_size=2)
+          >>> whole = ft.losses.softmax_cross_entropy(model(ids)[:, :-1], ids[:, 1:])
+          >>> bool(jnp.abs(loss - whole) < 1e-6)
+          True
+        """
+        shape = np.shape(input_ids)
+        if np.shape(labels) != shape or len(shape) != 2:
+            raise ValueError(LM_LABELS.format(ids=list(shape), labels=list(np.shape(labels))))
+        hidden = self.last_hidden_state(input_ids, attention_mask, positions=positions, key=key)
+        return linear_cross_entropy(hidden[:, :-1], self.lm_logits, labels[:, 1:], chunk_size=chunk_size,
+                                    label_smoothing=label_smoothing, ignore_index=ignore_index, reduction=reduction)

@@ -132,12 +132,8 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def _embed(self, ids: jax.Array, real: jax.Array) -> jax.Array:
         return times(self.model.embed(ids, self._padding()), self.embedding_multiplier)
 
-    def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None,
-                 key: jax.Array | None = None) -> Any:
-        out = super().__call__(input_ids, attention_mask, positions=positions, cache=cache, key=key)
-        if cache is None:
-            return _over(out, self.logits_scaling)
-        return _over(out[0], self.logits_scaling), out[1]
+    def lm_logits(self, hidden: jax.Array) -> jax.Array:
+        return _over(super().lm_logits(hidden), self.logits_scaling)
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:

@@ -659,13 +659,10 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         super().__init__(*args, **kwargs)
         self.final_logit_softcapping = None if final_softcap is None else float(final_softcap)
 
-    def __call__(self, input_ids: Any, attention_mask: Any = None, *, positions: Any = None, cache: Any = None,
-                 key: jax.Array | None = None) -> Any:
-        out = super().__call__(input_ids, attention_mask, positions=positions, cache=cache, key=key)
+    def lm_logits(self, hidden: jax.Array) -> jax.Array:
+        logits = super().lm_logits(hidden)
         cap = self.final_logit_softcapping
-        if cap is None:
-            return out
-        return soft_cap(out, cap) if cache is None else (soft_cap(out[0], cap), out[1])
+        return logits if cap is None else soft_cap(logits, cap)
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:

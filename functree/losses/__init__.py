@@ -28,6 +28,7 @@ from functree.losses._classification import (
 )
 from functree.losses._distance import cosine_embedding, triplet_margin, triplet_margin_with_distance
 from functree.losses._likelihood import binary_cross_entropy, gaussian_nll, nll, poisson_nll
+from functree.losses._linear_cross_entropy import linear_cross_entropy
 from functree.losses._margin import (
     hinge_embedding,
     margin_ranking,
@@ -59,6 +60,7 @@ __all__ = [
     "l2",
     "huber",
     "softmax_cross_entropy",
+    "linear_cross_entropy",
     "sigmoid_cross_entropy",
     "kl_divergence",
     "mean_squared_logarithmic_error",
@@ -94,6 +96,7 @@ OTHER_NAMES = {
     "categorical_crossentropy": "softmax_cross_entropy",
     "sparse_categorical_crossentropy": "softmax_cross_entropy",
     "softmax_cross_entropy_with_integer_labels": "softmax_cross_entropy",
+    "linear_cross_entropy_loss": "linear_cross_entropy", "fused_linear_cross_entropy": "linear_cross_entropy",
     "binary_cross_entropy_with_logits": "sigmoid_cross_entropy", "binary_crossentropy": "sigmoid_cross_entropy",
     "sigmoid_binary_cross_entropy": "sigmoid_cross_entropy", "bce_with_logits": "sigmoid_cross_entropy",
     "mse_loss": "mean_squared_error", "mse": "mean_squared_error", "squared_error": "mean_squared_error",

@@ -346,7 +346,7 @@ def _check_classes(logits: jax.Array) -> None:
     raise ValueError(TOO_FEW_CLASSES.format(logits=short_array(logits), what=what))
 
 
-def _check_labels(labels: Any, classes: int, ignore_index: int | None, logits: jax.Array) -> None:
+def _check_labels(labels: Any, classes: int, ignore_index: int | None, logits: jax.Array | jax.ShapeDtypeStruct) -> None:
     """Raise :data:`LABEL_OUT_OF_RANGE` for a concrete label outside ``[0, classes)`` that is
     not ``ignore_index`` (traced labels are left to the NaN of the caller). NumPy labels are
     read as given (int64 or uint64), before any conversion to JAX's int32."""
@@ -406,7 +406,7 @@ def _weighted(logits: jax.Array, labels: jax.Array, weight: jax.Array, smoothing
     return values, counted
 
 
-def _class_weights(weight: Any, logits: jax.Array) -> Any:
+def _class_weights(weight: Any, logits: jax.Array | jax.ShapeDtypeStruct) -> Any:
     """``weight`` as a ``[classes]`` floating array, or :data:`BAD_WEIGHT`."""
     w = weight if isinstance(weight, (jax.Array, np.ndarray)) else np.asarray(weight)
     if w.shape != logits.shape[-1:] or not jnp.issubdtype(w.dtype, jnp.floating):

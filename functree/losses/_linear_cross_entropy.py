@@ -242,20 +242,10 @@ def _chunked(fn: Callable[[jax.Array], jax.Array], rows: jax.Array, labels: jax.
     recomputed = jax.checkpoint(part, prevent_cse=False)  # the backward pass makes the logits again
     full = n // chunk
     xs = (rows[:full * chunk].reshape(full, chunk, rows.shape[1]), labels[:full * chunk].reshape(full, chunk))
+    _, each = jax.lax.scan(lambda carry, xy: (carry, recomputed(*xy)), None, xs)  # per chunk: values or parts
+    rest = recomputed(rows[full * chunk:], labels[full * chunk:]) if n > full * chunk else None
     if unreduced:
-        _, values = jax.lax.scan(lambda carry, xy: (carry, recomputed(*xy)), None, xs)
-        values = values.reshape(-1)
-        if n > full * chunk:
-            values = jnp.concatenate([values, recomputed(rows[full * chunk:], labels[full * chunk:])])
-        return values
-
-    def add(total: WeightedMean, xy: tuple[jax.Array, jax.Array]) -> tuple[WeightedMean, None]:
-        got = recomputed(*xy)
-        return WeightedMean(total.total + got.total, total.count + got.count), None
-
-    first = recomputed(xs[0][0], xs[1][0])
-    parts, _ = jax.lax.scan(add, first, (xs[0][1:], xs[1][1:]))
-    if n > full * chunk:
-        rest = recomputed(rows[full * chunk:], labels[full * chunk:])
-        parts = WeightedMean(parts.total + rest.total, parts.count + rest.count)
-    return parts
+        values = each.reshape(-1)
+        return values if rest is None else jnp.concatenate([values, rest])
+    total, count = jnp.sum(each.total), jnp.sum(each.count)
+    return WeightedMean(total, count) if rest is None else WeightedMean(total + rest.total, count + rest.count)

@@ -421,6 +421,13 @@ _NEWER: dict[str, tuple[Callable[[type], ft.Module], Callable[[type], ft.Module]
                     lambda c: c(experts=ft.nn.Experts(4, 6, 3, key=K), rank=2, alpha=4.0, key=K, fields=("down_proj",))),
     "LoraParameter": (lambda c: c(jnp.ones((3, 4, 6)), 2, 4.0, key=K),
                       lambda c: c(weight=jnp.ones((3, 4, 6)), rank=2, alpha=4.0, key=K)),
+    "RReLU": (lambda c: c(0.1, 0.3, training=True), lambda c: c(lower=0.1, upper=0.3, training=True)),
+    "FractionalMaxPool2D": (lambda c: c((2, 3), (4, 5), None, True),
+                            lambda c: c(pool_size=(2, 3), output_size=(4, 5), return_indices=True)),
+    "FractionalMaxPool3D": (lambda c: c(2, None, 0.5), lambda c: c(pool_size=2, output_ratio=0.5)),
+    "AdaptiveLogSoftmaxWithLoss": (
+        lambda c: c(8, 20, [4, 10], 2.0, True, key=K),
+        lambda c: c(in_features=8, n_classes=20, cutoffs=[4, 10], div_value=2.0, head_bias=True, key=K)),
 }
 for _name, (_positional, _keywords) in _NEWER.items():
     if hasattr(ft.nn, _name):

@@ -31,11 +31,13 @@ from functree.nn._conv import Conv, ConvTranspose, transpose_padding
 from functree.nn._dropout import Dropout
 from functree.nn._embedding import Embedding
 from functree.nn._embedding_bag import EmbeddingBag
+from functree.nn._fractional_pool import _FractionalMaxPool
 from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm, _InstanceNorm
 from functree.nn._pooling import _AvgPool, _MaxPool
 from functree.nn._recurrent import RNN, SimpleRNNCell
 from functree.nn._recurrent_layers import Bidirectional, StackedRNN
+from functree.nn._rrelu import RReLU
 from functree.nn._sequential import Lambda
 from functree.nn._transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
@@ -445,6 +447,29 @@ def _pool(t: Any, f: Any, kind: str) -> list[Differs] | None:
     return differs
 
 
+def _rrelu(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    if not isinstance(f, RReLU):
+        return None
+    return _options([("lower", float(t.lower), "lower", f.lower, f"lower={float(t.lower)!r}"),
+                     ("upper", float(t.upper), "upper", f.upper, f"upper={float(t.upper)!r}")])
+
+
+def _fractional_pool(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    """A fractional max pool's window and output (no tensor holds them)."""
+    if not isinstance(f, _FractionalMaxPool):
+        return None
+    n = f._rank
+    size = None if t.output_size is None else _sizes(t.output_size, n)
+    ratio = None if t.output_ratio is None else tuple(float(r) for r in (
+        (t.output_ratio,) * n if isinstance(t.output_ratio, (int, float)) else t.output_ratio))
+    kernel = _sizes(t.kernel_size, n)
+    return _options([("kernel_size", kernel, "pool_size", tuple(f.pool_size), f"pool_size={kernel}"),
+                     ("output_size", size, "output_size", f.output_size, f"output_size={size}"),
+                     ("output_ratio", ratio, "output_ratio", f.output_ratio, f"output_ratio={ratio}"),
+                     ("return_indices", bool(t.return_indices), "return_indices", f.return_indices,
+                      f"return_indices={bool(t.return_indices)}")])
+
+
 _ACTIVATIONS = ("ReLU", "ReLU6", "LeakyReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish", "Sigmoid", "Tanh",
                 "Softplus", "Softsign", "Hardtanh", "Hardswish", "Hardsigmoid", "Hardshrink", "Softshrink",
                 "Tanhshrink", "LogSigmoid", "Threshold")
@@ -464,5 +489,6 @@ _CHECKS: dict[str, Callable[[Any, Any, str], list[Differs] | None]] = {
                                    "FeatureAlphaDropout")},
     **{f"{k}Pool{n}d": _pool for k in ("Max", "Avg") for n in (1, 2, 3)},
     **{name: _activation_module for name in _ACTIVATIONS},
+    "RReLU": _rrelu, "FractionalMaxPool2d": _fractional_pool, "FractionalMaxPool3d": _fractional_pool,
 }
 

@@ -45,6 +45,7 @@ from functree._activations import (
 )
 from functree._lazy import lazy_names
 from functree.nn import initializers
+from functree.nn._adaptive_softmax import AdaptiveLogSoftmaxWithLoss, AdaptiveSoftmaxOutput
 from functree.nn._attention import KVCache, MultiheadAttention
 from functree.nn._bilinear import Bilinear
 from functree.nn._check import LayerInputError
@@ -67,6 +68,11 @@ from functree.nn._dropout import (
 from functree.nn._embedding import Embedding
 from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._fold import Fold, Unfold
+from functree.nn._fractional_pool import (
+    FractionalMaxPool2D,
+    FractionalMaxPool3D,
+    fractional_intervals,
+)
 from functree.nn._grid_sample import affine_grid, grid_sample
 from functree.nn._linear import Dense
 from functree.nn._lora import LoraBaseWarning, LoraDense, lora, merge_lora
@@ -139,6 +145,7 @@ from functree.nn._resample import (
     interpolate,
 )
 from functree.nn._rotary import RopeScaling, RotaryEmbedding, apply_rotary
+from functree.nn._rrelu import RReLU
 from functree.nn._sequential import Lambda, Sequential
 from functree.nn._shared import Shared
 from functree.nn._shuffle import ChannelShuffle, PixelShuffle, PixelUnshuffle, Unflatten
@@ -287,6 +294,12 @@ __all__ = [
     "EmbeddingBag",
     "Bilinear",
     "PReLU",
+    "RReLU",
+    "FractionalMaxPool2D",
+    "FractionalMaxPool3D",
+    "fractional_intervals",
+    "AdaptiveLogSoftmaxWithLoss",
+    "AdaptiveSoftmaxOutput",
     "WeightNorm",
     "SpectralNorm",
     "SimpleRNNCell",

@@ -113,15 +113,25 @@ def loss_value_fn(opt: Optimizer, loss_fn: Callable[..., Any], batch: tuple, has
 def extra_arguments(extra: dict[str, Any], grads: Any, model: Any) -> dict[str, Any]:
     """Optax's extra arguments for the transform, from :meth:`Optimizer.update`'s keywords:
     ``value_fn`` (a function of the model) as a function of the parameter view the
-    transform sees (``None`` leaves keep the model's), and ``grad`` defaulting to ``grads``
-    (conjugated already) when ``value`` or ``value_fn`` is given."""
+    transform sees (``None`` leaves keep the model's), ``grad`` defaulting to ``grads``
+    (conjugated already) when ``value`` or ``value_fn`` is given, and ``grad_fn(params, i)``
+    (``optax.contrib.sam``'s in opaque mode) defaulting to the gradient of that
+    ``value_fn``, conjugated as ``grads`` are (the batch's loss: ``i``, optax's index of
+    the adversarial step, is not read; the gradient hooks do not run on it)."""
     extra = dict(extra)
     value_fn = extra.get("value_fn")
     if value_fn is not None and model is not None:
-        def on_view(params: Any, context: Any = None, loss: Any = None) -> Any:  # optax's line search
-            return value_fn(with_parameters(model, params))  # passes on the Optimizer's extra arguments
+        # optax's line search passes value_fn the Optimizer's other extra arguments (and
+        # refuses any it does not take): context=, loss=, grad_fn= (below) are not read
+        def on_view(params: Any, context: Any = None, loss: Any = None, grad_fn: Any = None) -> Any:
+            return value_fn(with_parameters(model, params))
 
         extra["value_fn"] = on_view
+        if "grad_fn" not in extra:  # optax.contrib.sam(opaque_mode=True): gradients at its adversarial points
+            def grad_fn(params: Any, i: Any = None) -> Any:
+                return descent_direction(jax.grad(on_view)(params))
+
+            extra["grad_fn"] = grad_fn
     if "grad" in extra:
         extra["grad"] = descent_direction(extra["grad"])
     elif "value" in extra or "value_fn" in extra:

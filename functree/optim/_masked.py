@@ -14,7 +14,8 @@ numbers of a hand-masked update.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import jax
@@ -25,7 +26,36 @@ import optax
 from functree._module import Module
 from functree._naming import broadcast
 
-__all__ = ["masked", "partition_members", "restore_members", "is_partial"]
+__all__ = ["masked", "partition_members", "restore_members", "is_partial", "MEMBER_MASK_IN_OPTAX",
+           "named_member_masks"]
+
+MEMBER_MASK_IN_OPTAX = """\
+An optax transformation tested a mask entry that is an array with more than one element \
+(numpy: {error}). optax.masked (and adamw(mask=...), which is one) takes one bool per \
+leaf; ft.select / ft.mask give a boolean array over an ft.nn.Stack's members for a leaf \
+that member patterns select in part ("h.[0-1].*"). ft.optim.masked takes such a mask:
+
+    wrong:  optax.adamw(1e-3, weight_decay=0.1, mask=ft.select(model, "h.[0-1].*"))
+    right:  optax.chain(optax.scale_by_adam(),
+                        ft.optim.masked(optax.add_decayed_weights(0.1), ft.select(model, "h.[0-1].*")),
+                        optax.scale(-1e-3))
+       or:  optax.masked(tx, ft.select(model, "h.*"))       # whole stacked leaves: one bool each
+"""
+
+_AMBIGUOUS = "truth value of an array with more than one element is ambiguous"
+
+
+@contextlib.contextmanager
+def named_member_masks() -> Iterator[None]:
+    """Raise :data:`MEMBER_MASK_IN_OPTAX` for numpy's and JAX's "truth value ... ambiguous"
+    inside (``optax.masked``'s ``p if m else MaskedNode()`` on a member array: a crash in
+    optax that names neither the mask nor ``ft.optim.masked``)."""
+    try:
+        yield
+    except ValueError as e:
+        if _AMBIGUOUS not in str(e):
+            raise
+        raise ValueError(MEMBER_MASK_IN_OPTAX.format(error=str(e).splitlines()[0])) from e
 
 
 def is_partial(m: Any) -> bool:

@@ -83,6 +83,7 @@ from functree.optim._hooks import (
 from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_source
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
+from functree.optim._masked import named_member_masks
 from functree.optim._multisteps import check_multisteps
 from functree.optim._per_tensor import check_stack_statistics
 from functree.optim._replicas import (
@@ -444,7 +445,9 @@ class Optimizer:
             raise apart  # (the state went to the first leaf's devices; the step then refused the leaf's moments)
         check_base_untrained(model, self.wrt)  # LoRA without wrt=: save_lora would lose the base's training
         params = mode_free(trained_view(model, self.wrt))
-        with jax.numpy_dtype_promotion("standard"), named_structure_errors(MASK_IN_TRAINING_MODE):  # optax mixes floats and ints
+        # optax mixes floats and ints; its masks' errors named (a tree of another structure,
+        # a Stack's member mask in optax.masked)
+        with jax.numpy_dtype_promotion("standard"), named_structure_errors(MASK_IN_TRAINING_MODE), named_member_masks():
             inner = self._transform.init(params)
         check_multisteps(inner, HyperState)
         check_average_placement(inner, self._averaged)
@@ -478,7 +481,8 @@ class Optimizer:
         does (see :mod:`functree.optim._complex`). Other keyword arguments go to the
         transform (optax's extra arguments): L-BFGS's ``value`` and ``value_fn`` (a function
         of the model, as ``loss_fn``; see :func:`extra_arguments`), with ``grad`` defaulting
-        to these gradients.
+        to these gradients and ``grad_fn`` (``optax.contrib.sam(..., opaque_mode=True)``'s)
+        to the gradient of ``value_fn``.
         """
         if not isinstance(state, OptimizerState):
             if state is _NOT_GIVEN or (isinstance(grads, Module) and isinstance(state, Module)):

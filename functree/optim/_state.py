@@ -29,7 +29,19 @@ from functree.optim._checks import release_contexts
 from functree.optim._context import LearningContext
 from functree.optim._skip import SkipState
 
-__all__ = ["OptimizerState", "release_contexts", "upgrade_state"]
+__all__ = ["OptimizerState", "release_contexts", "upgrade_state", "OPTAX_STATE_FIELD"]
+
+OPTAX_STATE_FIELD = """\
+'OptimizerState' object has no attribute {name!r}{holder}. An ft.optim.Optimizer's state \
+is the learning context and, in .inner, the optax transformation's state (of the \
+parameter view: None at non-parameters). Give optax's state readers .inner and the \
+parameter view, and put the result into the model:
+
+    wrong:  optax.contrib.schedule_free_eval_params(opt_state, model)
+    right:  params = optax.contrib.schedule_free_eval_params(opt_state.inner, ft.parameters(model))
+            eval_model = ft.with_parameters(model, params)
+       or:  optax.tree_utils.tree_get(opt_state, {name!r})      # a field by name, at any depth
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +72,11 @@ class OptimizerState:
     def __getattr__(self, name: str) -> Any:  # only for a field not yet in the instance dict
         pending = self.__dict__.pop(PENDING, None)
         if pending is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            inner = self.__dict__.get("inner")
+            if name.startswith("_") or inner is None:  # Python's and libraries' probes (copy, pickle)
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            holder = f"; its .inner, a {type(inner).__name__}, has {name!r}" if hasattr(inner, name) else ""
+            raise AttributeError(OPTAX_STATE_FIELD.format(name=name, holder=holder))
         build, leaves = pending
         self.__dict__[self.__ft_lazy__] = build(leaves)
         return getattr(self, name)

@@ -74,6 +74,26 @@ minibatches again. Give an iterator that starts where the job stopped, or one wi
     right:  trainer.fit(itertools.islice(generator(), trainer.steps_run, None), steps=1000)
        or:  an iterator with get_state() -> JSON or bytes and set_state(state) (as grain's iterators)"""
 
+TORCH_SHUFFLE_RESUME = """\
+The restored trainer is at epoch {epoch}, step {step}, but the torch DataLoader shuffles \
+(RandomSampler) and cannot report or set its position: a resumed process starts its \
+generator afresh, so this epoch gets the first epoch's order, not the order the \
+uninterrupted job would have used (other batches, other weights, silently). Give data whose \
+order is a function of the epoch:
+
+    wrong:  DataLoader(dataset, batch_size=32, shuffle=True, generator=g)   # resumed
+    right:  ft.train.batches((x, y), 32, key=jax.random.key(0))            # order from (key, epoch)
+       or:  a grain DataLoader / MapDataset.shuffle(seed) iterator (get_state()/set_state())"""
+
+RAGGED_MINIBATCH = """\
+The minibatch holds lists of unequal lengths at {paths} (token ids as a datasets map or a \
+collator without padding return them): JAX cannot make one array of them. Pad them to one \
+length (and pass the attention mask), in the collator or with the tokenizer:
+
+    wrong:  tokenizer(texts)                                   # ragged input_ids
+    right:  tokenizer(texts, padding="max_length", max_length=128, truncation=True)
+       or:  DataCollatorWithPadding(tokenizer, return_tensors="np")"""
+
 DATA_LENGTH_CHANGED = """\
 The restored job was trained on data of {saved} minibatches per epoch, but fit was given \
 {given}: its position (step {step}) would point into other data. Resume with the data the \
@@ -280,6 +300,15 @@ def _has_position(it: Any) -> bool:
     return callable(getattr(it, "get_state", None)) and callable(getattr(it, "set_state", None))
 
 
+def _torch_shuffles(data: Any) -> bool:
+    """A torch ``DataLoader`` drawing its order from a ``RandomSampler`` (``shuffle=True``),
+    whose generator's state is not in the checkpoint (torch not imported: named by type)."""
+    if not type(data).__module__.startswith("torch.utils.data"):
+        return False
+    sampler = getattr(getattr(data, "batch_sampler", None), "sampler", getattr(data, "sampler", None))
+    return type(sampler).__name__ == "RandomSampler"
+
+
 def batch_size(batch: Any) -> int:
     """:func:`shared_batch_size` (the leading axis every array leaf shares, else an error
     naming two leaves), with a fast path for the common ``(x, y)`` tuple of arrays."""
@@ -344,6 +373,8 @@ class Epochs:
             return self.iterator  # the same fit data, continued: iter() once per epoch
         it = iter(data)
         stream = it is data
+        if self.restored and job.epoch and _torch_shuffles(data):  # (epoch 0: the fresh generator's order is right)
+            warnings.warn(TORCH_SHUFFLE_RESUME.format(epoch=job.epoch, step=job.steps_run), stacklevel=4)
         if job.data_state is not None and _has_position(it):
             it.set_state(job.data_state)
         elif self.restored and (job.batch_in_epoch or (stream and job.steps_run)):
@@ -430,12 +461,29 @@ class Epochs:
         text = MALFORMED_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,
                                           epoch=job.epoch, shapes=describe_batch(batch), first=first, error=error)
         located = with_location(error, text)
+        ragged = _ragged_paths(batch)
+        if ragged:  # (the step's own error, deep in JAX, does not say padding)
+            located.add_note(RAGGED_MINIBATCH.format(paths=", ".join(ragged)))
         items = list_of_arrays(self.of)
         if items is not None:  # [x, y] for (x, y): each array a minibatch of its own
             item = f"data[{job.batch_in_epoch + offset}]"  # the list's item (batch: it converted)
             located.add_note(LIST_ITEM_IS_MINIBATCH.format(caller="trainer.fit", n=len(items), shapes=_shapes(items),
                                                            item=item))
         return located
+
+
+def _ragged_paths(batch: Any) -> list[str]:
+    """Key paths of the lists of numbers of unequal lengths in ``batch``."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch, is_leaf=is_number_list)
+    return [jax.tree_util.keystr(path) for path, x in leaves if is_number_list(x) and not _rectangular(x)]
+
+
+def _rectangular(x: list[Any]) -> bool:
+    try:
+        np.asarray(x)
+    except ValueError:
+        return False
+    return True
 
 
 def _epoch_ends(data: Any, epochs: int | None, steps: int | None, job: JobState) -> int:

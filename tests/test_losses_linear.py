@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _errors import raises_named
 
 import functree as ft
-from _errors import raises_named
 from functree.losses import _linear_cross_entropy as lce
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,7 +85,7 @@ def test_a_layer_or_function_head_equals_the_whole_logits_loss():
         np.testing.assert_allclose(a, b, rtol=0, atol=4e-6 * abs(float(b)))
         for x, z in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
             np.testing.assert_allclose(x, z, rtol=0, atol=1e-5 * float(jnp.abs(z).max()))
-        parts = ft.losses.linear_cross_entropy(hidden, lambda h, fn=fn: fn(params, h), labels, chunk_size=4,
+        parts = ft.losses.linear_cross_entropy(hidden, lambda h, fn=fn, params=params: fn(params, h), labels, chunk_size=4,
                                                reduction="weighted")
         assert float(parts.count) == 16.0
         np.testing.assert_allclose(parts.value, b, rtol=0, atol=4e-6 * abs(float(b)))

@@ -61,6 +61,23 @@ def test_a_second_moment_of_a_changed_layer_is_refused(tx):
         opt.apply_gradients(_grad(new), new, state)
 
 
+@pytest.mark.parametrize("make", [lambda: fo.Optimizer(fo.asgd(0.1)),
+                                  lambda: fo.Optimizer(optax.sgd(0.1), average=fo.ema(0.9))], ids=["asgd", "ema"])
+def test_averaged_parameters_of_a_changed_layer_are_refused(make):
+    # Before: the (4, 1) head's average broadcast silently into the (4, 3) head's
+    # (ASGD's ax and average='s EMA of the new model were of the old one's shapes).
+    opt = make()
+    old = _net(out=1)
+    state = opt.init(old)
+    _, state = jax.jit(opt.apply_gradients)(_grad(old), old, state)
+    new = old.replace(head=ft.nn.Dense(4, 3, key=jax.random.key(5)))
+    with pytest.raises(ValueError, match=r"another structure: its moment average differs from the gradients at "
+                                         r"head\.weight: the gradient has shape \(4, 3\), the moment \(4, 1\)"):
+        opt.apply_gradients(_grad(new), new, state)
+    fresh = opt.init(new)  # the advised fix: a new state
+    opt.apply_gradients(_grad(new), new, fresh)
+
+
 @pytest.mark.parametrize("tx", [optax.novograd(0.1), optax.adafactor(0.1, min_dim_size_to_factor=1), fo.adagrad(0.1)],
                          ids=["novograd-scalar-nu", "adafactor-factored", "adagrad"])
 def test_reduced_and_factored_second_moments_of_the_same_model_fit(tx):

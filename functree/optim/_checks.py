@@ -238,7 +238,7 @@ def _names(tree: Any, treedef: Any) -> list[str]:
 MOMENT_FIELDS = ("mu", "nu", "nu_max", "trace", "velocity", "sum_of_squares", "e_g", "e_x", "v_row", "v_col", "v",
                  "step_sizes", "previous")
 # Of those, the running sums of the gradient itself: shaped like it, leaf for leaf.
-_GRADIENT_SHAPED = ("mu", "trace", "velocity", "step_sizes", "previous")
+_GRADIENT_SHAPED = ("mu", "trace", "velocity", "step_sizes", "previous", "average")
 # Second-moment-like sums: the gradient's shape, or reduced to one scalar per parameter
 # (NovoGrad's ``nu``). Unchecked, an old accumulator of another shape broadcast silently
 # into a changed layer's (adagrad, adadelta, rmsprop).
@@ -513,9 +513,17 @@ def _is_moment_state(x: Any) -> bool:
 
 
 def _moments(inner: Any) -> list[tuple[Any, str, Any]]:
-    """The moment trees of ``inner``, each with its state's key path and its field name."""
-    nodes, _ = jax.tree_util.tree_flatten_with_path(inner, is_leaf=_is_moment_state)
-    return [(path, f, getattr(node, f)) for path, node in nodes if _is_moment_state(node) for f in moment_fields(node)]
+    """The moment trees of ``inner``, each with its state's key path and its field name;
+    an :class:`ft.optim.AverageState`'s averaged parameters (ASGD's, ``average=``'s) are
+    one: an average of another model's shapes would broadcast into the new one's."""
+    nodes, _ = jax.tree_util.tree_flatten_with_path(inner, is_leaf=lambda x: _is_moment_state(x) or _is_average(x))
+    return [(path, f, getattr(node, f)) for path, node in nodes
+            for f in (("average",) if _is_average(node) else moment_fields(node) if _is_moment_state(node) else ())]
+
+
+def _is_average(x: Any) -> bool:
+    """functree's :class:`AverageState` (by name: ``_average`` imports this module, through ``_hyper``)."""
+    return type(x).__name__ == "AverageState" and type(x).__module__ == "functree.optim._average"
 
 
 def _one_level(x: Any) -> tuple[Any, list[tuple[Any, Any]]]:

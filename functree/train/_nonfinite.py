@@ -57,6 +57,25 @@ bfloat16 (float32's range), or skip such steps with the scale kept:
     ft.train.Trainer(model, optimizer, loss_fn, compute_dtype=jnp.float16, on_nan="skip")
 """
 
+NONFINITE_SELF_SKIPPING = """
+
+The optimizer skips non-finite steps itself ({which}), but the training step checks \
+first: under on_nan="stop" (the default) such a step stops the run before the optimizer \
+sees it. Let the optimizer decide (its state counts the steps it skipped), or let the step \
+skip them without it:
+
+    ft.train.Trainer(model, optimizer, loss_fn, on_nan="ignore")   # {which} skips
+    ft.train.Trainer(model, optimizer, loss_fn, on_nan="skip")     # the step skips
+"""
+
+
+def _self_skipping(opt_state: Any) -> str | None:
+    """The name of a transform in ``opt_state`` that skips non-finite updates by itself."""
+    names = {"ApplyIfFiniteState": "optax.apply_if_finite", "SkipState": "ft.optim.skip_non_finite"}
+    found = [names[type(x).__name__] for x in jax.tree.leaves(opt_state, is_leaf=lambda x: type(x).__name__ in names)
+             if type(x).__name__ in names]
+    return found[0] if found else None
+
 
 class NonFiniteError(FloatingPointError):
     """The loss or a gradient became NaN/inf in a step with ``on_nan="stop"`` (the default).
@@ -103,6 +122,9 @@ def nonfinite_error(step: int, index: int, *, train_step: Any, model: Any, opt_s
     scaled = ""
     if name is None and getattr(train_step.optimizer, "handles_nonfinite", False):
         scaled = NONFINITE_LOSS_SCALED.format(optimizer=type(train_step.optimizer).__name__)
+    which = _self_skipping(opt_state)
+    if which is not None:
+        scaled += NONFINITE_SELF_SKIPPING.format(which=which)
     advice = NONFINITE_ADVICE
     if report.cause is not None:
         first = str(report.cause).splitlines()[0] if str(report.cause) else ""

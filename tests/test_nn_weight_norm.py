@@ -251,3 +251,41 @@ def test_torchs_parametrized_state_dicts_port_both_ways():
         assert set(written) == set(module.state_dict())
         for name, value in module.state_dict().items():
             np.testing.assert_array_equal(written[name], value.numpy(), err_msg=name)
+
+
+@_float64
+@pytest.mark.parametrize("given", ["state_dict", "module"])
+def test_deprecated_weight_norm_and_spectral_norm_state_dicts_load(given):
+    """torch.nn.utils.weight_norm / spectral_norm (deprecated, but in older checkpoints:
+    HiFi-GAN's convolutions, wav2vec 2's positional convolution) name the same tensors
+    weight_g, weight_v and weight_orig, weight_u, weight_v. Before: missing
+    parametrizations.weight.original0 ..., unexpected weight_g ... (rename= by hand, and
+    weight_v is the weight norm's v or the spectral norm's by the layer). Now they load, with
+    torch's outputs (float64)."""
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the old functions
+        linear = torch.nn.utils.weight_norm(torch.nn.Linear(3, 4)).double()
+        conv = torch.nn.utils.weight_norm(torch.nn.Conv1d(2, 5, 3), dim=0).double()
+        whole = torch.nn.utils.weight_norm(torch.nn.Linear(3, 4), dim=None).double()
+        spectral = torch.nn.utils.spectral_norm(torch.nn.Linear(3, 4)).double()
+        spectral(torch.ones(1, 3, dtype=torch.float64))  # one power iteration: u, v not the initial ones
+        spectral.eval()
+    assert {"weight_g", "weight_v"} <= set(linear.state_dict()) and "weight_orig" in spectral.state_dict()
+    x = np.random.default_rng(0).normal(size=(2, 3))
+    signal = np.random.default_rng(1).normal(size=(1, 7, 2))
+    cases = [(ft.nn.WeightNorm(ft.nn.Dense(3, 4, key=KEY, dtype=jnp.float64)), linear, x, x),
+             (ft.nn.WeightNorm(ft.nn.Conv1D(2, 5, 3, padding="VALID", key=KEY, dtype=jnp.float64)), conv,
+              signal, np.moveaxis(signal, -1, 1)),
+             (ft.nn.WeightNorm(ft.nn.Dense(3, 4, key=KEY, dtype=jnp.float64), dim=None), whole, x, x),
+             (ft.nn.SpectralNorm(ft.nn.Dense(3, 4, key=KEY, dtype=jnp.float64), key=KEY), spectral, x, x)]
+    for model, module, ours, theirs in cases:
+        source = module if given == "module" else module.state_dict()
+        ported = ft.nn.load_torch_state_dict(ft.nn.Sequential(model), {"0." + k: v for k, v in source.items()}
+                                             if given == "state_dict" else torch.nn.Sequential(module))
+        expected = module(torch.from_numpy(theirs)).detach().numpy()
+        got = np.asarray(ported(ours))
+        np.testing.assert_allclose(got if got.ndim == 2 else np.moveaxis(got, -1, 1), expected, rtol=0,
+                                   atol=1e-14 * np.abs(expected).max())

@@ -84,6 +84,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -727,7 +728,9 @@ def load_torch_state_dict(
     parametrization (``weight_norm``: ``weight_g``, ``parametrizations.weight.original0``) and
     a wrapper's prefix (DataParallel's ``module.``); ``strict=False`` keeps
     the model's value wherever the state dict does not fit and returns ``(model, report)``
-    (an ``ft.FlatDictReport`` in torch's names). ``num_batches_tracked`` is dropped.
+    (an ``ft.FlatDictReport`` in torch's names). ``num_batches_tracked`` is dropped. A
+    ``WeightNorm`` / ``SpectralNorm`` also reads the deprecated ``torch.nn.utils.weight_norm`` /
+    ``spectral_norm``'s names (``weight_g``, ``weight_v``; ``weight_orig``, ``weight_u``, ``weight_v``).
     ``state_dict`` may be the path of a ``.safetensors`` file, of a sharded checkpoint's
     ``model.safetensors.index.json`` or of a directory holding either (read without torch,
     one tensor at a time from memory maps).
@@ -834,6 +837,7 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     to_model = _renamer(rename, to_model=True)
     given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
     plan = _plan(model, shapes, layouts, values=False, ports=ports, complete=set(given) if complete else None)
+    given = _legacy_parametrizations(plan.rules, given)
     if module is not None:  # strict=False too: the report lists tensors, and every one may load into other numbers
         check_options(module, plan.nodes, to_model, [found.torch for found in plan.ports])
     loaded, ported, taken = load_ports(model, plan.ports, given) if plan.ports else ({}, FlatDictReport(), set())
@@ -864,6 +868,32 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
         raise mismatch_error(plan.rules, plan.attentions, report, recurrent_hint(report, given) + hint(plan.ports),
                              plan.layers if ports else {})
     return tree if strict else (tree, report)
+
+
+_PARAMETRIZED_NAME = re.compile(r"(?P<prefix>(?:.*\.)?)parametrizations\.(?P<w>\w+)\.(?P<part>original[01]?|0\._[uv])")
+# torch >= 2.1's parametrization tensors -> the deprecated torch.nn.utils.weight_norm /
+# spectral_norm's names of the same tensor (the same layout: g is [out, 1, ...] in both)
+_LEGACY_PART = {"original0": "{w}_g", "original1": "{w}_v", "original": "{w}_orig", "0._u": "{w}_u", "0._v": "{w}_v"}
+
+
+def _legacy_parametrizations(rules: Sequence[Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with the deprecated ``torch.nn.utils.weight_norm`` / ``spectral_norm``'s
+    tensors (``weight_g``, ``weight_v``; ``weight_orig``, ``weight_u``, ``weight_v``: older
+    checkpoints, HiFi-GAN's and wav2vec 2's among them) under the names a ``WeightNorm`` or
+    ``SpectralNorm`` reads (``parametrizations.weight.original0`` ...), where those are absent:
+    which parametrization ``weight_v`` belongs to is the model's layer's."""
+    renamed: dict[str, str] = {}
+    for rule in rules:
+        for name in rule.torch:
+            found = _PARAMETRIZED_NAME.fullmatch(name) if "parametrizations." in name else None
+            if found is None or name in given:
+                continue
+            legacy = found["prefix"] + _LEGACY_PART[found["part"]].format(w=found["w"])
+            if legacy in given:
+                renamed[legacy] = name
+    if not renamed:
+        return given
+    return {renamed.get(k, k): v for k, v in given.items()}
 
 
 def _check_given(state_dict: Any) -> None:

@@ -13,6 +13,7 @@ from functree.train._callbacks import (
     TrainerView,
     TrainingContext,
 )
+from functree.train._classification_metrics import f1, precision, recall, top_k_accuracy
 from functree.train._data import Batches, DataContext, batches, to_arrays
 from functree.train._history import History
 from functree.train._job import JobState
@@ -70,6 +71,10 @@ __all__ = [
     "StepOutput",
     "accuracy",
     "binary_accuracy",
+    "precision",
+    "recall",
+    "f1",
+    "top_k_accuracy",
     "mean",
     "batches",
     "Batches",

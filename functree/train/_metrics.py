@@ -129,7 +129,10 @@ here (ft.train.mean({key!r})). functree's {what}:
     right:  metrics={right}   # {needs}"""
 
 _ACCURACY = ("[ft.train.accuracy]", "accuracy", "the loss function returns (loss, logits)")
-_TOP_K = "jnp.any(jax.lax.top_k(out.aux, 5)[1] == {labels}[..., None], axis=-1)"  # Keras's k=5
+_TOP_K = "[ft.train.top_k_accuracy(5)]"  # Keras's k=5; recorded as "top_5_accuracy"
+_BINARY = ("the loss function returns (loss, logits); binary labels, positive where logit > 0 (Keras's threshold "
+           "0.5 is on probabilities: a sigmoid-last model needs ft.train.{name}.of(out.aux, out.batch[-1], "
+           "threshold=0.5)); class c of several: ft.train.{name}.of(out.aux, out.batch[-1], positive=c)")
 KERAS_METRICS: dict[str, tuple[str, str, str]] = {
     # Keras's metric name: (functree's metrics=, what it is, what it needs). The one that is
     # said depends only on the name, so a loss returning {"accuracy": ...} as aux keeps working.
@@ -145,12 +148,32 @@ KERAS_METRICS: dict[str, tuple[str, str, str]] = {
         '{"mse": ft.train.mean(lambda out: jnp.square(out.aux - out.batch[-1]))}', "mean squared error",
         "the loss function returns (loss, predictions)")),
     **dict.fromkeys(("top_k_accuracy", "sparse_top_k_categorical_accuracy"), (
-        '{"top_5_accuracy": ft.train.mean(lambda out: ' + _TOP_K.format(labels="out.batch[-1]") + ")}",
-        "top-5 accuracy", "the loss function returns (loss, logits); labels: class ids")),
-    "top_k_categorical_accuracy": (
-        '{"top_5_accuracy": ft.train.mean(lambda out: ' + _TOP_K.format(labels="out.batch[-1].argmax(-1)") + ")}",
-        "top-5 accuracy", "the loss function returns (loss, logits); labels: one-hot"),
+        _TOP_K, "top-5 accuracy", "the loss function returns (loss, logits); labels: class ids")),
+    "top_k_categorical_accuracy": (_TOP_K, "top-5 accuracy", "the loss function returns (loss, logits); labels: one-hot"),
+    "precision": ("[ft.train.precision]", "precision, TP / (TP + FP) over the epoch", _BINARY.format(name="precision")),
+    "recall": ("[ft.train.recall]", "recall, TP / (TP + FN) over the epoch", _BINARY.format(name="recall")),
+    "f1_score": ("[ft.train.f1]", "F1, 2TP / (2TP + FP + FN) over the epoch, of one class (Keras's F1Score "
+                 "gives one per class)", _BINARY.format(name="f1")),
 }
+
+KERAS_NOT_PROVIDED = """
+{key!r} is Keras's metric name (keras.metrics.AUC), but a name in metrics is a key of the loss \
+function's aux here (ft.train.mean({key!r})), and functree has no AUC metric: the area under the \
+ROC curve ranks every example of the epoch against every other, which no per-minibatch counts \
+give exactly (Keras's AUC interpolates 200 thresholds: an approximation). Compute it from the \
+epoch's scores (logits or probabilities: the same ranks):
+
+    wrong:  metrics=[{key!r}]
+    right:  sklearn.metrics.roc_auc_score(y_val, np.ravel(trainer.predict(val_data)))   # binary: one logit each"""
+"""The end of :data:`MISSING_AUX_KEY` for Keras's ``"auc"``: its recipe from the epoch's
+predictions (``Trainer.predict``), scikit-learn's exact ``roc_auc_score``.
+
+Example:
+  >>> print(KERAS_NOT_PROVIDED.format(key="auc").splitlines()[-1].strip())
+  right:  sklearn.metrics.roc_auc_score(y_val, np.ravel(trainer.predict(val_data)))   # binary: one logit each
+"""
+
+KERAS_NOT_PROVIDED_NAMES = ("auc",)
 
 
 def _missing_aux_key(key: str, aux: Any) -> str:
@@ -159,6 +182,8 @@ def _missing_aux_key(key: str, aux: Any) -> str:
     if key.lower() in KERAS_METRICS:
         right, what, needs = KERAS_METRICS[key.lower()]
         message += KERAS_METRIC_NAME.format(key=key, right=right, what=what, needs=needs)
+    elif key.lower() in KERAS_NOT_PROVIDED_NAMES:
+        message += KERAS_NOT_PROVIDED.format(key=key)
     return message
 
 

@@ -568,13 +568,16 @@ class AdagradState(NamedTuple):
     sum_of_squares: Any
 
 
-def _scale_by_adagrad(initial: Any, epsilon: Any) -> optax.GradientTransformation:
+def _scale_by_adagrad(initial: Any, epsilon: Any, eps_in_sqrt: bool = False) -> optax.GradientTransformation:
     def init(params: Any) -> AdagradState:
         return AdagradState(jax.tree.map(lambda p: jnp.full_like(p, initial), params))
 
+    def scaled(g: Any, s: Any) -> Any:
+        return g / jnp.sqrt(s + epsilon) if eps_in_sqrt else g / (jnp.sqrt(s) + epsilon)
+
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, AdagradState]:
         s = jax.tree.map(lambda s, g: s + g * g, state.sum_of_squares, updates)
-        return jax.tree.map(lambda g, s: g / (jnp.sqrt(s) + epsilon), updates, s), AdagradState(s)
+        return jax.tree.map(scaled, updates, s), AdagradState(s)
 
     return optax.GradientTransformation(init, update)
 
@@ -586,13 +589,15 @@ def adagrad(
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
     *,
+    eps_in_sqrt: bool = False,
     maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaGrad (torch.optim.Adagrad, swift-apis AdaGrad)::
 
         s ← s + g²   (s₀ = initial_accumulator_value);   w ← w − η g / (√s + ε)
 
-    optax's ``adagrad`` puts ε inside the root (``g / √(s + ε)``); this follows torch.
+    ``eps_in_sqrt=True`` divides by ``√(s + ε)`` instead, as Keras's Adagrad and optax's
+    ``adagrad`` do; the default follows torch.
     torch's ``lr_decay=d`` (``η / (1 + (t − 1) d)`` at update ``t``) is the rate
     ``ft.optim.schedule(lambda c: η / (1 + d * c))``: the step count ``c`` is 0 at the first
     update (:func:`ft.optim.inverse_time_decay` is swift-apis' decay, counted from 1).
@@ -607,7 +612,7 @@ def adagrad(
     """
     return _decayed(
         weight_decay,
-        _scale_by_adagrad(initial_accumulator_value, epsilon),
+        _scale_by_adagrad(initial_accumulator_value, epsilon, eps_in_sqrt),
         optax.scale_by_learning_rate(learning_rate),
     )
 
@@ -722,11 +727,16 @@ def adamax(
     epsilon: Hyper = 1e-8,
     weight_decay: Hyper = 0.0,
     *,
+    eps_in_max: bool = True,
     maximize: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """AdaMax (torch.optim.Adamax, optax.adamax, swift-apis AdaMax)::
 
         m ← β₁ m + (1 − β₁) g;   u ← max(β₂ u, |g| + ε);   w ← w − η m / ((1 − β₁ᵗ) u)
+
+    ``eps_in_max=False`` is Keras's Adamax: ``u ← max(β₂ u, |g|)`` and ``w ← w − η m /
+    ((1 − β₁ᵗ)(u + ε))`` (the two differ where gradients are of order ε). State: optax's
+    ``ScaleByAdamState`` (``mu``, ``nu`` = ``u``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -735,7 +745,27 @@ def adamax(
       >>> updates["w"]
       Array([-0.1], dtype=float32)
     """
-    return _decayed(weight_decay, optax.adamax(learning_rate, beta1, beta2, epsilon))
+    if eps_in_max:
+        return _decayed(weight_decay, optax.adamax(learning_rate, beta1, beta2, epsilon))
+    return _decayed(weight_decay, optax.chain(_scale_by_keras_adamax(beta1, beta2, epsilon),
+                                              optax.scale_by_learning_rate(learning_rate)))
+
+
+def _scale_by_keras_adamax(beta1: Any, beta2: Any, epsilon: Any) -> optax.GradientTransformation:
+    """Keras 3's Adamax update before the rate, in its own order of operations."""
+    def init(params: Any) -> optax.ScaleByAdamState:
+        zeros = optax.tree_utils.tree_zeros_like(params)
+        return optax.ScaleByAdamState(jnp.zeros([], jnp.int32), zeros, optax.tree_utils.tree_zeros_like(params))
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, optax.ScaleByAdamState]:
+        mu = jax.tree.map(lambda m, g: m + (g - m) * (1 - beta1), state.mu, updates)
+        nu = jax.tree.map(lambda u, g: jnp.maximum(beta2 * u, jnp.abs(g)), state.nu, updates)
+        count = optax.safe_increment(state.count)
+        correction = 1 - jnp.asarray(beta1, jnp.result_type(float)) ** count
+        moved = jax.tree.map(lambda m, u: (m / (u + epsilon) / correction).astype(m.dtype), mu, nu)
+        return moved, optax.ScaleByAdamState(count, mu, nu)
+
+    return optax.GradientTransformation(init, update)
 
 
 class AMSGradState(NamedTuple):

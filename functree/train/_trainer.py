@@ -313,8 +313,9 @@ KERAS_OPTIMIZERS = {
     "adam": f"ft.optim.adam(1e-3, epsilon={KERAS_EPSILON})", "sgd": "ft.optim.sgd(0.01)",
     "rmsprop": "ft.optim.rmsprop(1e-3, rho=0.9, epsilon=1e-7, eps_in_sqrt=True)",
     "adamw": f"ft.optim.adamw(1e-3, weight_decay=0.004, epsilon={KERAS_EPSILON}, exclude=())",
-    "adagrad": "ft.optim.adagrad(1e-3, initial_accumulator_value=0.1, epsilon=1e-7)",
-    "adadelta": "ft.optim.adadelta(1e-3, rho=0.95, epsilon=1e-7)", "adamax": "ft.optim.adamax(1e-3, epsilon=1e-7)",
+    "adagrad": "ft.optim.adagrad(1e-3, initial_accumulator_value=0.1, epsilon=1e-7, eps_in_sqrt=True)",
+    "adadelta": "ft.optim.adadelta(1e-3, rho=0.95, epsilon=1e-7)",
+    "adamax": "ft.optim.adamax(1e-3, epsilon=1e-7, eps_in_max=False)",
     "lion": "ft.optim.lion(1e-3)",
     # Keras 3's Nadam is torch's NAdam with the momentum schedule's 0.96^t (momentum_decay 1.0,
     # not torch's 0.004): the same update otherwise, ε outside the root

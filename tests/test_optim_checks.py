@@ -447,3 +447,18 @@ def test_sam_around_a_functree_transform_is_refused_by_name():
     model = ft.nn.Dense(3, 1, key=jax.random.key(0))
     with pytest.raises(TypeError, match=r"cannot pass the\s+learning context"):
         fo.Optimizer(_sam(fo.sgd(0.1))).init(model)
+
+
+def test_a_layer_rebuilt_with_other_static_values_names_them():
+    # Before: "the gradients have a AdaptiveLogSoftmaxWithLoss node (other fields or static
+    # values), the state a AdaptiveLogSoftmaxWithLoss node (...)": nothing said which.
+    key = jax.random.key(0)
+    old = {"head": ft.nn.AdaptiveLogSoftmaxWithLoss(4, 10, [3, 6], key=key)}
+    new = {"head": ft.nn.AdaptiveLogSoftmaxWithLoss(4, 12, [3, 6], key=key)}
+    opt = fo.Optimizer(optax.adam(0.1))
+    state = opt.init(old)
+    grads = jax.tree.map(jnp.ones_like, new)
+    with pytest.raises(ValueError, match=r"at head: the gradients have an AdaptiveLogSoftmaxWithLoss with "
+                                         r"n_classes=12, cutoffs=\(3, 6, 12\), the state one with n_classes=10, "
+                                         r"cutoffs=\(3, 6, 10\)\."):
+        opt.update(grads, state, new)

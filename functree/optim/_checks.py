@@ -569,7 +569,7 @@ def _first_misfit(grads: Any, moment: Any, name: str) -> tuple[str, str, str] | 
             changed = _static_change(g, m)
             if changed is not None:
                 return where, changed, "static"
-            return where, f"the gradients have {_describe(g)}, the state {_describe(m)}", "structure"
+            return where, _node_difference(g, m), "structure"
         stack.extend((path + (k,), gc, mc) for (k, gc), (_, mc) in reversed(list(zip(g_children, m_children))))
     return None
 
@@ -603,17 +603,42 @@ def _static_change(g: Any, m: Any) -> str | None:
     shapes = [[np.shape(x) for x in jax.tree.leaves(t) if hasattr(x, "shape")] for t in (g, m)]
     if shapes[0] != shapes[1]:  # a parameter added or reshaped too: the moments do not carry over
         return None
+    for name, a, b in _differing_fields(g, m)[:1]:
+        return f"the field {name!r} is {_short(a)} in the model, {_short(b)} in the state's"
+    return None
+
+
+def _differing_fields(g: Any, m: Any) -> list[tuple[str, Any, Any]]:
+    """The non-array fields of the dataclass nodes ``g`` and ``m`` (one type) that differ."""
+    found = []
     for f in dataclasses.fields(g):
         a, b = getattr(g, f.name, None), getattr(m, f.name, None)
-        if any(hasattr(x, "shape") for x in jax.tree.leaves([a, b])):  # parameters: compared below
+        if any(hasattr(x, "shape") for x in jax.tree.leaves([a, b])):  # parameters: compared elsewhere
             continue
         try:
             same = bool(a == b)
         except Exception:  # a value without a plain == (an array-like static)
             same = a is b
         if not same:
-            return f"the field {f.name!r} is {_short(a)} in the model, {_short(b)} in the state's"
-    return None
+            found.append((f.name, a, b))
+    return found
+
+
+def _node_difference(g: Any, m: Any) -> str:
+    """What tells the nodes ``g`` (the gradients') and ``m`` (the state's) apart, for
+    :data:`STATE_MISMATCH`: their static values where one class holds both (an
+    ``AdaptiveLogSoftmaxWithLoss`` of 60 classes, the state's of 50), else each described."""
+    if type(g) is type(m) and dataclasses.is_dataclass(g):
+        differing = _differing_fields(g, m)
+        if differing:
+            ours = ", ".join(f"{n}={_short(a)}" for n, a, _ in differing)
+            theirs = ", ".join(f"{n}={_short(b)}" for n, _, b in differing)
+            return f"the gradients have {_article(type(g).__name__)} with {ours}, the state one with {theirs}"
+    return f"the gradients have {_describe(g)}, the state {_describe(m)}"
+
+
+def _article(name: str) -> str:
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def _short(x: Any) -> str:
@@ -629,7 +654,7 @@ def _describe(x: Any) -> str:
         return f"a {type(x).__name__} of length {len(x)}"
     if _one_level(x)[0] == _LEAF:
         return f"a leaf of shape {np.shape(x)}"
-    return f"a {type(x).__name__} node (other fields or static values)"
+    return f"{_article(type(x).__name__)} node (other fields or static values)"
 
 
 def checked_gradients(grads: Any, params: Any) -> tuple[Any, Any]:

@@ -1012,6 +1012,7 @@ def test_keras_metric_names_name_functrees_metric():
     binary = (targets > 0).astype(jnp.float32)
     n_logits, n_ids, n_targets = np.asarray(logits), np.asarray(ids), np.asarray(targets)
     top5 = np.argsort(-n_logits, axis=-1)[:, :5]
+    tp = (n_logits > 0) & (n_targets > 0)
     expected = {  # name -> (aux, labels, value by NumPy)
         "accuracy": (logits, ids, np.mean(n_logits.argmax(-1) == n_ids)),
         "categorical_accuracy": (logits, one_hot, np.mean(n_logits.argmax(-1) == n_ids)),
@@ -1020,6 +1021,10 @@ def test_keras_metric_names_name_functrees_metric():
         "mse": (logits, targets, np.mean(np.square(n_logits - n_targets))),
         "top_k_accuracy": (logits, ids, np.mean((top5 == n_ids[:, None]).any(-1))),
         "top_k_categorical_accuracy": (logits, one_hot, np.mean((top5 == n_ids[:, None]).any(-1))),
+        # ft.train.precision / recall / f1 of multi-label 0/1 targets: every element counts (micro, as Keras's Precision)
+        "precision": (logits, binary, np.sum(tp) / np.sum(n_logits > 0)),
+        "recall": (logits, binary, np.sum(tp) / np.sum(n_targets > 0)),
+        "f1_score": (logits, binary, 2 * np.sum(tp) / (np.sum(n_logits > 0) + np.sum(n_targets > 0))),
     }
     same = {"acc": "accuracy", "sparse_categorical_accuracy": "accuracy", "mean_absolute_error": "mae",
             "mean_squared_error": "mse", "sparse_top_k_categorical_accuracy": "top_k_accuracy"}

@@ -8,8 +8,8 @@ several minibatches is the mean weighted by minibatch size,
 
 the exact per-example mean of a mean-reduced loss. It is not one for accuracy, whose
 minibatch value ``hits_b / counted_b`` counts labels, not examples (token labels, labels
-of -100 left out): a counting metric's value (``accuracy``, ``binary_accuracy``, their
-``.of``, through any lambda or override, rescaled too) is weighed by its counted labels
+of -100 left out): a counting metric's value (``accuracy``, ``binary_accuracy``, ``precision``,
+``recall``, ``f1``, ``top_k_accuracy(k)``, their ``.of``, through any lambda or override, rescaled too) is weighed by its counted labels
 instead, from two parts every train and eval step records beside it (:func:`measured`,
 decided at trace time; the step's returned metrics leave them out) and
 :func:`combine_parts` divides,
@@ -365,7 +365,7 @@ def _accuracy_counts(logits: Any, labels: Any, where: str | None = None, source:
         if jnp.issubdtype(labels.dtype, jnp.floating):
             raise ValueError(_float_class_ids(logits, labels, where, source))
         wide = labels.astype(jnp.int32)  # (a uint8 mask's 255 compares as 255, never as -1)
-        hits = jnp.argmax(logits, axis=-1) == wide
+        hits = jnp.argmax(logits, axis=-1).astype(jnp.int32) == wide  # (int64 under x64: strict promotion refuses it)
         if ignore_index is not None:
             counted = wide != ignore_index
             return jnp.sum(hits & counted, dtype=jnp.float32), jnp.sum(counted, dtype=jnp.float32)
@@ -1050,9 +1050,9 @@ def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], o
             warnings.warn(INEXACT_MEAN.format(name=name, what=what), InexactMeanWarning, stacklevel=3)
         if isinstance(h, tuple):
             i, a, b = h
-            hits, counted = frame.calls[i]
-            values[name + PART_SUM] = ((a * hits + b * counted) / n).astype(dtype)
-            values[name + PART_COUNT] = (counted / n).astype(dtype)
+            hits, counted = (jnp.asarray(x).astype(dtype) for x in frame.calls[i])  # (float32 counts: the parts
+            values[name + PART_SUM] = (a * hits + b * counted) / n                   # divided in float64 under x64)
+            values[name + PART_COUNT] = counted / n
         elif listed and (name == "loss" or (name in metrics and _parted(metrics[name])) or name in counting):  # step_names's
             values[name + PART_SUM] = values[name + PART_COUNT] = jnp.zeros((), dtype)
     return values

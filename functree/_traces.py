@@ -88,6 +88,22 @@ def current_trace() -> Any:
     return CURRENT.value
 
 
+def opened_inside(trace: Any) -> Any | None:
+    """The current trace if it was opened inside ``trace`` (a transformation the code runs
+    under that ``trace`` does not include), else None.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functree._traces import current_trace, opened_inside, transform_name
+      >>> top, seen = current_trace(), []
+      >>> _ = jax.vmap(lambda x: seen.append(opened_inside(top)) or x)(jnp.ones(2))
+      >>> transform_name(seen[0]), opened_inside(top)
+      ('jax.vmap', None)
+    """
+    now = current_trace()
+    return None if id(now) in _ancestry(trace) else now
+
+
 def _ancestry(trace: Any) -> set[int]:
     """``id`` of ``trace`` and of every trace it was opened in."""
     ids = set()

@@ -1210,3 +1210,22 @@ def test_an_eager_stack_keys_enum_members_and_compiles_once(monkeypatch):
         for _ in range(3):
             np.testing.assert_array_equal(np.asarray(stack(x)), np.full(2, expected))
         assert len(made) - before == 1, (act, len(made) - before)  # main: 0 (no compiled scan: a plain one a call)
+
+
+def test_a_member_leaf_is_set_from_a_numpy_array_a_constant_under_vmap_and_under_grad():
+    """A member's leaf set from an array of another type (a NumPy array; a constant under
+    jax.vmap over an ensemble, the error's own fix; a tracer under jax.grad) was refused
+    as BAD_MEMBER naming equal shapes: its check compared the leaves' Python types."""
+    make = lambda k: ft.nn.Dense(2, 2, key=k)  # noqa: E731
+    stack = ft.nn.Stack(make, 3, key=jax.random.key(0))
+    out = ft.set(stack, "1.weight", np.zeros((2, 2), np.float32))
+    np.testing.assert_array_equal(out.layers.weight[1], 0)
+    np.testing.assert_array_equal(out.layers.weight[::2], stack.layers.weight[::2])
+    ensemble = jax.vmap(lambda k: ft.nn.Stack(make, 3, key=k))(jax.random.split(jax.random.key(1), 4))
+    out = jax.vmap(lambda s: ft.set(s, "1.weight", jnp.zeros((2, 2))))(ensemble)
+    np.testing.assert_array_equal(out.layers.weight[:, 1], 0)
+    np.testing.assert_array_equal(out.layers.weight[:, ::2], ensemble.layers.weight[:, ::2])
+    grad = jax.grad(lambda w: jnp.sum(ft.set(stack, "1.weight", w).layers.weight * 3.0))(jnp.zeros((2, 2)))
+    np.testing.assert_array_equal(grad, np.full((2, 2), 3.0, np.float32))
+    with pytest.raises(ValueError, match=r"expected shape \(2, 2\) and dtype float32, got shape \(2, 2\) and dtype float64"):
+        ft.set(stack, "1.weight", np.zeros((2, 2), np.float64))  # another dtype stays refused

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _errors import raises_named
 
 import functree as ft
 from functree.nn import _state
@@ -783,3 +784,47 @@ def test_a_wrapper_built_inside_fn_passing_records_on_is_named_as_such():
     y, sown = ft.nn.collect_intermediates(lambda m: m(x), ft.nn.Remat(model))
     np.testing.assert_allclose(sown[ft.KeyPath.parse(".layer.pre_activation")], 0.5 * x, rtol=0, atol=1e-7)
     np.testing.assert_allclose(y, jnp.tanh(0.5 * x), rtol=0, atol=1e-7)
+
+
+def _rebuilt_bn_net(key):
+    k1, k2 = jax.random.split(key)
+    return ft.nn.Sequential([ft.nn.Dense(3, 4, key=k1), ft.nn.BatchNorm(4, training=True), ft.nn.Dense(4, 1, key=k2)])
+
+
+def _rebuilt_loss(m, b):
+    return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+
+_rebuilt_BATCH = (jnp.asarray(np.random.default_rng(0).normal(size=(6, 3)), jnp.float32), jnp.zeros((6, 1)))
+_rebuilt_KEYS = jax.random.split(jax.random.key(0), 3)
+
+
+@pytest.mark.parametrize(("name", "model", "loss", "fix", "right"), [
+    ("checkpoint", _rebuilt_bn_net(_rebuilt_KEYS[0]), lambda m, b: jnp.mean((jax.checkpoint(lambda m, x: m(x))(m, b[0]) - b[1]) ** 2),
+     _state.FIX_REBUILT_CHECKPOINT, "ft.with_recomputation_in_pullbacks(lambda m, x: m(x))(model, x)"),
+    ("ensemble", jax.vmap(_rebuilt_bn_net)(_rebuilt_KEYS), lambda e, b: jnp.sum(jax.vmap(lambda m: _rebuilt_loss(m, b))(e)),
+     _state.FIX_REBUILT_ENSEMBLE, "jax.vmap(lambda m: ft.nn.collect_state("),
+    ("per-example", _rebuilt_bn_net(_rebuilt_KEYS[0]),
+     lambda m, b: jnp.sum(jax.vmap(lambda m, x: m(x[None])[0], in_axes=(None, 0))(m, b[0])),
+     _state.FIX_STATE_IN_VMAP, "ft.nn.inference(m)"),
+    ("cond", _rebuilt_bn_net(_rebuilt_KEYS[0]), lambda m, b: jnp.sum(jax.lax.cond(True, lambda m: m(b[0]), lambda m: 2 * m(b[0]), m)),
+     _state.FIX_REBUILT_OTHER, "ft.nn.collect_state(lambda mm: mm(x), m)"),
+])
+def test_a_model_passed_through_a_transformation_in_the_loss_names_it_and_its_fix(name, model, loss, fix, right):
+    assert right in fix
+    # was NOT_IN_MODEL, which named only jit and "not part of the model"
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(loss, opt, donate=False)
+    raises_named(lambda: step(model, opt.init(model), _rebuilt_BATCH), ValueError, _state.REBUILT_BY_TRANSFORM, right)
+
+
+@pytest.mark.parametrize("loss", [
+    lambda m, b: _rebuilt_loss(_rebuilt_bn_net(_rebuilt_KEYS[1]), b),  # another model's layers
+    lambda m, b: jnp.sum(jax.jit(lambda m, x: m(x))(m, b[0])),  # a jit inside the loss
+])
+def test_another_models_layer_or_a_jit_keeps_not_in_model(loss):
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(loss, opt, donate=False)
+    model = _rebuilt_bn_net(_rebuilt_KEYS[0])
+    raises_named(lambda: step(model, opt.init(model), _rebuilt_BATCH), ValueError, _state.NOT_IN_MODEL,
+                 "jax.jit(lambda model: ft.nn.collect_state(lambda m: m(x), model))(model)")

@@ -105,6 +105,10 @@ def _show(x: Any) -> str:
 
 
 def _differ(x: Any, y: Any) -> bool:
+    if is_array_value(x) and is_array_value(y):
+        # arrays by shape and dtype, whatever their types: a NumPy array, a jax.Array, a
+        # tracer (a member read under jax.vmap / jax.grad, a constant set there) all stack
+        return _spec(x) != _spec(y)
     if type(x) is not type(y):
         return True
     if hasattr(x, "shape") and hasattr(x, "dtype"):

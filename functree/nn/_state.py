@@ -48,7 +48,7 @@ from functree._key_path_names import key_path
 from functree._module import Module
 from functree._operators import value_with_gradient
 from functree._paths import ATTR, Entry, KeyPath, walk
-from functree._traces import Tracer, current_trace, inner_trace, transform_name
+from functree._traces import Tracer, current_trace, inner_trace, opened_inside, transform_name
 from functree._warnings import warn
 from functree.nn._check import LayerInputError
 
@@ -80,6 +80,40 @@ unknown. Call the layers of the model fn receives, and put jit around collect_st
     right:  jax.jit(lambda model: ft.nn.collect_state(lambda m: m(x), model))(model)
 """
 
+
+REBUILT_BY_TRANSFORM = """\
+A {cls} recorded layer state inside ft.nn.collect_state, under {transform} opened inside \
+the function collect_state runs (the loss of value_with_gradient_and_state, \
+Optimizer.minimize, ft.train.train_step), with the model passed to {transform} as an \
+argument: {transform} rebuilt its layers, so their key paths are unknown. {fix}"""
+
+FIX_REBUILT_ENSEMBLE = """\
+For a model ensemble (a jax.vmap'ed constructor), collect each member's state inside the \
+vmap, return it as aux and write it back:
+
+    wrong:  loss = lambda e: jnp.sum(jax.vmap(lambda m: member_loss(m, batch))(e))
+    right:  def loss(e):
+                losses, state = jax.vmap(lambda m: ft.nn.collect_state(lambda mm: member_loss(mm, batch), m))(e)
+                return jnp.sum(losses), state
+            (value, state), grads = ft.value_with_gradient(loss, at=ensemble, has_aux=True)
+            updates, opt_state = optimizer.update(grads, opt_state, ensemble)
+            ensemble = ft.nn.apply_state(ft.move(ensemble, along=updates), state)"""
+
+FIX_REBUILT_CHECKPOINT = """\
+ft.with_recomputation_in_pullbacks is jax.checkpoint that records the state under the \
+layers' key paths:
+
+    wrong:  y = jax.checkpoint(lambda m, x: m(x))(model, x)
+    right:  y = ft.with_recomputation_in_pullbacks(lambda m, x: m(x))(model, x)"""
+
+FIX_REBUILT_OTHER = """\
+Call the layers outside it, or collect the state inside it and return it (the \
+branches of a jax.lax.cond each return theirs):
+
+    wrong:  y = jax.lax.cond(p, lambda m: m(x), lambda m: 2 * m(x), model)
+    right:  y, state = jax.lax.cond(p, lambda m: ft.nn.collect_state(lambda mm: mm(x), m),
+                                    lambda m: ft.nn.collect_state(lambda mm: 2 * mm(x), m), model)
+            # return state beside the loss (has_aux=True), then ft.nn.apply_state(model, state)"""
 
 NOT_IN_REBUILT_MODEL = """\
 A {cls} recorded layer state inside ft.nn.collect_state, but it is not part of the model \
@@ -353,7 +387,7 @@ def record_state(layer: Module, **values: Any) -> None:
             )
     collector = next((c for c in reversed(stack) if id(layer) in c.paths), None)
     if collector is None:
-        raise ValueError(NOT_IN_MODEL.format(cls=cls.__name__))
+        raise ValueError(_not_in_model(layer, stack[-1]))
     for name, value in values.items():
         old = layer.__dict__[name]
         value = jax.lax.stop_gradient(value)
@@ -362,6 +396,23 @@ def record_state(layer: Module, **values: Any) -> None:
         for path in collector.paths[id(layer)]:
             collector.updates[KeyPath((*path, Entry(ATTR, name)))] = value
         substitute(collector, layer, name, value)
+
+
+def _not_in_model(layer: Module, collector: _Collector) -> str:
+    """Why ``layer`` is unknown to the collectors: :data:`REBUILT_BY_TRANSFORM` when a
+    transformation opened inside ``collector``'s function runs (the model passed to it as an
+    argument: JAX made a copy of each layer), with that transformation's fix; else
+    :data:`NOT_IN_MODEL` (another model's layer, or a jit, whose fix it shows)."""
+    trace = opened_inside(collector.trace)
+    transform = None if trace is None else transform_name(trace)
+    if transform is None or transform == "jax.jit":
+        return NOT_IN_MODEL.format(cls=type(layer).__name__)
+    if transform == "jax.vmap":
+        batched = inner_trace(jax.tree.leaves(layer), collector.trace) is not None
+        fix = FIX_REBUILT_ENSEMBLE if batched else FIX_STATE_IN_VMAP
+    else:
+        fix = FIX_REBUILT_CHECKPOINT if transform == "jax.checkpoint" else FIX_REBUILT_OTHER
+    return REBUILT_BY_TRANSFORM.format(cls=type(layer).__name__, transform=transform, fix=fix)
 
 
 def record_intermediate(layer: Module, **values: Any) -> None:

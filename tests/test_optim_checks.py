@@ -1,6 +1,7 @@
 """The optimizer's input checks (functree/optim/_checks.py): a state that does not fit the
 gradients (a changed layer, a state made with or without ``wrt=``) is refused by name."""
 
+import re
 from typing import Any
 
 import jax
@@ -462,3 +463,25 @@ def test_a_layer_rebuilt_with_other_static_values_names_them():
                                          r"n_classes=12, cutoffs=\(3, 6, 12\), the state one with n_classes=10, "
                                          r"cutoffs=\(3, 6, 10\)\."):
         opt.update(grads, state, new)
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: fo.lookahead(optax.sgd(0.1), 2, 0.5), "slow"),
+    (lambda: optax.MultiSteps(optax.sgd(0.1), 2), "acc_grads"),
+    (lambda: optax.contrib.schedule_free_sgd(0.1), "z"),
+    (lambda: optax.chain(optax.ema(0.9), optax.sgd(0.1)), "0.ema"),
+    (lambda: optax.adan(0.1), "0.m"),
+    (lambda: optax.contrib.prodigy(0.1), "exp_avg"),
+], ids=["lookahead", "MultiSteps", "schedule_free", "ema", "adan", "prodigy"])
+def test_per_parameter_state_under_any_name_of_a_changed_layer_is_refused(make, field):
+    # Before: no error for any of these but MultiSteps (a lax.cond TypeError deep in JAX):
+    # the (4, 1) head's slow weights, z, EMA, Adan moments ... broadcast into the (4, 3) head's.
+    opt = fo.Optimizer(make())
+    old = _net(out=1)
+    state = opt.init(old)
+    new = old.replace(head=ft.nn.Dense(4, 3, key=jax.random.key(5)))
+    with pytest.raises(ValueError, match=rf"another structure: its moment {re.escape(field)} differs from the "
+                                         r"gradients at head\.(weight|bias): the state holds shape \((4, )?1,?\) "
+                                         r"where a state made for this model holds \((4, )?3,?\)"):
+        opt.apply_gradients(_grad(new), new, state)
+    opt.apply_gradients(_grad(new), new, opt.init(new))  # the advised fix: a new state

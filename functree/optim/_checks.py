@@ -331,6 +331,7 @@ def check_state_fits(inner: Any, grads: Any, init: Any = None, params: Any = Non
             raise ValueError(_MESSAGES[kind].format(moment=name, path=path, detail=detail))
     if fresh is not None:
         _check_made_here(inner, fresh)
+        _check_fresh_shapes(inner, fresh, grads)
     if key is not None and (init is None or who is not None):
         bounded_put(_FITS, key, True)
 
@@ -422,6 +423,32 @@ def _check_made_here(inner: Any, fresh: Any) -> None:
     settable = _SET_INSTEAD if any(_settable(x) for x in jax.tree.leaves(inner, is_leaf=_settable)) else ""
     raise ValueError(STATE_OF_ANOTHER_OPTIMIZER.format(path=dotted_name(path) or "<root>", given=_node(given),
                                                        expected=_node(expected), settable=settable))
+
+
+def _check_fresh_shapes(inner: Any, fresh: Any, grads: Any) -> None:
+    """:data:`STATE_MISMATCH` at the first leaf of ``inner`` whose shape is not the fresh
+    state's, where the two have one tree definition: per-parameter state under names the
+    moment checks do not read (lookahead's slow weights, schedule-free's ``z``, ``optax.ema``'s
+    average, Adan's ``m``/``v``/``n``, Prodigy's) would otherwise broadcast an old model's
+    shapes into the new one's. Named by the state's field and the parameter's key path."""
+    if jax.tree.structure(inner) != jax.tree.structure(fresh):
+        return  # (another optimizer's: _check_made_here's, or left to the transform)
+    given = jax.tree_util.tree_flatten_with_path(inner)[0]
+    for (path, x), f in zip(given, jax.tree.leaves(fresh)):
+        if np.shape(x) != np.shape(f):
+            field, where = _state_and_parameter(path, grads)
+            detail = f"the state holds shape {np.shape(x)} where a state made for this model holds {np.shape(f)}"
+            raise ValueError(STATE_MISMATCH.format(moment=field, path=where, detail=detail))
+
+
+def _state_and_parameter(path: tuple[Any, ...], grads: Any) -> tuple[str, str]:
+    """A state leaf's key path split into the state's part (``inner.0.slow``) and the
+    parameter's (``head.weight``): the longest tail that is a key path of ``grads``."""
+    params = {tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    for i in range(len(path)):
+        if tuple(path[i:]) in params:
+            return dotted_name(path[:i]) or "<root>", dotted_name(path[i:]) or "<root>"
+    return dotted_name(path) or "<root>", "<root>"
 
 
 def _first_other_node(inner: Any, fresh: Any) -> tuple[tuple[Any, ...], Any, Any] | None:

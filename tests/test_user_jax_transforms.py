@@ -142,8 +142,9 @@ def test_ensemble_gradients_inside_vmap_are_jax_grads():
     got = jax.jit(jax.vmap(ft.gradient(_member_loss), in_axes=(0, None)))(ensemble, batch)
     want = jax.vmap(jax.grad(_member_loss), in_axes=(0, None))(ensemble, batch)
     assert_trees_close(got, want)
-    hess = jax.vmap(ft.hessian(_member_loss), in_axes=(0, None))(ensemble, batch)
-    assert_trees_close(hess, jax.vmap(jax.hessian(_member_loss), in_axes=(0, None))(ensemble, batch))
+    # (jitted: eagerly, a Hessian's jacfwd-of-jacrev runs op by op, seconds)
+    hess = jax.jit(jax.vmap(ft.hessian(_member_loss), in_axes=(0, None)))(ensemble, batch)
+    assert_trees_close(hess, jax.jit(jax.vmap(jax.hessian(_member_loss), in_axes=(0, None)))(ensemble, batch))
 
 
 def test_ensemble_with_batchnorm_collects_each_members_state_inside_the_vmap():
@@ -300,14 +301,19 @@ def test_jvp_and_linearize_of_a_module_call_are_the_differential():
 
 def test_hessian_of_a_loss_wrt_a_model_is_jax_hessian_and_composed_gradients():
     model, batch = _mlp(jax.random.key(0)), _batch()
-    want = jax.hessian(_member_loss)(model, batch)
-    assert jax.tree.structure(ft.hessian(_member_loss)(model, batch)) == jax.tree.structure(want)
-    assert_trees_close(ft.hessian(_member_loss)(model, batch), want)
-    assert_trees_close(jax.jacfwd(jax.jacrev(_member_loss))(model, batch), want)
-    assert_trees_close(ft.jacobian(lambda m: ft.gradient(_member_loss)(m, batch), at=model), want)
+    # each jitted: eagerly, a Hessian runs op by op (seconds)
+    want = jax.jit(jax.hessian(_member_loss))(model, batch)
+    got = jax.jit(ft.hessian(_member_loss))(model, batch)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert_trees_close(got, want)
+    assert_trees_close(jax.jit(jax.jacfwd(jax.jacrev(_member_loss)))(model, batch), want)
+    composed = jax.jit(lambda m: ft.jacobian(lambda m: ft.gradient(_member_loss)(m, batch), at=m))(model)
+    assert_trees_close(composed, want)
     t = _tangent(model)
-    hvp = ft.differential(lambda m: ft.gradient(_member_loss)(m, batch), at=model)(ft.parameters(t))
-    assert_trees_close(hvp, jax.jvp(lambda m: jax.grad(_member_loss)(m, batch), (model,), (t,))[1])
+    hvp = jax.jit(lambda m, t: ft.differential(lambda m: ft.gradient(_member_loss)(m, batch), at=m)(
+        ft.parameters(t)))(model, t)
+    assert_trees_close(hvp, jax.jit(lambda m, t: jax.jvp(lambda m: jax.grad(_member_loss)(m, batch), (m,), (t,))[1])(
+        model, t))
 
 
 # ---------------------------------------------------------------------------------------

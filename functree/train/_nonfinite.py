@@ -69,12 +69,18 @@ skip them without it:
 """
 
 
+_SELF_SKIPPING = {("optax", "ApplyIfFiniteState"): "optax.apply_if_finite",
+                  ("functree", "SkipState"): "ft.optim.skip_non_finite"}
+
+
 def _self_skipping(opt_state: Any) -> str | None:
-    """The name of a transform in ``opt_state`` that skips non-finite updates by itself."""
-    names = {"ApplyIfFiniteState": "optax.apply_if_finite", "SkipState": "ft.optim.skip_non_finite"}
-    found = [names[type(x).__name__] for x in jax.tree.leaves(opt_state, is_leaf=lambda x: type(x).__name__ in names)
-             if type(x).__name__ in names]
-    return found[0] if found else None
+    """The name of a transform in ``opt_state`` that skips non-finite updates by itself
+    (its state's class, by library and name)."""
+    def which(x: Any) -> str | None:
+        return _SELF_SKIPPING.get(((type(x).__module__ or "").split(".", 1)[0], type(x).__name__))
+
+    return next((which(x) for x in jax.tree.leaves(opt_state, is_leaf=lambda x: which(x) is not None)
+                 if which(x) is not None), None)
 
 
 class NonFiniteError(FloatingPointError):
@@ -119,18 +125,18 @@ def nonfinite_error(step: int, index: int, *, train_step: Any, model: Any, opt_s
     name = None if index < 0 else parameter_names(model, train_step.optimizer.wrt)[index]
     what = "the loss" if name is None else f"the gradient of parameter {name!r}"
     report = step_provenance(train_step, step, model, opt_state, batch, key)
-    scaled = ""
+    notes = ""  # what the optimizer does with non-finite steps itself
     if name is None and getattr(train_step.optimizer, "handles_nonfinite", False):
-        scaled = NONFINITE_LOSS_SCALED.format(optimizer=type(train_step.optimizer).__name__)
+        notes = NONFINITE_LOSS_SCALED.format(optimizer=type(train_step.optimizer).__name__)
     which = _self_skipping(opt_state)
     if which is not None:
-        scaled += NONFINITE_SELF_SKIPPING.format(which=which)
+        notes += NONFINITE_SELF_SKIPPING.format(which=which)
     advice = NONFINITE_ADVICE
     if report.cause is not None:
         first = str(report.cause).splitlines()[0] if str(report.cause) else ""
         advice = NONFINITE_DATA_ADVICE.format(error=f"{type(report.cause).__name__}: {first}".rstrip(": "))
     error = NonFiniteError(NONFINITE_STOP.format(step=step, what=what, previous=step - 1, holder=holder,
-                                                 history=history, advice=advice) + scaled + provenance_text(report))
+                                                 history=history, advice=advice) + notes + provenance_text(report))
     error.__cause__ = report.cause
     error.step, error.parameter, error.loss_fn, error.model, error.batch, error.key, error.report = (
         step, name, train_step.loss_fn, model, batch, key, report)

@@ -16,6 +16,7 @@ from sklearn.exceptions import UndefinedMetricWarning
 import functree as ft
 from functree.train import _classification_metrics as cm
 from functree.train._metrics import (
+    FLOAT_CLASS_IDS,
     KERAS_METRIC_NAME,
     KERAS_NOT_PROVIDED,
     StepOutput,
@@ -233,7 +234,7 @@ def test_errors_name_the_fix():
                  "(0 <= positive < 6)")
     raises_named(lambda: ft.train.f1.of(logits, labels, positive=1.0), TypeError, cm.BAD_POSITIVE, "positive=1)")
     raises_named(lambda: ft.train.precision.of(logits, labels.astype(np.float32), positive=1), ValueError,
-                 cm.FLOAT_CLASS_LABELS, "float_ids.astype(jnp.int32), positive=1)")
+                 FLOAT_CLASS_IDS, "float_ids.astype(jnp.int32), positive=1)")
     raises_named(lambda: ft.train.precision.of(logits, labels, positive=1, threshold=0.5), TypeError, cm.BAD_OPTION,
                  "a class is predicted by argmax")
     raises_named(lambda: ft.train.precision.of(logits[..., 0], labels, threshold="0.5"), TypeError, cm.BAD_OPTION,

@@ -68,6 +68,16 @@ def assert_trees_close(actual, expected, scale=1e-12):
         np.testing.assert_allclose(value, e[path], rtol=0, atol=atol, err_msg=path)
 
 
+def _assert_each_member_trained_alone(ensemble, make, opt, step, batch, *, steps):
+    """Member ``i`` of ``ensemble`` is ``make(key i)`` after ``steps`` of ``step`` on its own."""
+    for i, k in enumerate(_keys()):
+        member = make(k)
+        state = opt.init(member)
+        for _ in range(steps):
+            member, state, _ = step(member, state, batch)
+        assert_trees_close(_member(ensemble, i), member)
+
+
 def _member(ensemble, i):
     return jax.tree.map(lambda a: a[i], ensemble)
 
@@ -124,12 +134,7 @@ def test_a_vmapped_train_step_trains_each_member_alone_with_global_norm_clipping
     for _ in range(3):
         ensemble, states, metrics = jax.vmap(step, in_axes=(0, 0, None))(ensemble, states, batch)
     assert metrics["loss"].shape == (MEMBERS,)
-    for i, k in enumerate(_keys()):
-        member = _mlp(k)
-        state = opt.init(member)
-        for _ in range(3):
-            member, state, _ = step(member, state, batch)
-        assert_trees_close(_member(ensemble, i), member)
+    _assert_each_member_trained_alone(ensemble, _mlp, opt, step, batch, steps=3)
     summed = ft.train.train_step(lambda e, b: jnp.sum(jax.vmap(lambda m: _member_loss(m, b))(e)), opt, donate=False)
     coupled, _, _ = summed(jax.vmap(_mlp)(_keys()), opt.init(jax.vmap(_mlp)(_keys())), batch)
     one = step(_mlp(_keys()[0]), opt.init(_mlp(_keys()[0])), batch)[0]
@@ -165,12 +170,7 @@ def test_ensemble_with_batchnorm_collects_each_members_state_inside_the_vmap():
         ensemble = sgd(ensemble)
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
     step = ft.train.train_step(_member_loss, opt, donate=False)
-    for i, k in enumerate(_keys()):
-        member = _bn_net(k)
-        state = opt.init(member)
-        for _ in range(2):
-            member, state, _ = step(member, state, batch)
-        assert_trees_close(_member(ensemble, i), member)
+    _assert_each_member_trained_alone(ensemble, _bn_net, opt, step, batch, steps=2)
 
 
 def test_stack_is_the_vmapped_constructor_scanned():

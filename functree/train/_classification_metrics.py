@@ -30,6 +30,7 @@ from functree.train._metrics import (
     _describe,
     _find_labels,
     _find_logits,
+    _float_class_ids,
     _logits_source,
     _noted,
 )
@@ -66,14 +67,6 @@ ft.train.{who}.of: positive must be a Python int, a class of the logits' last ax
 
     wrong:  ft.train.{who}.of(logits, labels, positive={given!r})
     right:  ft.train.{who}.of(logits, labels, positive=1)"""
-
-FLOAT_CLASS_LABELS = """\
-ft.train.{who}: the labels ({labels}) are floating-point, of the class-index shape of the \
-logits ({logits}: logits.shape[:-1]). Class indices are integers; floats of that shape are \
-weights or a mask more often than labels. Cast class ids, or name the labels:
-
-    wrong:  ft.train.{who}.of(logits, float_ids{extra})
-    right:  ft.train.{who}.of(logits, float_ids.astype(jnp.int32){extra})"""
 
 BAD_OPTION = """\
 ft.train.{who}.of: {option} must be {expected}, got {given!r}.
@@ -128,13 +121,12 @@ def _kept(labels: jax.Array, ignore_index: int | None) -> jax.Array:
 
 
 def _class_ids(who: str, logits: jax.Array, labels: jax.Array, extra: str) -> jax.Array:
-    """``labels`` as int32 class ids (float ones refused: :data:`FLOAT_CLASS_LABELS`), or the
+    """``labels`` as int32 class ids (float ones refused: ``_metrics.FLOAT_CLASS_IDS``), or the
     argmax of one-hot / probability labels of the logits' shape."""
     if labels.shape == logits.shape:
         return jnp.argmax(labels, axis=-1).astype(jnp.int32)
     if jnp.issubdtype(labels.dtype, jnp.floating):
-        raise ValueError(FLOAT_CLASS_LABELS.format(who=who, labels=_describe(labels), logits=_describe(logits),
-                                                   extra=extra))
+        raise ValueError(_float_class_ids(logits, labels, None, who=who, extra=extra, name="float_ids"))
     return labels.astype(jnp.int32)
 
 

@@ -92,10 +92,10 @@ Name the labels:
        or:  metrics={{"accuracy": lambda out: ft.train.accuracy.of({source}, {last_fix})}}   # labels last"""
 
 FLOAT_CLASS_IDS = """\
-ft.train.accuracy: the labels {where}({labels}) are floating-point, of the class-index shape of \
+ft.train.{who}: the labels {where}({labels}) are floating-point, of the class-index shape of \
 the logits ({logits}: logits.shape[:-1]). Class indices are integers (torch's cross_entropy \
 refuses float ones); floats of that shape are sample weights or a mask more often than labels, \
-and scoring them as class ids (cast, compared) gives a wrong accuracy with no error. If they \
+and scoring them as class ids (cast, compared) gives a wrong {who} with no error. If they \
 are class ids, cast them; weights or a mask: name the labels instead.
 
     wrong:  {wrong}
@@ -343,14 +343,17 @@ def _accuracy_fits(logits: tuple, labels: tuple) -> bool:
     return _class_ids_shape(logits, labels) or labels == logits or logits == (*labels, 1)
 
 
-def _float_class_ids(logits: jax.Array, labels: jax.Array, where: str | None, source: str = "out.aux") -> str:
-    """:data:`FLOAT_CLASS_IDS` for labels at ``where`` in ``out.batch`` (None: ``accuracy.of``)."""
+def _float_class_ids(logits: jax.Array, labels: jax.Array, where: str | None, source: str = "out.aux", *,
+                     who: str = "accuracy", extra: str = "", name: str = "labels") -> str:
+    """:data:`FLOAT_CLASS_IDS` for labels at ``where`` in ``out.batch`` (None: ``<who>.of``
+    of labels shown as ``name``, ``extra`` its other arguments: ``, positive=1``)."""
     if where is None:
-        wrong, right = "ft.train.accuracy.of(logits, labels)", "ft.train.accuracy.of(logits, labels.astype(jnp.int32))"
+        wrong = f"ft.train.{who}.of(logits, {name}{extra})"
+        right = f"ft.train.{who}.of(logits, {name}.astype(jnp.int32){extra})"
     else:
-        wrong = "metrics=[ft.train.accuracy]"
-        right = f'metrics={{"accuracy": lambda out: ft.train.accuracy.of({source}, {where}.astype(jnp.int32))}}'
-    return FLOAT_CLASS_IDS.format(where=f"{where} " if where else "", labels=_describe(labels),
+        wrong = f"metrics=[ft.train.{who}]"
+        right = f'metrics={{"{who}": lambda out: ft.train.{who}.of({source}, {where}.astype(jnp.int32){extra})}}'
+    return FLOAT_CLASS_IDS.format(who=who, where=f"{where} " if where else "", labels=_describe(labels),
                                   logits=_describe(logits), wrong=wrong, right=right)
 
 

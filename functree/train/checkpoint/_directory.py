@@ -15,6 +15,7 @@ Retention keeps the last ``max_to_keep`` steps and the best by a metric.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -100,10 +101,50 @@ def _holds_steps(directory: Path) -> bool:
 
 
 def remove_leftovers(directory: Path) -> None:
-    """Temporary directories of failed or killed saves (only called under the lock)."""
+    """Temporary directories of failed or killed saves, and the lock's own leftovers of a
+    killed writer (only called under the lock)."""
     for entry in directory.iterdir() if directory.exists() else ():
         if TMP in entry.name:
             shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.startswith(LOCK_NAME + ".") and _abandoned(entry):
+            entry.unlink(missing_ok=True)
+
+
+def _abandoned(path: Path) -> bool:
+    """Whether a lock's temporary file was left by a writer killed while taking the lock
+    (:func:`_temporary_name`: written whole, then linked into place) or while breaking a
+    stale one (``LOCK_NAME.stale-<token>``: renamed, then removed). The file's name says
+    whose it is, so a file killed before its content was written is known too; another
+    writer's file is in use while its process lives."""
+    if ".stale-" in path.name:
+        return True
+    named = _TEMPORARY.match(path.name)
+    if named is None:  # not this code's name: an older release's, given a minute
+        try:
+            return time.time() - path.stat().st_mtime > 60
+        except OSError:
+            return False
+    host, pid, start, token = named.groups()
+    owner = {"host": socket.gethostname() if host == _host_tag() else None, "pid": int(pid),
+             "start": int(start) if start != "-" else None, "token": token}
+    if owner["pid"] == os.getpid():  # this process lives: its file is another WriterLock's, in use
+        now = started(os.getpid())
+        return owner["start"] is not None and now is not None and owner["start"] != now  # a predecessor's pid
+    return _dead(owner)
+
+
+_TEMPORARY = re.compile(re.escape(LOCK_NAME) + r"\.([0-9a-f]{12})\.(\d+)\.(\d+|-)\.([0-9a-f]{32})$")
+
+
+def _host_tag() -> str:
+    """This host's name as 12 hex digits (a file name holds any host's name this way)."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12]
+
+
+def _temporary_name(pid: int, start: int | None, token: str) -> str:
+    """The lock's temporary file: its host, pid, start time and token in its name, so that
+    the next writer knows whose it is even where a SIGKILL came before its content."""
+    return f"{LOCK_NAME}.{_host_tag()}.{pid}.{'-' if start is None else start}.{token}"
 
 
 def step_names(directory: Path, written: bool = False) -> list[int]:
@@ -130,7 +171,7 @@ class WriterLock:
             return False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         token = uuid.uuid4().hex
-        whole = self.path.with_name(f"{LOCK_NAME}.{token}")
+        whole = self.path.with_name(_temporary_name(os.getpid(), started(os.getpid()), token))
         owner = {"pid": os.getpid(), "start": started(os.getpid()), "host": socket.gethostname(),
                  "time": time.time(), "token": token}
         fd = os.open(whole, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -436,13 +436,14 @@ def test_top_p_keeps_hf_tokens_at_ties():
     """top_p with tied logits keeps exactly HF's tokens (the smallest set, ties in HF's sort
     order): a score threshold kept every token tied with the cut (3 of [0.5, 0.25, 0.25] at
     0.75 for HF's 2; on bf16 logits of 32000 tokens 15 extra tokens a row at top_p=0.9)."""
-    rows = [np.log([0.5, 0.25, 0.25]), np.log([0.25] * 4), np.log([0.1, 0.3, 0.3, 0.3])]
-    for row in rows:
-        for top_p in (0.3, 0.5, 0.6, 0.75, 0.9):
-            x = np.asarray([row], np.float32)
-            ours = np.asarray(_controls.filtered(jnp.asarray(x), 1.0, top_p=top_p))
-            expected = TopPLogitsWarper(top_p)(None, torch.from_numpy(x)).numpy()
-            np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected), err_msg=f"{row} {top_p}")
+    # the three rows as one batch (the rule is per row, HF's too): one shape of eager programs,
+    # not two; the first row's 4th token is one an earlier control removed (-inf: probability 0)
+    with np.errstate(divide="ignore"):
+        rows = np.log(np.array([[0.5, 0.25, 0.25, 0.0], [0.25] * 4, [0.1, 0.3, 0.3, 0.3]])).astype(np.float32)
+    for top_p in (0.3, 0.5, 0.6, 0.75, 0.9):
+        ours = np.asarray(_controls.filtered(jnp.asarray(rows), 1.0, top_p=top_p))
+        expected = TopPLogitsWarper(top_p)(None, torch.from_numpy(rows)).numpy()
+        np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected), err_msg=f"top_p {top_p}")
     # 4 rows (each a row of its own: the rule is per row; 64, then 16 before) keep XLA's sort
     # of 32000-token rows, most of the test's time, short; row 2 has tokens tied with the cut
     # at every top_p below (2, 7 and 11 of them), as the last assertion checks
@@ -477,14 +478,20 @@ GAPPED = np.array([[5, 6, 7, 8, 9, 11], [12, 13, 14, 15, 16, 17]], np.int32)
 GAPPED_MASK = np.array([[1, 0, 0, 0, 0, 1], [0, 1, 0, 0, 1, 1]], np.int32)  # zeros after a real token
 
 
+@pytest.fixture(scope="module")
+def sharp4():
+    """lm_head * 4 (built once: both beam cases read it, neither changes it)."""
+    return tiny_llama(4.0)
+
+
 @pytest.mark.parametrize("beams", [1, 2])
-def test_repetition_penalty_counts_masked_tokens_after_the_first_real_one_as_hf(beams):
+def test_repetition_penalty_counts_masked_tokens_after_the_first_real_one_as_hf(sharp4, beams):
     """HF's repetition penalty skips each row's tokens before its first real one (the left
     padding: ``attention_mask``'s first 1) and counts every later token, masked or not.
     ft.nn.generate counted only the real (mask 1) ones: with a 0 after a real token (a mask
     HF and ft.nn.generate accept, or one inferred from a pad id inside the prompt) its tokens
     differed, silently (row 0 at 0.01: 40 40 11 40 where HF gives 8 6 8 6)."""
-    hf, model = tiny_llama(4.0)
+    hf, model = sharp4
     for penalty in (0.01, 100.0):
         extra = {} if beams == 1 else {"num_beams": beams}
         with torch.no_grad(), warnings.catch_warnings():
@@ -518,7 +525,8 @@ def test_a_checkpoint_sampling_at_temperature_zero_is_refused_as_hf_refuses_it(l
 def test_top_p_zero_keeps_the_most_likely_token_as_hf(llama):
     """top_p=0.0 is HF's too (TopPLogitsWarper takes [0, 1]): only the most likely token is
     kept, so sampling at top_p=0 gives HF's greedy tokens; it was refused as outside (0, 1]."""
-    x = np.array(jax.random.normal(jax.random.key(5), (6, 100)) * 3, np.float32)
+    # [8, 100]: test_new_warpers_equal_hf_logits_warpers' shape, whose last case ran top_p's eager programs
+    x = np.array(jax.random.normal(jax.random.key(5), (8, 100)) * 3, np.float32)
     ours = np.asarray(_controls.filtered(jnp.asarray(x), 1.0, top_p=0.0))
     expected = TopPLogitsWarper(0.0)(None, torch.from_numpy(x)).numpy()
     np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))

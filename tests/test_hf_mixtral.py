@@ -160,10 +160,14 @@ def assert_loss_and_gradients_are_hfs(hf, with_aux):
     with jax.enable_x64(True):
         model = ft.nn.from_hf(hf, dtype=jnp.float64)
         assert model.router_aux_loss_coef == 0.25
-        value, grads = ft.value_with_gradient(loss)(model)
+        # one compiled program (both losses' gradients where with_aux): op by op (each operation
+        # compiled apart) it was most of the test's time
+        both = jax.jit(lambda m: (ft.value_with_gradient(loss)(m),
+                                  ft.value_with_gradient(one_pass)(m) if with_aux else None))
+        (value, grads), one = both(model)
         ours = ft.nn.to_hf_state_dict(grads, numpy=True)
         if with_aux:
-            same, same_grads = ft.value_with_gradient(one_pass)(model)
+            same, same_grads = one
             np.testing.assert_allclose(float(same), float(value), rtol=1e-14)
             for a, b in zip(jax.tree.leaves(same_grads), jax.tree.leaves(grads)):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-14 * scale_of(grads))

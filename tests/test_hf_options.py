@@ -80,10 +80,14 @@ def hf_logits(hf, ids, mask):
         return hf(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(), **kwargs).logits.numpy()
 
 
+# One jitted forward for the file (a fresh lambda per call traced each model again).
+forward = jax.jit(lambda m, i, a: m(i, attention_mask=a))
+
+
 def assert_logits_equal(model, hf, seed=0):
     ids, mask = batch(seed)
     expected = hf_logits(hf, ids, mask)
-    got = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask))
+    got = np.asarray(forward(model, ids, mask))
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], expected[real], rtol=0, atol=ATOL * float(np.abs(expected[real]).max()))
     return float(np.abs(got[real] - expected[real]).max() / np.abs(expected[real]).max())
@@ -108,10 +112,14 @@ def assert_trains(model):
         picked = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1)[..., 0]
         return -jnp.sum(picked * weight) / weight.sum()
 
-    before, grad = jax.jit(lambda m: ft.value_with_gradient(loss, m))(model)
+    def step(m):  # the loss, its gradient and the loss after the step: one compiled program (the
+        # step's eager moves compiled one program per leaf shape, the loss after it one more)
+        before, grad = ft.value_with_gradient(loss, m)
+        return before, grad, loss(ft.move(m, along=ft.tangent_scale(grad, -0.05)))
+
+    before, grad, after = jax.jit(step)(model)
     leaves = [np.asarray(g) for g in jax.tree.leaves(grad)]
     assert all(np.isfinite(g).all() for g in leaves) and all(np.abs(g).max() > 0 for g in leaves)
-    after = jax.jit(loss)(ft.move(model, along=ft.tangent_scale(grad, -0.05)))
     assert float(after) < float(before)
 
 
@@ -180,7 +188,8 @@ def test_opt_post_norm_dropout_equals_hf_train_on_the_same_masks(same_masks):  #
     with torch.no_grad():
         expected = hf_call(hf, ids, mask).numpy()
     assert {p: same_masks.count(p) for p in set(same_masks)} == {0.1: 2, 0.2: 4}  # every HF position ran
-    got = np.asarray(model(ids, mask, key=jax.random.key(1)))
+    # one program (eager, one per operation); the masks drawn as it is traced, the patterns
+    got = np.asarray(jax.jit(lambda m, k: m(ids, mask, key=k))(model, jax.random.key(1)))
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], expected[real], rtol=0, atol=ATOL * float(np.abs(expected[real]).max()))
     assert not np.allclose(got[real], hf_logits(hf.eval(), ids, mask)[real], atol=1e-3)  # the masks matter
@@ -203,7 +212,7 @@ def test_opt_350m_lora_loads_and_saves_as_peft(tmp_path):
     expected = hf_logits(peft_model, ids, mask)
     model = ft.nn.load_lora(ported(hf_of(config)), tmp_path / "peft")
     real = mask.astype(bool)
-    got = np.asarray(model(ids, attention_mask=mask))
+    got = np.asarray(forward(model, ids, mask))  # (one program: eager, one per operation)
     np.testing.assert_allclose(got[real], expected[real], rtol=0, atol=ATOL * float(np.abs(expected[real]).max()))
     ft.nn.save_lora(model, tmp_path / "ft")
     ours, theirs = (safetensors.numpy.load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("ft", "peft"))
@@ -293,7 +302,7 @@ def test_qwen2_max_window_layers_mixes_full_and_sliding_layers_as_hf():
     assert attention.window is None and np.asarray(attention.member_window).tolist() == [0, 2, 2]
     ids, mask = batch()
     real = mask.astype(bool)
-    full = np.asarray(without_windows(model)(ids, attention_mask=mask))
+    full = np.asarray(forward(without_windows(model), ids, mask))  # (one program: eager, one per operation)
     assert not np.allclose(full[real], hf_logits(hf, ids, mask)[real], atol=1e-2)  # the windows matter
 
 

@@ -127,6 +127,11 @@ def hf_loss(start, end, starts, ends, **kwargs):
                                                      torch.from_numpy(starts), torch.from_numpy(ends), **kwargs))
 
 
+# The bert fixture's forward, one compiled program for the tests that read its logits (eager,
+# each of its operations was compiled apart).
+forward = jax.jit(lambda m, ids, mask: m(ids, mask))
+
+
 @pytest.fixture(scope="module")
 def bert():
     hf = hf_model("Bert")
@@ -162,7 +167,7 @@ def test_bert_s_own_loss_is_the_same_on_out_of_range_positions(bert):
         expected = hf(torch.from_numpy(IDS).long(), attention_mask=torch.from_numpy(MASK).long(),
                       start_positions=torch.from_numpy(starts), end_positions=torch.from_numpy(ends))
     with jax.enable_x64(True):
-        logits = model(IDS, MASK)  # BERT's padding tokens see the real ones: every row compared
+        logits = forward(model, IDS, MASK)  # BERT's padding tokens see the real ones: every row compared
         assert_close(logits.start_logits, expected.start_logits.numpy(), "Bert")
         np.testing.assert_allclose(float(model.loss(logits, (starts, ends))), float(expected.loss), rtol=1e-13)
         jitted = jax.jit(lambda m, s, e: m.loss(m(IDS, MASK), (s, e)))(model, starts, ends)  # traced positions
@@ -193,7 +198,7 @@ def test_save_hf_is_read_by_from_pretrained_and_back(family, tmp_path):
         np.testing.assert_array_equal(back.state_dict()[k].numpy(), v.numpy(), err_msg=k)
     again = ft.nn.from_hf(tmp_path)
     assert type(again) is type(model)
-    for a, b in zip(again(IDS, MASK), model(IDS, MASK)):
+    for a, b in zip(forward(again, IDS, MASK), forward(model, IDS, MASK)):  # one program each (eager: one per operation)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -208,7 +213,7 @@ def test_a_config_dict_naming_the_class_builds_it_initialized_as_hf_and_its_weig
     hf = transformers.LlamaForQuestionAnswering(transformers.LlamaConfig(**SMALL))
     hf.load_state_dict(ft.nn.to_hf_state_dict(model), strict=True)
     again = ft.nn.from_hf(config, weights)
-    for a, b in zip(again(IDS, MASK), model(IDS, MASK)):
+    for a, b in zip(forward(again, IDS, MASK), forward(model, IDS, MASK)):  # one program each (eager: one per operation)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(TypeError, match=r"token_type_ids are BERT's segment ids; functree's decoder bodies take none"):
         model(IDS, MASK, np.zeros_like(IDS))
@@ -231,7 +236,7 @@ def test_a_bert_head_of_other_than_two_labels_is_refused_as_hf_fails_on_it():
 def test_labels_and_logits_that_are_no_span_pair_are_refused(bert):
     _, model = bert
     with jax.enable_x64(True):
-        _refusals(model, model(IDS, MASK), np.array([1, 2, 3]))
+        _refusals(model, forward(model, IDS, MASK), np.array([1, 2, 3]))
 
 
 def _refusals(model, logits, starts):

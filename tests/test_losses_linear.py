@@ -57,13 +57,18 @@ def test_values_and_gradients_are_torchs(reduction):
                 def loss(x, w, b, chunk=chunk, options=options):
                     return ft.losses.linear_cross_entropy(x, w.T, jnp.asarray(y), bias=b, chunk_size=chunk,
                                                           reduction=reduction, **options)
-                value, ours = jax.value_and_grad(lambda *a: jnp.sum(loss(*a)), (0, 1, 2))(*map(jnp.asarray, (x, w, b)))
+                def total(*a, loss=loss):
+                    value = loss(*a)
+                    return jnp.sum(value), value
+
+                # each position's loss from the same call as the gradients (not a second forward)
+                (value, values), ours = jax.value_and_grad(total, (0, 1, 2), has_aux=True)(
+                    *map(jnp.asarray, (x, w, b)))
                 np.testing.assert_allclose(float(value), expected, rtol=0, atol=1e-12 * scale)
                 for got, want in zip(ours, grads):
                     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-12 * max(1.0, np.abs(want).max()))
                 if reduction == "none":
-                    np.testing.assert_allclose(np.asarray(loss(*map(jnp.asarray, (x, w, b)))), per_position,
-                                               rtol=0, atol=1e-12 * scale)
+                    np.testing.assert_allclose(np.asarray(values), per_position, rtol=0, atol=1e-12 * scale)
 
 
 def test_a_layer_or_function_head_equals_the_whole_logits_loss():
@@ -81,12 +86,13 @@ def test_a_layer_or_function_head_equals_the_whole_logits_loss():
         def whole(p, fn=fn):
             return ft.losses.softmax_cross_entropy(fn(p, hidden), labels)
 
-        (a, ga), (b, gb) = jax.value_and_grad(chunked)(params), jax.value_and_grad(whole)(params)
+        # each as one program (op by op: a compile per operation)
+        (a, ga), (b, gb) = jax.jit(jax.value_and_grad(chunked))(params), jax.jit(jax.value_and_grad(whole))(params)
         np.testing.assert_allclose(a, b, rtol=0, atol=4e-6 * abs(float(b)))
         for x, z in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
             np.testing.assert_allclose(x, z, rtol=0, atol=1e-5 * float(jnp.abs(z).max()))
-        parts = ft.losses.linear_cross_entropy(hidden, lambda h, fn=fn, params=params: fn(params, h), labels, chunk_size=4,
-                                               reduction="weighted")
+        parts = jax.jit(lambda p, fn=fn: ft.losses.linear_cross_entropy(hidden, lambda h: fn(p, h), labels, chunk_size=4,
+                                                                        reduction="weighted"))(params)
         assert float(parts.count) == 16.0
         np.testing.assert_allclose(parts.value, b, rtol=0, atol=4e-6 * abs(float(b)))
 
@@ -202,7 +208,9 @@ def test_lm_loss_gradients_and_hidden_state_are_hugging_faces():
         np.testing.assert_allclose(np.asarray(model.last_hidden_state(ids)), hidden, rtol=0, atol=6e-6 * np.abs(hidden).max())
         loss = hf_loss(hf, ids, labels)
         loss.backward()
-        value, grads = ft.value_with_gradient(lambda m: m.lm_loss(ids, labels, chunk_size=5), model)
+        # one program (op by op: the forward, its transpose and their glue each compiled apart)
+        value, grads = jax.jit(lambda model: ft.value_with_gradient(lambda m: m.lm_loss(ids, labels, chunk_size=5),
+                                                                    model))(model)
         np.testing.assert_allclose(float(value), float(loss.detach()), rtol=0, atol=6e-6 * float(loss.detach()))
         theirs = dict(hf.named_parameters())
         ours = ft.nn.to_hf_state_dict(grads)

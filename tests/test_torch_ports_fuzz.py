@@ -131,12 +131,15 @@ def test_margin_and_distance_losses_and_their_gradients_are_torchs_at_ties_and_m
     margin come up often, where a kink's derivative is a choice; torch's is taken."""
     _, ours, theirs, arrays, grads = case
     expected, expected_grads = _torch_grads(theirs, arrays, grads)
+    def loss(*diff):
+        value = ours(*[diff[grads.index(i)] if i in grads else a for i, a in enumerate(arrays)])
+        return jnp.sum(value), value
+
     with jax.enable_x64(True):
-        value = ours(*arrays)
-        # the gradient as one program (op by op: its forward, its transpose and their glue apart)
-        got_grads = jax.jit(jax.grad(lambda *diff: jnp.sum(ours(*[diff[grads.index(i)] if i in grads else a
-                                                                 for i, a in enumerate(arrays)])),
-                                     argnums=tuple(range(len(grads)))))(*[arrays[i] for i in grads])
+        # the value and the gradient as one program (op by op: its forward, its transpose and
+        # their glue apart, each operation compiled on its own)
+        (_, value), got_grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(grads))), has_aux=True))(
+            *[arrays[i] for i in grads])
     _close(value, expected)
     for got, want in zip(got_grads, expected_grads, strict=True):
         _close(got, want)
@@ -156,13 +159,17 @@ def test_pairwise_distance_and_cosine_similarity_are_torchs(data):
     expected, expected_grads = _torch_grads(lambda a, b: F.pairwise_distance(a, b, p=p, eps=eps, keepdim=keep),
                                             (x1, x2), grads)
     with jax.enable_x64(True):
-        _close(ft.nn.pairwise_distance(x1, x2, p=p, eps=eps, keepdims=keep), expected)
-        # the gradient as one program (op by op: its forward, its transpose and their glue apart)
-        got = jax.jit(jax.grad(lambda a, b: jnp.sum(ft.nn.pairwise_distance(a, b, p=p, eps=eps)), argnums=(0, 1)))(
-            x1, x2)
+        # the values and the gradient as one program (op by op: each operation compiled on its own)
+        @jax.jit
+        def run(a, b):
+            got = jax.grad(lambda a, b: jnp.sum(ft.nn.pairwise_distance(a, b, p=p, eps=eps)), argnums=(0, 1))(a, b)
+            return ft.nn.pairwise_distance(a, b, p=p, eps=eps, keepdims=keep), got, ft.nn.cosine_similarity(a, b)
+
+        value, got, cosine = run(x1, x2)
+        _close(value, expected)
         for i in grads:
             _close(got[i], expected_grads[i])
-        _close(ft.nn.cosine_similarity(x1, x2), F.cosine_similarity(torch.tensor(x1), torch.tensor(x2), dim=-1))
+        _close(cosine, F.cosine_similarity(torch.tensor(x1), torch.tensor(x2), dim=-1))
 
 
 E, HEADS, FF = 4, 2, 6
@@ -227,8 +234,10 @@ def test_encoder_layer_with_every_kind_of_mask_is_torchs(data):
         warnings.simplefilter("ignore")
         expected = module(torch.tensor(x), **{k: torch.tensor(v) if isinstance(v, np.ndarray) else v
                                                for k, v in masks.items()}).detach().numpy()
-    with jax.enable_x64(True):
-        _close(ours(x, **masks), expected)
+    arrays = {k: v for k, v in masks.items() if isinstance(v, np.ndarray)}
+    with jax.enable_x64(True):  # one program an example (op by op: a compile per operation)
+        got = jax.jit(lambda m, x, a: m(x, **a, **{k: v for k, v in masks.items() if k not in a}))(ours, x, arrays)
+        _close(got, expected)
 
 
 def _channels_last(x, batched):
@@ -292,7 +301,7 @@ def test_pads_pools_and_folds_are_torchs_at_their_edges(case):
             with pytest.raises(ft.nn.LayerInputError, match="a crop cannot remove more than the axis holds"):
                 ours(x)
             return
-        got = ours(x)
+        got = jax.jit(lambda m, x: m(x))(ours, x)  # one program an example (op by op: a compile per operation)
     _close(got, expected)
 
 

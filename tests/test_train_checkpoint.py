@@ -453,7 +453,7 @@ def test_a_writer_killed_while_taking_or_breaking_the_lock_leaves_nothing_behind
 
     killed_before_content = temporary(dead_pid, 1, "a")
     killed_after_content = temporary(dead_pid, 1, "b", json.dumps({"pid": dead_pid, "host": socket.gethostname()}))
-    predecessor = temporary(me, (now or 0) + 1, "c")  # a restarted container's job had this pid
+    predecessor = temporary(me, (now or 0) + 1, "c")  # a restarted container's job had this pid (its token is no WriterLock's here)
     (directory / f"{policy.LOCK_NAME}.stale-{'d' * 32}").write_text("{}")
     old_release = directory / f"{policy.LOCK_NAME}.{'e' * 32}"  # an older release's name, two minutes old
     old_release.write_text("")
@@ -465,7 +465,12 @@ def test_a_writer_killed_while_taking_or_breaking_the_lock_leaves_nothing_behind
     elsewhere.write_text("")  # another host's writer (a shared file system): its pid says nothing here
     kept.append(elsewhere.name)
     assert {killed_before_content, killed_after_content, predecessor} <= set(os.listdir(directory))
-    CheckpointManager(directory).save(2, {"w": jnp.ones(2)})
+    policy._HELD.add("f" * 32)  # as WriterLock.acquire does while it takes the lock
+    try:
+        CheckpointManager(directory).save(2, {"w": jnp.ones(2)})
+    finally:
+        policy._HELD.discard("f" * 32)
+    assert not policy._HELD  # the save's own token released
     assert sorted(n for n in os.listdir(directory) if "lock" in n) == sorted(kept)
     assert CheckpointManager(directory).all_steps() == [1, 2]
 

@@ -36,7 +36,7 @@ __all__ = ["LOCK_NAME", "WriterLock", "check_directory", "remove_leftovers", "st
 LOCK_NAME = ".functree-writer.lock"
 STEP_DIR = re.compile(r"^\d+$")
 TMP = ".orbax-checkpoint-tmp"
-_HELD: set[str] = set()  # the tokens of the locks this process's WriterLocks hold now
+_HELD: set[str] = set()  # the tokens of the locks this process's WriterLocks hold or are taking now
 
 NOT_A_CHECKPOINT_DIRECTORY = """\
 {path} is not a checkpoint directory: it holds {entries}, which are not checkpoint steps.
@@ -125,12 +125,8 @@ def _abandoned(path: Path) -> bool:
         except OSError:
             return False
     host, pid, start, token = named.groups()
-    owner = {"host": socket.gethostname() if host == _host_tag() else None, "pid": int(pid),
-             "start": int(start) if start != "-" else None, "token": token}
-    if owner["pid"] == os.getpid():  # this process lives: its file is another WriterLock's, in use
-        now = started(os.getpid())
-        return owner["start"] is not None and now is not None and owner["start"] != now  # a predecessor's pid
-    return _dead(owner)
+    return _dead({"host": socket.gethostname() if host == _host_tag() else None, "pid": int(pid),
+                  "start": int(start) if start != "-" else None, "token": token})
 
 
 _TEMPORARY = re.compile(re.escape(LOCK_NAME) + r"\.([0-9a-f]{12})\.(\d+)\.(\d+|-)\.([0-9a-f]{32})$")
@@ -171,6 +167,7 @@ class WriterLock:
             return False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         token = uuid.uuid4().hex
+        _HELD.add(token)  # from its temporary file on: this process's file is in use, not a dead writer's
         whole = self.path.with_name(_temporary_name(os.getpid(), started(os.getpid()), token))
         owner = {"pid": os.getpid(), "start": started(os.getpid()), "host": socket.gethostname(),
                  "time": time.time(), "token": token}
@@ -185,10 +182,11 @@ class WriterLock:
                     self._break_stale()
                     continue
                 self.token = token
-                _HELD.add(token)
                 return True
         finally:
             whole.unlink(missing_ok=True)
+            if self.token != token:
+                _HELD.discard(token)
         raise CheckpointError(f"Could not take the writer lock {self.path}; retry the save.")
 
     def _break_stale(self) -> None:

@@ -1462,3 +1462,28 @@ def test_a_batch_norm_without_affine_names_use_scale_false_and_round_trips():
     with torch.no_grad():
         expected = module.eval()(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(bn(jnp.asarray(x)), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
+def test_a_scalar_parameter_is_written_with_its_shape_and_loads_into_torch():
+    """torch_state_dict wrote every 0-d leaf as shape (1,) (np.ascontiguousarray makes 0-d
+    arrays 1-d), so a CLIP-style logit_scale did not load into torch: "size mismatch for
+    logit_scale ... torch.Size([])". Shapes are kept; the round trip gives the value back."""
+
+    class Scaled(ft.Module):
+        logit_scale: jax.Array
+        proj: ft.nn.Dense
+
+    class TorchScaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.logit_scale = torch.nn.Parameter(torch.tensor(0.0))
+            self.proj = torch.nn.Linear(2, 3)
+
+    model = Scaled(jnp.asarray(2.5, jnp.float32), ft.nn.Dense(2, 3, key=jax.random.key(0)))
+    written = ft.nn.torch_state_dict(model, numpy=True)
+    assert written["logit_scale"].shape == ()
+    theirs = TorchScaled()
+    theirs.load_state_dict(ft.nn.torch_state_dict(model))
+    assert float(theirs.logit_scale.detach()) == 2.5
+    back = ft.nn.load_torch_state_dict(model.replace(logit_scale=jnp.zeros(())), theirs.state_dict())
+    assert back.logit_scale.shape == () and float(back.logit_scale) == 2.5

@@ -294,13 +294,95 @@ def test_batch_norm_training_on_one_value_per_feature_is_refused_as_torchs(unbia
     assert ft.nn.inference(bn)(np.ones((1, 3), np.float32)).shape == (1, 3)  # the running statistics: fine
 
 
-@pytest.mark.parametrize(("make", "right"), [(lambda m: ft.nn.BatchNorm(3, momentum=m), "momentum=0.9"),
-                                             (lambda m: ft.nn.InstanceNorm2D(3, momentum=m), "momentum=1.0")])
-def test_torchs_momentum_none_is_refused_by_name(make, right):
-    """torch's momentum=None (BatchNorm: a cumulative average; InstanceNorm: F.instance_norm's
-    0.0, the running statistics never updated) raised float()'s bare TypeError here."""
-    with pytest.raises(TypeError, match=rf"(?s)momentum=None is torch's .*right:  ft\.nn\.\w+\(3, {right}\)"):
-        make(None)
+def test_instance_norms_torch_momentum_none_is_refused_by_name():
+    """torch's InstanceNorm momentum=None (F.instance_norm's 0.0: the running statistics never
+    updated) raised float()'s bare TypeError here; the fix names ft's momentum=1.0."""
+    with pytest.raises(TypeError, match=r"(?s)momentum=None is torch's .*right:  ft\.nn\.\w+\(3, momentum=1\.0\)"):
+        ft.nn.InstanceNorm2D(3, momentum=None)
+
+
+def _trained_on(model, x):
+    """``model`` after one training forward on ``x``: its recorded state written back."""
+    return ft.nn.apply_state(model, ft.nn.collect_state(lambda m: m(x), model)[1])
+
+
+_train_once = jax.jit(_trained_on)
+
+
+def test_momentum_none_is_torchs_cumulative_average_trained_loaded_and_saved():
+    """torch's BatchNorm2d(momentum=None) keeps the plain mean of every training batch's
+    statistics (batch n weighed 1/n, n its num_batches_tracked); it was refused by name here.
+    Now ft.nn.BatchNorm(c, momentum=None) counts its batches in batches_tracked: torch's
+    running statistics in float64 after every batch (measured 4e-15 at values ~1) and its
+    eval outputs; the count is read from torch's state dict (dropped, a loaded model's next
+    batch weighed 1 instead of 1/4: running mean 0.4 away) and written back."""
+    torch = pytest.importorskip("torch")
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        tm = torch.nn.BatchNorm2d(3, momentum=None).double()
+        fm = ft.nn.training(ft.nn.BatchNorm(3, momentum=None, epsilon=1e-5, unbiased_running_variance=True,
+                                            dtype=jnp.float64))
+        assert fm.batches_tracked.dtype == jnp.int32 and int(fm.batches_tracked) == 0
+        batches = [rng.normal(loc=i, scale=i + 1, size=(4, 3, 5, 5)) for i in range(4)]
+        for x in batches[:3]:
+            tm(torch.tensor(x))
+            fm = _train_once(fm, jnp.asarray(x.transpose(0, 2, 3, 1)))
+            for ours, theirs in ((fm.running_mean, tm.running_mean), (fm.running_variance, tm.running_var)):
+                np.testing.assert_allclose(ours, theirs.numpy(), rtol=0, atol=1e-13)
+            assert int(fm.batches_tracked) == int(tm.num_batches_tracked)
+        tm.eval()
+        np.testing.assert_allclose(ft.nn.inference(fm)(jnp.asarray(batches[0].transpose(0, 2, 3, 1))),
+                                   tm(torch.tensor(batches[0])).detach().numpy().transpose(0, 2, 3, 1), rtol=0, atol=1e-12)
+        tm.train()
+        fresh = ft.nn.BatchNorm(3, momentum=None, epsilon=1e-5, unbiased_running_variance=True, dtype=jnp.float64)
+        loaded = ft.nn.training(ft.nn.load_torch_state_dict(fresh, tm.state_dict()))
+        assert int(loaded.batches_tracked) == 3
+        tm(torch.tensor(batches[3]))
+        loaded = _train_once(loaded, jnp.asarray(batches[3].transpose(0, 2, 3, 1)))
+        np.testing.assert_allclose(loaded.running_mean, tm.running_mean.numpy(), rtol=0, atol=1e-13)
+        written = ft.nn.torch_state_dict(loaded, numpy=True)
+        assert int(written["num_batches_tracked"]) == 4
+        back = torch.nn.BatchNorm2d(3, momentum=None).double()
+        back.load_state_dict(ft.nn.torch_state_dict(loaded))
+        assert int(back.num_batches_tracked) == 4
+        # a float momentum reads no count (torch writes one for every BatchNorm): dropped, as before
+        plain = ft.nn.load_torch_state_dict(ft.nn.BatchNorm(3, momentum=0.9, epsilon=1e-5, dtype=jnp.float64),
+                                            tm.state_dict())
+        assert plain.batches_tracked is None and "num_batches_tracked" not in ft.nn.torch_state_dict(plain, numpy=True)
+        # given the module, its momentum=None is an option compared (an InstanceNorm's is ft's momentum=1.0)
+        with pytest.raises(ValueError, match=r"(?s)torch's momentum=None, the model's momentum=0\.9.*"
+                                             r"right:  ft\.nn\.BatchNorm\(\.\.\., momentum=None\)"):
+            ft.nn.load_torch_state_dict(ft.nn.BatchNorm(3, momentum=0.9, epsilon=1e-5, unbiased_running_variance=True,
+                                                        dtype=jnp.float64), tm)
+        with pytest.raises(ValueError, match=r"right:  ft\.nn\.InstanceNorm2D\(\.\.\., momentum=1\.0\)"):
+            ft.nn.load_torch_state_dict(ft.nn.InstanceNorm2D(3, momentum=0.9, track_running_stats=True, epsilon=1e-5),
+                                        torch.nn.InstanceNorm2d(3, momentum=None, track_running_stats=True))
+
+
+def test_momentum_none_counts_each_microbatch_and_restores_its_count(tmp_path):
+    """Under accumulate=k a step runs k forwards, as torch's k calls: the count is threaded
+    through the microbatches with the statistics (2 after one step of 2 microbatches, each
+    weighed 1/n), and a checkpoint keeps it; a layer given momentum=None after it was built
+    with a float one has no count, and training it names the fix (NO_COUNT)."""
+    from functree.nn._normalization import NO_COUNT
+    from tests._errors import raises_named
+
+    model = ft.nn.training(ft.nn.Sequential(ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.nn.BatchNorm(2, momentum=None)))
+    x = jnp.asarray(_normal(1, (8, 3)))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01), accumulate=2)
+    step = ft.train.train_step(lambda m, b: jnp.mean(m(b) ** 2), opt, donate=False)
+    out, _, _ = step(model, opt.init(model), x)
+    bn = out.layers[1]
+    assert int(bn.batches_tracked) == 2
+    h = np.asarray(model.layers[0](x))
+    expected = (h[:4].mean(0) + h[4:].mean(0)) / 2  # batch 1 weighed 1, batch 2 weighed 1/2
+    np.testing.assert_allclose(bn.running_mean, expected, rtol=0, atol=1e-6 * np.abs(h).max())
+    ft.train.save(tmp_path / "bn", out)
+    restored = ft.train.load(tmp_path / "bn", model)
+    assert int(restored.layers[1].batches_tracked) == 2
+    late = ft.nn.training(ft.nn.BatchNorm(2)).replace(momentum=None)
+    raises_named(lambda: ft.nn.collect_state(lambda m: m(x[:, :2]), late), TypeError,
+                 NO_COUNT, "bn.replace(momentum=None, batches_tracked=jnp.asarray(n, jnp.int32))")
 
 
 def test_batch_norm_without_running_statistics_is_torchs_track_running_stats_false():

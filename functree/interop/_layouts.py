@@ -141,6 +141,8 @@ def _norm(layer: LayerNorm | GroupNorm | RMSNorm | BatchNorm | _InstanceNorm) ->
         rules.append(same("bias", "offset"))
     if isinstance(layer, (BatchNorm, _InstanceNorm)) and layer.track_running_stats:
         rules += [same("running_mean", "running_mean"), same("running_var", "running_variance")]
+    if isinstance(layer, BatchNorm) and layer.batches_tracked is not None:  # momentum=None's count: it weighs batches
+        rules.append(same("num_batches_tracked", "batches_tracked"))
     return rules
 
 

@@ -68,7 +68,6 @@ NONE_LINE = "    none:   {none} ({option})"
 NO_ZERO_ATTN = ("ft.nn's transformer layers build their attention without add_zero_attn: set it on the attention, "
                 "layer.replace(self_attn=layer.self_attn.replace(add_zero_attn=True))")
 NO_MAX_NORM = "renormalize the rows yourself, emb = emb.renormalized(tokens, max_norm), before each forward"
-NO_CUMULATIVE = "ft.nn's running statistics are exponential averages (torch's momentum=None: a cumulative one)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,9 +245,11 @@ def _norm(t: Any, f: Any, kind: str) -> list[Differs] | None:
         differs = _options([("eps", float(t.eps), "epsilon", f.epsilon, f"epsilon={float(t.eps)!r}")])
         if not (t.track_running_stats and f.track_running_stats):  # no statistics to train (or the tensors say so)
             return differs
-        if t.momentum is None:  # a cumulative average
-            differs.append(Differs("momentum", None, "momentum", f.momentum, None, NO_CUMULATIVE))
-        elif _differ(round(1 - float(t.momentum), 12), f.momentum):  # torch's m weighs the new statistics, ft's the old
+        if t.momentum is None:  # BatchNorm's: a cumulative average; InstanceNorm's: momentum 0, never updated
+            ours = None if isinstance(f, BatchNorm) else 1.0
+            if f.momentum != ours:
+                differs.append(Differs("momentum", None, "momentum", f.momentum, f"momentum={ours!r}"))
+        elif f.momentum is None or _differ(round(1 - float(t.momentum), 12), f.momentum):  # torch's m weighs the new statistics, ft's the old
             ours = round(1 - float(t.momentum), 12)
             differs.append(Differs("momentum", float(t.momentum), "momentum", f.momentum, f"momentum={ours!r}"))
         if isinstance(f, BatchNorm) and not f.unbiased_running_variance:  # torch's running_var: unbiased

@@ -7,8 +7,9 @@ torch and ``ft.nn`` layers hold the same numbers under other names and in other 
     Conv{1,2,3}d  weight [out, in/g, *k]     Conv{1,2,3}D  weight [*k, in/g, out]
     ConvTranspose{1,2,3}d  weight [in, out/g, *k]  Conv{1,2,3}DTranspose  weight [*k, in, out/g]
     LayerNorm, GroupNorm, RMSNorm  weight, bias  scale, offset
-    BatchNorm{1,2}d  weight, bias, running_mean, running_var (track_running_stats=True; num_batches_tracked dropped)
-                                             BatchNorm  scale, offset, running_mean, running_variance
+    BatchNorm{1,2}d  weight, bias, running_mean, running_var (track_running_stats=True), num_batches_tracked
+                                             BatchNorm  scale, offset, running_mean, running_variance,
+                                             batches_tracked (momentum=None; else num_batches_tracked dropped)
     InstanceNorm{1,2,3}d  weight, bias (affine=True), running_mean, running_var (track_running_stats=True)
                                              InstanceNorm{1,2,3}D  scale, offset, running_mean, running_variance
     Embedding, EmbeddingBag  weight          Embedding, EmbeddingBag  embeddings
@@ -728,7 +729,9 @@ def load_torch_state_dict(
     parametrization (``weight_norm``: ``weight_g``, ``parametrizations.weight.original0``) and
     a wrapper's prefix (DataParallel's ``module.``); ``strict=False`` keeps
     the model's value wherever the state dict does not fit and returns ``(model, report)``
-    (an ``ft.FlatDictReport`` in torch's names). ``num_batches_tracked`` is dropped. A
+    (an ``ft.FlatDictReport`` in torch's names). ``num_batches_tracked`` is read into a
+    ``momentum=None`` BatchNorm's ``batches_tracked`` (its cumulative average weighs batch
+    ``n`` by ``1/n``) and dropped for any other layer (an exponential average reads no count). A
     ``WeightNorm`` / ``SpectralNorm`` also reads the deprecated ``torch.nn.utils.weight_norm`` /
     ``spectral_norm``'s names (``weight_g``, ``weight_v``; ``weight_orig``, ``weight_u``, ``weight_v``).
     ``state_dict`` may be the path of a ``.safetensors`` file, of a sharded checkpoint's
@@ -835,8 +838,11 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
         _check_given(state_dict)
     shapes = _shapes(flattened)
     to_model = _renamer(rename, to_model=True)
-    given = {to_model(k): v for k, v in state_dict.items() if not k.endswith("num_batches_tracked")}
-    plan = _plan(model, shapes, layouts, values=False, ports=ports, complete=set(given) if complete else None)
+    given = {to_model(k): v for k, v in state_dict.items()}
+    counts = {k for k in given if k.rsplit(".", 1)[-1] == "num_batches_tracked"}
+    plan = _plan(model, shapes, layouts, values=False, ports=ports, complete=set(given) - counts if complete else None)
+    read = {n for rule in plan.rules for n in rule.torch}  # a momentum=None BatchNorm's count; the others dropped
+    given = {k: v for k, v in given.items() if k not in counts or k in read}
     given = _legacy_parametrizations(plan.rules, given)
     if module is not None:  # strict=False too: the report lists tensors, and every one may load into other numbers
         check_options(module, plan.nodes, to_model, [found.torch for found in plan.ports])
@@ -1209,11 +1215,18 @@ def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping
         if any(absent(leaf) for leaf in leaves):
             continue  # a partial tree (a gradient with wrt=): only the tensors it holds whole
         values = (gradient_to_torch(rule.to_torch) if gradient else rule.to_torch)(*leaves)
-        out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in zip(rule.torch, values))
+        out.update((to_torch(n), _contiguous(v)) for n, v in zip(rule.torch, values))
     for found in plan.ports:  # Hugging Face's names under the port's torch prefix
         ported = prefixed(found.torch, found.port.state_dict(found.node))
-        out.update((to_torch(n), np.ascontiguousarray(v)) for n, v in ported.items())
+        out.update((to_torch(n), _contiguous(v)) for n, v in ported.items())
     return out
+
+
+def _contiguous(value: Any) -> np.ndarray:
+    """``value`` as a C-contiguous NumPy array of its own shape: ``np.ascontiguousarray``
+    makes a 0-d array 1-d (a scalar parameter, a BatchNorm's count, was written as shape
+    ``(1,)``, and torch's ``load_state_dict`` refused it: "size mismatch ... torch.Size([])")."""
+    return np.asarray(value, order="C")
 
 
 FLAG_LEAF = """\

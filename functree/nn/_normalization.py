@@ -58,13 +58,19 @@ old running statistics (torch's momentum=m is 1 - m here), and has no None.
     wrong:  ft.nn.{cls}({channels}, momentum=None)
     right:  ft.nn.{cls}({channels}, momentum={right})     # {right_why}"""
 
-_MOMENTUM_NONE = {  # what torch's momentum=None does, and the float that comes nearest
-    "BatchNorm": ("cumulative average (each batch's statistics weighed 1 / num_batches_tracked: "
-                  "the running statistics are the plain mean over every training batch so far)",
-                  "0.9", "torch's default momentum=0.1, an exponential average"),
+_MOMENTUM_NONE = {  # what torch's momentum=None does, and the float that gives it
     "InstanceNorm": ("momentum 0 (F.instance_norm's None -> 0.0): training never updates the "
                      "running statistics", "1.0", "torch's: the running statistics kept as they are"),
 }
+
+NO_COUNT = """\
+ft.nn.BatchNorm: momentum=None (torch's cumulative average: batch n weighs 1/n) needs the count \
+of training batches, batches_tracked, and this layer holds none (None): it was built with a \
+float momentum, or read from a file written by one, and given momentum=None after.
+
+    wrong:  bn.replace(momentum=None)
+    right:  ft.nn.BatchNorm({features}, momentum=None, ...)                      # counts from 0
+       or:  bn.replace(momentum=None, batches_tracked=jnp.asarray(n, jnp.int32))   # n batches averaged so far"""
 
 BN_AXIS_OUTSIDE = """\
 Its axis {axis} is outside an input of {ndim} axes (axes -{ndim} .. {last}; a negative axis \
@@ -82,7 +88,8 @@ GroupNorm: channels ({channels}) must be divisible by groups ({groups}).
 
 
 def _momentum(cls: str, family: str, momentum: Any, channels: Any) -> float:
-    """``momentum`` as a float; torch's None refused by name (:data:`MOMENTUM_NONE`)."""
+    """``momentum`` as a float; torch's None refused by name (:data:`MOMENTUM_NONE`: an
+    InstanceNorm's; BatchNorm takes None, a cumulative average)."""
     if momentum is None:
         what, right, why = _MOMENTUM_NONE[family]
         raise TypeError(MOMENTUM_NONE.format(cls=cls, what=what, channels=channels, right=right, right_why=why))
@@ -270,8 +277,19 @@ class BatchNorm(Layer):
     unbiased_running_variance=True)`` (with the biased variance and 4 rows a batch, torch's
     ``running_var`` ends 25% above ft's and eval outputs 15% apart). Training needs ``n >= 2``
     (torch's rule: with one value per feature every output is the offset; refused by name,
-    :data:`BATCH_ONE`); torch's ``momentum=None`` (a cumulative average) has no counterpart
-    and is refused.
+    :data:`BATCH_ONE`).
+
+    ``momentum=None`` is torch's cumulative average: the running statistics are the plain
+    mean of every training batch's so far. The layer then counts its training batches in
+    ``batches_tracked`` (an int32 ``no_derivative`` scalar, torch's ``num_batches_tracked``,
+    read and written by ``load_torch_state_dict`` / ``torch_state_dict``), and batch
+    ``n = batches_tracked + 1`` updates::
+
+        running_mean <- (1 - 1/n) * running_mean + (1/n) * mean_B     (variance alike)
+
+    so torch's ``BatchNorm2d(c, momentum=None)`` is ``ft.nn.BatchNorm(c, momentum=None,
+    epsilon=1e-5, unbiased_running_variance=True)``. With a float momentum
+    ``batches_tracked`` is None (nothing reads a count).
 
     ``use_scale=False`` / ``use_offset=False`` leave out ``scale`` / ``offset`` (None; as
     ``LayerNorm``'s): ``y = (x - mean) / sqrt(var + epsilon)``, torch's ``BatchNorm*d(c,
@@ -313,20 +331,22 @@ class BatchNorm(Layer):
     offset: jax.Array | None = field(decay=False)
     running_mean: jax.Array | None = field(no_derivative=True)
     running_variance: jax.Array | None = field(no_derivative=True)
+    batches_tracked: jax.Array | None = field(no_derivative=True, default=None)  # momentum=None's count
     axis: int = field(static=True, default=-1)
-    momentum: float = field(static=True, default=0.99)
+    momentum: float | None = field(static=True, default=0.99)
     epsilon: float = field(static=True, default=1e-3)
     training: bool = field(static=True, default=False)
     unbiased_running_variance: bool = field(static=True, default=False)
     track_running_stats: bool = field(static=True, default=True)
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("momentum", "unbiased_running_variance")  # a restore's template decides them (how it trains its running statistics)
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("unbiased_running_variance", "track_running_stats")  # files written before them: False, True
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("unbiased_running_variance", "track_running_stats",
+                                                      "batches_tracked")  # files written before them: False, True, None
 
     def __init__(
         self,
         feature_count: int,
         axis: int = -1,
-        momentum: float = 0.99,
+        momentum: float | None = 0.99,
         epsilon: float = 1e-3,
         *,
         dtype: Any = jnp.float32,
@@ -346,7 +366,8 @@ class BatchNorm(Layer):
         self.running_mean = jnp.zeros((feature_count,), dtype) if track else None
         self.running_variance = jnp.ones((feature_count,), dtype) if track else None
         self.axis, self.epsilon = axis, float(epsilon)
-        self.momentum = _momentum("BatchNorm", "BatchNorm", momentum, feature_count)
+        self.momentum = None if momentum is None else float(momentum)  # None: a cumulative average
+        self.batches_tracked = jnp.zeros((), jnp.int32) if track and momentum is None else None
         self.training = training
         self.unbiased_running_variance = bool(unbiased_running_variance)
         self.track_running_stats = track
@@ -389,15 +410,10 @@ class BatchNorm(Layer):
                 raise ValueError(BATCH_ONE.format(given=short_array(x), count=count, axis=self.axis,
                                                   why=BATCH_ONE_WHY[self.unbiased_running_variance]))
             if self.training and self.running_mean is not None and self.running_variance is not None:
-                m = self.momentum
                 recorded = var
                 if self.unbiased_running_variance:  # torch's running_var: var * n / (n - 1)
                     recorded = var * jnp.asarray(count / (count - 1), var.dtype)
-                record_state(
-                    self,
-                    running_mean=m * self.running_mean + (1 - m) * mean.astype(self.running_mean.dtype),
-                    running_variance=m * self.running_variance + (1 - m) * recorded.astype(self.running_variance.dtype),
-                )
+                self._record(mean, recorded)
         else:
             mean, var = self.running_mean.astype(xs.dtype), self.running_variance.astype(xs.dtype)
         inv = jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype))
@@ -407,6 +423,25 @@ class BatchNorm(Layer):
         if self.offset is not None:
             y = y + self.offset.astype(xs.dtype).reshape(shape)
         return y.astype(x.dtype)
+
+
+    def _record(self, mean: jax.Array, variance: jax.Array) -> None:
+        """Record the running statistics moved towards a training batch's ``mean`` and
+        ``variance``: by ``1 - momentum``, or by ``1 / n`` for the ``n``-th batch (momentum
+        None); a held ``batches_tracked`` counts the batch either way (torch's
+        ``num_batches_tracked``)."""
+        assert self.running_mean is not None and self.running_variance is not None
+        dtype, count = self.running_mean.dtype, self.batches_tracked
+        counted = {} if count is None else {"batches_tracked": count + jnp.ones((), count.dtype)}
+        if self.momentum is not None:
+            old, new = self.momentum, 1 - self.momentum
+        elif count is None:  # built with a float momentum, then given None
+            raise TypeError(NO_COUNT.format(features=self.running_mean.shape[0]))
+        else:
+            new = 1 / counted["batches_tracked"].astype(dtype)  # torch's exponential_average_factor
+            old = 1 - new
+        record_state(self, running_mean=old * self.running_mean + new * mean.astype(dtype),
+                     running_variance=old * self.running_variance + new * variance.astype(dtype), **counted)
 
 
 def _features_at(x: Any, axis: int) -> int:

@@ -26,7 +26,7 @@ from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, collecting, record_under
 from functree.nn._sequential import takes_key
-from functree.nn._state import Intermediate, apply_state, floating_state
+from functree.nn._state import Intermediate, apply_state, threaded_state
 
 __all__ = ["SimpleRNNCell", "GRUCell", "LSTMCell", "LSTMState", "RNN"]
 
@@ -434,7 +434,7 @@ class RNN(Layer):
         if real is not None:
             raise ValueError(LENGTHS_COLLECTING)
         # Running statistics are threaded through the carry: step t reads step t - 1's record.
-        threaded = floating_state(self.cell)
+        threaded = threaded_state(self.cell)
         paths: list[KeyPath] = []
         body = _Step(self.cell, keys is not None, widen, paths, threaded=tuple(threaded), wide=bool(wide))
         ((final, _), _), (ys, values) = jax.lax.scan(body, ((state, tuple(threaded.values())), wide),

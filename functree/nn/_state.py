@@ -812,16 +812,17 @@ def apply_state(model: Any, updates: dict[KeyPath, Any]) -> Any:
     return model
 
 
-def floating_state(model: Any) -> dict[KeyPath, Any]:
-    """``{KeyPath: value}`` of every floating ``no_derivative`` field of ``model``'s layers
-    (BatchNorm's running statistics): the state the accumulation loop threads from one
-    microbatch to the next. PRNG keys (``dropout_key``, uint32 key data) are not in it: each
-    microbatch draws from the stored key salted by its index (:func:`salted_keys`).
+def threaded_state(model: Any) -> dict[KeyPath, Any]:
+    """``{KeyPath: value}`` of every floating or signed-integer ``no_derivative`` field of
+    ``model``'s layers (BatchNorm's running statistics, and the count of training batches a
+    ``momentum=None`` BatchNorm weighs them by): the state the accumulation loop threads
+    from one microbatch to the next. PRNG keys (``dropout_key``, uint32 key data) are not in
+    it: each microbatch draws from the stored key salted by its index (:func:`salted_keys`).
 
     Example:
       >>> import functree as ft
-      >>> from functree.nn._state import floating_state
-      >>> sorted(map(str, floating_state({"bn": ft.nn.BatchNorm(2)})))
+      >>> from functree.nn._state import threaded_state
+      >>> sorted(map(str, threaded_state({"bn": ft.nn.BatchNorm(2)})))
       ["['bn'].running_mean", "['bn'].running_variance"]
     """
     out: dict[KeyPath, Any] = {}
@@ -831,7 +832,7 @@ def floating_state(model: Any) -> dict[KeyPath, Any]:
         for name in type(layer).__ft_no_derivative__:
             value = layer.__dict__.get(name)
             dtype = getattr(value, "dtype", None)
-            if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            if dtype is not None and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.signedinteger)):
                 out[KeyPath((*path, Entry(ATTR, name)))] = value
     return out
 

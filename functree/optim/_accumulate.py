@@ -1,6 +1,6 @@
 """``ft.optim.Optimizer(accumulate=k)``: each batch split into ``k`` microbatches along its
 leading axis, their gradients averaged inside one ``lax.scan`` (memory of one microbatch),
-the model's floating layer state (running statistics) threaded from one microbatch to the
+the model's layer state (running statistics, counts) threaded from one microbatch to the
 next, as ``k`` torch forwards update it.
 """
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from functree._examples import check_example_axis
 from functree.losses._weighted import WeightedMean, ratio
-from functree.nn._state import apply_state, floating_state, salted_call
+from functree.nn._state import apply_state, salted_call, threaded_state
 from functree.optim._subset import trained_view
 
 if TYPE_CHECKING:
@@ -104,8 +104,8 @@ def accumulated_gradients(opt: Optimizer, loss_fn: Callable[..., Any], model: An
 
     # Floating layer state (running statistics) is threaded through the microbatches, as
     # torch's k forwards update it k times; the gradients are unchanged (training mode
-    # normalises with the batch's statistics). PRNG keys are not: see floating_state.
-    threaded = floating_state(model) if getattr(loss_fn, "__ft_records_state__", False) else {}
+    # normalises with the batch's statistics). PRNG keys are not: see threaded_state.
+    threaded = threaded_state(model) if getattr(loss_fn, "__ft_records_state__", False) else {}
 
     def body(carry: Any, xs: tuple) -> tuple[Any, Any]:
         (total, carried), (mb, i) = carry, xs

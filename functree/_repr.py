@@ -57,7 +57,9 @@ def module_repr(m: Any, indent: int = 0) -> str:
     """``Dense(weight=f32[2,4], bias=f32[4], activation=relu)``; nested models on lines."""
     cls = type(m)
     hidden = getattr(cls, "__ft_repr_hidden__", ())  # bookkeeping a user never sets (a Stack's ranks)
-    parts = [f"{n}={_value_repr(m.__dict__.get(n, '?'), indent + 2)}" for n in cls.__ft_fields__ if n not in hidden]
+    if_set = getattr(cls, "__ft_repr_if_set__", ())  # shown when not None (a BatchNorm's count: momentum=None's)
+    parts = [f"{n}={_value_repr(m.__dict__.get(n, '?'), indent + 2)}" for n in cls.__ft_fields__
+             if n not in hidden and not (n in if_set and m.__dict__.get(n) is None)]
     one_line = f"{cls.__name__}({', '.join(parts)})"
     if len(one_line) + indent <= 88 and "\n" not in one_line:
         return one_line

@@ -341,6 +341,7 @@ class BatchNorm(Layer):
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("momentum", "unbiased_running_variance")  # a restore's template decides them (how it trains its running statistics)
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("unbiased_running_variance", "track_running_stats",
                                                       "batches_tracked")  # files written before them: False, True, None
+    __ft_repr_if_set__: ClassVar[tuple[str, ...]] = ("batches_tracked",)  # None but with momentum=None
 
     def __init__(
         self,

@@ -36,6 +36,41 @@ LossScaleOptimizer: the get_gradients hook {hook} returned {given}; it must retu
 
 BAD_SCALE = "LossScaleOptimizer: {name} must be positive, got {value!r}."
 
+BAD_FACTOR = """\
+LossScaleOptimizer: {name} must be a finite number {rule} (torch's GradScaler's {name} too); \
+got {value!r}. {why}
+
+    wrong:  ft.optim.LossScaleOptimizer(opt, {name}={value!r})
+    right:  ft.optim.LossScaleOptimizer(opt, growth_factor=2.0, backoff_factor=0.5)   # torch's defaults
+"""
+
+TORCH_KEYWORD = """\
+LossScaleOptimizer() got an unexpected keyword argument {name!r}{why}. Its options: \
+initial_scale, growth_interval, growth_factor, backoff_factor (torch's GradScaler's init_scale, \
+growth_interval, growth_factor, backoff_factor).
+
+    wrong:  ft.optim.LossScaleOptimizer(opt, {name}={value!r})
+    right:  {right}
+"""
+
+# torch's GradScaler keywords: (why, the right code); {value} is the value given.
+_TORCH_KEYWORDS = {
+    "init_scale": (" (torch's GradScaler's name of initial_scale)",
+                   "ft.optim.LossScaleOptimizer(opt, initial_scale={value!r})"),
+    "enabled": (" (torch's GradScaler(enabled=False) scales nothing: leave the wrapper out)",
+                "opt      # the inner optimizer alone, or LossScaleOptimizer(opt) to scale"),
+}
+
+_FACTOR_RULES = {
+    # name: (the range's test, the range in words, what a value outside it would do)
+    "growth_factor": (lambda f: f > 1.0, "greater than 1",
+                      "At most 1, a growth would keep or shrink the scale: after an overflow it could never "
+                      "climb back, and the small gradients it exists to keep would underflow."),
+    "backoff_factor": (lambda f: 0.0 < f < 1.0, "between 0 and 1 (exclusive)",
+                       "At 1 or more an overflowed step would be retried at the same scale or a larger one "
+                       "and be skipped again, every step: training would silently stop."),
+}
+
 BAD_INITIAL_SCALE = """\
 LossScaleOptimizer: initial_scale must be a finite positive number that float32 (the scale's \
 dtype) holds, at most {largest:.4g}; got {value!r}. An infinite scale makes every step \
@@ -80,6 +115,14 @@ class LossScaleState(NamedTuple):
     good_steps: jax.Array
     skipped: jax.Array
     inner: Any
+
+
+def _checked_factor(name: str, value: Any) -> float:
+    """``value`` as a float, or :data:`BAD_FACTOR` for ``name`` (its range in :data:`_FACTOR_RULES`)."""
+    test, rule, why = _FACTOR_RULES[name]
+    if not (_finite_positive(value) and test(float(value))):
+        raise ValueError(BAD_FACTOR.format(name=name, rule=rule, value=value, why=why))
+    return float(value)
 
 
 def _finite_positive(value: Any) -> bool:
@@ -147,9 +190,14 @@ class LossScaleOptimizer(OptimizerWrapper):
     a ``get_gradients`` hook gets the scale as ``scale=`` (``per_example_clipping`` clips
     at ``scale · t``, the same clip in the loss's units) and one without it is refused. If
     any gradient is not finite, the step is skipped (model and inner state unchanged,
-    ``skipped`` counted) and ``scale`` is halved (down to 1); after ``growth_interval``
-    consecutive finite steps it doubles, unless the doubled scale is not finite in float32
-    (torch's ``GradScaler``: it stays at ``2**127``). All of it is array arithmetic: it
+    ``skipped`` counted) and ``scale`` is multiplied by ``backoff_factor`` (halved by
+    default; down to 1, where torch's ``GradScaler`` goes on below it); after
+    ``growth_interval`` consecutive finite steps it is multiplied by ``growth_factor``
+    (doubled by default), unless the grown scale is not finite in float32 (torch's
+    ``GradScaler``: it stays at ``2**127``). torch's ``GradScaler(init_scale=s,
+    growth_factor=g, backoff_factor=b, growth_interval=n)`` is
+    ``LossScaleOptimizer(opt, initial_scale=s, growth_factor=g, backoff_factor=b,
+    growth_interval=n)``, scale for scale (checked against torch, overflows included). All of it is array arithmetic: it
     runs in one jitted step. ``inner`` is an :class:`Optimizer` or an optax transformation
     (``LossScaleOptimizer(ft.optim.adam(1e-3))``), wrapped in one as the Trainer does.
 
@@ -179,8 +227,16 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     initial_scale: float
     growth_interval: int
+    # Class defaults: an optimizer pickled before these options existed reads torch's.
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
 
-    def __init__(self, inner: Any, initial_scale: float = 2.0**15, growth_interval: int = 2000):
+    def __init__(self, inner: Any, initial_scale: float = 2.0**15, growth_interval: int = 2000, *,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, **unknown: Any):
+        if unknown:  # Python's bare "unexpected keyword" would not say that init_scale is initial_scale
+            name, value = next(iter(unknown.items()))
+            why, right = _TORCH_KEYWORDS.get(name, ("", "ft.optim.LossScaleOptimizer(opt, initial_scale=2.0**16)"))
+            raise TypeError(TORCH_KEYWORD.format(name=name, value=value, why=why, right=right.format(value=value)))
         super().__init__(inner)
         if not _finite_positive(initial_scale):
             raise ValueError(BAD_INITIAL_SCALE.format(value=initial_scale, largest=_LARGEST))
@@ -188,6 +244,8 @@ class LossScaleOptimizer(OptimizerWrapper):
             raise ValueError(BAD_SCALE.format(name="growth_interval", value=growth_interval))
         object.__setattr__(self, "initial_scale", float(initial_scale))
         object.__setattr__(self, "growth_interval", growth_interval)
+        object.__setattr__(self, "growth_factor", _checked_factor("growth_factor", growth_factor))
+        object.__setattr__(self, "backoff_factor", _checked_factor("backoff_factor", backoff_factor))
 
     def init(self, model: Any) -> LossScaleState:
         _check_no_float16(model, self.wrt)
@@ -252,9 +310,10 @@ class LossScaleOptimizer(OptimizerWrapper):
                                            apply_if=ok, **extra)
         good = jnp.where(finite, state.good_steps + 1, 0)
         grow = good >= self.growth_interval
-        doubled = state.scale * 2.0  # 2**128 is inf in float32: the scale stays (torch's rule)
-        grown = jnp.where(grow & jnp.isfinite(doubled), doubled, state.scale)
-        scale = jnp.where(finite, grown, jnp.maximum(state.scale / 2.0, 1.0))
+        # In float32, as torch's scale tensor: 2**127 * 2 is inf there, and the scale stays.
+        larger = state.scale * jnp.float32(self.growth_factor)
+        grown = jnp.where(grow & jnp.isfinite(larger), larger, state.scale)
+        scale = jnp.where(finite, grown, jnp.maximum(state.scale * jnp.float32(self.backoff_factor), 1.0))
         good = jnp.where(grow, 0, good).astype(jnp.int32)
         skipped = state.skipped + jnp.where(finite, 0, 1).astype(jnp.int32)
         if apply_if is not None:  # a step the caller's gate closed did not happen

@@ -57,6 +57,39 @@ Other libraries' names are functree's here: {pairs}.
     wrong:  {where}({wrong})
     right:  {where}({right})"""
 
+TORCH_OPTION = """
+torch's {name}= {what}:
+
+    wrong:  {where}({wrong})
+    right:  {right}"""
+
+# torch's options that are another optimizer or a chain here: (where, keyword) -> (what it is,
+# the right code for a true value). {lr}, {wd}: the call's learning rate and weight decay;
+# {rest}: its other arguments; {value}: the keyword's value. A false value is the default.
+_DECOUPLED = "optax.chain(ft.optim.{name}({lr}{rest}), ft.optim.weight_decay({lr} * {wd}, exclude=()))"
+TORCH_OPTIONS: dict[tuple[str, str], tuple[str, str]] = {
+    ("ft.optim.adam", "amsgrad"): ("is the optimizer ft.optim.amsgrad (torch's Adam(amsgrad=True))",
+                                   "ft.optim.amsgrad({lr}{rest}{wd_arg})"),
+    ("ft.optim.adam", "decoupled_weight_decay"): ("is ft.optim.adamw (torch's AdamW; exclude=() decays "
+                                                  "every leaf, as torch)",
+                                                  "ft.optim.adamw({lr}{rest}, weight_decay={wd}, exclude=())"),
+    ("ft.optim.adamw", "amsgrad"): ("is ft.optim.amsgrad chained with the decoupled decay η·λ (a scheduled η: "
+                                    "weight_decay gets the schedule's values times λ)",
+                                    _DECOUPLED.replace("{name}", "amsgrad")),
+    ("ft.optim.radam", "decoupled_weight_decay"): ("is ft.optim.radam chained with the decoupled decay η·λ "
+                                                   "(a scheduled η: weight_decay gets the schedule's values times λ)",
+                                                   _DECOUPLED.replace("{name}", "radam")),
+    ("ft.optim.adagrad", "lr_decay"): ("is a learning-rate schedule, η / (1 + t·d) at update t from 0",
+                                       "ft.optim.adagrad(ft.optim.schedule(lambda c: {lr} / (1 + {value} * c)){rest}"
+                                       "{wd_arg})"),
+}
+# torch's defaults where functree's differ, added to the right code of TORCH_OPTIONS' entry.
+TORCH_DEFAULTS: dict[tuple[str, str], dict[str, Any]] = {
+    ("ft.optim.adagrad", "lr_decay"): {"initial_accumulator_value": 0.0, "epsilon": 1e-10},
+}
+# torch's kernel choices: XLA compiles the whole step into one program, there is nothing to choose.
+TORCH_KERNEL_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
 # torch's torch.optim.Adam(model.parameters(), lr=1e-3): the parameters first. A model is
 # callable, so it would pass for a learning-rate schedule and fail at init, far from here.
 PARAMETERS_GIVEN = """\
@@ -88,18 +121,69 @@ def _bad_arguments(where: str, signature: inspect.Signature, error: TypeError, a
     optimizer's name, its argument names, and functree's names for optax's and torch's."""
     names = list(signature.parameters)
     foreign = {k: FOREIGN_NAMES[k] for k in kwargs if k not in names and set(FOREIGN_NAMES.get(k, ("",))) <= set(names)}
+    given = [repr(a) for a in args]
+    # the call as given, foreign names renamed in place and torch's kernel options left out
+    right = given + [_renamed(foreign[k], v, signature) if k in foreign else f"{k}={v!r}"
+                     for k, v in kwargs.items() if k not in TORCH_KERNEL_OPTIONS]
+    wrong = given + [f"{k}={v!r}" for k, v in kwargs.items()]
     renames = ""
     if foreign:
-        # the call as given, foreign names renamed in place
-        given = [repr(a) for a in args]
-        wrong = given + [f"{k}={v!r}" for k, v in kwargs.items()]
-        right = given + [_renamed(foreign[k], v, signature) if k in foreign else f"{k}={v!r}"
-                         for k, v in kwargs.items()]
         renames = RENAMES.format(pairs=", ".join(f"{k} → {', '.join(ours)}" for k, ours in foreign.items()),
                                  where=where, wrong=", ".join(wrong), right=", ".join(right))
+    # torch's option's right code renames too: shown alone, the one call that runs
+    renames = _torch_option(where, signature, args, kwargs, foreign) or renames
     text = str(error)
     return TypeError(BAD_ARGUMENTS.format(where=where, error=text.split("() ", 1)[-1], names=", ".join(names),
                                           renames=renames))
+
+
+def _torch_option(where: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  foreign: dict[str, tuple[str, ...]]) -> str:
+    """:data:`TORCH_OPTION` for the first of torch's options in ``kwargs`` that this
+    optimizer has not (:data:`TORCH_OPTIONS`, :data:`TORCH_KERNEL_OPTIONS`), else ``""``:
+    the right code is the whole call, foreign names renamed, every kernel option left out."""
+    known: dict[str, Any] = {}
+    for k, v in kwargs.items():
+        if k in signature.parameters:
+            known[k] = v
+        elif k in foreign:  # betas=(0.8, 0.9): beta1=0.8, beta2=0.9
+            known.update({n: x.strip() for n, x in (a.split("=", 1) for a in _renamed(foreign[k], v, signature)
+                                                                      .split(", "))})
+    wrong = ", ".join([repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()])
+    for name, value in kwargs.items():
+        if name in TORCH_KERNEL_OPTIONS:
+            what, right = "chooses a torch kernel; XLA compiles the whole step: leave it out", "{where}({all})"
+        elif (where, name) in TORCH_OPTIONS:
+            what, right = TORCH_OPTIONS[where, name]
+            if not value:
+                what, right = f"is {value!r}, torch's default: leave it out", "{where}({all})"
+        else:
+            continue
+        values = _torch_values(signature, args, known, where, name)
+        return TORCH_OPTION.format(name=name, what=what, where=where, wrong=wrong,
+                                   right=right.format(value=value, where=where, **values))
+    return ""
+
+
+def _torch_values(signature: inspect.Signature, args: tuple[Any, ...], known: dict[str, Any], where: str,
+                  name: str) -> dict[str, str]:
+    """The call's learning rate, weight decay and other arguments as written (``all``: every
+    one; ``rest``: but the rate and the decay, ``", beta1=0.8"``), with torch's defaults where
+    functree's differ (:data:`TORCH_DEFAULTS`), for :data:`TORCH_OPTIONS`' right code."""
+    try:
+        bound = dict(signature.bind_partial(*args, **known).arguments)
+    except TypeError:
+        bound = dict(known)
+    shown = lambda v: v if isinstance(v, str) else repr(v)  # noqa: E731  (a renamed value is text already)
+    every = ", ".join([repr(a) for a in args] + [f"{k}={shown(v)}" for k, v in known.items()])
+    for k, v in TORCH_DEFAULTS.get((where, name), {}).items():
+        bound.setdefault(k, v)
+    lr = bound.pop("learning_rate", signature.parameters["learning_rate"].default)
+    wd = bound.pop("weight_decay", signature.parameters["weight_decay"].default)
+    bound.pop("exclude", None)
+    rest = "".join(f", {k}={shown(v)}" for k, v in bound.items())
+    return {"lr": shown(lr), "wd": shown(wd), "wd_arg": f", weight_decay={shown(wd)}" if wd else "",
+            "rest": rest, "all": every}
 
 
 def _renamed(ours: tuple[str, ...], value: Any, signature: inspect.Signature) -> str:

@@ -163,14 +163,44 @@ def clip_by_norm(threshold: Hyper) -> optax.GradientTransformation:
                       "clip_by_norm")
 
 
-@optimizer("ft.optim.clip_by_global_norm")
-def clip_by_global_norm(threshold: Hyper) -> optax.GradientTransformation:
+BAD_NORM_TYPE = """\
+ft.optim.clip_by_global_norm: norm_type must be a positive number or float("inf") (torch's \
+clip_grad_norm_(norm_type=)), got {given!r}.
+
+    wrong:  ft.optim.clip_by_global_norm(1.0, norm_type={given!r})
+    right:  ft.optim.clip_by_global_norm(1.0, norm_type=float("inf"))     # the largest |g|; 2.0: the 2-norm
+"""
+
+
+def _norm_type(norm_type: Any) -> float:
+    """``norm_type`` as a float in ``(0, inf]`` (torch's string ``"inf"`` too), else
+    :data:`BAD_NORM_TYPE` (NaN, 0: no norm; a bool is no number)."""
+    try:
+        p = float(norm_type) if isinstance(norm_type, (int, float, str)) and not isinstance(norm_type, bool) else 0.0
+    except ValueError:
+        p = 0.0
+    if not p > 0:
+        raise ValueError(BAD_NORM_TYPE.format(given=norm_type))
+    return p
+
+
+def _check_norm_type(norm_type: Any) -> None:
+    _norm_type(norm_type)
+
+
+@optimizer("ft.optim.clip_by_global_norm", check=_check_norm_type)
+def clip_by_global_norm(threshold: Hyper, *, norm_type: float = 2.0) -> optax.GradientTransformation:
     """Global norm clipping: ``g ← g · min(1, t / ‖g‖)`` over all parameters (optax).
 
-    ``‖g‖`` is the 2-norm of all leaves together, so every tensor is scaled by one factor.
-    torch's ``clip_grad_norm_(params, t)`` scales by ``t / (‖g‖ + 1e-6)``: its clipped
-    gradients are ``‖g‖ / (‖g‖ + 1e-6)`` times these (1e-6 smaller, relatively, at
-    ``‖g‖ = 1``); a gradient within the threshold is unchanged by both.
+    ``‖g‖`` is the 2-norm of all leaves together, so every tensor is scaled by one factor;
+    ``norm_type=p`` takes the p-norm ``(Σ |g|^p)^(1/p)`` instead, and ``float("inf")`` the
+    largest ``|g|`` (torch's ``clip_grad_norm_(params, t, norm_type=p)``; the norm is
+    taken in float32 at least; torch's string ``"inf"`` is taken too). torch's ``clip_grad_norm_(params, t)`` scales by
+    ``t / (‖g‖ + 1e-6)``: its clipped gradients are ``‖g‖ / (‖g‖ + 1e-6)`` times these
+    (1e-6 smaller, relatively, at ``‖g‖ = 1``); a gradient within the threshold is
+    unchanged by both. A non-finite gradient makes every gradient 0 or NaN, as torch's
+    (whose ``error_if_nonfinite=True`` raises): skip such steps with
+    :func:`ft.optim.skip_non_finite` or a :class:`LossScaleOptimizer`.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -178,8 +208,33 @@ def clip_by_global_norm(threshold: Hyper) -> optax.GradientTransformation:
       >>> g = {"a": jnp.array([3.0]), "b": jnp.array([4.0])}     # global norm 5
       >>> tx.update(g, tx.init(g))[0]
       {'a': Array([0.6], dtype=float32), 'b': Array([0.8], dtype=float32)}
+      >>> tx = ft.optim.clip_by_global_norm(1.0, norm_type=float("inf"))   # largest |g|: 4
+      >>> tx.update(g, tx.init(g))[0]
+      {'a': Array([0.75], dtype=float32), 'b': Array([1.], dtype=float32)}
     """
-    return optax.clip_by_global_norm(threshold)
+    p = _norm_type(norm_type)
+    if p == 2:
+        return optax.clip_by_global_norm(threshold)
+    return _stateless(lambda g, _: _clipped_by_p_norm(g, threshold, p), "clip_by_global_norm")
+
+
+def _p_norm(tree: Any, p: float) -> jax.Array:
+    """``(Σ |g|^p)^(1/p)`` over every element of ``tree`` (``p = inf``: the largest
+    ``|g|``), in float32 at least (float64 under x64 for float64 gradients)."""
+    leaves = [jnp.abs(x).astype(jnp.promote_types(jnp.abs(x).dtype, jnp.float32)) for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    if p == float("inf"):
+        return jnp.max(jnp.stack([jnp.max(x, initial=0.0) for x in leaves]))
+    total = sum(jnp.sum(x**p) for x in leaves)
+    return jnp.asarray(total) ** (1.0 / p)
+
+
+def _clipped_by_p_norm(tree: Any, threshold: Any, p: float) -> Any:
+    """``tree`` scaled by ``t / ‖tree‖_p`` where that norm exceeds ``t`` (optax's rule for the 2-norm)."""
+    norm = _p_norm(tree, p)
+    return jax.tree.map(lambda g: jnp.where(norm < threshold, g, g / norm.astype(g.dtype) * threshold).astype(g.dtype),
+                        tree)
 
 
 def clip_per_sample(threshold: Any, *, truncation: bool = True) -> optax.GradientTransformationExtraArgs:

@@ -167,6 +167,7 @@ from functree.nn._transformer import (
     TransformerEncoder,
     TransformerEncoderLayer,
 )
+from functree.nn._update_bn import update_bn
 from functree.nn._weight_norm import SpectralNorm, WeightNorm
 
 if TYPE_CHECKING:  # what ELSEWHERE's names are, for type checkers and editors
@@ -208,6 +209,7 @@ __all__ = [
     "UncollectedStateWarning",
     "record_intermediate",
     "collect_intermediates",
+    "update_bn",
     # layers
     "Dense",
     "MLP",

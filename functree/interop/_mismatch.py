@@ -11,7 +11,8 @@ from typing import Any
 from functree._state_dict import FlatDictReport
 from functree.nn._attention import MultiheadAttention
 from functree.nn._bilinear import Bilinear
-from functree.nn._conv import Conv
+from functree.nn._conv import Conv, ConvTranspose
+from functree.nn._embedding import Embedding
 from functree.nn._linear import Dense
 from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm, _InstanceNorm
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell
@@ -342,6 +343,59 @@ def _dense_layouts_hint(rules: Sequence[Any], attentions: Sequence[str], report:
                                      layouts={pattern: "conv1d" for pattern in patterns})
 
 
+SHAPE_HINT = """
+The state dict's tensors of {layers} are of other sizes than the model's: torch's layer has other \
+features (or another kernel) there. To load its tensors, build the layer with torch's sizes; \
+to train a new layer in its place (a 1000-class head replaced by one of 10 classes), load the \
+rest with strict=False, which keeps the model's own as built (the report lists it):
+
+{rights}
+       or:  model, report = ft.nn.load_torch_state_dict(model, sd, strict=False)   # keeps {kept} as built"""
+
+# SHAPE_HINT's {rights}: one per layer.
+SHAPE_RIGHT = "    right:  {call}   # {layer} with torch's sizes"
+
+
+def _built(node: Any, weight: tuple[int, ...]) -> str | None:
+    """The constructor of ``node``'s class with the sizes of torch's ``weight`` (None for a
+    layer whose sizes no single weight tells)."""
+    cls = f"ft.nn.{type(node).__name__}"
+    if isinstance(node, Dense) and len(weight) == 2:  # torch's [out, in]
+        return f"{cls}({weight[1]}, {weight[0]}, ...)"
+    if isinstance(node, Conv) and len(weight) >= 3:
+        kernel = weight[2:] if len(set(weight[2:])) > 1 else weight[2]
+        groups = f", groups={node.groups}" if node.groups != 1 else ""
+        if isinstance(node, ConvTranspose):  # torch's [in, out // groups, *k]
+            return f"{cls}({weight[0]}, {weight[1] * node.groups}, {kernel}{groups}, ...)"
+        return f"{cls}({weight[1] * node.groups}, {weight[0]}, {kernel}{groups}, ...)"  # [out, in // groups, *k]
+    if isinstance(node, Embedding) and len(weight) == 2:
+        return f"{cls}({weight[0]}, {weight[1]}, ...)"
+    if isinstance(node, (BatchNorm, _InstanceNorm, GroupNorm)) and len(weight) == 1:
+        return f"{cls}({weight[0]}, ...)" if not isinstance(node, GroupNorm) else f"{cls}({node.groups}, {weight[0]}, ...)"
+    return None
+
+
+def _shape_hint(layers: Mapping[str, Any], report: FlatDictReport) -> str:
+    """:data:`SHAPE_HINT` for the known layers (``layers``: torch name -> layer) whose
+    ``weight`` is given in another shape (a Dense's reversed one is :func:`_dense_layouts_hint`'s)."""
+    rights: list[str] = []
+    shown: list[str] = []
+    for name, want, given in report.mismatched:
+        layer, _, leaf = name.rpartition(".")
+        node = layers.get(layer)
+        shape, expected = _shape(given), _shape(want)
+        if leaf != "weight" or node is None or not shape or (shape == expected[::-1] and isinstance(node, Dense)):
+            continue
+        call = _built(node, shape)
+        if call is not None:
+            rights.append(SHAPE_RIGHT.format(call=call, layer=repr(layer) if layer else "the model"))
+            shown.append(repr(layer) if layer else "the model")
+    if not rights:
+        return ""
+    return SHAPE_HINT.format(layers=", ".join(shown[:4]) + (" ..." if len(shown) > 4 else ""),
+                             rights="\n".join(rights[:4]), kept=", ".join(shown[:4]))
+
+
 def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: FlatDictReport, hint: str = "",
                    layers: Mapping[str, Any] | None = None) -> ValueError:
     """:data:`TORCH_MISMATCH` for ``report``: an example of the rules' names (each with ``ft``
@@ -355,4 +409,4 @@ def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: Flat
                                             hint=_layouts_hint(attentions, report) + _dense_layouts_hint(rules, attentions, report)
                                             + _rnn_direction_hint(report) + _statistics_hint(report)
                                             + _options_hint(layers or {}, report) + _without_hint(layers or {}, rules, report)
-                                            + _prefix_hint(report) + hint))
+                                            + _shape_hint(layers or {}, report) + _prefix_hint(report) + hint))

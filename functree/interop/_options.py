@@ -5,9 +5,10 @@ reads the module's ``state_dict()`` and, for every ``ft.nn`` layer at a torch na
 the module's submodules, compares the constructor options that no tensor holds (a
 ``TransformerEncoderLayer``'s ``norm_first`` and activation, the heads of an attention, a
 norm's ``eps``, a convolution's ``stride`` / ``padding`` / ``dilation`` / ``padding_mode``,
-an RNN's ``nonlinearity`` and ``batch_first``, a pool's window, a ``Dropout``'s ``p``, an
-activation module in a ``Sequential``): each differing one would load silently into a model
-computing other numbers. :data:`OPTIONS_DIFFER` lists them all.
+an RNN's ``nonlinearity`` and ``batch_first``, a pool's window (adaptive, LP and unpooling
+too), a ``Dropout``'s ``p``, an ``Upsample``'s mode and size, a pad's widths and value, a pixel
+or channel shuffle's factor, an activation module in a ``Sequential``): each differing one
+would load silently into a model computing other numbers. :data:`OPTIONS_DIFFER` lists them all.
 
 torch is never imported here: the module given is a torch module only where torch is
 already imported (``sys.modules``), and its classes are told apart by name.
@@ -33,12 +34,23 @@ from functree.nn._embedding import Embedding
 from functree.nn._embedding_bag import EmbeddingBag
 from functree.nn._fractional_pool import _FractionalMaxPool
 from functree.nn._linear import Dense
-from functree.nn._normalization import BatchNorm, GroupNorm, LayerNorm, RMSNorm, _InstanceNorm
-from functree.nn._pooling import _AvgPool, _MaxPool
+from functree.nn._lp_pool import _LPPool
+from functree.nn._normalization import (
+    BatchNorm,
+    GroupNorm,
+    LayerNorm,
+    LocalResponseNorm,
+    RMSNorm,
+    _InstanceNorm,
+)
+from functree.nn._padding import _ConstantPad, _Pad
+from functree.nn._pooling import _AdaptiveMaxPool, _AdaptivePool, _AvgPool, _MaxPool, _MaxUnpool
 from functree.nn._recurrent import RNN, SimpleRNNCell
 from functree.nn._recurrent_layers import Bidirectional, StackedRNN
+from functree.nn._resample import _Upsample
 from functree.nn._rrelu import RReLU
 from functree.nn._sequential import Lambda
+from functree.nn._shuffle import ChannelShuffle, PixelShuffle, PixelUnshuffle
 from functree.nn._transformer import TransformerDecoderLayer, TransformerEncoderLayer
 
 __all__ = ["check_options", "torch_module"]
@@ -380,7 +392,8 @@ def _activation_fix(activation: Any, argument: bool = False) -> str:
 
 
 # Probe points of an activation: both sides of 0, the tails, float32 (torch's and JAX's defaults).
-_PROBE = np.linspace(-6.0, 6.0, 49, dtype=np.float32)
+# Past 6 on both sides: ReLU6 and relu (Hardtanh(-6, 6) and identity) agree on [-6, 6].
+_PROBE = np.linspace(-8.0, 8.0, 65, dtype=np.float32)
 
 
 def _same_function(torch_fn: Any, ft_fn: Any) -> bool:
@@ -471,6 +484,104 @@ def _fractional_pool(t: Any, f: Any, kind: str) -> list[Differs] | None:
                       f"return_indices={bool(t.return_indices)}")])
 
 
+def _adaptive_pool(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    """An adaptive pool's output size (None entries: the input's), and a max's ``return_indices``."""
+    is_max = kind.startswith("AdaptiveMax")
+    if not isinstance(f, _AdaptivePool) or isinstance(f, _AdaptiveMaxPool) != is_max:
+        return None
+    n = f._rank
+    given = t.output_size
+    size = tuple(None if v is None else int(v) for v in (given if isinstance(given, (tuple, list)) else (given,) * n))
+    rows: list[tuple[str, Any, str, Any, str]] = [
+        ("output_size", size, "output_size", tuple(f.output_size), f"output_size={size}")]
+    if is_max:
+        rows.append(("return_indices", bool(t.return_indices), "return_indices", _any(f).return_indices,
+                     f"return_indices={bool(t.return_indices)}"))
+    return _options(rows)
+
+
+def _unpool(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    """A max unpool's window (where its output size is not given, the outputs' size)."""
+    if not isinstance(f, _MaxUnpool):
+        return None
+    n = f._rank
+    kernel, padding = _sizes(t.kernel_size, n), _sizes(t.padding, n)
+    stride = _sizes(t.stride if t.stride is not None else t.kernel_size, n)
+    return _options([("kernel_size", kernel, "pool_size", tuple(f.pool_size), f"pool_size={kernel}"),
+                     ("stride", stride, "strides", tuple(f.strides), f"strides={stride}"),
+                     ("padding", padding, "padding", tuple(f.padding), f"padding={padding}")])
+
+
+def _lp_pool(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    if not isinstance(f, _LPPool):
+        return None
+    n = f._rank
+    kernel = _sizes(t.kernel_size, n)
+    stride = _sizes(t.stride if t.stride is not None else t.kernel_size, n)
+    return _options([("norm_type", float(t.norm_type), "norm_type", f.norm_type, f"norm_type={float(t.norm_type)!r}"),
+                     ("kernel_size", kernel, "pool_size", tuple(f.pool_size), f"pool_size={kernel}"),
+                     ("stride", stride, "strides", tuple(f.strides), f"strides={stride}"),
+                     ("ceil_mode", bool(t.ceil_mode), "ceil_mode", f.ceil_mode, f"ceil_mode={bool(t.ceil_mode)}")])
+
+
+def _upsample(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    """An ``Upsample``'s (``UpsamplingNearest2d``'s, ``UpsamplingBilinear2d``'s) mode, size or
+    scale and the flags that move its taps: bilinear read as nearest keeps every shape."""
+    if not isinstance(f, _Upsample):
+        return None
+    n = f._rank
+
+    def per_axis(value: Any, cast: Any) -> Any:
+        return None if value is None else tuple(cast(v) for v in (
+            value if isinstance(value, (tuple, list)) else (value,) * n))
+
+    size, scale = per_axis(t.size, int), per_axis(t.scale_factor, float)
+    align, recompute = bool(t.align_corners), bool(t.recompute_scale_factor)
+    return _options([("mode", t.mode, "mode", f.mode, f"mode={t.mode!r}"),
+                     ("size", size, "size", f.size, f"size={size}"),
+                     ("scale_factor", scale, "scale_factor", f.scale_factor, f"scale_factor={scale}"),
+                     ("align_corners", align, "align_corners", f.align_corners, f"align_corners={align}"),
+                     ("recompute_scale_factor", recompute, "recompute_scale_factor", f.recompute_scale_factor,
+                      f"recompute_scale_factor={recompute}")])
+
+
+def _pad(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    """A pad's widths (torch's flat ``(left, right, top, bottom, ...)``, last axis first: pairs in
+    the input's axis order here) and a constant pad's value; the mode is the class's."""
+    mode = kind.split("Pad")[0]
+    if not isinstance(f, _Pad) or type(f).__name__.split("Pad")[0] != mode:
+        return None
+    n = f._rank
+    flat = tuple(int(v) for v in t.padding) if isinstance(t.padding, (tuple, list)) else (int(t.padding),) * 2 * n
+    pairs = tuple((flat[2 * i], flat[2 * i + 1]) for i in reversed(range(n)))
+    differs = _options([("padding", tuple(t.padding) if isinstance(t.padding, (tuple, list)) else t.padding,
+                         "padding", tuple(f.padding), f"padding={pairs}")]) if pairs != tuple(f.padding) else []
+    if isinstance(f, _ConstantPad):
+        differs += _options([("value", float(t.value), "value", f.value, f"value={float(t.value)!r}")])
+    return differs
+
+
+def _shuffle(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    """A pixel (un)shuffle's factor, a channel shuffle's groups (the same shape for any groups)."""
+    if kind == "ChannelShuffle":
+        return _options([("groups", int(t.groups), "groups", f.groups, f"groups={int(t.groups)}")]) if isinstance(
+            f, ChannelShuffle) else None
+    cls, option = (PixelShuffle, "upscale_factor") if kind == "PixelShuffle" else (PixelUnshuffle, "downscale_factor")
+    if not isinstance(f, cls):
+        return None
+    factor = int(getattr(t, option))
+    return _options([(option, factor, "factor", f.factor, f"factor={factor}")])
+
+
+def _local_response_norm(t: Any, f: Any, kind: str) -> list[Differs] | None:
+    if not isinstance(f, LocalResponseNorm):
+        return None
+    return _options([("size", int(t.size), "size", f.size, f"size={int(t.size)}"),
+                     ("alpha", float(t.alpha), "alpha", f.alpha, f"alpha={float(t.alpha)!r}"),
+                     ("beta", float(t.beta), "beta", f.beta, f"beta={float(t.beta)!r}"),
+                     ("k", float(t.k), "k", f.k, f"k={float(t.k)!r}")])
+
+
 _ACTIVATIONS = ("ReLU", "ReLU6", "LeakyReLU", "ELU", "SELU", "CELU", "GELU", "SiLU", "Mish", "Sigmoid", "Tanh",
                 "Softplus", "Softsign", "Hardtanh", "Hardswish", "Hardsigmoid", "Hardshrink", "Softshrink",
                 "Tanhshrink", "LogSigmoid", "Threshold")
@@ -491,5 +602,12 @@ _CHECKS: dict[str, Callable[[Any, Any, str], list[Differs] | None]] = {
     **{f"{k}Pool{n}d": _pool for k in ("Max", "Avg") for n in (1, 2, 3)},
     **{name: _activation_module for name in _ACTIVATIONS},
     "RReLU": _rrelu, "FractionalMaxPool2d": _fractional_pool, "FractionalMaxPool3d": _fractional_pool,
+    **{f"Adaptive{k}Pool{n}d": _adaptive_pool for k in ("Max", "Avg") for n in (1, 2, 3)},
+    **{f"LPPool{n}d": _lp_pool for n in (1, 2, 3)}, **{f"MaxUnpool{n}d": _unpool for n in (1, 2, 3)},
+    "Upsample": _upsample, "UpsamplingNearest2d": _upsample, "UpsamplingBilinear2d": _upsample,
+    **{f"{mode}Pad{n}d": _pad for mode in ("Zero", "Constant", "Reflection", "Replication", "Circular")
+       for n in (1, 2, 3)},
+    "PixelShuffle": _shuffle, "PixelUnshuffle": _shuffle, "ChannelShuffle": _shuffle,
+    "LocalResponseNorm": _local_response_norm,
 }
 

@@ -79,7 +79,7 @@ cubic modes only (torch: "align_corners option can only be set with the interpol
 
 EMPTY_OUTPUT = """\
 Its {axis} ({size}) times scale_factor {scale} is {out}: an empty output (torch raises \
-"Input and output sizes should be greater than 0").
+"Input and output sizes should be greater than 0"; its mode="area" returns an empty tensor).
 
     wrong:  ft.nn.{cls}(scale_factor={given!r})(x)     # x's {axis}: {size}
     right:  ft.nn.{cls}(size={right!r})(x)     # or a scale_factor whose output keeps one element"""

@@ -243,6 +243,8 @@ def _cell(layer: SimpleRNNCell | GRUCell | LSTMCell, suffix: str = "", ft: str =
             rules.append(same("bias_ih", "input_bias"))
         if layer.hidden_bias is not None:
             rules.append(same("bias_hh", "hidden_bias"))
+    elif layer.hidden_bias is not None:  # two_biases=True: torch's two, held as they are
+        rules += [same("bias_ih", "bias"), same("bias_hh", "hidden_bias")]
     elif layer.bias is not None:  # torch adds two biases where the LSTM has one: loaded summed, saved as (bias, 0)
         rules.append((("bias_ih", "bias_hh"), ("bias",), _summed, _with_zeros))
     if isinstance(layer, LSTMCell) and layer.projection is not None:  # proj_size: torch's weight_hr [p, hidden]

@@ -130,6 +130,55 @@ last slots), so the output would attend to other tokens than those given.
 
 {fix}"""
 
+TORCH_CALL_ARGUMENT = """\
+ft.nn.MultiheadAttention: {names} {are} torch's nn.MultiheadAttention.forward's; here {what}
+
+{fixes}"""
+
+# torch's forward keyword -> (what it is here, wrong, right). torch's boolean masks are True where
+# a key is NOT attended, ft's `mask` True where it is: a mask passed over unchanged inverts it.
+_TORCH_CALL: dict[str, tuple[str, str, str]] = {
+    "key_padding_mask": (
+        "mask= is True where attention is allowed (torch's bool masks: True where it is not), "
+        "[..., num_heads, queries, keys]; a float one is bias=",
+        "attn(q, k, v, key_padding_mask=pad)",
+        "attn(q, k, v, mask=~pad[:, None, None, :])     # pad [N, S] bool, True at padding\n"
+        "       or:  attn(q, k, v, bias=pad[:, None, None, :])      # pad [N, S] float, added to the logits"),
+    "attn_mask": (
+        "mask= is True where attention is allowed (torch's bool masks: True where it is not); "
+        "a float one is bias=",
+        "attn(q, k, v, attn_mask=m)",
+        "attn(q, k, v, mask=~m)    # m [L, S] bool; [N * heads, L, S]: ~m.reshape(N, heads, L, S)\n"
+        "       or:  attn(q, k, v, bias=m)     # m float, added to the scaled logits"),
+    "is_causal": (
+        "the causal band is an option of the layer",
+        "attn(q, k, v, attn_mask=causal_mask, is_causal=True)",
+        "ft.nn.MultiheadAttention(..., causal=True)(q, k, v)"),
+    "need_weights": (
+        "the call returns the output alone, as torch's need_weights=False (no attention weights)",
+        "out, weights = attn(q, k, v, need_weights=...)",
+        "out = attn(q, k, v)      # not `out, _ = attn(...)`: that unpacks the batch axis"),
+    "average_attn_weights": (
+        "the call returns the output alone, as torch's need_weights=False (no attention weights)",
+        "out, weights = attn(q, k, v, average_attn_weights=...)",
+        "out = attn(q, k, v)      # not `out, _ = attn(...)`: that unpacks the batch axis"),
+}
+
+
+def _torch_call_error(given: dict[str, Any]) -> TypeError:
+    """The error of torch's forward keywords given to :meth:`MultiheadAttention.__call__`
+    (:data:`TORCH_CALL_ARGUMENT`), or Python's own for another unexpected keyword."""
+    unknown = [n for n in given if n not in _TORCH_CALL]
+    if unknown:
+        return TypeError(f"MultiheadAttention.__call__() got an unexpected keyword argument {unknown[0]!r}")
+    rows = [_TORCH_CALL[n] for n in given]
+    what = "; ".join(dict.fromkeys(r[0] for r in rows))
+    fixes = "\n".join(f"    wrong:  {wrong}\n    right:  {right}" for _, wrong, right in dict.fromkeys(rows))
+    names = ", ".join(f"{n}=" for n in given)
+    return TypeError(TORCH_CALL_ARGUMENT.format(names=names, are="is" if len(given) == 1 else "are",
+                                                what=what, fixes=fixes))
+
+
 _LONGER_CACHE = """\
 Make the cache long enough for the last position (ft.nn.generate sizes its own):
     wrong:  cache = model.init_cache({batch}, {length})      # positions up to {high}
@@ -412,7 +461,10 @@ class MultiheadAttention(Layer):
         positions: jax.Array | None = None,
         rotary_positions: jax.Array | None = None,
         bias: jax.Array | None = None,
+        **torch_arguments: Any,
     ) -> Any:
+        if torch_arguments:  # torch's forward keywords (key_padding_mask=, need_weights=...): named, translated
+            raise _torch_call_error(torch_arguments)
         if cache is not None:
             if bias is not None:
                 raise ValueError(BIAS_WITH_CACHE)

@@ -251,6 +251,14 @@ to fewer features, 0 < proj_size < hidden_size ({hidden}), and proj_size=0 (the 
 
     right:  ft.nn.LSTMCell(n_in, {hidden}, proj_size={fix}, key=k)"""
 
+TWO_BIASES_WITHOUT_BIAS = """\
+ft.nn.LSTMCell: two_biases=True with use_bias=False; two_biases holds torch's two biases \
+(b_ih and b_hh) apart, and use_bias=False (torch's bias=False) has none.
+
+    wrong:  ft.nn.LSTMCell(n_in, n_hidden, use_bias=False, two_biases=True, key=k)
+    right:  ft.nn.LSTMCell(n_in, n_hidden, two_biases=True, key=k)    # torch's bias=True
+     or:    ft.nn.LSTMCell(n_in, n_hidden, use_bias=False, key=k)     # torch's bias=False"""
+
 
 class LSTMCell(_Cell):
     """A long short-term memory cell (Hochreiter & Schmidhuber 1997).
@@ -271,6 +279,14 @@ class LSTMCell(_Cell):
     features, ``c`` keeps ``hidden_size``, and ``hidden_weight`` is ``[p, 4 * hidden_size]``.
     Without it ``projection`` is None (no leaf: the cell computes what it always did).
 
+    ``two_biases=True`` holds torch's two biases apart, ``bias`` (``b_ih``) and
+    ``hidden_bias`` (``b_hh``, zeros at the start), added as ``x W_i + b_ih + h W_h + b_hh``:
+    the same outputs as one bias ``b_ih + b_hh``, but torch trains the two, each with the
+    gradient ``g`` of their sum, so SGD moves the sum by ``2 lr g`` and Adam by twice its step,
+    and both count in a global gradient norm. A port that trains as torch (step for step, from
+    ``ft.nn.load_torch_state_dict``) needs it; by default ``hidden_bias`` is None (no leaf,
+    the one bias of Keras and Flax).
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> cell = ft.nn.LSTMCell(3, 5, key=jax.random.key(0))
@@ -281,18 +297,25 @@ class LSTMCell(_Cell):
       >>> state, y = cell(cell.zero_state((2,)), jnp.ones((2, 3)))
       >>> state.cell.shape, y.shape
       ((2, 5), (2, 2))
+      >>> ft.nn.LSTMCell(3, 5, two_biases=True, key=jax.random.key(0)).hidden_bias.shape   # torch's b_hh
+      (20,)
     """
 
     input_weight: jax.Array
     hidden_weight: jax.Array
     bias: jax.Array | None = field(decay=False)
     projection: jax.Array | None = None  # [hidden_size, proj_size]; None: no projection
-    __ft_added_static__: ClassVar[tuple[str, ...]] = ("projection",)  # files written before it: None
+    hidden_bias: jax.Array | None = field(decay=False, default=None)  # torch's b_hh; None: one bias
+    # files written before them: None
+    __ft_added_static__: ClassVar[tuple[str, ...]] = ("projection", "hidden_bias")
 
     def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array,
                  dtype: Any = jnp.float32, forget_bias: float = 1.0,
                  input_initializer: Initializer = _glorot,
-                 hidden_initializer: Initializer = _orthogonal, use_bias: bool = True, proj_size: int = 0):
+                 hidden_initializer: Initializer = _orthogonal, use_bias: bool = True, proj_size: int = 0,
+                 two_biases: bool = False):
+        if two_biases and not use_bias:
+            raise ValueError(TWO_BIASES_WITHOUT_BIAS)
         if not isinstance(proj_size, int) or isinstance(proj_size, bool) or not 0 <= proj_size < hidden_size:
             fix = max(1, hidden_size // 2) if hidden_size > 1 else 0
             raise ValueError(BAD_PROJ_SIZE.format(given=proj_size, hidden=hidden_size, fix=fix))
@@ -304,6 +327,7 @@ class LSTMCell(_Cell):
         # its own key (folded, not split): the other leaves draw as a cell without projection's
         self.projection = initialized(_glorot, jax.random.fold_in(key, 1), (hidden_size, proj_size),
                                       _drawn(dtype)).astype(dtype) if proj_size else None
+        self.hidden_bias = jnp.zeros((4 * hidden_size,), dtype) if two_biases else None
 
     @property
     def hidden_size(self) -> int:
@@ -330,7 +354,8 @@ class LSTMCell(_Cell):
     def __call__(self, state: LSTMState, x: jax.Array) -> tuple[LSTMState, jax.Array]:
         check_input(self, x, (self.input_weight.shape[0],))
         h, c = state
-        gates = _plus(x @ self.input_weight + h @ self.hidden_weight, self.bias)  # float32 below float32, as Dense
+        # float32 below float32, as Dense; torch's b_hh added after b_ih, as torch's gates
+        gates = _plus(_plus(x @ self.input_weight + h @ self.hidden_weight, self.bias), self.hidden_bias)
         i, f, g, o = jnp.split(gates, 4, axis=-1)
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
         h = jax.nn.sigmoid(o) * jnp.tanh(c)

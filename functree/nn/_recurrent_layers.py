@@ -304,7 +304,11 @@ class LSTM(StackedRNN):
     ``p`` features per direction, ``c`` ``hidden_size``; layer ``k > 0`` reads ``p *
     num_directions``), torch's ``h_n`` ``[layers * dirs, batch, p]``. The cells start as ``LSTMCell``'s do (glorot / orthogonal, forget
     bias 1), not as torch's uniform draws; ``ft.nn.load_torch_state_dict`` takes torch's
-    ``weight_ih_l1_reverse``... tensors.
+    ``weight_ih_l1_reverse``... tensors. ``two_biases=True`` (``LSTMCell(...,
+    two_biases=True)``) keeps torch's ``bias_ih`` and ``bias_hh`` apart, each trained as
+    torch trains it: a port trained step for step as torch's needs it (without it the one
+    bias ``b_ih + b_hh`` moves half as far as torch's pair under SGD and Adam, and the
+    global gradient norm counts its gradient once, not twice).
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -315,12 +319,13 @@ class LSTM(StackedRNN):
 
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, *, key: jax.Array,
                  bias: bool = True, batch_first: bool | None = None, dropout: float = 0.0, bidirectional: bool = False,
-                 proj_size: int = 0, dtype: Any = jnp.float32, forget_bias: float = 1.0):
+                 proj_size: int = 0, dtype: Any = jnp.float32, forget_bias: float = 1.0,
+                 two_biases: bool = False):
         _check_layers("LSTM", num_layers)
         batch_first = _check_batch_first("LSTM", batch_first)
         def make(n_in: int, n_hidden: int, key: jax.Array) -> LSTMCell:
             return LSTMCell(n_in, n_hidden, key=key, dtype=dtype, forget_bias=forget_bias, use_bias=bias,
-                            proj_size=proj_size)
+                            proj_size=proj_size, two_biases=two_biases)
         super().__init__(_built(make, input_size, hidden_size, num_layers, key, bidirectional, batch_first,
                                 proj_size), dropout)
 

@@ -175,8 +175,22 @@ def test_torchs_forward_keywords_are_named_and_their_translation_is_torchs():
         attn = ft.nn.load_torch_state_dict(attn, module)
         for given, fix in ((dict(key_padding_mask=pad), "mask=~pad[:, None, None, :]"),
                            (dict(attn_mask=m), "mask=~m"), (dict(is_causal=True), "causal=True"),
-                           (dict(need_weights=False), "out = attn(q, k, v)")):
+                           (dict(need_weights=False), "out = attn(q, k, v)"),
+                           (dict(need_weights=True), "out, weights = attn(q, k, v, return_weights=True)")):
             raises_named(lambda given=given: attn(q, k, v, **given), TypeError, TORCH_CALL_ARGUMENT, fix)
-        ours = jax.jit(lambda a, q, k, v: a(q, k, v, mask=~pad[:, None, None, :] & ~m.reshape(n, heads, length, source))
-                       )(attn, q, k, v)
+        mask = ~pad[:, None, None, :] & ~m.reshape(n, heads, length, source)
+        ours, weights = jax.jit(lambda a, q, k, v: a(q, k, v, mask=mask, return_weights=True))(attn, q, k, v)
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=0, atol=1e-13)
+    # torch's need_weights=True: per head (average_attn_weights=False), and its default average;
+    # add_zero_attn's zero key is the last column of both
+    _, per_head = module(*map(torch.tensor, (q, k, v)), key_padding_mask=torch.tensor(pad), attn_mask=torch.tensor(m),
+                         need_weights=True, average_attn_weights=False)
+    assert weights.shape == per_head.shape == (n, heads, length, source + 1)
+    np.testing.assert_allclose(np.asarray(weights), per_head.detach().numpy(), rtol=0, atol=1e-13)
+    np.testing.assert_allclose(np.asarray(weights).mean(-3), per_head.mean(1).detach().numpy(), rtol=0, atol=1e-13)
+    from functree.nn._attention import WEIGHTS_WITH_CACHE
+
+    causal = ft.nn.MultiheadAttention(8, heads, causal=True, key=jax.random.key(1))
+    x = jnp.ones((1, 2, 8))
+    raises_named(lambda: causal(x, cache=causal.init_cache(1, 4), positions=jnp.zeros((1, 2), jnp.int32),
+                                return_weights=True), ValueError, WEIGHTS_WITH_CACHE, "attn(x, return_weights=True)")

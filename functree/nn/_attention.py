@@ -130,6 +130,14 @@ last slots), so the output would attend to other tokens than those given.
 
 {fix}"""
 
+WEIGHTS_WITH_CACHE = """\
+ft.nn.MultiheadAttention: return_weights=True with a cache: a cached call (generation) runs the \
+fused kernel over the cache's slots, and returns no attention weights. Call it without the \
+cache, over the whole sequence, to read them:
+
+    wrong:  out, weights = attn(x, cache=cache, return_weights=True)
+    right:  out, weights = attn(x, return_weights=True)     # [..., num_heads, queries, keys]"""
+
 TORCH_CALL_ARGUMENT = """\
 ft.nn.MultiheadAttention: {names} {are} torch's nn.MultiheadAttention.forward's; here {what}
 
@@ -155,13 +163,19 @@ _TORCH_CALL: dict[str, tuple[str, str, str]] = {
         "attn(q, k, v, attn_mask=causal_mask, is_causal=True)",
         "ft.nn.MultiheadAttention(..., causal=True)(q, k, v)"),
     "need_weights": (
-        "the call returns the output alone, as torch's need_weights=False (no attention weights)",
-        "out, weights = attn(q, k, v, need_weights=...)",
-        "out = attn(q, k, v)      # not `out, _ = attn(...)`: that unpacks the batch axis"),
+        "the call returns the output alone (torch's need_weights=False), or (output, weights) with "
+        "return_weights=True, the weights per head [..., num_heads, queries, keys] (torch's "
+        "average_attn_weights=False; its default averages them: weights.mean(-3))",
+        "out, weights = attn(q, k, v, need_weights=True)",
+        "out, weights = attn(q, k, v, return_weights=True)     # torch's average: weights.mean(-3)\n"
+        "       or:  out = attn(q, k, v)      # need_weights=False (not `out, _ = attn(...)`: that unpacks the batch)"),
     "average_attn_weights": (
-        "the call returns the output alone, as torch's need_weights=False (no attention weights)",
-        "out, weights = attn(q, k, v, average_attn_weights=...)",
-        "out = attn(q, k, v)      # not `out, _ = attn(...)`: that unpacks the batch axis"),
+        "the call returns the output alone (torch's need_weights=False), or (output, weights) with "
+        "return_weights=True, the weights per head [..., num_heads, queries, keys] (torch's "
+        "average_attn_weights=False; its default averages them: weights.mean(-3))",
+        "out, weights = attn(q, k, v, average_attn_weights=True)",
+        "out, weights = attn(q, k, v, return_weights=True)     # torch's average: weights.mean(-3)\n"
+        "       or:  out = attn(q, k, v)      # need_weights=False (not `out, _ = attn(...)`: that unpacks the batch)"),
 }
 
 
@@ -291,6 +305,12 @@ class MultiheadAttention(Layer):
     ``[batch, 1, queries, keys]`` shared by the heads (the bands applied to it first):
     ``y = jnp.where(mask.any(-1).swapaxes(-1, -2), y, 0.0)``; ``attn.output_projection.bias``
     in place of ``0.0`` gives torch's numbers.
+
+    ``attn(q, k, v, return_weights=True)`` returns ``(output, weights)``: the attention
+    weights per head, ``[..., num_heads, queries, keys]`` in float32 or wider, as they meet the
+    values (torch's ``need_weights=True, average_attn_weights=False``; its default average
+    over the heads is ``weights.mean(-3)``), from the explicit softmax; a cached call returns
+    none (:data:`WEIGHTS_WITH_CACHE`).
 
     ``dropout=p`` drops attention weights with probability ``p`` (scaling the rest by ``1 / (1 - p)``) in training mode (``ft.nn.training``), which then needs
     ``key=``. Computed with ``jax.nn.dot_product_attention``; ``implementation="auto"`` (the
@@ -461,11 +481,14 @@ class MultiheadAttention(Layer):
         positions: jax.Array | None = None,
         rotary_positions: jax.Array | None = None,
         bias: jax.Array | None = None,
+        return_weights: bool = False,
         **torch_arguments: Any,
     ) -> Any:
         if torch_arguments:  # torch's forward keywords (key_padding_mask=, need_weights=...): named, translated
             raise _torch_call_error(torch_arguments)
         if cache is not None:
+            if return_weights:
+                raise ValueError(WEIGHTS_WITH_CACHE)
             if bias is not None:
                 raise ValueError(BIAS_WITH_CACHE)
             if not self.batch_first or self.add_zero_attn:
@@ -509,8 +532,9 @@ class MultiheadAttention(Layer):
         if self.add_zero_attn:  # torch's: a zero key and value every query attends
             k, v, mask, bias = _zero_attention(k, v, mask, bias, q.shape[-3], causal)
             causal = False
-        out = self._attend(q, k, v, mask, causal, key, bias)
-        return out if self.batch_first else jnp.moveaxis(out, -2, 0)
+        out, weights = self._attend(q, k, v, mask, causal, key, bias, return_weights)
+        out = out if self.batch_first else jnp.moveaxis(out, -2, 0)
+        return (out, weights) if return_weights else out
 
     def _rotated(self, q: jax.Array, k: jax.Array, at: jax.Array,
                  per_slot: bool = False) -> tuple[jax.Array, jax.Array]:
@@ -528,26 +552,31 @@ class MultiheadAttention(Layer):
 
     def _attend(
         self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
-        key: jax.Array | None, bias: jax.Array | None = None,
-    ) -> jax.Array:
+        key: jax.Array | None, bias: jax.Array | None = None, return_weights: bool = False,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """The projected output, and the attention weights where asked (the explicit softmax's)."""
         dropping = self.training and self.dropout > 0.0
         if dropping and key is None:
             raise ValueError(NO_KEY.format(rate=self.dropout))
         capped = self.logit_softcap is not None  # no kernel caps its logits: the explicit softmax
         biased = bias is not None  # the explicit softmax adds it in the logits' float32 (or float64)
-        if dropping or capped or biased or q.shape[-1] != v.shape[-1] or q.dtype == jnp.float64:
+        weights = None
+        if (dropping or capped or biased or return_weights or q.shape[-1] != v.shape[-1]
+                or q.dtype == jnp.float64):
             if self.implementation == "cudnn":
                 why = ("attention dropout in training" if dropping else "a logit soft-cap (logit_softcap)" if capped
                        else "an additive bias (bias=)" if biased
+                       else "the attention weights returned (return_weights=True)" if return_weights
                        else "float64 inputs" if q.dtype == jnp.float64 else "the value size differs from the query size")
                 raise ValueError(CUDNN_DOES_NOT_APPLY.format(reason=why))
-            out = attention_weights_times_values(
+            out, weights = attention_weights_times_values(
                 q, k, v, mask, causal, self.dropout if dropping else 0.0, key, self.logit_scale,
-                bias=bias, **({"softcap": self.logit_softcap} if capped else {}),
+                bias=bias, **({"softcap": self.logit_softcap} if capped else {}), return_weights=True,
             )
         else:
             out = _fused_attention(q, k, v, mask, causal, self.implementation, self.logit_scale)
-        return self.output_projection(out.reshape((*out.shape[:-2], out.shape[-2] * out.shape[-1])))  # no -1: a batch may be empty
+        out = self.output_projection(out.reshape((*out.shape[:-2], out.shape[-2] * out.shape[-1])))  # no -1: a batch may be empty
+        return out, weights
 
     def _cached(
         self, query: jax.Array, keys: Any, values: Any, mask: Any, key: Any, cache: Any,
@@ -584,7 +613,7 @@ class MultiheadAttention(Layer):
         if mask is not None:
             allowed = allowed & self._slot_mask(mask, batch, length)[:, None, :]
         ck, cv = (a.astype(q.dtype) for a in (cache.keys, cache.values))
-        return self._attend(q, ck, cv, allowed[:, None], False, key), cache
+        return self._attend(q, ck, cv, allowed[:, None], False, key)[0], cache
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
         """An empty :class:`KVCache` for ``batch_size`` sequences of up to ``max_length``
@@ -775,8 +804,8 @@ def _fused_traced(
 def attention_weights_times_values(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, causal: bool,
     dropout: float = 0.0, key: jax.Array | None = None, scale: Any = None, softcap: float | None = None,
-    bias: jax.Array | None = None,
-) -> jax.Array:
+    bias: jax.Array | None = None, return_weights: bool = False,
+) -> Any:
     """The explicit computation ``softmax(q k^T / sqrt(d), masked) v`` on ``[..., T, N, H]``
     (``scale``: ``softmax(scale q k^T)``; ``softcap=c``: the scaled logits ``l`` capped to
     ``c * tanh(l / c)`` in float32 before the mask, Gemma 2's ``attn_logit_softcapping``;
@@ -787,7 +816,9 @@ def attention_weights_times_values(
     the rest scaled by ``1 / (1 - dropout)``. Masked logits get the logits dtype's lowest
     value. As ``jax.nn.dot_product_attention`` (the fused path): the logits accumulate, and
     the softmax and dropout run, in float32 or wider (bfloat16 logits and softmax were 3x
-    further from float32's output); the weights meet ``v`` in ``v``'s dtype.
+    further from float32's output); the weights meet ``v`` in ``v``'s dtype. With
+    ``return_weights=True``: ``(out, weights)``, the weights ``[..., heads, queries, keys]``
+    as they meet ``v`` (dropped where dropout drops them, as torch's), in float32 or wider.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -820,4 +851,5 @@ def attention_weights_times_values(
         assert key is not None
         keep = jax.random.bernoulli(flat_key(key), 1.0 - dropout, weights.shape)  # functree/_random.py
         weights = jnp.where(keep, weights / jnp.asarray(1.0 - dropout, weights.dtype), jnp.zeros((), weights.dtype))
-    return jnp.einsum("...hqk,...khd->...qhd", weights.astype(v.dtype), v)
+    out = jnp.einsum("...hqk,...khd->...qhd", weights.astype(v.dtype), v)
+    return (out, weights) if return_weights else out

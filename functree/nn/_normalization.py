@@ -425,7 +425,6 @@ class BatchNorm(Layer):
             y = y + self.offset.astype(xs.dtype).reshape(shape)
         return y.astype(x.dtype)
 
-
     def _record(self, mean: jax.Array, variance: jax.Array) -> None:
         """Record the running statistics moved towards a training batch's ``mean`` and
         ``variance``: by ``1 - momentum``, or by ``1 / n`` for the ``n``-th batch (momentum

@@ -52,16 +52,12 @@ BATCH_ONE_WHY = (": its batch variance is 0, so every output would be the offset
                  ", and the unbiased variance (unbiased_running_variance=True) divides by count - 1")
 
 MOMENTUM_NONE = """\
-ft.nn.{cls}: momentum=None is torch's {what}; ft.nn.{cls} takes a float, the weight of the \
-old running statistics (torch's momentum=m is 1 - m here), and has no None.
+ft.nn.{cls}: momentum=None is torch's momentum 0 (F.instance_norm's None -> 0.0): training never \
+updates the running statistics. ft.nn.{cls} takes a float, the weight of the old running \
+statistics (torch's momentum=m is 1 - m here), and has no None.
 
     wrong:  ft.nn.{cls}({channels}, momentum=None)
-    right:  ft.nn.{cls}({channels}, momentum={right})     # {right_why}"""
-
-_MOMENTUM_NONE = {  # what torch's momentum=None does, and the float that gives it
-    "InstanceNorm": ("momentum 0 (F.instance_norm's None -> 0.0): training never updates the "
-                     "running statistics", "1.0", "torch's: the running statistics kept as they are"),
-}
+    right:  ft.nn.{cls}({channels}, momentum=1.0)     # torch's: the running statistics kept as they are"""
 
 NO_COUNT = """\
 ft.nn.BatchNorm: momentum=None (torch's cumulative average: batch n weighs 1/n) needs the count \
@@ -87,12 +83,11 @@ GroupNorm: channels ({channels}) must be divisible by groups ({groups}).
 """
 
 
-def _momentum(cls: str, family: str, momentum: Any, channels: Any) -> float:
-    """``momentum`` as a float; torch's None refused by name (:data:`MOMENTUM_NONE`: an
-    InstanceNorm's; BatchNorm takes None, a cumulative average)."""
+def _momentum(cls: str, momentum: Any, channels: Any) -> float:
+    """An InstanceNorm's ``momentum`` as a float; torch's None refused by name
+    (:data:`MOMENTUM_NONE`; BatchNorm takes None itself, a cumulative average)."""
     if momentum is None:
-        what, right, why = _MOMENTUM_NONE[family]
-        raise TypeError(MOMENTUM_NONE.format(cls=cls, what=what, channels=channels, right=right, right_why=why))
+        raise TypeError(MOMENTUM_NONE.format(cls=cls, channels=channels))
     return float(momentum)
 
 
@@ -492,7 +487,7 @@ class _InstanceNorm(Layer):
         self.running_mean = jnp.zeros((channels,), dtype) if track_running_stats else None
         self.running_variance = jnp.ones((channels,), dtype) if track_running_stats else None
         self.epsilon = float(epsilon)
-        self.momentum = _momentum(type(self).__name__, "InstanceNorm", momentum, channels)
+        self.momentum = _momentum(type(self).__name__, momentum, channels)
         self.track_running_stats, self.training = bool(track_running_stats), training
 
     def __call__(self, x: jax.Array) -> jax.Array:

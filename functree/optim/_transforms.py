@@ -221,7 +221,8 @@ def clip_by_global_norm(threshold: Hyper, *, norm_type: float = 2.0) -> optax.Gr
 def _p_norm(tree: Any, p: float) -> jax.Array:
     """``(Σ |g|^p)^(1/p)`` over every element of ``tree`` (``p = inf``: the largest
     ``|g|``), in float32 at least (float64 under x64 for float64 gradients)."""
-    leaves = [jnp.abs(x).astype(jnp.promote_types(jnp.abs(x).dtype, jnp.float32)) for x in jax.tree.leaves(tree)]
+    magnitudes = [jnp.abs(x) for x in jax.tree.leaves(tree)]
+    leaves = [a.astype(jnp.promote_types(a.dtype, jnp.float32)) for a in magnitudes]
     if not leaves:
         return jnp.zeros((), jnp.float32)
     if p == float("inf"):

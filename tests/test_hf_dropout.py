@@ -25,7 +25,7 @@ import functree as ft
 from functree.hf import _dropout
 from functree.hf._family import HFModel
 from functree.nn import _stack
-from functree.nn._state import salted_keys
+from functree.nn._salt import salted_keys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -603,7 +603,7 @@ def test_accumulated_microbatches_draw_masks_of_their_own(rates):
 MESH_MASKS = """
 import numpy as np, jax, jax.numpy as jnp
 import functree as ft
-from functree.nn._state import salted_keys
+from functree.nn._salt import salted_keys
 
 mesh = jax.make_mesh((8,), ("data",))
 config = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 2, "n_head": 2,

@@ -11,6 +11,7 @@ from _errors import raises_named
 
 import functree as ft
 from functree.nn import _state
+from functree.nn import _state_messages as messages
 
 
 class Counter(ft.Module):
@@ -703,8 +704,8 @@ def test_a_record_leaking_out_of_a_transformation_names_its_way_out(transform):
         "jax.checkpoint": lambda m: jax.checkpoint(lambda xi: m(xi))(x),
         "jax.jit": lambda m: jax.jit(lambda xi: m(xi))(x),
     }[transform]
-    fix = {"jax.vmap": _state.FIX_INTERMEDIATE_IN_VMAP, "jax.lax.scan": _state.FIX_INTERMEDIATE_IN_LOOP,
-           "jax.checkpoint": _state.FIX_INTERMEDIATE_IN_CHECKPOINT, "jax.jit": _state.FIX_INTERMEDIATE_IN_JIT}[transform]
+    fix = {"jax.vmap": messages.FIX_INTERMEDIATE_IN_VMAP, "jax.lax.scan": messages.FIX_INTERMEDIATE_IN_LOOP,
+           "jax.checkpoint": messages.FIX_INTERMEDIATE_IN_CHECKPOINT, "jax.jit": messages.FIX_INTERMEDIATE_IN_JIT}[transform]
     with pytest.raises(ValueError, match=rf"\.pre_activation was recorded inside {re.escape(transform)}") as error:
         ft.nn.collect_intermediates(wrong, t)
     assert fix in str(error.value)
@@ -801,21 +802,21 @@ _rebuilt_KEYS = jax.random.split(jax.random.key(0), 3)
 
 @pytest.mark.parametrize(("name", "model", "loss", "fix", "right"), [
     ("checkpoint", _rebuilt_bn_net(_rebuilt_KEYS[0]), lambda m, b: jnp.mean((jax.checkpoint(lambda m, x: m(x))(m, b[0]) - b[1]) ** 2),
-     _state.FIX_REBUILT_CHECKPOINT, "ft.with_recomputation_in_pullbacks(lambda m, x: m(x))(model, x)"),
+     messages.FIX_REBUILT_CHECKPOINT, "ft.with_recomputation_in_pullbacks(lambda m, x: m(x))(model, x)"),
     ("ensemble", jax.vmap(_rebuilt_bn_net)(_rebuilt_KEYS), lambda e, b: jnp.sum(jax.vmap(lambda m: _rebuilt_loss(m, b))(e)),
-     _state.FIX_REBUILT_ENSEMBLE, "jax.vmap(lambda m: ft.nn.collect_state("),
+     messages.FIX_REBUILT_ENSEMBLE, "jax.vmap(lambda m: ft.nn.collect_state("),
     ("per-example", _rebuilt_bn_net(_rebuilt_KEYS[0]),
      lambda m, b: jnp.sum(jax.vmap(lambda m, x: m(x[None])[0], in_axes=(None, 0))(m, b[0])),
-     _state.FIX_STATE_IN_VMAP, "ft.nn.inference(m)"),
+     messages.FIX_STATE_IN_VMAP, "ft.nn.inference(m)"),
     ("cond", _rebuilt_bn_net(_rebuilt_KEYS[0]), lambda m, b: jnp.sum(jax.lax.cond(True, lambda m: m(b[0]), lambda m: 2 * m(b[0]), m)),
-     _state.FIX_REBUILT_OTHER, "ft.nn.collect_state(lambda mm: mm(x), m)"),
+     messages.FIX_REBUILT_OTHER, "ft.nn.collect_state(lambda mm: mm(x), m)"),
 ])
 def test_a_model_passed_through_a_transformation_in_the_loss_names_it_and_its_fix(name, model, loss, fix, right):
     assert right in fix
     # was NOT_IN_MODEL, which named only jit and "not part of the model"
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
     step = ft.train.train_step(loss, opt, donate=False)
-    raises_named(lambda: step(model, opt.init(model), _rebuilt_BATCH), ValueError, _state.REBUILT_BY_TRANSFORM, right)
+    raises_named(lambda: step(model, opt.init(model), _rebuilt_BATCH), ValueError, messages.REBUILT_BY_TRANSFORM, right)
 
 
 @pytest.mark.parametrize("loss", [
@@ -826,5 +827,5 @@ def test_another_models_layer_or_a_jit_keeps_not_in_model(loss):
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
     step = ft.train.train_step(loss, opt, donate=False)
     model = _rebuilt_bn_net(_rebuilt_KEYS[0])
-    raises_named(lambda: step(model, opt.init(model), _rebuilt_BATCH), ValueError, _state.NOT_IN_MODEL,
+    raises_named(lambda: step(model, opt.init(model), _rebuilt_BATCH), ValueError, messages.NOT_IN_MODEL,
                  "jax.jit(lambda model: ft.nn.collect_state(lambda m: m(x), model))(model)")

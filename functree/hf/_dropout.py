@@ -27,7 +27,7 @@ from its ``dropout_key`` and advances it as layer state (``ft.nn.record_state``:
 Trainer, ``train_step`` and ``value_with_gradient_and_state`` write it back), so a loss
 calling ``model(ids)`` gets fresh masks every step, and the embedding's from the first
 member's key. Under ``accumulate=k`` and on a mesh each microbatch and each device folds its
-index into the keys it draws (``functree.nn._state.salted_keys``): masks of its own, as
+index into the keys it draws (``functree.nn._salt.salted_keys``): masks of its own, as
 torch draws, while the recorded next keys are the ones a single call records. The attention weights' dropout cannot run in the fused attention kernel
 (``jax.nn.dot_product_attention`` has none): in training mode with an attention rate above
 0, the attention is the explicit ``softmax(q k^T) v`` (``functree.nn._attention``);
@@ -48,8 +48,9 @@ from functree._module import field, from_fields
 from functree._random import flat_key
 from functree.hf._family import FAMILIES, HFModel
 from functree.nn._attention import MultiheadAttention
+from functree.nn._salt import salted
 from functree.nn._stack import Stack, member_ranks
-from functree.nn._state import record_state, salted
+from functree.nn._state import record_state
 
 __all__ = ["DropoutAttention", "with_dropout", "without_dropout", "check_dropout_call", "block_keys", "top_keys",
            "decoding", "drop", "rate", "rate_fields"]
@@ -304,7 +305,7 @@ def _drawn(attention: DropoutAttention) -> jax.Array:
         raise ValueError(NO_DROPOUT_KEY.format(cls=type(attention).__name__))
     drawn, following = jax.random.split(jax.random.wrap_key_data(attention.dropout_key))
     record_state(attention, dropout_key=jax.random.key_data(following))
-    return salted(drawn)  # a microbatch's / device's own masks (nn._state.salted_keys); the next key unsalted
+    return salted(drawn)  # a microbatch's / device's own masks (nn._salt.salted_keys); the next key unsalted
 
 
 def top_keys(blocks: Stack, key: jax.Array | None) -> tuple[float, jax.Array | None, jax.Array | None] | None:

@@ -62,8 +62,9 @@ from functree.hf._family import FAMILIES, TASKS, HFModel
 from functree.nn._check import concrete
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
+from functree.nn._salt import salted
 from functree.nn._stack import Stack
-from functree.nn._state import record_state, salted
+from functree.nn._state import record_state
 
 __all__ = ["TaskModel", "LastTokenClassifier", "TokenClassifier", "PooledClassifier", "PooledMultipleChoice", "MaskedLM",
            "QuestionAnswering", "SpanLogits", "HEADS", "task_loss", "tied_copies", "check_tied_copies",

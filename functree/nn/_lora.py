@@ -25,7 +25,7 @@ from ``key=`` when the layer is called with one, and otherwise from the layer's 
 (``ft.nn.record_state``: ``Optimizer.step``, ``ft.train`` and
 ``ft.nn.value_with_gradient_and_state`` write it back), so layers deep inside a model,
 called without a key, draw a fresh mask every step (and each microbatch of
-``accumulate=k``, each device of a mesh, a mask of its own: ``_state.salted_keys``).
+``accumulate=k``, each device of a mesh, a mask of its own: ``_salt.salted_keys``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ from functree.nn._lora_experts import (
 from functree.nn._lora_options import check_dtype, check_options
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
-from functree.nn._state import record_state, salted
+from functree.nn._salt import salted
+from functree.nn._state import record_state
 
 __all__ = ["LoraDense", "LoraBaseWarning", "lora", "merge_lora", "check_base_untrained", "ADDED_FIELDS"]
 

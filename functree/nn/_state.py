@@ -32,11 +32,9 @@ reach the training step's ``collect_state``.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,6 +49,30 @@ from functree._paths import ATTR, Entry, KeyPath, walk
 from functree._traces import Tracer, current_trace, inner_trace, opened_inside, transform_name
 from functree._warnings import warn
 from functree.nn._check import LayerInputError
+from functree.nn._state_messages import (
+    FIX_INTERMEDIATE_IN_CHECKPOINT,
+    FIX_INTERMEDIATE_IN_GRADIENT,
+    FIX_INTERMEDIATE_IN_JIT,
+    FIX_INTERMEDIATE_IN_LOOP,
+    FIX_INTERMEDIATE_IN_VMAP,
+    FIX_REBUILT_CHECKPOINT,
+    FIX_REBUILT_ENSEMBLE,
+    FIX_REBUILT_OTHER,
+    FIX_STATE_IN_LOOP,
+    FIX_STATE_IN_VMAP,
+    INTERMEDIATE_INSIDE_TRANSFORM,
+    INTERMEDIATE_IS_FIELD,
+    INTERMEDIATE_NOT_ARRAY,
+    INTERMEDIATE_NOT_IN_MODEL,
+    INTERMEDIATE_NOT_IN_REBUILT_MODEL,
+    INTERMEDIATE_TWICE,
+    NOT_IN_MODEL,
+    NOT_IN_REBUILT_MODEL,
+    NOT_STATE_FIELD,
+    REBUILT_BY_TRANSFORM,
+    STATE_INSIDE_TRANSFORM,
+    UNCOLLECTED_STATE,
+)
 
 __all__ = [
     "record_state",
@@ -61,217 +83,6 @@ __all__ = [
     "value_with_gradient_and_state",
     "UncollectedStateWarning",
 ]
-
-NOT_STATE_FIELD = """\
-ft.nn.record_state({cls}, {name}=...): {cls}.{name} is not a no_derivative field; only \
-those hold layer state. Its no_derivative fields are {fields}.
-
-    wrong:  {name}: jax.Array
-    right:  {name}: jax.Array = ft.field(no_derivative=True)
-"""
-
-NOT_IN_MODEL = """\
-A {cls} recorded state inside ft.nn.collect_state, but it is not part of the model passed \
-to collect_state (or fn is jit-compiled, which rebuilds the model), so its key path is \
-unknown. Call the layers of the model fn receives, and put jit around collect_state:
-
-    wrong:  ft.nn.collect_state(lambda m: other_model(x), model)
-    wrong:  ft.nn.collect_state(jax.jit(lambda m: m(x)), model)
-    right:  jax.jit(lambda model: ft.nn.collect_state(lambda m: m(x), model))(model)
-"""
-
-
-REBUILT_BY_TRANSFORM = """\
-A {cls} recorded layer state inside ft.nn.collect_state, under {transform} opened inside \
-the function collect_state runs (the loss of value_with_gradient_and_state, \
-Optimizer.minimize, ft.train.train_step), with the model passed to {transform} as an \
-argument: {transform} rebuilt its layers, so their key paths are unknown. {fix}"""
-
-FIX_REBUILT_ENSEMBLE = """\
-For a model ensemble (a jax.vmap'ed constructor), collect each member's state inside the \
-vmap, return it as aux and write it back:
-
-    wrong:  loss = lambda e: jnp.sum(jax.vmap(lambda m: member_loss(m, batch))(e))
-    right:  def loss(e):
-                losses, state = jax.vmap(lambda m: ft.nn.collect_state(lambda mm: member_loss(mm, batch), m))(e)
-                return jnp.sum(losses), state
-            (value, state), grads = ft.value_with_gradient(loss, at=ensemble, has_aux=True)
-            updates, opt_state = optimizer.update(grads, opt_state, ensemble)
-            ensemble = ft.nn.apply_state(ft.move(ensemble, along=updates), state)"""
-
-FIX_REBUILT_CHECKPOINT = """\
-ft.with_recomputation_in_pullbacks is jax.checkpoint that records the state under the \
-layers' key paths:
-
-    wrong:  y = jax.checkpoint(lambda m, x: m(x))(model, x)
-    right:  y = ft.with_recomputation_in_pullbacks(lambda m, x: m(x))(model, x)"""
-
-FIX_REBUILT_OTHER = """\
-Call the layers outside it, or collect the state inside it and return it (the \
-branches of a jax.lax.cond each return theirs):
-
-    wrong:  y = jax.lax.cond(p, lambda m: m(x), lambda m: 2 * m(x), model)
-    right:  y, state = jax.lax.cond(p, lambda m: ft.nn.collect_state(lambda mm: mm(x), m),
-                                    lambda m: ft.nn.collect_state(lambda mm: 2 * mm(x), m), model)
-            # return state beside the loss (has_aux=True), then ft.nn.apply_state(model, state)"""
-
-NOT_IN_REBUILT_MODEL = """\
-A {cls} recorded layer state inside ft.nn.collect_state, but it is not part of the model \
-passed to collect_state, so its key path is unknown. Call the layers of the model fn receives:
-
-    wrong:  ft.nn.collect_state(lambda m: other_model(x), model)
-    right:  ft.nn.collect_state(lambda m: m(x), model)"""
-
-INTERMEDIATE_NOT_IN_REBUILT_MODEL = """\
-A {cls} passed on the intermediates {paths} inside ft.nn.collect_intermediates, but it is \
-not part of the model passed to collect_intermediates (a wrapper built inside fn: \
-ft.nn.Remat(m), ft.nn.Stack.from_layers, a list of layers given to \
-ft.with_recomputation_in_pullbacks), so their key paths are unknown. Build the wrapper \
-outside and pass it in:
-
-    wrong:  y, sown = ft.nn.collect_intermediates(lambda m: ft.nn.Remat(m)(x), model)
-    right:  y, sown = ft.nn.collect_intermediates(lambda m: m(x), ft.nn.Remat(model))
-"""
-
-INTERMEDIATE_IS_FIELD = """\
-ft.nn.record_intermediate({cls}, {name}=...): {name!r} is a field of {cls}; a recorded \
-intermediate is a value the layer computed, filed at the key path of a name the layer \
-does not have (a field's path reads the field). Name it apart:
-
-    wrong:  ft.nn.record_intermediate(self, {name}=value)
-    right:  ft.nn.record_intermediate(self, {name}_out=value)
-"""
-
-INTERMEDIATE_NOT_ARRAY = """\
-ft.nn.record_intermediate({cls}, {name}=...) got {given}; a recorded intermediate is one \
-array (it is stacked by a Stack's scan and returned from jit-compiled code):
-
-    wrong:  ft.nn.record_intermediate(self, {name}=(a, b))
-    right:  ft.nn.record_intermediate(self, {name}_a=a, {name}_b=b)
-"""
-
-INTERMEDIATE_TWICE = """\
-{path} was recorded twice while ft.nn.collect_intermediates ran: the layer was called \
-twice in one forward pass, and one record per key path would drop a call's values. \
-Collect each call on its own:
-
-    wrong:  out, sown = ft.nn.collect_intermediates(lambda m: m(m(x)), model)
-    right:  h, first = ft.nn.collect_intermediates(lambda m: m(x), model)
-            y, second = ft.nn.collect_intermediates(lambda m: m(h), model)
-"""
-
-INTERMEDIATE_INSIDE_TRANSFORM = """\
-The intermediate {path} was recorded inside {transform}, a transformation opened inside \
-the function ft.nn.collect_intermediates runs: the value belongs to that transformation \
-and cannot leave it (a leaked tracer). {fix}
-"""
-
-FIX_INTERMEDIATE_IN_GRADIENT = """\
-Collect it inside the transformation and return it:
-
-    wrong:  _, sown = ft.nn.collect_intermediates(lambda m: ft.gradient(lambda x: m(x).sum(), at=x), model)
-    right:  def loss(x):
-                y, sown = ft.nn.collect_intermediates(lambda m: m(x), model)
-                return y.sum(), sown
-            grads, sown = ft.gradient(loss, at=x, has_aux=True)"""
-
-FIX_INTERMEDIATE_IN_VMAP = """\
-Collect it inside the vmapped function and return it (each record gains the batch axis):
-
-    wrong:  ys, sown = ft.nn.collect_intermediates(lambda m: jax.vmap(m)(xs), model)
-    right:  ys, sown = jax.vmap(lambda x: ft.nn.collect_intermediates(lambda m: m(x), model))(xs)"""
-
-FIX_INTERMEDIATE_IN_LOOP = """\
-Collect it inside the loop's body and return it (a scan stacks each step's records), or use \
-ft.nn.Stack / ft.nn.RNN, which collect inside their own scan:
-
-    wrong:  ys, sown = ft.nn.collect_intermediates(lambda m: jax.lax.scan(lambda c, x: (c, m(x)), None, xs)[1], model)
-    right:  def body(c, x):
-                y, sown = ft.nn.collect_intermediates(lambda m: m(x), model)
-                return c, (y, sown)
-            _, (ys, sown) = jax.lax.scan(body, None, xs)"""
-
-FIX_INTERMEDIATE_IN_CHECKPOINT = """\
-Recompute with functree's checkpointing, which passes the records out (or ft.nn.Remat / \
-ft.nn.Stack(..., remat=True) inside the model), the model given as an argument:
-
-    wrong:  y, sown = ft.nn.collect_intermediates(lambda m: jax.checkpoint(lambda x: m(x))(x), model)
-    right:  y, sown = ft.nn.collect_intermediates(
-                lambda m: ft.with_recomputation_in_pullbacks(lambda mm, x: mm(x))(m, x), model)"""
-
-FIX_INTERMEDIATE_IN_JIT = """\
-Put jit around collect_intermediates:
-
-    wrong:  y, sown = ft.nn.collect_intermediates(lambda m: jax.jit(lambda x: m(x))(x), model)
-    right:  y, sown = jax.jit(lambda model: ft.nn.collect_intermediates(lambda m: m(x), model))(model)"""
-
-INTERMEDIATE_NOT_IN_MODEL = """\
-A {cls} recorded an intermediate inside ft.nn.collect_intermediates, but it is not part of \
-the model passed to collect_intermediates, so its key path is unknown: fn called another \
-model's layers, or passed the model through a transformation that rebuilds it (jax.jit, \
-jax.checkpoint, ft.gradient(..., at=m)). Call the layers of the model fn receives (another \
-model outside fn), and put the transformation around collect_intermediates:
-
-    wrong:  ft.nn.collect_intermediates(lambda m: other_model(x), model)
-    wrong:  ft.nn.collect_intermediates(jax.jit(lambda m: m(x)), model)
-    right:  jax.jit(lambda model: ft.nn.collect_intermediates(lambda m: m(x), model))(model)
-    wrong:  ft.nn.collect_intermediates(lambda m: ft.gradient(lambda mm: mm(x).sum(), at=m), model)
-    right:  def loss(m):
-                y, sown = ft.nn.collect_intermediates(lambda mm: mm(x), m)
-                return y.sum(), sown
-            grads, sown = ft.gradient(loss, at=model, has_aux=True)
-"""
-
-STATE_INSIDE_TRANSFORM = """\
-The layer state at {path} was recorded inside {transform}, a transformation opened inside \
-the function ft.nn.collect_state runs (the loss of value_with_gradient_and_state, \
-Optimizer.minimize, ft.train.train_step): the recorded value belongs to that \
-transformation and cannot leave it (stored into the model, it is a leaked tracer that \
-fails at the next call). {fix}"""
-
-FIX_STATE_IN_VMAP = """\
-A BatchNorm in training mode normalises over the batch, and under a per-example jax.vmap \
-each call sees one example. Call the model on the whole batch (per-example values come \
-from its output), or use the running statistics inside the vmap (nothing recorded):
-
-    wrong:  loss = lambda m: jnp.sum(jax.vmap(lambda xi: m(xi[None])[0])(x) ** 2)
-    right:  loss = lambda m: jnp.sum(m(x) ** 2)
-       or:  loss = lambda m: jnp.sum(jax.vmap(lambda xi: ft.nn.inference(m)(xi[None])[0])(x) ** 2)"""
-
-FIX_STATE_IN_LOOP = """\
-Call the layer outside the transformation, use ft.nn.Stack / ft.nn.RNN / ft.nn.Remat \
-(they collect the state inside their own loop), or collect it inside the transformation \
-and return it:
-
-    wrong:  def loss(m):
-                _, ys = jax.lax.scan(lambda c, xb: (c, m(xb)), None, xs)
-                return jnp.sum(ys ** 2)
-    right:  def loss(m):
-                def body(c, xb):
-                    y, state = ft.nn.collect_state(lambda mm: mm(xb), m)  # inside the scan
-                    return c, (y, state)
-                _, (ys, states) = jax.lax.scan(body, None, xs)
-                return jnp.sum(ys ** 2), {{p: v[-1] for p, v in states.items()}}  # the last step's
-            (loss_value, state), grads = ft.value_with_gradient(loss, at=model, has_aux=True)
-            model = ft.nn.apply_state(ft.move(model, along=updates), state)"""
-
-UNCOLLECTED_STATE = """\
-{cls}{where} ran in training mode and recorded new {fields}, but nothing collects layer \
-state here: the values are dropped and {cls}.{first} keeps its initial value (a \
-BatchNorm then trains on batch statistics but predicts with its initial ones). Collect \
-the state and write it back:
-
-    wrong:  loss, grads = ft.value_with_gradient(lambda m: loss_fn(m, x, y), at=model)
-            model = ft.move(model, along=updates)
-    right:  loss, grads, state = ft.nn.value_with_gradient_and_state(loss_fn, model, x, y)
-            model = ft.nn.apply_state(ft.move(model, along=updates), state)
-       or:  out, state = ft.nn.collect_state(lambda m: m(x), model)
-            model = ft.nn.apply_state(model, state)
-       or:  ft.train.train_step / ft.train.Trainer, which collect it for you.
-
-To only evaluate, use ft.nn.inference(model). This warning is shown once per layer \
-(ft.nn.UncollectedStateWarning).
-"""
 
 # Frames searched (outwards) for a model holding a layer that records uncollected state,
 # and how many such searches one layer class may cost before it is no longer reported.
@@ -534,64 +345,6 @@ def _restore(collector: _Collector) -> None:
     collector.replaced.clear()
 
 
-def _salts() -> list[Any]:
-    salts = getattr(_LOCAL, "salts", None)
-    if salts is None:
-        salts = _LOCAL.salts = []
-    return salts
-
-
-@contextlib.contextmanager
-def salted_keys(salt: Any) -> Iterator[None]:
-    """While open, every key a layer draws from its stored key (:func:`salted`: HF ports'
-    ``dropout_key``, LoRA's) has ``salt`` folded in, after the salts of the contexts around it.
-
-    The accumulation loop opens one per microbatch (its index) and a data-parallel step one
-    per device (its index on the data axis): each then draws masks of its own, as torch
-    does, where the stored key alone would repeat them. The key a layer records as its next
-    ``dropout_key`` is not salted, so a job's keys do not depend on the number of
-    microbatches or devices; with no context open, nothing changes.
-
-    Example:
-      >>> import jax
-      >>> from functree.nn._state import salted, salted_keys
-      >>> key = jax.random.key(0)
-      >>> with salted_keys(1):
-      ...     inside = salted(key)
-      >>> bool((jax.random.key_data(inside) == jax.random.key_data(jax.random.fold_in(key, 1))).all())
-      True
-      >>> salted(key) is key
-      True
-    """
-    salts = _salts()
-    salts.append(salt)
-    try:
-        yield
-    finally:
-        salts.pop()
-
-
-def salted_call(fn: Callable[..., Any], salt: Any) -> Callable[..., Any]:
-    """``fn`` run inside :func:`salted_keys` ``(salt)``: the accumulation loop's loss of
-    microbatch ``i``, its own dropout masks, as ``fold_in(key, i)`` gives a ``key=`` loss its own."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with salted_keys(salt):
-            return fn(*args, **kwargs)
-
-    return run
-
-
-def salted(key: jax.Array) -> jax.Array:
-    """``key`` with the open :func:`salted_keys` contexts' salts folded in, outermost first:
-    ``fold_in(fold_in(key, s_1), s_2)``; ``key`` itself when none is open. Called on a key
-    drawn from a layer's stored key, never on a key the caller passed (already folded)."""
-    for salt in _salts():
-        key = jax.random.fold_in(key, salt)
-    return key
-
-
 def follow(original: Any, derived: Any) -> None:
     """While :func:`collect_state` runs on a model holding ``original``: the layers of
     ``derived`` (a rebuilt copy of ``original`` with its structure, such as ``ft.cast``'s
@@ -817,7 +570,7 @@ def threaded_state(model: Any) -> dict[KeyPath, Any]:
     ``model``'s layers (BatchNorm's running statistics, and the count of training batches a
     ``momentum=None`` BatchNorm weighs them by): the state the accumulation loop threads
     from one microbatch to the next. PRNG keys (``dropout_key``, uint32 key data) are not in
-    it: each microbatch draws from the stored key salted by its index (:func:`salted_keys`).
+    it: each microbatch draws from the stored key salted by its index (``functree.nn._salt.salted_keys``).
 
     Example:
       >>> import functree as ft

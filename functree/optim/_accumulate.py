@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from functree._examples import check_example_axis
 from functree.losses._weighted import WeightedMean, ratio
-from functree.nn._state import apply_state, salted_call, threaded_state
+from functree.nn._salt import salted_call
+from functree.nn._state import apply_state, threaded_state
 from functree.optim._subset import trained_view
 
 if TYPE_CHECKING:

@@ -51,7 +51,8 @@ from functree._source import USER_FUNCTION
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
 from functree.losses._weighted import WeightedMean, loss_value
-from functree.nn._state import collect_state, salted_keys
+from functree.nn._salt import salted_keys
+from functree.nn._state import collect_state
 from functree.optim import Optimizer, OptimizerState, context, hyperparameters
 from functree.optim._accumulate import check_accumulation
 from functree.optim._hyper import learning_rate_names

@@ -74,6 +74,7 @@ from functree._tangent import (
 if TYPE_CHECKING:  # the lazy names below, for type checkers, editors and the API reference
     from functree import generation, hf, interop, losses, nn, optim, parallel, train
     from functree.parallel import cast, partition_specs, shard
+    from functree.train._export import Exported, ExportError, export
 
 # ``import functree`` runs the core (the modules above: the differential operators, key
 # paths, Module); each subpackage is imported when it is first read (``ft.nn``, or ``import
@@ -85,6 +86,9 @@ _LAZY = {
     "shard": "functree.parallel",
     "partition_specs": "functree.parallel",
     "cast": "functree.parallel",
+    "export": "functree.train._export",
+    "Exported": "functree.train._export",
+    "ExportError": "functree.train._export",
 }
 
 
@@ -149,6 +153,9 @@ __all__ = [
     "cast",
     # compilation and diagnostics
     "jit",
+    "export",
+    "Exported",
+    "ExportError",
     "ControlFlowError",
     "DifferentiationWarning",
     "NonDifferentiableFieldWarning",

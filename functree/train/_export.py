@@ -1,0 +1,542 @@
+"""A function of Modules compiled ahead of time for its arguments' shapes, kept as bytes: ``ft.export``.
+
+``jax.export`` serializes a program together with its arguments' tree structure, and a
+Module's structure (its class, its static configuration) is no JAX container:
+``jax.export.export(jax.jit(f))(model, x).serialize()`` fails unless every class is
+registered under a serialized name first, and a notebook that redefines a class collides
+with its own earlier registration. ``ft.export`` exports the function of the arguments'
+*arrays* (JAX sees a flat list) and describes their structure as a checkpoint does
+(``functree/train/checkpoint/_treespec.py``: classes by name, static fields as data).
+So:
+
+* the bytes are data: a header of JSON and JAX's own serialized program, checked by a
+  SHA-256 digest; reading them imports nothing and builds only registered classes
+  (as ``ft.train.load`` does);
+* a call checks the arguments against the description before the program runs: another
+  class, another static field (an activation, ``training``) or another shape is an
+  :class:`ExportError` naming the key path, the exported value and the given one, never
+  a program that silently computes what the exported arguments' configuration computes;
+* the results are rebuilt as the function returned them (a Module as that Module).
+
+A batch dimension left open is JAX's symbolic shape:
+``jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 3"), jnp.float32)`` as the example
+argument. ``platforms=("cpu", "cuda", "tpu")`` compiles for several backends at once.
+Serialization needs the ``flatbuffers`` package (``pip install functree[export]``).
+
+Example:
+  >>> import functree as ft, jax, jax.numpy as jnp
+  >>> model = ft.nn.Dense(3, 2, key=jax.random.key(0))
+  >>> exported = ft.export(lambda model, x: model(x))(model, jnp.ones((4, 3)))
+  >>> exported
+  Exported(fn(model, x) -> 1 array, platforms ('cpu',))
+  >>> bool(jnp.allclose(exported(model, jnp.ones((4, 3))), model(jnp.ones((4, 3)))))
+  True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from functree._tree import child_name
+from functree.train.checkpoint._decode import decode_leaf, leaf_specs
+from functree.train.checkpoint._treespec import SpecError, decode, encode
+
+__all__ = ["export", "Exported", "ExportError"]
+
+MAGIC = b"functree.Exported\n"
+FORMAT = 1
+
+
+class ExportError(ValueError):
+    """Exported bytes that cannot be read, or a call whose arguments are not the exported ones.
+
+    Example:
+      >>> import functree as ft
+      >>> issubclass(ft.ExportError, ValueError)
+      True
+    """
+
+    __module__ = "functree"  # shown as ft.ExportError, where users read it
+
+
+NOT_AN_ARRAY = """\
+ft.export: the argument at {path} is a {type}: an exported program takes arrays (and Python \
+numbers, traced as jax.jit traces them); other values belong in a Module's static fields or \
+in the function itself:
+
+    wrong:  ft.export(fn)(model, {{"mode": "train"}}, x)
+    right:  ft.export(lambda model, x: fn(model, {{"mode": "train"}}, x))(model, x)"""
+
+DIFFERENT_TREE = """\
+The exported {name} was traced for other arguments: at {path} it has {saved}, this call \
+gives {given}. Its program computes what the exported arguments' classes and static fields \
+compute, so it cannot run these. Call it with arguments built as the exported ones, or \
+export {name} again with these as the example:
+
+    wrong:  exported(*args)                      # {path}: {given}
+    right:  exported = ft.export({name})(*args)   # traced for these; then exported(*args)"""
+
+DIFFERENT_ARRAY = """\
+The exported {name} takes {path} as {saved}; this call gives {given}. Pass an array of the \
+exported shape and dtype{symbolic}, or export again with this one as the example:
+
+    wrong:  exported(..., {given_short}, ...)
+    right:  ft.export({name})(..., {given_short}, ...)"""
+
+BAD_CALL = """\
+The exported {name} takes the arguments ({parameters}): {error}.
+
+    wrong:  exported({wrong})
+    right:  exported({parameters})"""
+
+KEY_EXPECTED = """\
+The exported {name} takes {path} as {saved}; this call gives {given}. Pass what the \
+exported call passed there:
+
+    wrong:  exported(..., {given_code}, ...)
+    right:  exported(..., {saved_code}, ...)"""
+
+NOT_EXPORTED = """\
+These {size} bytes are not an exported functree program (they start with {start!r}, not \
+{magic!r}): read the bytes that Exported.serialize() wrote:
+
+    wrong:  ft.Exported.deserialize(open("model.safetensors", "rb").read())
+    right:  ft.Exported.deserialize(open("model.exported", "rb").read())"""
+
+DAMAGED = """\
+The exported program's bytes are damaged ({why}): nothing was run. Write them again with \
+Exported.serialize(), or read an intact copy."""
+
+NEWER_FORMAT = """\
+The exported program was written in format {format} (functree {version}); this functree \
+reads format {mine}. Upgrade functree to read it:  pip install -U functree"""
+
+NO_FLATBUFFERS = """\
+JAX serializes an exported program with the flatbuffers package, which is not installed:
+
+    right:  pip install "functree[export]"      # or: pip install flatbuffers"""
+
+
+def export(fn: Callable[..., Any], *, platforms: Sequence[str] | None = None) -> Callable[..., Exported]:
+    """``ft.export(fn)(*example_args)``: ``fn`` compiled ahead of time for the example
+    arguments' structure, shapes and dtypes, as an :class:`Exported` to call or serialize.
+
+    ``fn(*args)`` may take and return Modules, optimizer states and any tree of arrays; the
+    example arguments may be arrays or ``jax.ShapeDtypeStruct`` (with a symbolic dimension,
+    ``jax.export.symbolic_shape("b")``, for a size left open). ``platforms`` names the
+    backends to compile for (JAX's default: this process's). The arguments' static
+    configuration is part of the program: a call checks it (:class:`Exported`).
+
+    Example: a training step, exported, written and read back in another process:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+      >>> optimizer = ft.optim.Optimizer(ft.optim.adam(1e-2))
+      >>> def step(model, opt_state, x, y):
+      ...     return optimizer.minimize(lambda m: jnp.mean((m(x) - y) ** 2), model, opt_state)
+      >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 1))
+      >>> data = ft.export(step)(model, optimizer.init(model), x, y).serialize()  # what a file holds
+      >>> step = ft.Exported.deserialize(data)
+      >>> model, opt_state, loss = step(model, optimizer.init(model), x, y)
+      >>> type(model).__name__, type(opt_state).__name__
+      ('Dense', 'OptimizerState')
+    """
+    platforms = None if platforms is None else tuple(platforms)
+
+    def trace(*args: Any, **kwargs: Any) -> Exported:
+        return _export(fn, platforms, args, kwargs)
+
+    return trace
+
+
+def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tuple, kwargs: dict) -> Exported:
+    name = getattr(fn, "__name__", "")
+    name = name if name.isidentifier() else "fn"  # (a lambda's "<lambda>": the error's code runs as fn)
+    parameters = _parameters(fn)
+    named = _bind(parameters, args, kwargs, name)
+    leaves, treedef = jax.tree.flatten(named)
+    arrays, spec = encode(named)
+    keys = _keys_by_position(treedef, len(leaves), arrays)
+    for key, x in arrays.items():
+        if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
+            raise ExportError(NOT_AN_ARRAY.format(path=key, type=type(x).__name__))
+    in_keys = list(arrays)
+    tags = {node["key"]: node for _, node in leaf_specs(spec) if node.get("kind") == "leaf"}
+    positions = {key: i for i, key in keys.items()}
+    out: dict[str, Any] = {}
+
+    def flat(*xs: Any) -> list[Any]:
+        full = list(leaves)
+        for key, x in zip(in_keys, xs):
+            prng = tags[key].get("prng")
+            full[positions[key]] = x if prng is None else jax.random.wrap_key_data(x, impl=prng)
+        bound = jax.tree.unflatten(treedef, full)
+        call_args, call_kwargs = _call_arguments(parameters, bound)
+        result = fn(*call_args, **call_kwargs)
+        out_arrays, out["spec"] = encode(result)
+        out["keys"] = list(out_arrays)
+        return [out_arrays[k] for k in out["keys"]]
+
+    examples = [_example(arrays[k], tags[k]) for k in in_keys]
+    exported = jax.export.export(jax.jit(flat), platforms=platforms)(*examples)
+    return Exported(exported, name, parameters, spec, in_keys, out["spec"], out["keys"])
+
+
+Parameters = list[tuple[str, int, bool]]  # (name, kind, has a default): the function's signature, as data
+
+
+def _parameters(fn: Callable[..., Any]) -> Parameters:
+    """``fn``'s parameters as ``(name, kind, has a default)``: the arguments' names in key
+    paths (``model.layers[0].weight``) and the signature a call is bound to."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: the arguments as given
+        return [("args", int(inspect.Parameter.VAR_POSITIONAL), False),
+                ("kwargs", int(inspect.Parameter.VAR_KEYWORD), False)]
+    return [(p.name, int(p.kind), p.default is not p.empty) for p in signature.parameters.values()]
+
+
+def _signature(parameters: Parameters) -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(n, inspect._ParameterKind(k), default=None if d else inspect.Parameter.empty)
+                              for n, k, d in parameters])
+
+
+def _shown_parameters(parameters: Parameters) -> str:
+    return ", ".join(("*" if k == 2 else "**" if k == 4 else "") + n for n, k, _ in parameters)
+
+
+def _bind(parameters: Parameters, args: tuple, kwargs: dict, name: str) -> dict[str, Any]:
+    """The arguments by parameter name (a ``*args`` parameter a list, ``**kwargs`` a dict)."""
+    try:
+        arguments = _signature(parameters).bind(*args, **kwargs).arguments
+    except TypeError as e:
+        positional = [n for n, k, _ in parameters if k in (0, 1)]
+        given = [positional[i] if i < len(positional) else "..." for i in range(len(args))]
+        wrong = ", ".join([*given, *(f"{k}=..." for k in kwargs)])
+        raise ExportError(BAD_CALL.format(name=name, parameters=_shown_parameters(parameters), error=e,
+                                          wrong=wrong)) from None
+    named = dict(arguments)  # the arguments given (a parameter left to its default is absent)
+    for n, k, _ in parameters:
+        if k == inspect.Parameter.VAR_POSITIONAL and n in named:
+            named[n] = list(named[n])
+    return named
+
+
+def _call_arguments(parameters: Parameters, named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` that call the function as the exported call did: a parameter after
+    one left to its default goes by keyword (``f(x, c=y)`` of ``f(a, b=1, c=2)``)."""
+    arguments = {n: tuple(named[n]) if k == inspect.Parameter.VAR_POSITIONAL else named[n]
+                 for n, k, _ in parameters if n in named}
+    bound = inspect.BoundArguments(_signature(parameters), arguments)  # type: ignore[arg-type]
+    return bound.args, bound.kwargs
+
+
+class _Position:
+    """A leaf's place in JAX's flattening order, put where the leaf was (so the
+    description's names of the leaves are matched to JAX's order)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _keys_by_position(treedef: Any, count: int, arrays: dict[str, Any]) -> dict[int, str]:
+    """``{position in jax.tree.flatten's order: the description's name}`` of the array leaves."""
+    marked, _ = encode(jax.tree.unflatten(treedef, [_Position(i) for i in range(count)]))
+    return {m.index: k for k, m in marked.items() if isinstance(m, _Position) and k in arrays}
+
+
+def _example(x: Any, tag: dict[str, Any]) -> Any:
+    """The abstract value the program is traced for: a Python number weakly typed, as jit
+    traces it; a PRNG key as its key data (the program wraps it)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    weak = "python" in tag or tag.get("weak") is True
+    dtype = jax.dtypes.canonicalize_dtype(np.asarray(x).dtype if isinstance(x, np.ndarray) else x.dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, weak_type=weak)
+
+
+_KEY = "key"  # an argument leaf taken as its key data
+
+
+def _taken(leaves: list[Any], seen: tuple[Any, list[int], list[str | None], list[tuple[int, Any]]],
+           keys: list[str], name: str) -> list[Any]:
+    """The exported arrays among the arguments' leaves: a PRNG key as its key data, a Python
+    number as an array (:data:`KEY_EXPECTED` where a key and an array trade places)."""
+    _, positions, kinds, _ = seen
+    out = []
+    for key, i, kind in zip(keys, positions, kinds):
+        x = leaves[i]
+        is_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        if is_key != (kind == _KEY):
+            saved, given = ("a PRNG key", "an array") if kind == _KEY else ("an array", "a PRNG key")
+            codes = {"a PRNG key": "jax.random.key(0)", "an array": "jnp.zeros(...)"}
+            raise ExportError(KEY_EXPECTED.format(name=name, path=key, saved=saved, given=given,
+                                                  saved_code=codes[saved], given_code=codes[given]))
+        out.append(jax.random.key_data(x) if is_key else np.asarray(x) if isinstance(x, _PYTHON_NUMBERS) else x)
+    return out
+
+
+_PYTHON_NUMBERS = (bool, int, float, complex)
+
+
+def _stripped(spec: Any) -> Any:
+    """The description with its leaves' tags left out (their arrays taken as they are)."""
+    if isinstance(spec, dict):
+        if spec.get("kind") == "leaf":
+            return {"kind": "leaf", "key": spec["key"]}
+        return {k: _stripped(v) for k, v in spec.items()}
+    if isinstance(spec, list):
+        return [_stripped(v) for v in spec]
+    return spec
+
+
+def _normal(spec: Any) -> Any:
+    """The description without what a call may change: a leaf's tags (a Python float given
+    where a weakly typed array was exported) and its stored name."""
+    if isinstance(spec, dict):
+        if spec.get("kind") == "leaf":
+            return {"kind": "leaf"}
+        return {k: _normal(v) for k, v in spec.items()}
+    if isinstance(spec, list):
+        return [_normal(v) for v in spec]
+    return spec
+
+
+def _difference(saved: Any, given: Any, path: str) -> tuple[str, str, str] | None:
+    """The first place two descriptions differ: ``(key path, saved, given)``, or None."""
+    if saved == given:
+        return None
+    where = path or "the arguments"
+    if not (isinstance(saved, dict) and isinstance(given, dict) and saved.get("kind") == given.get("kind")):
+        return where, _kind(saved), _kind(given)
+    if saved.get("keys") != given.get("keys") and isinstance(saved.get("keys"), list) \
+            and isinstance(given.get("keys"), list):
+        mine, theirs = [k[1] for k in saved["keys"]], [k[1] for k in given["keys"]]
+        for k in mine:
+            if k not in theirs:
+                return child_name(path, k), "a value", "nothing"
+        for k in theirs:
+            if k not in mine:
+                return child_name(path, k), "nothing", "a value"
+    for part in ("class", "names", "keys"):
+        if saved.get(part) != given.get(part):
+            return where, f"{part} {_shown(saved.get(part))}", f"{part} {_shown(given.get(part))}"
+    statics = given.get("static", {})
+    for name, value in saved.get("static", {}).items():
+        if value != statics.get(name):
+            return child_name(path, name), f"the static value {_shown(value)}", _shown(statics.get(name))
+    for name, child in _children(saved, path):
+        found = _difference(child, dict(_children(given, path)).get(name), name)
+        if found:
+            return found
+    return where, _kind(saved), _kind(given)
+
+
+def _children(spec: dict[str, Any], path: str) -> list[tuple[str, Any]]:
+    """A description's children by dotted name, as the arrays are named
+    (``model.layers.0.weight``): a Module's fields, a dict's keys, a list's indices."""
+    fields = spec.get("fields")
+    if isinstance(fields, dict):
+        return [(child_name(path, n), v) for n, v in fields.items()]
+    items = spec.get("items")
+    if not isinstance(items, list):
+        return []
+    keys = spec.get("keys")
+    names = [k[1] for k in keys] if isinstance(keys, list) else range(len(items))
+    return [(child_name(path, n), v) for n, v in zip(names, items)]
+
+
+def _kind(spec: Any) -> str:
+    if not isinstance(spec, dict):
+        return "nothing"
+    if "class" in spec:
+        return f"a {str(spec['class']).rsplit('.', 1)[-1]}"
+    kind = str(spec.get("kind"))
+    return {"leaf": "an array", "none": "None"}.get(kind, f"a {kind}")
+
+
+def _shown(code: Any) -> str:
+    return json.dumps(code)[:120]
+
+
+def _array_text(dtype: Any, shape: Sequence[Any]) -> str:
+    return f"{np.dtype(dtype).name}[{', '.join(map(str, shape))}]"
+
+
+class Exported:
+    """A function compiled ahead of time (:func:`export`): call it as the function, or
+    keep it as bytes (:meth:`serialize`, :meth:`deserialize`).
+
+    A call checks its arguments against the exported ones first: the classes and static
+    fields, then each array's shape and dtype (a symbolic dimension takes any size), each
+    error naming the key path (``model.layers[0].weight``). Its results are rebuilt as the
+    function returned them; a Module by its class's registered name, as a checkpoint is.
+    """
+
+    __slots__ = ("_checked", "_exported", "_in_keys", "_in_spec", "_out_keys", "_out_spec", "_parameters", "_run",
+                 "_seen", "_template", "name")
+
+    def __init__(self, exported: Any, name: str, parameters: Parameters, in_spec: Any,
+                 in_keys: list[str], out_spec: Any, out_keys: list[str]) -> None:
+        self._exported = exported
+        self.name = name
+        self._parameters = parameters
+        self._in_spec, self._in_keys = in_spec, in_keys
+        self._out_spec, self._out_keys = out_spec, out_keys
+        self._checked = _normal(in_spec)
+        self._seen: tuple[Any, list[int], list[str | None], list[tuple[int, Any]]] | None = None  # the last arguments' structure, checked
+        self._template: tuple[Any, list[Any], list[dict[str, Any]]] | None = None  # the results' structure
+        self._run = jax.jit(exported.call)  # (Exported.call alone traces again at every call: 10x the time)
+
+    @property
+    def platforms(self) -> tuple[str, ...]:
+        return tuple(self._exported.platforms)
+
+    @property
+    def inputs(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """``{key path: shape and dtype}`` of the arrays the program takes."""
+        return {k: jax.ShapeDtypeStruct(a.shape, a.dtype) for k, a in zip(self._in_keys, self._exported.in_avals)}
+
+    def __repr__(self) -> str:
+        shown = _shown_parameters(self._parameters)
+        count = len(self._out_keys)
+        return f"Exported({self.name}({shown}) -> {count} array{'s' if count != 1 else ''}, platforms {self.platforms})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        named = _bind(self._parameters, args, kwargs, self.name)
+        leaves, treedef = jax.tree.flatten(named)
+        seen = self._seen
+        if seen is None or seen[0] != treedef or any(leaves[i] is not v for i, v in seen[3]):
+            seen = self._seen = self._checked_structure(named, leaves, treedef)  # described and compared once
+        xs = _taken(leaves, seen, self._in_keys, self.name)
+        xs = [self._argument(k, x, aval) for k, x, aval in zip(self._in_keys, xs, self._exported.in_avals)]
+        return self._results(self._run(*xs))
+
+    def _checked_structure(self, named: dict[str, Any], leaves: list[Any], treedef: Any
+                           ) -> tuple[Any, list[int], list[str | None], list[tuple[int, Any]]]:
+        """The arguments' description compared with the exported one (:data:`DIFFERENT_TREE`
+        names the first difference); then ``(treedef, the jax leaf position of each
+        exported array, its kind, the other leaves by position)``: the next call with this
+        structure and the same functions at leaves takes its arrays without describing the
+        arguments again."""
+        arrays, spec = encode(named)
+        found = _difference(self._checked, _normal(spec), "")
+        if found is not None:
+            path, saved, given = found
+            raise ExportError(DIFFERENT_TREE.format(name=self.name, path=path, saved=saved, given=given))
+        tags = {node["key"]: node for _, node in leaf_specs(spec) if node.get("kind") == "leaf"}
+        positions = {k: i for i, k in _keys_by_position(treedef, treedef.num_leaves, arrays).items()}
+        taken = [positions[k] for k in self._in_keys]
+        kinds: list[str | None] = [_KEY if "prng" in tags[k] else None for k in self._in_keys]
+        others = [(i, x) for i, x in enumerate(leaves) if i not in set(taken)]  # functions at leaves
+        return treedef, taken, kinds, others
+
+    def _results(self, outs: Sequence[Any]) -> Any:
+        """The function's results rebuilt from the program's arrays: their structure decoded
+        once (classes looked up by name, as a checkpoint's), each call's arrays put in it."""
+        if self._template is None:
+            stripped = _stripped(self._out_spec)
+            template = decode(stripped, {k: _Position(i) for i, k in enumerate(self._out_keys)})
+            leaves, treedef = jax.tree.flatten(template)
+            tags = {node["key"]: node for _, node in leaf_specs(self._out_spec) if node.get("kind") == "leaf"}
+            self._template = treedef, leaves, [tags[k] for k in self._out_keys]
+        treedef, leaves, tags = self._template
+        values = [decode_leaf(tag, {tag["key"]: x}) for tag, x in zip(tags, outs)]
+        return treedef.unflatten([values[x.index] if isinstance(x, _Position) else x for x in leaves])
+
+    def _argument(self, key: str, x: Any, aval: Any) -> Any:
+        """``x`` if it has the exported array's shape (a symbolic dimension: any size) and
+        dtype, else :data:`DIFFERENT_ARRAY` naming its key path."""
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            raise ExportError(NOT_AN_ARRAY.format(path=key, type=type(x).__name__))
+        shape = np.shape(x)
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+        fits = len(shape) == len(aval.shape) and all(
+            not isinstance(d, int) or d == s for d, s in zip(aval.shape, shape))
+        if not fits or dtype != aval.dtype:
+            symbolic = any(not isinstance(d, int) for d in aval.shape)
+            raise ExportError(DIFFERENT_ARRAY.format(
+                name=self.name, path=key, saved=_array_text(aval.dtype, aval.shape),
+                given=_array_text(dtype, shape), given_short=f"jnp.zeros({tuple(shape)}, jnp.{dtype.name})",
+                symbolic=" (a symbolic dimension takes any size)" if symbolic else ""))
+        return x
+
+    def serialize(self) -> bytes:
+        """The program as bytes: a JSON header (the arguments' and results' descriptions,
+        their names, a SHA-256 digest of the program) and JAX's serialized program."""
+        try:
+            program = bytes(self._exported.serialize())
+        except ImportError as e:
+            raise ImportError(NO_FLATBUFFERS) from e
+        from functree import __version__
+
+        header = json.dumps({
+            "format": FORMAT, "functree": __version__, "jax": jax.__version__, "name": self.name,
+            "parameters": self._parameters, "in": self._in_spec, "in_keys": self._in_keys,
+            "out": self._out_spec, "out_keys": self._out_keys,
+            "sha256": hashlib.sha256(program).hexdigest(),
+        }).encode()
+        return MAGIC + len(header).to_bytes(8, "little") + header + program
+
+    @classmethod
+    def deserialize(cls, data: bytes) -> Exported:
+        """The :class:`Exported` that :meth:`serialize` wrote, checked before use: its
+        magic bytes, format, digest and descriptions (:class:`ExportError` names the
+        damage). Nothing is imported or constructed because the bytes name it."""
+        data = bytes(data)
+        if not data.startswith(MAGIC):
+            raise ExportError(NOT_EXPORTED.format(size=len(data), start=data[:len(MAGIC)], magic=MAGIC))
+        start = len(MAGIC) + 8
+        size = int.from_bytes(data[len(MAGIC):start], "little")
+        if len(data) < start + size:
+            raise ExportError(DAMAGED.format(why=f"{len(data)} bytes, the header alone needs {start + size}"))
+        header = _header(data[start:start + size])
+        program = data[start + size:]
+        if hashlib.sha256(program).hexdigest() != header["sha256"]:
+            raise ExportError(DAMAGED.format(why="the program's SHA-256 digest differs from the header's"))
+        try:
+            exported = jax.export.deserialize(bytearray(program))
+        except ImportError as e:
+            raise ImportError(NO_FLATBUFFERS) from e
+        if len(exported.in_avals) != len(header["in_keys"]) or len(exported.out_avals) != len(header["out_keys"]):
+            raise ExportError(DAMAGED.format(why="the header names other arrays than the program takes"))
+        parameters = [(str(n), int(k), bool(d)) for n, k, d in header["parameters"]]
+        return cls(exported, header["name"], parameters, header["in"], header["in_keys"], header["out"],
+                   header["out_keys"])
+
+
+def _header(raw: bytes) -> dict[str, Any]:
+    """The header's JSON, each entry checked (type, format, descriptions naming the keys)."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(DAMAGED.format(why=f"its header is no JSON: {e}")) from None
+    if not isinstance(header, dict):
+        raise ExportError(DAMAGED.format(why="its header is no JSON object"))
+    if isinstance(header.get("format"), int) and header["format"] > FORMAT:
+        raise ExportError(NEWER_FORMAT.format(format=header["format"], version=header.get("functree"), mine=FORMAT))
+    types = {"format": int, "name": str, "parameters": list, "in": dict, "in_keys": list, "out": dict,
+             "out_keys": list, "sha256": str}
+    for entry, kind in types.items():
+        if not isinstance(header.get(entry), kind):
+            raise ExportError(DAMAGED.format(why=f"its header's {entry!r} is no {kind.__name__}"))
+    for entry in header["parameters"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[1] in range(5)
+                and isinstance(entry[2], bool)):
+            raise ExportError(DAMAGED.format(why=f"its header's parameter {entry!r} is no [name, kind, default]"))
+    for spec, keys in ((header["in"], header["in_keys"]), (header["out"], header["out_keys"])):
+        try:
+            named = [node.get("key") for _, node in leaf_specs(spec) if node.get("kind") == "leaf"]
+        except SpecError as e:
+            raise ExportError(DAMAGED.format(why=str(e).splitlines()[0])) from None
+        if sorted(map(str, named)) != sorted(map(str, keys)):
+            raise ExportError(DAMAGED.format(why="its header's arrays and their descriptions differ"))
+    return header

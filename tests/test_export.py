@@ -9,6 +9,7 @@ function on this machine (the same program, compiled once each).
 from __future__ import annotations
 
 import json
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -108,9 +109,17 @@ def test_a_function_at_a_leaf_is_checked_on_every_call():
     raises_named(lambda: exported(X, [jax.nn.tanh]), ft.ExportError, _export.DIFFERENT_TREE, "at fns.0")
 
 
-def test_a_value_that_is_no_array_is_refused_at_export():
+class Unregistered(typing.NamedTuple):
+    w: jax.Array
+
+
+def test_a_value_that_is_no_array_or_a_result_no_process_could_rebuild_is_refused_at_export():
     raises_named(lambda: ft.export(lambda x, mode: x)(X, "train"), ft.ExportError, _export.NOT_AN_ARRAY,
                  "the argument at mode is a str")
+    raises_named(lambda: ft.export(lambda x: (x, lambda y: y))(X), ft.ExportError, _export.RESULT_NOT_AN_ARRAY,
+                 "the result at 1 is a function")
+    raises_named(lambda: ft.export(lambda x: Unregistered(x))(X), ft.ExportError, _export.RESULT_NOT_REBUILT,
+                 "@ft.train.register on the class")
 
 
 def test_damaged_bytes_are_refused_before_anything_runs(exported_step):

@@ -46,7 +46,7 @@ import numpy as np
 
 from functree._tree import child_name
 from functree.train.checkpoint._decode import decode_leaf, leaf_specs
-from functree.train.checkpoint._treespec import SpecError, decode, encode
+from functree.train.checkpoint._treespec import CheckpointError, SpecError, decode, encode
 
 __all__ = ["export", "Exported", "ExportError"]
 
@@ -74,6 +74,13 @@ in the function itself:
     wrong:  ft.export(fn)(model, {{"mode": "train"}}, x)
     right:  ft.export(lambda model, x: fn(model, {{"mode": "train"}}, x))(model, x)"""
 
+RESULT_NOT_AN_ARRAY = """\
+ft.export({name}): the result at {path} is a {type}: an exported program returns arrays \
+(in any tree of them: Modules, dicts, lists, optimizer states). Return the arrays alone:
+
+    wrong:  return y, lambda v: v * 2
+    right:  return y"""
+
 DIFFERENT_TREE = """\
 The exported {name} was traced for other arguments: at {path} it has {saved}, this call \
 gives {given}. Its program computes what the exported arguments' classes and static fields \
@@ -95,6 +102,14 @@ The exported {name} takes the arguments ({parameters}): {error}.
 
     wrong:  exported({wrong})
     right:  exported({parameters})"""
+
+RESULT_NOT_REBUILT = """\
+ft.export({name}): its results could not be rebuilt from their description as another \
+process rebuilds them ({why}). Register the class or function (ft.train.register), or \
+return arrays:
+
+    wrong:  return SomeUnregisteredState(w=w)
+    right:  return {{"w": w}}        # or @ft.train.register on the class"""
 
 KEY_EXPECTED = """\
 The exported {name} takes {path} as {saved}; this call gives {given}. Pass what the \
@@ -181,11 +196,20 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
         result = fn(*call_args, **call_kwargs)
         out_arrays, out["spec"] = encode(result)
         out["keys"] = list(out_arrays)
+        for key, x in out_arrays.items():
+            if not isinstance(x, (jax.Array, np.ndarray)):
+                raise ExportError(RESULT_NOT_AN_ARRAY.format(name=name, path=key or "the root", type=type(x).__name__))
         return [out_arrays[k] for k in out["keys"]]
 
     examples = [_example(arrays[k], tags[k]) for k in in_keys]
     exported = jax.export.export(jax.jit(flat), platforms=platforms)(*examples)
-    return Exported(exported, name, parameters, spec, in_keys, out["spec"], out["keys"])
+    result = Exported(exported, name, parameters, spec, in_keys, out["spec"], out["keys"])
+    try:  # the results' structure, rebuilt as another process rebuilds it: refused here, not there
+        result._results([np.zeros(a.shape if all(isinstance(d, int) for d in a.shape) else (), a.dtype)
+                         for a in exported.out_avals])
+    except CheckpointError as e:
+        raise ExportError(RESULT_NOT_REBUILT.format(name=name, why=str(e).splitlines()[0])) from None
+    return result
 
 
 Parameters = list[tuple[str, int, bool]]  # (name, kind, has a default): the function's signature, as data

@@ -205,7 +205,7 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
     exported = jax.export.export(jax.jit(flat), platforms=platforms)(*examples)
     result = Exported(exported, name, parameters, spec, in_keys, out["spec"], out["keys"])
     try:  # the results' structure, rebuilt as another process rebuilds it: refused here, not there
-        result._results([np.zeros(a.shape if all(isinstance(d, int) for d in a.shape) else (), a.dtype)
+        result._results([np.zeros(tuple(d if isinstance(d, int) else 1 for d in a.shape), a.dtype)
                          for a in exported.out_avals])
     except CheckpointError as e:
         raise ExportError(RESULT_NOT_REBUILT.format(name=name, why=str(e).splitlines()[0])) from None

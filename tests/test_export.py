@@ -139,7 +139,7 @@ def test_damaged_bytes_are_refused_before_anything_runs(exported_step):
         return _export.MAGIC + len(raw).to_bytes(8, "little") + raw + data[start + size:]
 
     raises_named(lambda: ft.Exported.deserialize(with_header(format=2)), ft.ExportError, _export.NEWER_FORMAT,
-                 "pip install -U functree")
+                 "pip install -U git+https://github.com/functree/functree")
     raises_named(lambda: ft.Exported.deserialize(with_header(in_keys=header["in_keys"][:-1])), ft.ExportError,
                  _export.DAMAGED, "arrays and their descriptions differ")
     raises_named(lambda: ft.Exported.deserialize(with_header(parameters=[["model", 9, False]])), ft.ExportError,

@@ -21,7 +21,7 @@ So:
 A batch dimension left open is JAX's symbolic shape:
 ``jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 3"), jnp.float32)`` as the example
 argument. ``platforms=("cpu", "cuda", "tpu")`` compiles for several backends at once.
-Serialization needs the ``flatbuffers`` package (``pip install functree[export]``).
+Serialization needs the ``flatbuffers`` package (``pip install flatbuffers``, or the ``export`` extra).
 
 Example:
   >>> import functree as ft, jax, jax.numpy as jnp
@@ -131,7 +131,7 @@ Exported.serialize(), or read an intact copy."""
 
 NEWER_FORMAT = """\
 The exported program was written in format {format} (functree {version}); this functree \
-reads format {mine}. Upgrade functree to read it:  pip install -U functree"""
+reads format {mine}. Upgrade functree to read it:  pip install -U git+https://github.com/functree/functree"""
 
 NO_FLATBUFFERS = """\
 JAX serializes an exported program with the flatbuffers package, which is not installed:

@@ -147,3 +147,10 @@ def test_damaged_bytes_are_refused_before_anything_runs(exported_step):
     broken = with_header()
     broken = broken[:start] + b"x" + broken[start + 1:]
     raises_named(lambda: ft.Exported.deserialize(broken), ft.ExportError, _export.DAMAGED, "no JSON")
+
+
+def test_an_array_the_tree_does_not_flatten_is_refused_not_baked_in(monkeypatch):
+    keys_by_position = _export._keys_by_position
+    monkeypatch.setattr(_export, "_keys_by_position", lambda *a: dict(list(keys_by_position(*a).items())[1:]))
+    raises_named(lambda: ft.export(lambda model, x: model(x))(mlp(), X), ft.ExportError, _export.UNMATCHED,
+                 "the arrays at model.layers.0.weight")

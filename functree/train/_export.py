@@ -103,6 +103,14 @@ The exported {name} takes the arguments ({parameters}): {error}.
     wrong:  exported({wrong})
     right:  exported({parameters})"""
 
+UNMATCHED = """\
+ft.export: the arrays at {paths} are described by the arguments' key paths but are no leaves \
+of their JAX tree (a pytree node that flattens other values than its fields hold): the \
+program would hold them as constants. Pass them as arrays of their own:
+
+    wrong:  ft.export(fn)(node_with_its_own_flatten, x)
+    right:  ft.export(fn)(dict(node_with_its_own_flatten.__dict__), x)"""
+
 RESULT_NOT_REBUILT = """\
 ft.export({name}): its results could not be rebuilt from their description as another \
 process rebuilds them ({why}). Register the class or function (ft.train.register), or \
@@ -178,6 +186,9 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
     leaves, treedef = jax.tree.flatten(named)
     arrays, spec = encode(named)
     keys = _keys_by_position(treedef, len(leaves), arrays)
+    if sorted(keys.values()) != sorted(arrays):  # an array the program would hold as a constant: never silently
+        missing = sorted(set(arrays) - set(keys.values()))
+        raise ExportError(UNMATCHED.format(paths=", ".join(missing)))
     for key, x in arrays.items():
         if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
             raise ExportError(NOT_AN_ARRAY.format(path=key, type=type(x).__name__))

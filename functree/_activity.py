@@ -4,7 +4,8 @@ Propagates, forward through a traced program, which differentiation inputs each 
 depends on and how (a :class:`State`: ``active``, ``cut``, ``quiet``, ``zeroed``, the
 origins of its cuts, known zero): ``A(prim(u₁…uₙ)) = ⋃ A(uᵢ)`` for differentiable
 primitives, ``∅`` for zero-derivative ones (whose inputs move to ``cut``); nested jaxprs
-recursively, loop carries to the least fixed point of ``A(c) = A(c₀) ∪ A(body(c))``.
+recursively, loop carries to the least fixed point of ``A(c) = A(c₀) ∪ A(body(c))``; a
+custom derivative by its rule (:func:`_rule_reach`).
 Reads JAX's equations through ``functree._compat`` only. The findings and warnings made
 from its result are ``functree._diagnostics``'s.
 
@@ -20,7 +21,11 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,8 +36,8 @@ from functree import _compat as compat
 from functree._source import is_user_file as _is_user_file
 
 __all__ = [
-    "EMPTY", "MARK", "SCOPE", "Op", "Origin", "State", "analyse", "is_inexact", "is_known_zero", "join_all",
-    "where",
+    "CALLBACKS", "WHILE_LOOPS", "EMPTY", "MARK", "SCOPE", "Op", "Origin", "State", "analyse", "cutting_at", "is_inexact",
+    "is_known_zero", "join_all", "where",
 ]
 
 # Primitives with floating results whose derivative is zero (wherever it exists).
@@ -42,6 +47,14 @@ _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 _CALLS = frozenset(
     {"jit", "pjit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "named_call"}
 )
+# Custom derivatives (``jax.custom_jvp``/``custom_vjp``, ``ft.derivative(of=)``): their rule,
+# not their body, says which operands the derivative reaches (:func:`_rule_reach`).
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+# Host callbacks: JAX cannot differentiate them (an error, not a zero); cut only while an
+# operator's failure is explained (:func:`cutting_at`), to name what reached them, as is a
+# while loop in reverse mode.
+CALLBACKS = frozenset({"pure_callback", "io_callback"})
+WHILE_LOOPS = frozenset({"while"})
 # Result is zero when every floating operand is a known zero.
 _ZERO_PRESERVING = frozenset(
     {
@@ -231,6 +244,8 @@ def analyse(jaxpr: Any, consts: Sequence[Any], ins: Sequence[State], scoped: boo
 def _transfer(eqn: Any, ins: list, scoped: bool) -> list:
     name = eqn.primitive.name
     inner = _scoped(eqn, scoped)
+    if name in _CUTTING.names:  # an explanation's cut (a while loop): not looked into
+        return _elementary(eqn, ins, inner)
     try:
         body = compat.body_of_call(eqn) if name in _CALLS else None
         if body is not None:
@@ -245,15 +260,37 @@ def _transfer(eqn: Any, ins: list, scoped: bool) -> list:
             return _while(eqn, ins, inner)
         elif name == "scan":
             return _scan(eqn, ins, inner)
+        elif name in _CUSTOM:
+            return _custom(eqn, ins, inner)
     except (KeyError, TypeError, ValueError, AttributeError):
         pass  # an unfamiliar form: fall through to the conservative rule
     return _elementary(eqn, ins, inner)
+
+
+class _Cutting(threading.local):
+    names: frozenset[str] = frozenset()
+
+
+_CUTTING = _Cutting()
+
+
+@contextlib.contextmanager
+def cutting_at(names: frozenset[str]) -> Iterator[None]:
+    """Analyse the primitives ``names`` as cuts (their origins then say which inputs reach
+    them, and where): the explanation of a failed operator, never its diagnostics."""
+    saved, _CUTTING.names = _CUTTING.names, names
+    try:
+        yield
+    finally:
+        _CUTTING.names = saved
 
 
 def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
     from jax.extend import core as jcore
     name = eqn.primitive.name
     u = join_all(ins) if ins else EMPTY
+    if name in _CUTTING.names:
+        return [_cut(u, eqn)] * len(eqn.outvars)
     if name == "stop_gradient":
         if scoped:  # ft.without_derivative: all of it is intentional, and marked as such
             quiet = u.quiet | u.cut | u.active | MARK
@@ -329,3 +366,143 @@ def _scan(eqn: Any, ins: list, scoped: bool) -> list:
     carry = _fixed_point(step, init)
     step(carry)
     return [*carry, *ys]
+
+
+def _custom(eqn: Any, ins: list, scoped: bool) -> list:
+    """A custom derivative: the conservative rule (every operand reaches every output),
+    except that an operand whose cotangent the rule never gives (a pullback returning
+    ``None`` or zeros for it, a tangent rule ignoring its tangent) is cut for that output.
+
+    ``∂out_o/∂b`` can be nonzero only if some operand ``i`` with ``b ∈ A(in_i)`` has a
+    cotangent that depends on ``out_o``'s: the rule's reach (:func:`_rule_reach`)."""
+    outs = _elementary(eqn, ins, scoped)
+    if not any(s.active for s in ins):
+        return outs
+    reach = _rule_reach(eqn)
+    if reach is None:  # the rule could not be traced: assume it reaches everything
+        return outs
+    op = Op(f"the custom derivative of `{_custom_name(eqn)}` (its rule gives a zero cotangent)", *_call_site(eqn))
+    result = []
+    for o, (v, s) in enumerate(zip(eqn.outvars, outs)):
+        keep = 0
+        for i, state in enumerate(ins):
+            if reach[i] >> o & 1:
+                keep |= state.active
+        moved = s.active & ~keep
+        if not is_inexact(v.aval) or not moved:
+            result.append(s)
+            continue
+        result.append(State(keep, s.cut | moved, s.quiet, s.zeroed, s.origins | {Origin(moved, op)}, False))
+    return result
+
+
+# ft.derivative(of=) binds its custom_vjp in the core (``_derivative.py``, called by
+# ``_plan.py`` when the differentiated function is the rule's): the user's line is the call.
+_CORE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
+
+
+def _call_site(eqn: Any) -> tuple[str, int]:
+    """:func:`where`, past functree's core modules (its layers, ``functree/nn``, stay)."""
+    try:
+        for frame in eqn.source_info.traceback.frames:
+            core = frame.file_name.startswith(_CORE) and os.sep not in frame.file_name[len(_CORE):]
+            if _is_user_file(frame.file_name) and not core:
+                return (frame.file_name, int(frame.line_num))
+    except Exception:
+        pass
+    # JAX keeps the innermost frames only: the enclosing call's line, else unknown (the
+    # finding is then placed at the differentiated function).
+    return _ENCLOSING[-1] if _ENCLOSING else ("<unknown>", 0)
+
+
+def _custom_name(eqn: Any) -> str:
+    """The name of the function a custom derivative is defined for (as JAX prints it)."""
+    try:
+        return str(eqn.params["call_jaxpr"].jaxpr.debug_info.func_name)
+    except Exception:  # another JAX's form: the primitive's name
+        return str(eqn.primitive.name)
+
+
+# id(eqn) -> (eqn, reach): a loop's body is analysed up to _MAX_FIXED_POINT times, its
+# custom derivatives traced once (the eqn is held so that its id is not reused). JAX's own
+# rules (relu, logsumexp: module-level functions) are keyed by their source and operand
+# types instead, traced once per process.
+_REACH: dict[Any, tuple[Any, list[int] | None]] = {}
+_JAX_SOURCE = os.path.join(os.path.dirname(os.path.abspath(jax.__file__)), "")  # not jaxopt/, jaxtyping/
+
+
+def _jax_rule_key(eqn: Any) -> Any:
+    """The key of a custom derivative defined in JAX's own source, else None."""
+    try:
+        source = str(eqn.params["call_jaxpr"].jaxpr.debug_info.func_src_info)
+    except Exception:
+        return None
+    if _JAX_SOURCE not in source:
+        return None
+    return (eqn.primitive.name, source, tuple((v.aval.shape, str(v.aval.dtype)) for v in eqn.invars),
+            tuple((v.aval.shape, str(v.aval.dtype)) for v in eqn.outvars))
+
+
+def _rule_reach(eqn: Any) -> list[int] | None:
+    """Per operand of a custom-derivative equation, the bitmask of the outputs its
+    derivative reaches through the rule (bit ``o``: output ``o``), or None when the rule
+    cannot be traced (it then counts as reaching everything).
+
+    Traced, never run: ``jax.jvp`` of the equation (``custom_jvp``), or ``jax.vjp``
+    (``custom_vjp``, which has no forward mode), as a function of its float operands, and
+    that jaxpr analysed with the tangents (cotangents) as its inputs. A tangent that
+    depends on none (JAX's symbolic zero for a ``None``, ``jnp.zeros_like``) reaches
+    nothing."""
+    from functree._tree import bounded_put
+
+    key = _jax_rule_key(eqn)
+    hit = _REACH.get(key if key is not None else id(eqn))
+    if hit is not None and (key is not None or hit[0] is eqn):
+        return hit[1]
+    try:
+        with warnings.catch_warnings():  # the user's rule runs once more here: its warnings are not news
+            warnings.simplefilter("ignore")
+            reach = _traced_reach(eqn)
+    except Exception:  # a rule JAX cannot differentiate here (Python control flow on a value)
+        reach = None
+    bounded_put(_REACH, key if key is not None else id(eqn), (eqn if key is None else None, reach))
+    return reach
+
+
+def _traced_reach(eqn: Any) -> list[int]:
+    avals = [v.aval for v in eqn.invars]
+    floats_in = [i for i, a in enumerate(avals) if is_inexact(a)]
+    floats_out = [o for o, v in enumerate(eqn.outvars) if is_inexact(v.aval)]
+    forward = eqn.primitive.name == "custom_jvp_call"
+
+    def of_floats(primals: list) -> Callable[..., list]:
+        def call(*xs: Any) -> list:
+            args = list(primals)
+            for i, x in zip(floats_in, xs):
+                args[i] = x
+            outs = compat.bind(eqn.primitive, eqn.params, args)
+            return [outs[o] for o in floats_out]
+        return call
+
+    def pushed_forward(primals: list, tangents: list) -> list:
+        return list(jax.jvp(of_floats(primals), [primals[i] for i in floats_in], tangents)[1])
+
+    def pulled_back(primals: list, cotangents: list) -> list:
+        _, pullback = jax.vjp(of_floats(primals), *[primals[i] for i in floats_in])
+        return list(pullback(cotangents))
+
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    seeds = [avals[i] for i in floats_in] if forward else [eqn.outvars[o].aval for o in floats_out]
+    closed = jax.make_jaxpr(pushed_forward if forward else pulled_back)(
+        [spec(a) for a in avals], [spec(a) for a in seeds]
+    )
+    bits = [State(1 << (k + 1), 0, 0, 0, frozenset(), False) for k in range(len(seeds))]
+    results = analyse(closed.jaxpr, closed.consts, [EMPTY] * len(avals) + bits, False)
+    # Any dependence counts: the rule is run, not differentiated (a round in it is a value).
+    deps = [0 if r.is_zero else (r.active | r.cut | r.quiet) >> 1 for r in results]
+    reach = [0] * len(avals)
+    for a, i in enumerate(floats_in):
+        for b, o in enumerate(floats_out):
+            if (deps[b] >> a & 1) if forward else (deps[a] >> b & 1):
+                reach[i] |= 1 << o
+    return reach

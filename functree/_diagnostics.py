@@ -16,9 +16,12 @@ traced again instead. The dependences propagated:
 * ``zeroed``: only through a product with a constant zero (a zero mask).
 
 Nested jaxprs (``jit``, ``remat``, ``cond``, ``while``, ``scan``) are analysed
-recursively, loops to a fixed point. Custom derivatives (``custom_jvp``/``custom_vjp``) and
-unknown primitives are assumed to depend differentiably on every input: the analysis can
-miss a zero derivative but never invents one. Formally, with ``A(v)`` the active inputs of
+recursively, loops to a fixed point. A custom derivative (``custom_jvp``/``custom_vjp``,
+``ft.derivative(of=)``) reaches the operands its rule gives a tangent or cotangent (its
+rule is traced, not its body: a straight-through ``round`` stays differentiable), and an
+operand it gives none (``None``, ``jnp.zeros_like``) is ``cut`` there; a rule that cannot
+be traced alone, and unknown primitives, are assumed to depend differentiably on every
+input: the analysis can miss a zero derivative but never invents one. Formally, with ``A(v)`` the active inputs of
 value ``v``, ``A(prim(u₁…uₙ)) = ⋃ A(uᵢ)`` for differentiable primitives, ``∅`` for
 zero-derivative ones (whose inputs move to ``cut``), and loop carries take the least fixed
 point of ``A(c) = A(c₀) ∪ A(body(c))``.
@@ -62,6 +65,7 @@ from functree._activity import (
     Origin,
     State,
     analyse,
+    cutting_at,
     is_inexact,
     is_known_zero,
     join_all,
@@ -311,7 +315,12 @@ def _ops(origins: frozenset[Origin], bits: int) -> list[Op]:
 
 
 def _format_ops(ops: Sequence[Op]) -> str:
-    return "\n".join(f"    {op.label} at {op.file}:{op.line}" for op in ops)
+    return "\n".join(f"    {op.label}" + (f" at {op.file}:{op.line}" if op.line else "") for op in ops)
+
+
+def _placed(ops: Sequence[Op], file: str, line: int) -> tuple[str, int]:
+    """Where a finding is warned: its first operation's line, else the function's."""
+    return next(((op.file, op.line) for op in ops if op.line), (file, line))
 
 
 class _Leaf(NamedTuple):
@@ -440,7 +449,7 @@ def _cut_finding(
         for leaf in cut
     )
     ops = _ops(total.origins, functools.reduce(lambda x, y: x | y, [leaf.bit for leaf in cut]))
-    where = (ops[0].file, ops[0].line) if ops else (file, line)
+    where = _placed(ops, file, line)
     message = NON_DIFFERENTIABLE_PARAMETERS.format(
         fn=fn, count=len(cut), what=group.what, names=listing + "\n" + _format_ops(ops)
     )
@@ -481,7 +490,7 @@ def _whole_function(
     paths = tuple(leaf.name for g in groups for leaf in g.leaves)
     if total.cut & bits:
         ops = _ops(total.origins, total.cut & bits)
-        where = (ops[0].file, ops[0].line) if ops else (file, line)
+        where = _placed(ops, file, line)
         message = NON_DIFFERENTIABLE.format(fn=fn, what=what, ops=_format_ops(ops))
         return [Finding(NonDifferentiableWarning, message, *where, paths)]
     if total.quiet & (bits | (MARK if result_marked else 0)) or quiet_constant:
@@ -817,6 +826,26 @@ def check(kind: str, fn: Any, g: Any, plan: Plan, has_aux: bool = False) -> Call
     for finding in report.findings:
         finding.emit()
     return (_replay(traced[0]) if traced else None) or g
+
+
+def reached(f: Any, g: Callable[..., Any], plan: Plan, names: frozenset[str]) -> tuple[Op, tuple[str, ...]] | None:
+    """The first equation of a primitive in ``names`` (a host callback, a while loop) that
+    differentiated leaves reach in ``g``'s program, and their dotted names; None when none
+    does (or ``g`` cannot be traced again). Read when JAX has refused to differentiate one."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the failed operator's own trace warned already
+            closed = jax.make_jaxpr(g)(*plan.primals)
+        with cutting_at(names):
+            total = _total(closed, len(closed.jaxpr.invars), call_data(plan).leaves, None)
+    except Exception:
+        return None
+    leaves = [leaf for group in _groups(f, plan) for leaf in group.leaves]
+    for origin in sorted(total.origins, key=lambda o: (o.op.file, o.op.line)):
+        found = tuple(leaf.name for leaf in leaves if leaf.bit & origin.bits)
+        if found and origin.op.label.strip("`") in names:
+            return origin.op, found
+    return None
 
 
 class UncoveredDerivativeError(TypeError):

@@ -34,8 +34,8 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+from functree import _activity, _diagnostics
 from functree import _compat as compat
-from functree import _diagnostics
 from functree._naming import broadcast
 from functree._operator_habits import aux_pair, check_function, named_keywords
 from functree._parameters import first_difference, is_parameter_leaf, parameters
@@ -363,6 +363,58 @@ def _explain_reverse_only(
         raise TypeError(message.format(op=op, fn=_fn_name(fn))) from e
 
 
+CALLBACK_NOT_DIFFERENTIABLE = """\
+ft.{op}: {fn} passes {count} differentiated parameter(s) to a host callback, which JAX \
+cannot differentiate (`{primitive}` at {where}):
+{names}
+Give the callback's function a derivative, or pass the callback values that are not \
+differentiated:
+
+    wrong:  y = jax.pure_callback(host_fn, shape, x)
+    right:  y = jax.pure_callback(host_fn, shape, ft.without_derivative(at=x))   # not trained through it
+       or:  on_host = ft.derivative(of=on_host)(rule)   # on_host(x) calls the callback; rule(x) returns (y, pullback)
+"""
+
+WHILE_NOT_REVERSE = """\
+ft.{op}: {fn} carries {count} differentiated parameter(s) through a jax.lax.while_loop \
+(at {where}), which reverse mode cannot differentiate (its number of steps is unknown \
+until it runs):
+{names}
+Loop a known number of times, or take the derivative in forward mode:
+
+    wrong:  jax.lax.while_loop(cond, body, carry)
+    right:  jax.lax.scan(lambda c, _: (body(c), None), carry, length=n)[0]   # or fori_loop(0, n, ...) with a Python n
+       or:  ft.differential(f, at=x)   # forward mode runs a while loop
+"""
+
+# (what JAX's ValueError says, the primitives that cause it, the explanation)
+_REFUSALS = (
+    ("callbacks do not support JVP", _activity.CALLBACKS, CALLBACK_NOT_DIFFERENTIABLE),
+    ("does not work for lax.while_loop", _activity.WHILE_LOOPS, WHILE_NOT_REVERSE),
+)
+
+
+@contextlib.contextmanager
+def _explain_refusal(op: str, fn: Callable[..., Any], g: Callable[..., Any], plan: Plan) -> Iterator[None]:
+    """Explain JAX's refusal to differentiate a host callback ("Pure callbacks do not
+    support JVP") or, in reverse mode, a while loop, by the key paths that reach it and
+    where it is (:data:`CALLBACK_NOT_DIFFERENTIABLE`, :data:`WHILE_NOT_REVERSE`), read from
+    ``g``'s program; any other error propagates as JAX raised it. Costs nothing when
+    differentiation succeeds."""
+    try:
+        yield
+    except ValueError as e:
+        for says, primitives, message in _REFUSALS:
+            found = _diagnostics.reached(fn, g, plan, primitives) if says in str(e) else None
+            if found is not None:
+                where, names = found
+                raise ValueError(message.format(
+                    op=op, fn=_fn_name(fn), count=len(names), primitive=where.label.strip("`"),
+                    where=f"{where.file}:{where.line}", names="\n".join(f"    {n}" for n in names),
+                )) from e
+        raise
+
+
 RESULT_WITH_AUX = """\
 {op} needs a scalar result, but {fn} returned a {kind}: {how}
     wrong:  {op}(loss_fn, at=model)              # loss_fn returns (loss, aux)
@@ -446,7 +498,8 @@ def _value_and_grad(
     g = plan.wrap(_check_scalar(f"ft.{op}", fn, has_aux))
     g = _diagnostics.check("gradient", fn, g, plan)  # the check's trace, replayed where it can be
     grad = jax.value_and_grad(g, argnums=plan.argnums, has_aux=has_aux, holomorphic=holomorphic)
-    return grad(*plan.primals)
+    with _explain_refusal(op, fn, g, plan):
+        return grad(*plan.primals)
 
 
 @named_keywords
@@ -513,7 +566,8 @@ def _vjp(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: bool) 
     plan = Plan(op, fn, args, wrt)
     g = plan.wrap(aux_pair(op, fn, has_aux))
     g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
-    out = jax.vjp(g, *plan.primals, has_aux=has_aux)
+    with _explain_refusal(op, fn, g, plan):
+        out = jax.vjp(g, *plan.primals, has_aux=has_aux)
 
     def pullback_fn(cotangent: Any) -> Any:
         return plan.result(out[1](_result_cotangent(f"ft.{op}", out[0], cotangent)))
@@ -572,7 +626,7 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
     with _forward_mode():
         g = _diagnostics.check("differential", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
         _refuse_reverse_only(op, fn, g, plan.primals)  # reads the replayed trace: no Python run again
-        with _explain_reverse_only(op, fn, g, plan.primals):
+        with _explain_reverse_only(op, fn, g, plan.primals), _explain_refusal(op, fn, g, plan):
             out = jax.linearize(g, *plan.primals, has_aux=has_aux)
 
     advice = _DIFFERENTIAL if plan.patterns is None else _DIFFERENTIAL._replace(outside=_OUTSIDE.format(

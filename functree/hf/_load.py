@@ -555,7 +555,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     loader leaves them, with :class:`UnreadTensorsWarning` naming them; any other tensor
     the model has not is refused (it may be a layer the config lacks). A directory whose ``config.json`` names only uncovered task classes in
     ``architectures`` (``Qwen2ForSequenceClassification``) is refused naming its body, the
-    part functree ports. ``from_hf(config, key=key)`` without weights builds the model with
+    part functree ports; another covered family's class there (a llama file naming
+    ``MistralForCausalLM``) builds the model type's class, as ``AutoModelForCausalLM`` does.
+    ``from_hf(config, key=key)`` without weights builds the model with
     Hugging Face's initialization, as ``AutoModelForCausalLM.from_config(config)`` does (to
     train from scratch): weight matrices and embeddings ``normal(0, initializer_range)``,
     GPT-2's residual projections scaled by ``1 / sqrt(2 * n_layer)``, biases zero, the
@@ -881,8 +883,12 @@ def _check_architectures(config: Any, directory: Any) -> None:
             or not listed:
         return
     covered = COVERED[model_type]
+    # Another covered family's class (MistralForCausalLM in a llama config.json: a file edited or
+    # converted by hand) is no task head: AutoModelForCausalLM builds the model type's class from it
+    # (architectures unread), and so does from_hf. Was refused as an uncovered class, the message
+    # naming it among the covered ones.
     task = [a for a in listed if isinstance(a, str) and a != covered and a not in TASKS
-            and ("For" in a or a.endswith("HeadModel") or a.endswith("HeadsModel"))]
+            and a not in COVERED.values() and ("For" in a or a.endswith("HeadModel") or a.endswith("HeadsModel"))]
     if len(task) < len(listed):  # the covered class, or a base model (its directory loads)
         return
     prefix = _BODY_PREFIX.get(model_type, "model")

@@ -143,7 +143,46 @@ read rather than perhaps the stale ones.
             ft.nn.from_hf(hf_config, {path!r} + "/model.safetensors")   # or name the file meant
 """
 
+PICKLED_DIRECTORY = """\
+{caller}: the directory {path!r} holds its weights as torch pickles ({files}), not as \
+model.safetensors: a checkpoint saved by transformers before safetensors was its default \
+(save_pretrained(..., safe_serialization=False)). functree never unpickles a file: unpickling \
+runs whatever code the file names. Read {them} with torch's restricted loader and pass the state \
+dict, or convert the directory once.
+
+    wrong:  {wrong}
+    right:  {load}
+            {right}
+       or:  transformers.AutoModelForCausalLM.from_pretrained({path!r}).save_pretrained(new_path)   # writes model.safetensors"""
+
 INDEX_NAME, SINGLE_NAME = "model.safetensors.index.json", "model.safetensors"
+# transformers' names of a torch-pickle checkpoint (one file, or shards and their index)
+PICKLE_NAME, PICKLE_INDEX_NAME = "pytorch_model.bin", "pytorch_model.bin.index.json"
+
+
+def _pickled_directory(where: str, caller: str) -> ValueError | None:
+    """:data:`PICKLED_DIRECTORY` where the directory ``where`` (holding no safetensors
+    checkpoint) holds transformers' torch-pickle checkpoint: ``pytorch_model.bin``, or the
+    shards ``pytorch_model-00001-of-00002.bin`` ... beside their index; else None. The files
+    are named, never opened."""
+    names = sorted(os.listdir(where))
+    pickles = [n for n in names if n.startswith("pytorch_model") and n.endswith(".bin")]
+    if not pickles:
+        return None
+    if PICKLE_INDEX_NAME in names or len(pickles) > 1:  # shards: every one of them read
+        load = (f"weights = {{k: v for shard in sorted(glob.glob(os.path.join({where!r}, 'pytorch_model*.bin')))\n"
+                "                       for k, v in torch.load(shard, weights_only=True).items()}")
+        them = "each shard"
+    else:
+        load = f"weights = torch.load(os.path.join({where!r}, {pickles[0]!r}), weights_only=True)"
+        them = "it"
+    shown = ", ".join(pickles[:3]) + (f", ... ({len(pickles)} files)" if len(pickles) > 3 else "")
+    if caller == "ft.nn.from_hf":  # the directory still gives the config (its config.json)
+        wrong, right = f"ft.nn.from_hf({where!r})", f"model = ft.nn.from_hf({where!r}, weights)   # its config.json, these weights"
+    else:
+        wrong, right = f"{caller}(model, {where!r})", f"model = {caller}(model, weights)"
+    return ValueError(PICKLED_DIRECTORY.format(caller=caller, path=where, files=shown, them=them, load=load,
+                                               wrong=wrong, right=right))
 
 
 # An empty tensor's other sizes: the library reads [0, 2**62] (no bytes), NumPy makes no such
@@ -320,6 +359,9 @@ def load_checkpoint(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> d
             return load_index(index, caller)
         if os.path.isfile(single):
             return load_file(single, caller)
+        pickled = _pickled_directory(where, caller)  # (named, never opened)
+        if pickled is not None:
+            raise pickled
         raise ValueError(NO_CHECKPOINT.format(caller=caller, path=where, found=sorted(os.listdir(where))[:8]))
     if where.endswith(".json"):
         return load_index(where, caller)

@@ -70,6 +70,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import itertools
@@ -81,14 +82,18 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from functree._collisions import refuse_collisions, str_keys_only
+from functree._fields import STATIC, field_kind
 from functree._tree import bounded_put, cached, dotted_name, is_none, join_names
 
 __all__ = [
     "LeafInfo", "leaf_infos", "names", "member_names", "matches", "rename_pattern", "fill_stars", "selection",
     "closest", "suggestion", "check_patterns", "member_rule_names", "NothingSelected", "refuse_batched_members",
-    "refuse_batched_selection", "is_tied", "resolve_alias", "tie_targets", "untransform",
+    "refuse_batched_selection", "is_tied", "resolve_alias", "tie_targets", "untransform", "TIE_SPLIT", "split_tie", "refuse_split_tie", "TIED_HEAD",
+    "tied_head", "STATIC_FIELD", "static_field", "ALIAS_SPLIT",
+    "refuse_split_alias",
 ]
 
 SELECTS_NOTHING = """\
@@ -121,6 +126,267 @@ A member selection of shape {selection} (members of an ft.nn.Stack) meets a leaf
 jax.vmap) takes member patterns inside jax.vmap, one model at a time:
     wrong:  ft.gradient(loss, wrt="blocks.1.*")(ensemble)
     right:  jax.vmap(ft.gradient(loss, wrt="blocks.1.*"))(ensemble)"""
+
+
+TIE_SPLIT = """\
+{what}: the pattern {pattern!r} selects the tied parameter {stored!r} by its tie name {hit!r} \
+but not by its own name {miss!r}. A tie is one tensor (torch's one Parameter): one learning \
+rate, one decay, trained or frozen under both names, and torch's recipes disagree here: \
+model.<module>.parameters() holds the tie, a filter over named_parameters() (which names it \
+once, by its own name) does not. Say which: by its own name (or an exact name, no glob \
+characters), or keep the glob off it:
+    wrong:  {wrong}
+    right:  {right}
+       or:  {other}"""
+
+
+TIED_HEAD = """\
+{what}: the pattern {pattern!r} names the output head {head!r}, which holds no weight of its \
+own: the model ties it to its token embedding {embedding!r} (torch's {head}.weight is that \
+one Parameter), so the pattern selects no parameter{silently}. Name the embedding, which is \
+the head's weight:
+    wrong:  {pattern!r}
+    right:  {right!r}"""
+
+
+STATIC_FIELD = """\
+{what}: the pattern {pattern!r} names {name!r}, the static field {field!r} of {cls} \
+(ft.field(static=True): configuration kept in the tree definition, a Python value with no \
+gradient, no optimizer state and no decay), so it selects no parameter. Select the layer's \
+parameters, or make the field one (an array field without static=True) to train it:
+    wrong:  {pattern!r}
+    right:  {right!r}"""
+
+
+def static_field(tree: Any, pattern: str, whole: bool = False) -> tuple[str, str, str] | None:
+    """``(name, class name, field)`` of the first static field (``ft.field(static=True)``)
+    of a Module in ``tree`` that ``pattern`` selects by its dotted name (a Stack's by its
+    stacked and member names: ``blocks.layers.alpha``, ``blocks.1.alpha``; ``whole``: the
+    whole name only), else None.
+    Static fields are no leaves: read for an error only.
+
+    Example:
+      >>> import functree as ft, jax
+      >>> from functree._naming import static_field
+      >>> model = {"q": ft.nn.lora(ft.nn.Dense(2, 2, key=jax.random.key(0)), "*", rank=1, key=jax.random.key(1))}
+      >>> static_field(model, "*.alpha")
+      ('q.alpha', 'LoraDense', 'alpha')
+    """
+    test = _whole if whole else matches
+    for name, cls, field in _static_names(tree, ""):
+        if test(name, pattern):
+            return name, cls, field
+    return None
+
+
+def _static_names(node: Any, prefix: str) -> Iterator[tuple[str, str, str]]:
+    """Every static field's dotted name under ``node`` (named ``prefix``), with its class
+    and field name; a stacked node's under its stacked and member names."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            name = join_names(prefix, f.name)
+            if field_kind(f) == STATIC:
+                yield name, type(node).__name__, f.name
+            elif f.init or hasattr(node, f.name):
+                inner = list(_static_names(getattr(node, f.name, None), name))
+                yield from inner
+                if is_stacked(node) and f.name == "layers":
+                    for i in range(len(node)):  # pyright: ignore[reportArgumentType]
+                        yield from ((join_names(prefix, str(i)) + n[len(name):], c, k) for n, c, k in inner)
+        return
+    if isinstance(node, (list, tuple, dict)):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, child in items:
+            yield from _static_names(child, join_names(prefix, str(k)))
+
+
+ALIAS_SPLIT = """\
+{what}: the leaves {first!r} and {second!r} hold one array object (one layer object used at \
+both places: torch's tie, one Parameter), and {pattern!r} selects {selected!r} but not \
+{other!r}. Torch trains that one tensor once, in one group; here the two leaves would \
+train apart, as two copies, each its own way. Tie them (one leaf, both names), then name \
+the tie by its own name ({first_node!r}):
+    wrong:  model = {cls}({first_node}=layer, {second_node}=layer)
+    right:  model = ft.nn.Shared({cls}({first_node}=layer, {second_node}=layer), {{{second_node!r}: {first_node!r}}})"""
+
+
+def refuse_split_alias(tree: Any, chosen: Sequence[Any], pattern_of: Callable[[int], str], what: str) -> None:
+    """:data:`ALIAS_SPLIT` where two leaves of ``tree`` (``None`` leaves counted, JAX order)
+    are one array object (a layer object used twice: no ``ft.nn.Shared``) and ``chosen``
+    (one entry per leaf: a label, True/False or a member array) differs between them;
+    ``pattern_of(i)`` names the pattern that chose leaf ``i``. Concrete arrays only (a
+    traced tree holds no aliases)."""
+    seen: dict[int, int] = {}
+    leaves = jax.tree.leaves(tree, is_leaf=is_none)
+    for j, leaf in enumerate(leaves):
+        if not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
+            continue
+        i = seen.setdefault(id(leaf), j)
+        a, b = chosen[i], chosen[j]
+        if i == j or (a == b if isinstance(a, str) or isinstance(b, str) else np.array_equal(a, b)):
+            continue
+        names_ = leaf_infos(tree)
+        first, second = names_[i].name, names_[j].name
+        picked = i if (isinstance(a, str) and a != "<default>") or (not isinstance(a, str) and np.any(a)) else j
+        first_node, second_node = _alias_nodes(first, second)
+        owner = _owner(tree, first_node)
+        raise ValueError(ALIAS_SPLIT.format(
+            what=what, first=first, second=second, pattern=pattern_of(picked), selected=names_[picked].name,
+            other=names_[j if picked == i else i].name, first_node=first_node, second_node=second_node,
+            cls=owner))
+
+
+def _alias_nodes(first: str, second: str) -> tuple[str, str]:
+    """The layers two aliased leaves sit in: their names without the common last parts
+    (``a.weight``, ``b.weight`` -> ``a``, ``b``)."""
+    x, y = first.split("."), second.split(".")
+    k = 0
+    while k < min(len(x), len(y)) - 1 and x[len(x) - 1 - k] == y[len(y) - 1 - k]:
+        k += 1
+    return ".".join(x[: len(x) - k]), ".".join(y[: len(y) - k])
+
+
+def _owner(tree: Any, node: str) -> str:
+    """The class name of the node holding ``node`` (its parent), for the message's code."""
+    parent = tree
+    for part in node.split(".")[:-1]:
+        parent = parent[int(part)] if isinstance(parent, (list, tuple)) else (
+            parent[part] if isinstance(parent, dict) else getattr(parent, part, None))
+    return type(parent).__name__
+
+
+def tied_head(tree: Any, pattern: str, picked: Sequence[Any], leaves: Sequence[Any]) -> str | None:
+    """:data:`TIED_HEAD`'s fields ``(head, embedding)`` where ``pattern`` names a model's
+    output head (the registered :data:`FOREIGN_NAMES` head: a ``from_hf`` LM's ``lm_head``)
+    and selects no array but the head's own (``picked``: its selection per leaf of
+    ``leaves``; a tied head's bias, Phi's), the head holding no ``weight`` of its own
+    (tied: its slot ``None``, or a bias alone); else None."""
+    infos = leaf_infos(tree)
+    hits = [i.name for i, c, x in zip(infos, picked, leaves) if np.any(c) and x is not None]
+    if len(hits) > 2:  # (a head holds a weight and a bias: more selects more than a head)
+        return None
+    try:
+        head = foreign_names(tree).head
+    except Exception:  # (an error message's helper: never a second error in its place)
+        return None
+    if head is None or not (matches(f"{head}.weight", pattern) or matches(head, pattern)):
+        return None
+    if any(not matches(n, head) for n in hits):
+        return None  # the pattern selects more than the head
+    if any(matches(n, f"{head}.weight") and x is not None for i, x in zip(infos, leaves) for n in (i.name, *i.aliases)):
+        return None  # a head with a weight of its own
+    tables = [(np.shape(x)[0], i.name) for i, x in zip(infos, leaves)
+              if x is not None and i.name.endswith("embeddings") and np.ndim(x) == 2]
+    return None if not tables else max(tables)[1]  # the vocabulary: the largest table
+
+
+def _tie_names(info: LeafInfo) -> list[tuple[str, tuple[str, ...]]]:
+    """``(stored name, tie names)`` of each tied parameter of a leaf (each member of a
+    stacked one): the names it answers to through an ``ft.nn.Shared`` (two or more: its
+    source's and each target's); ``[]`` for a leaf that no tie names twice."""
+    if info.sizes:
+        if len(info.member_aliases) < 2:
+            return []
+        return [(_member_name(info, idx), tuple(_member_name(a, idx) for a in info.member_aliases))
+                for idx in itertools.product(*(range(n) for n in info.sizes))]
+    return [(info.name, info.aliases)] if len(info.aliases) > 1 else []
+
+
+def tie_fix(tree: Any, pattern: str, only: Sequence[bool] | None = None) -> tuple[str, ...]:
+    """The names ``pattern`` selects besides the ties (a tied parameter's: :func:`split_tie`),
+    by the name the pattern matches (a member's where it selects members): the glob kept off
+    the ties, ``("head.bias",)`` for ``"head.*"``."""
+    infos = leaf_infos(tree)
+    if only is None:
+        only = [x is not None for x in jax.tree.leaves(tree, is_leaf=is_none)]
+    out: list[str] = []
+    for info, ok in zip(infos, only):
+        if not ok or _tie_names(info):  # a tie (another member's: split alike) is no name to keep
+            continue
+        whole = [n for n in _leaf_names(info) if matches(n, pattern)]
+        if whole and not info.sizes:
+            out.append(next((n for n in whole if n != info.name), whole[0]))
+            continue
+        forms = (info, *info.member_aliases)
+        hits = [i for i, form in enumerate(forms) if whole or _member_hits(form, pattern).all()]
+        if hits:  # every member: one glob over them (h.*.head.bias)
+            out.append(_member_glob(forms[hits[-1] if len(hits) > 1 else hits[0]]))
+            continue
+        for idx in itertools.product(*(range(n) for n in info.sizes)):
+            own = [_member_name(i, idx) for i in forms]
+            if any(matches(n, pattern) for n in own):
+                out.append(next((n for n in own[1:] if matches(n, pattern)), own[0]))
+    return tuple(out)
+
+
+def _member_glob(info: LeafInfo) -> str:
+    """Every member name of a stacked leaf as one glob, ``*`` for each index: ``h.*.head.bias``."""
+    return _member_name(info, ["*"] * len(info.sizes))  # type: ignore[list-item]
+
+
+def refuse_split_tie(tree: Any, patterns: Sequence[str], what: str, code: Callable[[tuple[str, ...]], str],
+                     only: Sequence[bool] | None = None) -> None:
+    """:data:`TIE_SPLIT` where ``patterns`` (one choice: trained, frozen, decayed) select a
+    tied parameter by a tie target's name only (:func:`split_tie`); ``code(patterns)``
+    writes the call that takes them (``ft.optim.freeze('head.*')``) for the message's lines:
+    the tie added by its own name, or the glob kept off it (:func:`tie_fix`)."""
+    found = split_tie(tree, patterns, only)
+    if found is None:
+        return
+    pattern, stored, hit, miss = found
+    kept = tuple(p for p in patterns if p != pattern) + tie_fix(tree, pattern, only)
+    raise ValueError(TIE_SPLIT.format(
+        what=what, pattern=pattern, stored=stored, hit=hit, miss=miss, wrong=code(tuple(patterns)),
+        right=f"{code((*patterns, miss))}   # the tie too, by its own name",
+        other=(f"{code(kept)}   # the glob kept off the tie" if kept
+               else f"leave {pattern!r} out (it selects the tie alone): the tie left out")))
+
+
+def _torch_spellings(name: str) -> tuple[str, ...]:
+    """``name`` and its spellings in torch's leaf names (an embedding's ``embeddings`` is
+    torch's ``weight``): ``"*.weight"`` selects a tie by ``embed.embeddings`` too, as torch's
+    ``embed.weight``."""
+    head, _, leaf = name.rpartition(".")
+    torch = [t for t, ours in _SYNONYMS.items() if leaf in ours and t in ("weight", "bias")]
+    return (name, *(f"{head}.{t}" if head else t for t in torch))
+
+
+def split_tie(tree: Any, patterns: Sequence[str],
+              only: Sequence[bool] | None = None) -> tuple[str, str, str, str] | None:
+    """``(pattern, stored name, a name selected, its source's name)`` for the first tied
+    parameter of ``tree`` that ``patterns`` select by a tie target's name only (a glob, or
+    a dotted prefix: ``"head.*"``, ``"head"`` select ``head.weight``), not by its source's
+    (``embed.embeddings``), where neither its stored name nor an exact tie name is given;
+    None when every tie is selected by its source's name or not at all. Torch's recipes
+    disagree there: ``model.head.parameters()`` holds the tie, a filter over
+    ``named_parameters()`` does not (it names the tie once, by its first module: the
+    source's); selected by the source's name, both hold it.
+
+    Example:
+      >>> import functree as ft, jax, jax.numpy as jnp
+      >>> from functree._naming import split_tie
+      >>> class LM(ft.Module):
+      ...     embed: ft.nn.Embedding
+      ...     head: ft.nn.Dense
+      >>> lm = ft.nn.Shared(LM(ft.nn.Embedding(5, 2, key=jax.random.key(0)), ft.nn.Dense(2, 5, key=jax.random.key(1))),
+      ...                   {"head.weight": ("embed.embeddings", jnp.transpose)})
+      >>> split_tie(lm, ("head.*",))
+      ('head.*', 'model.embed.embeddings', 'head.weight', 'embed.embeddings')
+      >>> split_tie(lm, ("embed.*",)), split_tie(lm, ("head.*", "embed.*")), split_tie(lm, ("head.weight",))
+      (None, None, None)
+    """
+    infos = leaf_infos(tree)
+    for info, ok in zip(infos, only if only is not None else [True] * len(infos)):
+        for stored, ties in _tie_names(info) if ok else []:
+            picked = [p for p in patterns if any(matches(n, p) for n in (stored, *ties))]
+            if not picked or any(p in (stored, *ties) or matches(stored, p) for p in picked):
+                continue  # not selected, or by its own name: the one tensor
+            source = ties[0]  # the tie's own name, torch's (its first module's) in named_parameters()
+            if not any(matches(m, p) for p in picked for m in _torch_spellings(source)):
+                pattern = next(p for p in picked if any(matches(n, p) for n in ties))
+                own = _member_glob(info.member_aliases[0]) if info.sizes else source  # every member's
+                return pattern, stored, next(n for n in ties if matches(n, pattern)), own
+    return None
 
 
 def refuse_batched_members(stack: Any, path: str, stack_name: str) -> None:
@@ -539,9 +805,13 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
         return out
     refuse_collisions(tree, [all_names([i]) for i in infos], what)
     chosen: list[Any] = [False] * len(infos)
+    leaves = jax.tree.leaves(tree, is_leaf=is_none)
     for pattern in patterns:
         picks = [_leaf_selection(i, pattern, whole) if ok else False for i, ok in zip(infos, only)]
+        if strict:
+            _refuse_tied_head(tree, pattern, picks, leaves, what)
         if strict and not any(np.any(p) for p in picks):
+            _refuse_static_field(tree, pattern, infos, only, what, whole)
             raise nothing_selected(pattern, what, kind, [i for i, ok in zip(infos, only) if ok],
                                    foreign=foreign_pattern(tree, pattern, only))
         chosen = [_combine(c, p, np.logical_or) for c, p in zip(chosen, picks)]
@@ -555,6 +825,40 @@ def selection(tree: Any, patterns: Sequence[str], exclude: Sequence[str] = (), *
         bounded_put(_SELECTIONS, key, out)
     refuse_batched_selection(tree, out, patterns + exclude)
     return out
+
+
+def _refuse_tied_head(tree: Any, pattern: str, picks: Sequence[Any], leaves: Sequence[Any], what: str) -> None:
+    """:data:`TIED_HEAD` for a pattern naming a tied output head (:func:`tied_head`): it had
+    selected the head's empty slot, no parameter, and in ``ft.optim.groups`` / ``freeze`` /
+    ``exclude`` (whose patterns may name non-parameters) nothing was said."""
+    embedding = tied_head(tree, pattern, picks, leaves)
+    if embedding is None:
+        return
+    head = foreign_names(tree).head
+    held = [i.name for i, p, x in zip(leaf_infos(tree), picks, leaves) if np.any(p) and x is not None]
+    silently = (f" but the head's own {', '.join(map(repr, held))}" if held
+                else "" if not any(np.any(p) for p in picks) else " (only the head's empty slot)")
+    right: Any = embedding if not _GLOB.search(pattern) else embedding.rpartition(".")[0] + ".*"
+    right = (pattern, right) if held else right  # the head's bias too: both
+    raise ValueError(TIED_HEAD.format(what=what, pattern=pattern, head=head, embedding=embedding,
+                                      silently=silently, right=right))
+
+
+def _refuse_static_field(tree: Any, pattern: str, infos: Sequence[LeafInfo], only: Sequence[bool], what: str,
+                         whole: bool) -> None:
+    """:data:`STATIC_FIELD` for a pattern that selects nothing but a static field: its
+    "closest name" had been another parameter (``*.alpha`` -> ``*.lora_a``), as if a typo.
+    A pattern naming a node of leaves (``"film.scale"`` matched ``whole``) is no such case."""
+    if any(matches(n, pattern) for n in all_names(infos)):
+        return
+    found = static_field(tree, pattern, whole)
+    if found is None:
+        return
+    name, cls, field = found
+    layer = name[: -len(field) - 1] if name != field else ""
+    right = f"{layer}.*" if layer and any(matches(n, f"{layer}.*") for i, ok in zip(infos, only) if ok
+                                          for n in all_names([i])) else "*"
+    raise ValueError(STATIC_FIELD.format(what=what, pattern=pattern, name=name, field=field, cls=cls, right=right))
 
 
 def refuse_batched_selection(tree: Any, chosen: Sequence[Any], patterns: Sequence[str]) -> None:

@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _errors import raises_named
 from _hypothesis import examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import functree as ft
 from functree import _naming, _stacked
+from functree._naming import TIE_SPLIT
 
 
 class Pair(ft.Module):
@@ -166,11 +168,18 @@ def test_a_stack_of_tied_blocks_selects_as_the_blocks_one_by_one(n, transposed, 
 
 
 def test_groups_treat_a_tied_weight_alike_inside_and_outside_a_stack():
+    """A group glob selecting a tie by its target's name only (``"*.head.*"``: ``head.weight``,
+    not ``emb.weight``) is refused alike inside and outside a Stack (torch's recipes put it
+    in either group); named by its own name, the tie is in the head's group alike."""
     blocks = [tied_pair(k, False) for k in jax.random.split(jax.random.key(0), 2)]
-    tx = ft.optim.groups({"*.head.*": optax.sgd(0.0)}, default=optax.sgd(1.0))
-    for model, weight in [({"h": blocks[0]}, lambda u: u["h"].model.emb.weight),
-                          ({"h": ft.nn.Stack.from_layers(blocks)}, lambda u: u["h"].layers.model.emb.weight)]:
+    for model, weight, fix in [({"h": blocks[0]}, lambda u: u["h"].model.emb.weight, ("h.head.bias", "h.emb.weight")),
+                               ({"h": ft.nn.Stack.from_layers(blocks)}, lambda u: u["h"].layers.model.emb.weight,
+                                ("h.*.head.bias", "h.*.emb.weight"))]:
         params = ft.parameters(model)
+        right = "{" + ", ".join(f"{p!r}: tx" for p in fix) + "}, default=...)"
+        raises_named(lambda p=params: ft.optim.groups({"*.head.*": optax.sgd(0.0)}, default=optax.sgd(1.0)).init(p),
+                     ValueError, TIE_SPLIT, right)
+        tx = ft.optim.groups({p: optax.sgd(0.0) for p in fix}, default=optax.sgd(1.0))
         updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
         np.testing.assert_allclose(weight(updates), 0.0, rtol=0, atol=0)  # the head's group: sgd(0)
 

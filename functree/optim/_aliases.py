@@ -47,7 +47,13 @@ import numpy as np
 import optax
 
 from functree._alias import check_stale
-from functree._naming import NothingSelected, check_patterns, right_name, selection
+from functree._naming import (
+    NothingSelected,
+    check_patterns,
+    refuse_split_tie,
+    right_name,
+    selection,
+)
 from functree._parameters import field_mask, selected
 from functree._tree import is_none
 from functree.optim._checks import MOMENT_FIELDS, moment_fields  # noqa: F401  (MOMENT_FIELDS: read here before)
@@ -183,6 +189,9 @@ def _decay_mask_named(params: Any, exclude: tuple[str, ...], where: str) -> Any:
     globs = tuple(e for e in exclude if e != DECLARED and not e.startswith(LEAF))
     leaf_globs = tuple(e[len(LEAF):] for e in exclude if e.startswith(LEAF))
     _check_excludes(params, exclude, where)
+    # a tie excluded by a target's name only ("head.*": head.weight, not embed.embeddings): refused
+    refuse_split_tie(params, globs, where, lambda given: f"{where}(..., exclude={given!r})",
+                     only=[x is not None for x in jax.tree.leaves(params, is_leaf=is_none)])
     by_name = selected(params, ("*",), globs, strict=False, exclude_whole=leaf_globs)
     if DECLARED not in exclude:
         return jax.tree.map(lambda m: _decayed_where(m, False), by_name, is_leaf=is_none)

@@ -10,7 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._naming import broadcast, leaf_infos, member_names, required_selection, selection
+from functree._naming import (
+    TIE_SPLIT,
+    broadcast,
+    leaf_infos,
+    matches,
+    member_names,
+    refuse_split_alias,
+    required_selection,
+    selection,
+    split_tie,
+    tie_fix,
+)
 from functree._tree import bounded_put, cached, is_none
 from functree.optim._checks import group_kinds
 from functree.optim._masked import partition_members
@@ -183,13 +194,54 @@ def _labels(params: Any, patterns: tuple[str, ...], has_default: bool) -> tuple[
         if np.any(count > 1):
             at = int(np.argmax(np.ravel(count > 1)))
             both = [p for p, h in hits if np.ravel(np.broadcast_to(h, np.shape(count)))[at]]
-            raise ValueError(AMBIGUOUS.format(name=_where(info, count, at), first=both[0], second=both[1]))
+            raise ValueError(AMBIGUOUS.format(name=_where(info, count, at), first=both[0], second=both[1])
+                             + _tie_names_hint(params, info, both[:2]))
         if np.any(count == 0) and not has_default:
             at = _where(info, count, int(np.argmax(np.ravel(count == 0))))
             raise ValueError(UNMATCHED.format(name=at, patterns=", ".join(map(repr, patterns))))
         whole = [p for p, h in hits if h.ndim == 0]
         labels.append(whole[0] if whole else DEFAULT_LABEL if not hits else None)
+    _refuse_split_ties(params, patterns, [x is not None for x in leaves], has_default)
+    # a layer object used twice: its leaves one array, each in its group (a member split: its members')
+    keys = [lab if lab is not None else repr([np.asarray(s[k]).tolist() for s in picks]) for k, lab in enumerate(labels)]
+    refuse_split_alias(params, keys, lambda k: next((p for p, s in zip(patterns, picks) if np.any(s[k])), "default"),
+                       "ft.optim.groups")
     return labels, treedef, picks
+
+
+def _tie_names_hint(params: Any, info: Any, patterns: list[str]) -> str:
+    """For a tied parameter (``ft.nn.Shared``) in two groups: the name each pattern selects
+    it by (``'embed.*'`` by ``embed.embeddings``, ``'head.*'`` by ``head.weight``), one
+    tensor under both, and the second glob kept off it; "" for other leaves."""
+    if len(info.aliases) < 2 or info.sizes:
+        return ""
+    by = [next((n for n in (info.name, *info.aliases) if matches(n, p)), info.name) for p in patterns]
+    kept = tie_fix(params, patterns[1])
+    entries = ", ".join(f"{k!r}: ..." for k in (patterns[0], *kept[:3]))
+    return (f"It is one tied tensor (ft.nn.Shared): {patterns[0]!r} selects it by its name {by[0]!r}, "
+            f"{patterns[1]!r} by {by[1]!r}. One group holds it; keep the other's glob off it:\n"
+            f"    right:  ft.optim.groups({{{entries}}}, ...)\n")
+
+
+def _refuse_split_ties(params: Any, patterns: tuple[str, ...], only: list[bool], has_default: bool) -> None:
+    """:data:`TIE_SPLIT` for a group pattern selecting a tied parameter by one of its names
+    and not by another (``"head.*"``: ``head.weight``, not ``embed.embeddings``): torch's
+    name filters put it where its first module's name goes, ``module.parameters()`` where
+    the head's go; say which with an exact name."""
+    for pattern in patterns:
+        found = split_tie(params, (pattern,), only)
+        if found is None:
+            continue
+        _, stored, hit, miss = found
+        kept = tie_fix(params, pattern, only)
+        rest = ", default=...)" if has_default else ", ...)"
+        entries = "".join(f"{k!r}: tx, " for k in kept[:3]) + ("..., " if len(kept) > 3 else "")
+        raise ValueError(TIE_SPLIT.format(
+            what="ft.optim.groups", pattern=pattern, stored=stored, hit=hit, miss=miss,
+            wrong=f"ft.optim.groups({{{pattern!r}: tx}}{rest}",
+            right=f"ft.optim.groups({{{entries}{miss!r}: tx}}{rest}   # the tie in this group, by its own name",
+            other=(f"ft.optim.groups({{{entries[:-2]}}}{rest}   # the tie in another group" if kept
+                   else f"ft.optim.groups({{...}}{rest}   # no group of its own: the tie with the others")))
 
 
 def groups(

@@ -21,9 +21,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from functree._naming import NothingSelected, broadcast, names, selection
-from functree._parameters import parameters
+from functree._naming import (
+    NothingSelected,
+    broadcast,
+    names,
+    refuse_split_alias,
+    refuse_split_tie,
+    selection,
+)
+from functree._parameters import is_parameter_leaf, parameters
 from functree._tree import is_none
 from functree.optim._masked import is_partial
 
@@ -44,6 +52,13 @@ dotted names such as {examples}.
     right:  ft.optim.Optimizer(tx, wrt="{first}"){why}
 """
 
+SELECTS_NON_PARAMETERS = """\
+Optimizer(wrt={pattern!r}) selects {name!r}, which is no parameter ({why}): it is carried, \
+never differentiated nor updated, so wrt= has nothing of it to train. Select parameters:
+    wrong:  ft.optim.Optimizer(tx, wrt={pattern!r})
+    right:  ft.optim.Optimizer(tx, wrt="{example}")   # a parameter; or make the field one (no no_derivative=True)
+"""
+
 # The reason given beside the fix: the names it selects, when they are not the pattern's own.
 FOREIGN_FIX = "  # Hugging Face's {pattern!r}, in functree's names"
 AN_EXAMPLE = "  # a name above (no parameter's name is close): say which you mean"
@@ -59,21 +74,63 @@ def check_wrt(wrt: Any) -> tuple[str, ...] | None:
     raise TypeError(BAD_WRT.format(given=wrt))
 
 
-def _chosen(view: Any, leaves: list[Any], patterns: tuple[str, ...]) -> tuple[Any, ...]:
+def _chosen(view: Any, leaves: list[Any], patterns: tuple[str, ...], model: Any = None) -> tuple[Any, ...]:
     """Per leaf of the parameter view: True, False or a member array (cached by the
     naming layer per tree definition); every pattern selects some parameter."""
     only = tuple(leaf is not None for leaf in leaves)
     try:
-        return selection(view, patterns, what="Optimizer(wrt=)", only=only)
+        chosen = selection(view, patterns, what="Optimizer(wrt=)", only=only)
     except NothingSelected as e:
         if e.out_of_range is not None:
             raise ValueError(e.out_of_range) from None
+        _refuse_non_parameters(model, e.pattern, view, only)
         examples = e.close or [n for n, ok in zip(names(view), only) if ok][:3]
         if e.suggestion is not None:
             first, why = e.suggestion, FOREIGN_FIX.format(pattern=e.pattern) if e.foreign else ""
         else:
             first, why = (examples[0] if examples else "*"), AN_EXAMPLE
         raise ValueError(SELECTS_NOTHING.format(pattern=e.pattern, examples=examples, first=first, why=why)) from None
+    _refuse_split_tie(view, patterns, only)
+    refuse_split_alias(view, chosen, lambda k: next(p for p in patterns if np.any(selection(
+        view, (p,), what="Optimizer(wrt=)", only=only, strict=False)[k])), "Optimizer(wrt=)")
+    return chosen
+
+
+def _refuse_non_parameters(model: Any, pattern: str, view: Any, only: tuple[bool, ...]) -> None:
+    """:data:`SELECTS_NON_PARAMETERS` where ``pattern`` selects leaves of ``model`` that are
+    no parameters (a ``no_derivative`` field, an integer array): its "closest name" had
+    been some parameter's, "no parameter's name is close", as if a typo."""
+    if model is None:
+        return
+    hits = selection(model, (pattern,), what="Optimizer(wrt=)", strict=False)
+    leaves = jax.tree.leaves(model, is_leaf=is_none)
+    found = next((i for i, (h, x) in enumerate(zip(hits, leaves)) if np.any(h) and x is not None), None)
+    if found is None:
+        return
+    leaf = leaves[found]
+    why = "a no_derivative field" if is_parameter_leaf(leaf) else f"dtype {getattr(leaf, 'dtype', type(leaf).__name__)}"
+    name = names(model)[found]
+    params = [n for n, ok in zip(names(view), only) if ok]
+    # the parameter of the nearest layer (most leading name parts in common): the same layer's scale
+    example = max(params, key=lambda n: _shared_parts(n, name), default="*")
+    raise ValueError(SELECTS_NON_PARAMETERS.format(pattern=pattern, name=name, why=why, example=example))
+
+
+def _shared_parts(a: str, b: str) -> int:
+    """How many leading dotted parts ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a.split("."), b.split("."))) if x != y),
+                min(a.count("."), b.count(".")) + 1)
+
+
+def _refuse_split_tie(view: Any, patterns: tuple[str, ...], only: tuple[bool, ...]) -> None:
+    """:data:`TIE_SPLIT` where ``wrt=`` selects a tied parameter by a tie target's name only
+    (``wrt="head.*"``: ``head.weight``, not ``embed.embeddings``): trained under one name,
+    frozen under the other, one tensor."""
+    refuse_split_tie(view, patterns, "Optimizer(wrt=)", _wrt_code, only)
+
+
+def _wrt_code(patterns: tuple[str, ...]) -> str:
+    return f"ft.optim.Optimizer(tx, wrt={patterns[0] if len(patterns) == 1 else patterns!r})"
 
 
 def trained_view(model: Any, patterns: tuple[str, ...] | None) -> Any:
@@ -92,7 +149,7 @@ def trained_view(model: Any, patterns: tuple[str, ...] | None) -> Any:
     if patterns is None:
         return view
     leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
-    chosen = _chosen(view, leaves, patterns)
+    chosen = _chosen(view, leaves, patterns, model)
     return treedef.unflatten([x if c is not False else None for x, c in zip(leaves, chosen)])
 
 
@@ -103,7 +160,7 @@ def frozen_members(model: Any, patterns: tuple[str, ...] | None) -> tuple[Any, .
         return None
     view = parameters(model)
     leaves = jax.tree.leaves(view, is_leaf=is_none)
-    chosen = _chosen(view, leaves, patterns)
+    chosen = _chosen(view, leaves, patterns, model)
     if not any(is_partial(c) for c in chosen):
         return None
     return tuple(~c if is_partial(c) else False for c in chosen)

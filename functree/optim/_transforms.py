@@ -16,7 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._naming import broadcast, check_patterns, is_stacked, leaf_infos, required_selection
+from functree._naming import (
+    broadcast,
+    check_patterns,
+    is_stacked,
+    leaf_infos,
+    refuse_split_tie,
+    required_selection,
+)
 from functree._operators import value_with_gradient
 from functree._random import flat_key
 from functree._tree import is_none
@@ -496,6 +503,9 @@ def _frozen(params: Any, patterns: tuple[str, ...]) -> Any:
     for pattern in patterns:
         picks = required_selection(named, pattern, "ft.optim.freeze", FREEZE_SELECTS_NOTHING, "*")
         chosen = [c | p for c, p in zip(chosen, picks)]
+    # a tie frozen by a target's name only ("head.*": head.weight, not embed.embeddings): refused
+    refuse_split_tie(named, patterns, "ft.optim.freeze", lambda given: f"ft.optim.freeze({', '.join(map(repr, given))})",
+                     only=[x is not None for x in leaves])
     return jax.tree.unflatten(treedef, [None if x is None else c for x, c in zip(leaves, chosen)])
 
 

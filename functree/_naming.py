@@ -82,7 +82,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.core import Tracer
 
 from functree._collisions import refuse_collisions, str_keys_only
 from functree._fields import STATIC, field_kind
@@ -92,8 +91,7 @@ __all__ = [
     "LeafInfo", "leaf_infos", "names", "member_names", "matches", "rename_pattern", "fill_stars", "selection",
     "closest", "suggestion", "check_patterns", "member_rule_names", "NothingSelected", "refuse_batched_members",
     "refuse_batched_selection", "is_tied", "resolve_alias", "tie_targets", "untransform", "TIE_SPLIT", "split_tie", "refuse_split_tie", "TIED_HEAD",
-    "tied_head", "STATIC_FIELD", "static_field", "ALIAS_SPLIT",
-    "refuse_split_alias",
+    "tied_head", "STATIC_FIELD", "static_field",
 ]
 
 SELECTS_NOTHING = """\
@@ -198,61 +196,6 @@ def _static_names(node: Any, prefix: str) -> Iterator[tuple[str, str, str]]:
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for k, child in items:
             yield from _static_names(child, join_names(prefix, str(k)))
-
-
-ALIAS_SPLIT = """\
-{what}: the leaves {first!r} and {second!r} hold one array object (one layer object used at \
-both places: torch's tie, one Parameter), and {pattern!r} selects {selected!r} but not \
-{other!r}. Torch trains that one tensor once, in one group; here the two leaves would \
-train apart, as two copies, each its own way. Tie them (one leaf, both names), then name \
-the tie by its own name ({first_node!r}):
-    wrong:  model = {cls}({first_node}=layer, {second_node}=layer)
-    right:  model = ft.nn.Shared({cls}({first_node}=layer, {second_node}=layer), {{{second_node!r}: {first_node!r}}})"""
-
-
-def refuse_split_alias(tree: Any, chosen: Sequence[Any], pattern_of: Callable[[int], str], what: str) -> None:
-    """:data:`ALIAS_SPLIT` where two leaves of ``tree`` (``None`` leaves counted, JAX order)
-    are one array object (a layer object used twice: no ``ft.nn.Shared``) and ``chosen``
-    (one entry per leaf: a label, True/False or a member array) differs between them;
-    ``pattern_of(i)`` names the pattern that chose leaf ``i``. Concrete arrays only (a
-    traced tree holds no aliases)."""
-    seen: dict[int, int] = {}
-    leaves = jax.tree.leaves(tree, is_leaf=is_none)
-    for j, leaf in enumerate(leaves):
-        if not isinstance(leaf, jax.Array) or isinstance(leaf, Tracer):
-            continue
-        i = seen.setdefault(id(leaf), j)
-        a, b = chosen[i], chosen[j]
-        if i == j or (a == b if isinstance(a, str) or isinstance(b, str) else np.array_equal(a, b)):
-            continue
-        names_ = leaf_infos(tree)
-        first, second = names_[i].name, names_[j].name
-        picked = i if (isinstance(a, str) and a != "<default>") or (not isinstance(a, str) and np.any(a)) else j
-        first_node, second_node = _alias_nodes(first, second)
-        owner = _owner(tree, first_node)
-        raise ValueError(ALIAS_SPLIT.format(
-            what=what, first=first, second=second, pattern=pattern_of(picked), selected=names_[picked].name,
-            other=names_[j if picked == i else i].name, first_node=first_node, second_node=second_node,
-            cls=owner))
-
-
-def _alias_nodes(first: str, second: str) -> tuple[str, str]:
-    """The layers two aliased leaves sit in: their names without the common last parts
-    (``a.weight``, ``b.weight`` -> ``a``, ``b``)."""
-    x, y = first.split("."), second.split(".")
-    k = 0
-    while k < min(len(x), len(y)) - 1 and x[len(x) - 1 - k] == y[len(y) - 1 - k]:
-        k += 1
-    return ".".join(x[: len(x) - k]), ".".join(y[: len(y) - k])
-
-
-def _owner(tree: Any, node: str) -> str:
-    """The class name of the node holding ``node`` (its parent), for the message's code."""
-    parent = tree
-    for part in node.split(".")[:-1]:
-        parent = parent[int(part)] if isinstance(parent, (list, tuple)) else (
-            parent[part] if isinstance(parent, dict) else getattr(parent, part, None))
-    return type(parent).__name__
 
 
 def tied_head(tree: Any, pattern: str, picked: Sequence[Any], leaves: Sequence[Any]) -> str | None:

@@ -16,7 +16,6 @@ from functree._naming import (
     leaf_infos,
     matches,
     member_names,
-    refuse_split_alias,
     required_selection,
     selection,
     split_tie,
@@ -202,10 +201,6 @@ def _labels(params: Any, patterns: tuple[str, ...], has_default: bool) -> tuple[
         whole = [p for p, h in hits if h.ndim == 0]
         labels.append(whole[0] if whole else DEFAULT_LABEL if not hits else None)
     _refuse_split_ties(params, patterns, [x is not None for x in leaves], has_default)
-    # a layer object used twice: its leaves one array, each in its group (a member split: its members')
-    keys = [lab if lab is not None else repr([np.asarray(s[k]).tolist() for s in picks]) for k, lab in enumerate(labels)]
-    refuse_split_alias(params, keys, lambda k: next((p for p, s in zip(patterns, picks) if np.any(s[k])), "default"),
-                       "ft.optim.groups")
     return labels, treedef, picks
 
 

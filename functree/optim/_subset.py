@@ -27,7 +27,6 @@ from functree._naming import (
     NothingSelected,
     broadcast,
     names,
-    refuse_split_alias,
     refuse_split_tie,
     selection,
 )
@@ -91,8 +90,6 @@ def _chosen(view: Any, leaves: list[Any], patterns: tuple[str, ...], model: Any 
             first, why = (examples[0] if examples else "*"), AN_EXAMPLE
         raise ValueError(SELECTS_NOTHING.format(pattern=e.pattern, examples=examples, first=first, why=why)) from None
     _refuse_split_tie(view, patterns, only)
-    refuse_split_alias(view, chosen, lambda k: next(p for p in patterns if np.any(selection(
-        view, (p,), what="Optimizer(wrt=)", only=only, strict=False)[k])), "Optimizer(wrt=)")
     return chosen
 
 

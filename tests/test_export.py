@@ -88,6 +88,8 @@ def test_a_python_number_is_traced_weakly_as_jit_traces_it():
     exported = roundtrip(ft.export(f)(jnp.ones(2, jnp.bfloat16), 0.5))
     out = exported(jnp.ones(2, jnp.bfloat16), 0.25)
     assert out.dtype == jnp.bfloat16 and float(out[0]) == 0.25
+    scaled = roundtrip(ft.export(f)(X, np.float32(0.5)))  # a NumPy scalar: a float32 array, as jit takes it
+    np.testing.assert_array_equal(scaled(X, np.float32(0.25)), X * np.float32(0.25))
 
 
 def test_another_static_configuration_or_shape_is_refused_by_key_path(exported_step):

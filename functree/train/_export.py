@@ -304,7 +304,7 @@ _KEY = "key"  # an argument leaf taken as its key data
 def _taken(leaves: list[Any], seen: tuple[Any, list[int], list[str | None], list[tuple[int, Any]]],
            keys: list[str], name: str) -> list[Any]:
     """The exported arrays among the arguments' leaves: a PRNG key as its key data, a Python
-    number as an array (:data:`KEY_EXPECTED` where a key and an array trade places)."""
+    or NumPy number as an array (:data:`KEY_EXPECTED` where a key and an array trade places)."""
     _, positions, kinds, _ = seen
     out = []
     for key, i, kind in zip(keys, positions, kinds):
@@ -315,11 +315,11 @@ def _taken(leaves: list[Any], seen: tuple[Any, list[int], list[str | None], list
             codes = {"a PRNG key": "jax.random.key(0)", "an array": "jnp.zeros(...)"}
             raise ExportError(KEY_EXPECTED.format(name=name, path=key, saved=saved, given=given,
                                                   saved_code=codes[saved], given_code=codes[given]))
-        out.append(jax.random.key_data(x) if is_key else np.asarray(x) if isinstance(x, _PYTHON_NUMBERS) else x)
+        out.append(jax.random.key_data(x) if is_key else np.asarray(x) if isinstance(x, _SCALARS) else x)
     return out
 
 
-_PYTHON_NUMBERS = (bool, int, float, complex)
+_SCALARS = (bool, int, float, complex, np.generic)  # a Python or NumPy number: as an array
 
 
 def _stripped(spec: Any) -> Any:

@@ -167,9 +167,11 @@ def _only_cut(s: State) -> State:
     return State(0, s.cut | s.active, 0, 0, s.origins, False)
 
 
-def where(eqn: Any) -> tuple[str, int]:
+def where(eqn: Any, *, past_core: bool = False) -> tuple[str, int]:
     """The user's source line of an equation: the innermost traced frame outside JAX,
-    jaxlib and the standard library (functree's own layers count as the user's).
+    jaxlib and the standard library (functree's own layers count as the user's); with
+    ``past_core``, outside functree's core modules too (``ft.derivative(of=)`` binds its
+    ``custom_vjp`` in ``_derivative.py``: the user's line is the call).
 
     Reads only public attributes (``eqn.source_info.traceback.frames``, each frame's
     ``file_name`` and ``line_num``), and never raises: anything unexpected (a JAX that
@@ -177,7 +179,7 @@ def where(eqn: Any) -> tuple[str, int]:
     """
     try:
         for frame in eqn.source_info.traceback.frames:
-            if _is_user_file(frame.file_name):
+            if _is_user_file(frame.file_name) and not (past_core and _in_core(frame.file_name)):
                 return (frame.file_name, int(frame.line_num))
     except Exception:
         pass
@@ -201,8 +203,8 @@ def _label(eqn: Any) -> str:
 _ENCLOSING: list[tuple[str, int]] = []
 
 
-def _located(eqn: Any) -> tuple[str, int]:
-    found = where(eqn)
+def _located(eqn: Any, *, past_core: bool = False) -> tuple[str, int]:
+    found = where(eqn, past_core=past_core)
     return _ENCLOSING[-1] if found[1] == 0 and _ENCLOSING else found
 
 
@@ -381,7 +383,7 @@ def _custom(eqn: Any, ins: list, scoped: bool) -> list:
     reach = _rule_reach(eqn)
     if reach is None:  # the rule could not be traced: assume it reaches everything
         return outs
-    op = Op(f"the custom derivative of `{_custom_name(eqn)}` (its rule gives a zero cotangent)", *_call_site(eqn))
+    op = Op(f"the custom derivative of `{_custom_name(eqn)}` (its rule gives a zero cotangent)", *_located(eqn, past_core=True))
     result = []
     for o, (v, s) in enumerate(zip(eqn.outvars, outs)):
         keep = 0
@@ -396,31 +398,18 @@ def _custom(eqn: Any, ins: list, scoped: bool) -> list:
     return result
 
 
-# ft.derivative(of=) binds its custom_vjp in the core (``_derivative.py``, called by
-# ``_plan.py`` when the differentiated function is the rule's): the user's line is the call.
 _CORE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "")
 
 
-def _call_site(eqn: Any) -> tuple[str, int]:
-    """:func:`where`, past functree's core modules (its layers, ``functree/nn``, stay)."""
-    try:
-        for frame in eqn.source_info.traceback.frames:
-            core = frame.file_name.startswith(_CORE) and os.sep not in frame.file_name[len(_CORE):]
-            if _is_user_file(frame.file_name) and not core:
-                return (frame.file_name, int(frame.line_num))
-    except Exception:
-        pass
-    # JAX keeps the innermost frames only: the enclosing call's line, else unknown (the
-    # finding is then placed at the differentiated function).
-    return _ENCLOSING[-1] if _ENCLOSING else ("<unknown>", 0)
+def _in_core(file: str) -> bool:
+    """Whether ``file`` is one of functree's core modules (``functree/_*.py``; not its layers)."""
+    return file.startswith(_CORE) and os.sep not in file[len(_CORE):]
 
 
 def _custom_name(eqn: Any) -> str:
     """The name of the function a custom derivative is defined for (as JAX prints it)."""
-    try:
-        return str(eqn.params["call_jaxpr"].jaxpr.debug_info.func_name)
-    except Exception:  # another JAX's form: the primitive's name
-        return str(eqn.primitive.name)
+    found = compat.custom_function(eqn)
+    return found[0] if found is not None else str(eqn.primitive.name)  # (no record: the primitive's)
 
 
 # id(eqn) -> (eqn, reach): a loop's body is analysed up to _MAX_FIXED_POINT times, its
@@ -433,10 +422,8 @@ _JAX_SOURCE = os.path.join(os.path.dirname(os.path.abspath(jax.__file__)), "")  
 
 def _jax_rule_key(eqn: Any) -> Any:
     """The key of a custom derivative defined in JAX's own source, else None."""
-    try:
-        source = str(eqn.params["call_jaxpr"].jaxpr.debug_info.func_src_info)
-    except Exception:
-        return None
+    found = compat.custom_function(eqn)
+    source = found[1] if found is not None else ""
     if _JAX_SOURCE not in source:
         return None
     return (eqn.primitive.name, source, tuple((v.aval.shape, str(v.aval.dtype)) for v in eqn.invars),

@@ -211,6 +211,17 @@ def body_of_call(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     return jaxpr, consts
 
 
+def custom_function(eqn: Any) -> tuple[str, str] | None:
+    """``(name, source)`` of the function a ``custom_jvp``/``custom_vjp`` equation was
+    defined for (its body's ``debug_info``: ``("relu", "relu at .../jax/_src/nn/functions.py:61")``),
+    or None where this JAX records neither."""
+    try:
+        info = eqn.params["call_jaxpr"].jaxpr.debug_info
+        return str(info.func_name), str(info.func_src_info)
+    except (KeyError, AttributeError):
+        return None
+
+
 def bind(primitive: Any, params: Any, ins: Sequence[Any]) -> list[Any]:
     """Applies a primitive with an equation's parameters to ``ins``; its outputs as a list."""
     bound = primitive.get_bind_params(dict(params))

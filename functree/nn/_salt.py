@@ -11,14 +11,15 @@ from typing import Any
 
 import jax
 
-_LOCAL = threading.local()
+
+class _Salts(threading.local):
+    """The open contexts' salts, outermost first: each thread its own (set up on first use)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Any] = []
 
 
-def _salts() -> list[Any]:
-    salts = getattr(_LOCAL, "salts", None)
-    if salts is None:
-        salts = _LOCAL.salts = []
-    return salts
+_SALTS = _Salts()
 
 
 @contextlib.contextmanager
@@ -43,7 +44,7 @@ def salted_keys(salt: Any) -> Iterator[None]:
       >>> salted(key) is key
       True
     """
-    salts = _salts()
+    salts = _SALTS.stack
     salts.append(salt)
     try:
         yield
@@ -67,6 +68,6 @@ def salted(key: jax.Array) -> jax.Array:
     """``key`` with the open :func:`salted_keys` contexts' salts folded in, outermost first:
     ``fold_in(fold_in(key, s_1), s_2)``; ``key`` itself when none is open. Called on a key
     drawn from a layer's stored key, never on a key the caller passed (already folded)."""
-    for salt in _salts():
+    for salt in _SALTS.stack:
         key = jax.random.fold_in(key, salt)
     return key

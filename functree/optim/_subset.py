@@ -89,7 +89,7 @@ def _chosen(view: Any, leaves: list[Any], patterns: tuple[str, ...], model: Any 
         else:
             first, why = (examples[0] if examples else "*"), AN_EXAMPLE
         raise ValueError(SELECTS_NOTHING.format(pattern=e.pattern, examples=examples, first=first, why=why)) from None
-    _refuse_split_tie(view, patterns, only)
+    refuse_split_tie(view, patterns, "Optimizer(wrt=)", _wrt_code, only)  # (wrt="head.*": a tie by one name)
     return chosen
 
 
@@ -117,13 +117,6 @@ def _shared_parts(a: str, b: str) -> int:
     """How many leading dotted parts ``a`` and ``b`` share."""
     return next((i for i, (x, y) in enumerate(zip(a.split("."), b.split("."))) if x != y),
                 min(a.count("."), b.count(".")) + 1)
-
-
-def _refuse_split_tie(view: Any, patterns: tuple[str, ...], only: tuple[bool, ...]) -> None:
-    """:data:`TIE_SPLIT` where ``wrt=`` selects a tied parameter by a tie target's name only
-    (``wrt="head.*"``: ``head.weight``, not ``embed.embeddings``): trained under one name,
-    frozen under the other, one tensor."""
-    refuse_split_tie(view, patterns, "Optimizer(wrt=)", _wrt_code, only)
 
 
 def _wrt_code(patterns: tuple[str, ...]) -> str:

@@ -46,7 +46,13 @@ import numpy as np
 
 from functree._tree import child_name
 from functree.train.checkpoint._decode import decode_leaf, leaf_specs
-from functree.train.checkpoint._treespec import CheckpointError, SpecError, decode, encode
+from functree.train.checkpoint._treespec import (
+    CheckpointError,
+    SpecError,
+    _named_children,
+    decode,
+    encode,
+)
 
 __all__ = ["export", "Exported", "ExportError"]
 
@@ -182,7 +188,8 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
     name = getattr(fn, "__name__", "")
     name = name if name.isidentifier() else "fn"  # (a lambda's "<lambda>": the error's code runs as fn)
     parameters = _parameters(fn)
-    named = _bind(parameters, args, kwargs, name)
+    signature = _signature(parameters)
+    named = _bind(signature, parameters, args, kwargs, name)
     leaves, treedef = jax.tree.flatten(named)
     arrays, spec = encode(named)
     keys = _keys_by_position(treedef, len(leaves), arrays)
@@ -193,7 +200,7 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
         if not isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
             raise ExportError(NOT_AN_ARRAY.format(path=key, type=type(x).__name__))
     in_keys = list(arrays)
-    tags = {node["key"]: node for _, node in leaf_specs(spec) if node.get("kind") == "leaf"}
+    tags = _leaf_tags(spec)
     positions = {key: i for i, key in keys.items()}
     out: dict[str, Any] = {}
 
@@ -203,7 +210,7 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
             prng = tags[key].get("prng")
             full[positions[key]] = x if prng is None else jax.random.wrap_key_data(x, impl=prng)
         bound = jax.tree.unflatten(treedef, full)
-        call_args, call_kwargs = _call_arguments(parameters, bound)
+        call_args, call_kwargs = _call_arguments(signature, parameters, bound)
         result = fn(*call_args, **call_kwargs)
         out_arrays, out["spec"] = encode(result)
         out["keys"] = list(out_arrays)
@@ -246,10 +253,11 @@ def _shown_parameters(parameters: Parameters) -> str:
     return ", ".join(("*" if k == 2 else "**" if k == 4 else "") + n for n, k, _ in parameters)
 
 
-def _bind(parameters: Parameters, args: tuple, kwargs: dict, name: str) -> dict[str, Any]:
+def _bind(signature: inspect.Signature, parameters: Parameters, args: tuple, kwargs: dict,
+          name: str) -> dict[str, Any]:
     """The arguments by parameter name (a ``*args`` parameter a list, ``**kwargs`` a dict)."""
     try:
-        arguments = _signature(parameters).bind(*args, **kwargs).arguments
+        arguments = signature.bind(*args, **kwargs).arguments
     except TypeError as e:
         positional = [n for n, k, _ in parameters if k in (0, 1)]
         given = [positional[i] if i < len(positional) else "..." for i in range(len(args))]
@@ -263,12 +271,13 @@ def _bind(parameters: Parameters, args: tuple, kwargs: dict, name: str) -> dict[
     return named
 
 
-def _call_arguments(parameters: Parameters, named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+def _call_arguments(signature: inspect.Signature, parameters: Parameters,
+                    named: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """``(args, kwargs)`` that call the function as the exported call did: a parameter after
     one left to its default goes by keyword (``f(x, c=y)`` of ``f(a, b=1, c=2)``)."""
     arguments = {n: tuple(named[n]) if k == inspect.Parameter.VAR_POSITIONAL else named[n]
                  for n, k, _ in parameters if n in named}
-    bound = inspect.BoundArguments(_signature(parameters), arguments)  # type: ignore[arg-type]
+    bound = inspect.BoundArguments(signature, arguments)  # type: ignore[arg-type]
     return bound.args, bound.kwargs
 
 
@@ -294,7 +303,7 @@ def _example(x: Any, tag: dict[str, Any]) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     weak = "python" in tag or tag.get("weak") is True
-    dtype = jax.dtypes.canonicalize_dtype(np.asarray(x).dtype if isinstance(x, np.ndarray) else x.dtype)
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
     return jax.ShapeDtypeStruct(np.shape(x), dtype, weak_type=weak)
 
 
@@ -322,26 +331,22 @@ def _taken(leaves: list[Any], seen: tuple[Any, list[int], list[str | None], list
 _SCALARS = (bool, int, float, complex, np.generic)  # a Python or NumPy number: as an array
 
 
-def _stripped(spec: Any) -> Any:
-    """The description with its leaves' tags left out (their arrays taken as they are)."""
-    if isinstance(spec, dict):
-        if spec.get("kind") == "leaf":
-            return {"kind": "leaf", "key": spec["key"]}
-        return {k: _stripped(v) for k, v in spec.items()}
-    if isinstance(spec, list):
-        return [_stripped(v) for v in spec]
-    return spec
+def _leaf_tags(spec: Any) -> dict[str, dict[str, Any]]:
+    """``{stored name: leaf node}`` of a description's array leaves (with their tags:
+    ``python``, ``prng``, ``weak``)."""
+    return {node["key"]: node for _, node in leaf_specs(spec) if node.get("kind") == "leaf"}
 
 
-def _normal(spec: Any) -> Any:
-    """The description without what a call may change: a leaf's tags (a Python float given
-    where a weakly typed array was exported) and its stored name."""
+def _untagged(spec: Any, *, keys: bool = True) -> Any:
+    """The description with its leaves' tags left out, and their stored names unless
+    ``keys``: what a call may change (a Python float given where a weakly typed array was
+    exported) is no difference; with the names, the results' arrays are put by name."""
     if isinstance(spec, dict):
         if spec.get("kind") == "leaf":
-            return {"kind": "leaf"}
-        return {k: _normal(v) for k, v in spec.items()}
+            return {"kind": "leaf", "key": spec["key"]} if keys else {"kind": "leaf"}
+        return {k: _untagged(v, keys=keys) for k, v in spec.items()}
     if isinstance(spec, list):
-        return [_normal(v) for v in spec]
+        return [_untagged(v, keys=keys) for v in spec]
     return spec
 
 
@@ -368,25 +373,12 @@ def _difference(saved: Any, given: Any, path: str) -> tuple[str, str, str] | Non
     for name, value in saved.get("static", {}).items():
         if value != statics.get(name):
             return child_name(path, name), f"the static value {_shown(value)}", _shown(statics.get(name))
-    for name, child in _children(saved, path):
-        found = _difference(child, dict(_children(given, path)).get(name), name)
+    theirs = dict(_named_children(given, path))
+    for name, child in _named_children(saved, path):
+        found = _difference(child, theirs.get(name), child_name(path, name))
         if found:
             return found
     return where, _kind(saved), _kind(given)
-
-
-def _children(spec: dict[str, Any], path: str) -> list[tuple[str, Any]]:
-    """A description's children by dotted name, as the arrays are named
-    (``model.layers.0.weight``): a Module's fields, a dict's keys, a list's indices."""
-    fields = spec.get("fields")
-    if isinstance(fields, dict):
-        return [(child_name(path, n), v) for n, v in fields.items()]
-    items = spec.get("items")
-    if not isinstance(items, list):
-        return []
-    keys = spec.get("keys")
-    names = [k[1] for k in keys] if isinstance(keys, list) else range(len(items))
-    return [(child_name(path, n), v) for n, v in zip(names, items)]
 
 
 def _kind(spec: Any) -> str:
@@ -417,7 +409,7 @@ class Exported:
     """
 
     __slots__ = ("_checked", "_exported", "_in_keys", "_in_spec", "_out_keys", "_out_spec", "_parameters", "_run",
-                 "_seen", "_template", "name")
+                 "_seen", "_signature", "_template", "name")
 
     def __init__(self, exported: Any, name: str, parameters: Parameters, in_spec: Any,
                  in_keys: list[str], out_spec: Any, out_keys: list[str]) -> None:
@@ -426,7 +418,8 @@ class Exported:
         self._parameters = parameters
         self._in_spec, self._in_keys = in_spec, in_keys
         self._out_spec, self._out_keys = out_spec, out_keys
-        self._checked = _normal(in_spec)
+        self._checked = _untagged(in_spec, keys=False)
+        self._signature = _signature(parameters)  # (bound at every call: built once)
         self._seen: tuple[Any, list[int], list[str | None], list[tuple[int, Any]]] | None = None  # the last arguments' structure, checked
         self._template: tuple[Any, list[Any], list[dict[str, Any]]] | None = None  # the results' structure
         self._run = jax.jit(exported.call)  # (Exported.call alone traces again at every call: 10x the time)
@@ -446,7 +439,7 @@ class Exported:
         return f"Exported({self.name}({shown}) -> {count} array{'s' if count != 1 else ''}, platforms {self.platforms})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        named = _bind(self._parameters, args, kwargs, self.name)
+        named = _bind(self._signature, self._parameters, args, kwargs, self.name)
         leaves, treedef = jax.tree.flatten(named)
         seen = self._seen
         if seen is None or seen[0] != treedef or any(leaves[i] is not v for i, v in seen[3]):
@@ -463,11 +456,11 @@ class Exported:
         structure and the same functions at leaves takes its arrays without describing the
         arguments again."""
         arrays, spec = encode(named)
-        found = _difference(self._checked, _normal(spec), "")
+        found = _difference(self._checked, _untagged(spec, keys=False), "")
         if found is not None:
             path, saved, given = found
             raise ExportError(DIFFERENT_TREE.format(name=self.name, path=path, saved=saved, given=given))
-        tags = {node["key"]: node for _, node in leaf_specs(spec) if node.get("kind") == "leaf"}
+        tags = _leaf_tags(spec)
         positions = {k: i for i, k in _keys_by_position(treedef, treedef.num_leaves, arrays).items()}
         taken = [positions[k] for k in self._in_keys]
         kinds: list[str | None] = [_KEY if "prng" in tags[k] else None for k in self._in_keys]
@@ -478,10 +471,10 @@ class Exported:
         """The function's results rebuilt from the program's arrays: their structure decoded
         once (classes looked up by name, as a checkpoint's), each call's arrays put in it."""
         if self._template is None:
-            stripped = _stripped(self._out_spec)
+            stripped = _untagged(self._out_spec)
             template = decode(stripped, {k: _Position(i) for i, k in enumerate(self._out_keys)})
             leaves, treedef = jax.tree.flatten(template)
-            tags = {node["key"]: node for _, node in leaf_specs(self._out_spec) if node.get("kind") == "leaf"}
+            tags = _leaf_tags(self._out_spec)
             self._template = treedef, leaves, [tags[k] for k in self._out_keys]
         treedef, leaves, tags = self._template
         values = [decode_leaf(tag, {tag["key"]: x}) for tag, x in zip(tags, outs)]
@@ -569,7 +562,7 @@ def _header(raw: bytes) -> dict[str, Any]:
             raise ExportError(DAMAGED.format(why=f"its header's parameter {entry!r} is no [name, kind, default]"))
     for spec, keys in ((header["in"], header["in_keys"]), (header["out"], header["out_keys"])):
         try:
-            named = [node.get("key") for _, node in leaf_specs(spec) if node.get("kind") == "leaf"]
+            named = list(_leaf_tags(spec))
         except SpecError as e:
             raise ExportError(DAMAGED.format(why=str(e).splitlines()[0])) from None
         if sorted(map(str, named)) != sorted(map(str, keys)):

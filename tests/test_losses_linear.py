@@ -42,57 +42,86 @@ def torch_loss(x, w, b, y, reduction, **options):
     return float(loss.detach().sum()), [t.grad.numpy() for t in tensors], loss.detach().numpy()
 
 
+def options(class_weights):
+    return {}, {"label_smoothing": 0.1}, {"weight": class_weights}, {"weight": class_weights, "label_smoothing": 0.2}
+
+
+CHUNKS = (5, 37, 100, "auto")
+
+
+def ours(reduction):
+    """Every (options, chunk) case of ``reduction``: the loss summed, each position's loss (from
+    the same call as the gradients, not a second forward) and the gradients of hidden, weight
+    and bias, in one program (op by op, each case's scan and its transpose compiled apart).
+    One a reduction, not one for all three: xdist may run the three on two workers."""
+    x, w, b, y, class_weights = data()
+
+    def cases(x, w, b, class_weights):
+        results = []
+        for case in options(class_weights):
+            for chunk in CHUNKS:
+                def total(x, w, b, chunk=chunk, case=case):
+                    value = ft.losses.linear_cross_entropy(x, w.T, jnp.asarray(y), bias=b, chunk_size=chunk,
+                                                           reduction=reduction, **case)
+                    return jnp.sum(value), value
+
+                results.append(jax.value_and_grad(total, (0, 1, 2), has_aux=True)(x, w, b))
+        return results
+
+    with jax.enable_x64(True):
+        return jax.device_get(jax.jit(cases)(x, w, b, class_weights))  # (NumPy in: jnp.asarray compiles a program a shape)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_values_and_gradients_are_torchs(reduction):
     """Every option (smoothing, class weights, both, none) at chunk sizes that divide the 37
     positions or not, and "auto" (one chunk): values and the gradients of hidden, weight and
     bias equal torch's F.linear_cross_entropy, three labels ignored."""
     x, w, b, y, class_weights = data()
-    with jax.enable_x64(True):
-        for options in ({}, {"label_smoothing": 0.1}, {"weight": class_weights},
-                        {"weight": class_weights, "label_smoothing": 0.2}):
-            expected, grads, per_position = torch_loss(x, w, b, y, reduction, **options)
-            scale = max(1.0, abs(expected))
-            for chunk in (5, 37, 100, "auto"):
-                def loss(x, w, b, chunk=chunk, options=options):
-                    return ft.losses.linear_cross_entropy(x, w.T, jnp.asarray(y), bias=b, chunk_size=chunk,
-                                                          reduction=reduction, **options)
-                def total(*a, loss=loss):
-                    value = loss(*a)
-                    return jnp.sum(value), value
-
-                # each position's loss from the same call as the gradients (not a second forward)
-                (value, values), ours = jax.value_and_grad(total, (0, 1, 2), has_aux=True)(
-                    *map(jnp.asarray, (x, w, b)))
-                np.testing.assert_allclose(float(value), expected, rtol=0, atol=1e-12 * scale)
-                for got, want in zip(ours, grads):
-                    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-12 * max(1.0, np.abs(want).max()))
-                if reduction == "none":
-                    np.testing.assert_allclose(np.asarray(values), per_position, rtol=0, atol=1e-12 * scale)
+    results = iter(ours(reduction))
+    for case in options(class_weights):
+        expected, grads, per_position = torch_loss(x, w, b, y, reduction, **case)
+        scale = max(1.0, abs(expected))
+        for _ in CHUNKS:
+            (value, values), gradients = next(results)
+            np.testing.assert_allclose(float(value), expected, rtol=0, atol=1e-12 * scale)
+            for got, want in zip(gradients, grads):
+                np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-12 * max(1.0, np.abs(want).max()))
+            if reduction == "none":
+                np.testing.assert_allclose(np.asarray(values), per_position, rtol=0, atol=1e-12 * scale)
+    assert next(results, None) is None
 
 
 def test_a_layer_or_function_head_equals_the_whole_logits_loss():
     """A Dense head and a tied-embedding function, [batch, T, width] hidden states, chunks of
     4 over 18 positions: the loss and its "weighted" parts are softmax_cross_entropy's of the
     whole logits, and so are the gradients of the head's parameters."""
-    head = ft.nn.Dense(8, 30, key=jax.random.key(0))
-    table = jax.random.normal(jax.random.key(1), (30, 8))
-    hidden = jax.random.normal(jax.random.key(2), (3, 6, 8))
-    labels = jax.random.randint(jax.random.key(3), (3, 6), 0, 30).at[0, :2].set(-100)
-    for fn, params in ((lambda p, h: p(h), head), (lambda p, h: h @ p.T, table)):
-        def chunked(p, fn=fn):
-            return ft.losses.linear_cross_entropy(hidden, lambda h: fn(p, h), labels, chunk_size=4)
+    # the data in one program (op by op: a compile per draw and per update)
+    head, table, hidden, labels = jax.jit(lambda: (
+        ft.nn.Dense(8, 30, key=jax.random.key(0)), jax.random.normal(jax.random.key(1), (30, 8)),
+        jax.random.normal(jax.random.key(2), (3, 6, 8)),
+        jax.random.randint(jax.random.key(3), (3, 6), 0, 30).at[0, :2].set(-100)))()
+    heads = ((lambda p, h: p(h), head), (lambda p, h: h @ p.T, table))
 
-        def whole(p, fn=fn):
-            return ft.losses.softmax_cross_entropy(fn(p, hidden), labels)
+    @jax.jit  # both heads' losses, gradients and parts as one program (op by op: a compile per operation)
+    def results(params):
+        out = []
+        for (fn, _), p in zip(heads, params):
+            def chunked(p, fn=fn):
+                return ft.losses.linear_cross_entropy(hidden, lambda h: fn(p, h), labels, chunk_size=4)
 
-        # each as one program (op by op: a compile per operation)
-        (a, ga), (b, gb) = jax.jit(jax.value_and_grad(chunked))(params), jax.jit(jax.value_and_grad(whole))(params)
+            def whole(p, fn=fn):
+                return ft.losses.softmax_cross_entropy(fn(p, hidden), labels)
+
+            parts = ft.losses.linear_cross_entropy(hidden, lambda h, fn=fn, p=p: fn(p, h), labels, chunk_size=4,
+                                                   reduction="weighted")
+            out.append((jax.value_and_grad(chunked)(p), jax.value_and_grad(whole)(p), parts))
+        return out
+
+    for (a, ga), (b, gb), parts in results([params for _, params in heads]):
         np.testing.assert_allclose(a, b, rtol=0, atol=4e-6 * abs(float(b)))
         for x, z in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
-            np.testing.assert_allclose(x, z, rtol=0, atol=1e-5 * float(jnp.abs(z).max()))
-        parts = jax.jit(lambda p, fn=fn: ft.losses.linear_cross_entropy(hidden, lambda h: fn(p, h), labels, chunk_size=4,
-                                                                        reduction="weighted"))(params)
+            np.testing.assert_allclose(x, z, rtol=0, atol=1e-5 * float(np.abs(z).max()))
         assert float(parts.count) == 16.0
         np.testing.assert_allclose(parts.value, b, rtol=0, atol=4e-6 * abs(float(b)))
 
@@ -111,9 +140,9 @@ def _shapes(jaxpr):
 def test_the_gradient_never_holds_the_whole_logits():
     """The value-and-gradient program of 64 positions in chunks of 8 makes no array of 64 x
     100 logits (the whole loss's does: the test can fail), only chunks of 8 x 100."""
-    head = ft.nn.Dense(16, 100, key=jax.random.key(0))
-    hidden = jnp.ones((64, 16))
-    labels = jnp.zeros((64,), jnp.int32)
+    # made in one program (op by op: a compile per operation of the layer's initialization)
+    head, hidden, labels = jax.jit(lambda: (ft.nn.Dense(16, 100, key=jax.random.key(0)), jnp.ones((64, 16)),
+                                            jnp.zeros((64,), jnp.int32)))()
 
     def program(loss):
         return jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(head, hidden).jaxpr
@@ -206,12 +235,12 @@ def test_lm_loss_gradients_and_hidden_state_are_hugging_faces():
         model = ft.nn.from_hf(hf, dtype=jnp.float64)
         with torch.no_grad():
             hidden = hf.model(hf_ids).last_hidden_state.numpy()
-        np.testing.assert_allclose(np.asarray(model.last_hidden_state(ids)), hidden, rtol=0, atol=6e-6 * np.abs(hidden).max())
         loss = hf_loss(hf, ids, labels)
         loss.backward()
         # one program (op by op: the forward, its transpose and their glue each compiled apart)
-        value, grads = jax.jit(lambda model: ft.value_with_gradient(lambda m: m.lm_loss(ids, labels, chunk_size=5),
-                                                                    model))(model)
+        ours_hidden, (value, grads) = jax.jit(lambda model: (model.last_hidden_state(ids), ft.value_with_gradient(
+            lambda m: m.lm_loss(ids, labels, chunk_size=5), model)))(model)
+        np.testing.assert_allclose(np.asarray(ours_hidden), hidden, rtol=0, atol=6e-6 * np.abs(hidden).max())
         np.testing.assert_allclose(float(value), float(loss.detach()), rtol=0, atol=6e-6 * float(loss.detach()))
         theirs = dict(hf.named_parameters())
         ours = ft.nn.to_hf_state_dict(grads)

@@ -31,6 +31,12 @@ def _mlp(key):
     return ft.nn.MLP(3, 2, width_size=4, depth=1, activation=jnp.tanh, key=key, dtype=jnp.float64)
 
 
+# The models a test takes as given (inputs, references), each built by one compiled program:
+# eagerly, a constructor runs its random draws and scalings op by op (a program each). The
+# constructors the tests are about (jax.vmap'ed, eval_shape'd, Stack) still run as written.
+_mlp_jit = jax.jit(_mlp)
+
+
 def _bn_net(key):
     k1, k2 = jax.random.split(key)
     return ft.nn.Sequential([
@@ -38,6 +44,9 @@ def _bn_net(key):
         ft.nn.BatchNorm(4, momentum=0.5, training=True, dtype=jnp.float64),
         ft.nn.Dense(4, 1, key=k2, dtype=jnp.float64),
     ])
+
+
+_bn_net_jit = jax.jit(_bn_net)
 
 
 def _batch(out=2):
@@ -79,7 +88,8 @@ def _assert_each_member_trained_alone(ensemble, make, opt, step, batch, *, steps
 
 
 def _member(ensemble, i):
-    return jax.tree.map(lambda a: a[i], ensemble)
+    """Member ``i`` of a stacked ensemble (indexed in numpy: the same numbers, no program)."""
+    return jax.tree.map(lambda a: np.asarray(a)[i], ensemble)
 
 
 # ---------------------------------------------------------------------------------------
@@ -90,9 +100,11 @@ def test_vmapped_constructor_is_the_stacked_members_and_calls_like_them():
     ensemble = jax.vmap(_mlp)(_keys())
     x, _ = _batch()
     ys = jax.vmap(lambda m: m(x))(ensemble)
+    alone = jax.jit(lambda k: (lambda m: (m, m(x)))(_mlp(k)))  # each member built and called alone
     for i, k in enumerate(_keys()):
-        assert_trees_close(_member(ensemble, i), _mlp(k), scale=0)
-        np.testing.assert_allclose(ys[i], _mlp(k)(x), rtol=0, atol=1e-12)
+        member, y = alone(k)
+        assert_trees_close(_member(ensemble, i), member, scale=0)
+        np.testing.assert_allclose(ys[i], y, rtol=0, atol=1e-12)
 
 
 def test_ensemble_trained_by_the_mean_of_losses_is_each_member_trained_alone():
@@ -110,7 +122,8 @@ def test_ensemble_trained_by_the_mean_of_losses_is_each_member_trained_alone():
     state = opt.init(ensemble)
     for _ in range(4):
         ensemble, state, _ = step(ensemble, state, batch)
-    for i, k in enumerate(_keys()):
+    @jax.jit  # the plain-optax reference, its 4 steps in one program
+    def alone(k):
         member: Any = _mlp(k)  # optax's Params annotation names no Module
         tx = optax.adam(0.01)
         opt_state = tx.init(member)
@@ -119,7 +132,10 @@ def test_ensemble_trained_by_the_mean_of_losses_is_each_member_trained_alone():
                 g = jax.grad(lambda m: _member_loss(m, batch) / MEMBERS)(member)
                 updates, opt_state = tx.update(g, opt_state, member)
                 member = optax.apply_updates(member, updates)
-        assert_trees_close(_member(ensemble, i), member)
+        return member
+
+    for i, k in enumerate(_keys()):
+        assert_trees_close(_member(ensemble, i), alone(k))
 
 
 def test_a_vmapped_train_step_trains_each_member_alone_with_global_norm_clipping():
@@ -134,10 +150,11 @@ def test_a_vmapped_train_step_trains_each_member_alone_with_global_norm_clipping
     for _ in range(3):
         ensemble, states, metrics = jax.vmap(step, in_axes=(0, 0, None))(ensemble, states, batch)
     assert metrics["loss"].shape == (MEMBERS,)
-    _assert_each_member_trained_alone(ensemble, _mlp, opt, step, batch, steps=3)
+    _assert_each_member_trained_alone(ensemble, _mlp_jit, opt, step, batch, steps=3)
     summed = ft.train.train_step(lambda e, b: jnp.sum(jax.vmap(lambda m: _member_loss(m, b))(e)), opt, donate=False)
     coupled, _, _ = summed(jax.vmap(_mlp)(_keys()), opt.init(jax.vmap(_mlp)(_keys())), batch)
-    one = step(_mlp(_keys()[0]), opt.init(_mlp(_keys()[0])), batch)[0]
+    first = _mlp_jit(_keys()[0])
+    one = step(first, opt.init(first), batch)[0]
     assert float(np.abs(coupled.layers[0].weight[0] - one.layers[0].weight).max()) > 1e-4
 
 
@@ -145,7 +162,7 @@ def test_ensemble_gradients_inside_vmap_are_jax_grads():
     ensemble = jax.vmap(_mlp)(_keys())
     batch = _batch()
     got = jax.jit(jax.vmap(ft.gradient(_member_loss), in_axes=(0, None)))(ensemble, batch)
-    want = jax.vmap(jax.grad(_member_loss), in_axes=(0, None))(ensemble, batch)
+    want = jax.jit(jax.vmap(jax.grad(_member_loss), in_axes=(0, None)))(ensemble, batch)
     assert_trees_close(got, want)
     # (jitted: eagerly, a Hessian's jacfwd-of-jacrev runs op by op, seconds)
     hess = jax.jit(jax.vmap(ft.hessian(_member_loss), in_axes=(0, None)))(ensemble, batch)
@@ -170,7 +187,7 @@ def test_ensemble_with_batchnorm_collects_each_members_state_inside_the_vmap():
         ensemble = sgd(ensemble)
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
     step = ft.train.train_step(_member_loss, opt, donate=False)
-    _assert_each_member_trained_alone(ensemble, _bn_net, opt, step, batch, steps=2)
+    _assert_each_member_trained_alone(ensemble, _bn_net_jit, opt, step, batch, steps=2)
 
 
 def test_stack_is_the_vmapped_constructor_scanned():
@@ -207,7 +224,7 @@ def _dict_loss(p, batch):
 
 
 def test_k_sgd_steps_in_one_scan_are_k_python_steps_and_the_dict_program():
-    model, batch, k = _mlp(jax.random.key(0)), _batch(), 5
+    model, batch, k = _mlp_jit(jax.random.key(0)), _batch(), 5
 
     def sgd(m):
         return ft.move(m, along=ft.tangent_scale(ft.gradient(_member_loss)(m, batch), -0.1))
@@ -216,18 +233,24 @@ def test_k_sgd_steps_in_one_scan_are_k_python_steps_and_the_dict_program():
     looped = model
     for _ in range(k):
         looped = sgd(looped)
-    p = _flat_params(model)
-    np.testing.assert_allclose(_dict_loss(p, batch), _member_loss(model, batch), rtol=0, atol=1e-15)
-    for _ in range(k):
-        g = jax.grad(_dict_loss)(p, batch)
-        p = {name: p[name] - 0.1 * g[name] for name in p}
+
+    @jax.jit  # the dict program: its loss, then k steps, in one program
+    def dict_program(p):
+        loss = _dict_loss(p, batch)
+        for _ in range(k):
+            g = jax.grad(_dict_loss)(p, batch)
+            p = {name: p[name] - 0.1 * g[name] for name in p}
+        return loss, p
+
+    dict_loss, p = dict_program(_flat_params(model))
+    np.testing.assert_allclose(dict_loss, jax.jit(_member_loss)(model, batch), rtol=0, atol=1e-15)
     for got in (scanned, looped):
         for name, value in ft.to_flat_dict(got).items():
             np.testing.assert_allclose(value, p[name], rtol=0, atol=1e-14, err_msg=name)
 
 
 def test_optimizer_steps_in_a_scan_carry_are_the_train_steps():
-    model, batch = _mlp(jax.random.key(0)), _batch()
+    model, batch = _mlp_jit(jax.random.key(0)), _batch()
     opt = ft.optim.Optimizer(ft.optim.adam(0.05))
 
     def body(carry, _):
@@ -244,7 +267,7 @@ def test_optimizer_steps_in_a_scan_carry_are_the_train_steps():
 
 
 def test_a_hand_written_rnn_scan_is_differentiated_as_the_dict_program():
-    cell = ft.nn.Dense(5, 2, activation=jnp.tanh, key=jax.random.key(3), dtype=jnp.float64)
+    cell = jax.jit(lambda k: ft.nn.Dense(5, 2, activation=jnp.tanh, key=k, dtype=jnp.float64))(jax.random.key(3))
     xs = jnp.asarray(np.random.default_rng(1).normal(size=(4, 3)))
 
     def run(m):
@@ -259,13 +282,13 @@ def test_a_hand_written_rnn_scan_is_differentiated_as_the_dict_program():
         return jnp.sum(hs ** 2) + jnp.sum(h)
 
     got = ft.gradient(run, at=cell)
-    want = jax.grad(run_dict)(_flat_params(cell))
+    want = jax.jit(jax.grad(run_dict))(_flat_params(cell))
     for name in want:
         np.testing.assert_allclose(ft.get(got, name), want[name], rtol=0, atol=1e-14, err_msg=name)
 
 
 def test_cond_and_switch_return_models():
-    a, b = _mlp(jax.random.key(0)), _mlp(jax.random.key(1))
+    a, b = _mlp_jit(jax.random.key(0)), _mlp_jit(jax.random.key(1))
     for pick, want in ((True, a), (False, b)):
         assert_trees_close(jax.jit(lambda p: jax.lax.cond(p, lambda: a, lambda: b))(pick), want, scale=0)
     branches = [lambda m: m, lambda m: ft.tangent_scale(ft.parameters(m), 2.0)]
@@ -273,8 +296,8 @@ def test_cond_and_switch_return_models():
 
 
 def test_checkpoint_of_a_module_call_has_the_plain_gradient():
-    model, batch = _mlp(jax.random.key(0)), _batch()
-    want = jax.grad(_member_loss)(model, batch)
+    model, batch = _mlp_jit(jax.random.key(0)), _batch()
+    want = jax.jit(jax.grad(_member_loss))(model, batch)
     remat = lambda m, b: jnp.mean((jax.checkpoint(lambda m, x: m(x))(m, b[0]) - b[1]) ** 2)  # noqa: E731
     assert_trees_close(ft.gradient(remat)(model, batch), want)
     assert_trees_close(jax.grad(remat)(model, batch), want)
@@ -290,9 +313,9 @@ def _tangent(model, seed=2):
 
 
 def test_jvp_and_linearize_of_a_module_call_are_the_differential():
-    model, (x, _) = _mlp(jax.random.key(0)), _batch()
+    model, (x, _) = _mlp_jit(jax.random.key(0)), _batch()
     t = _tangent(model)
-    _, want = jax.jvp(lambda m: m(x), (model,), (t,))
+    want = jax.jit(lambda m, t: jax.jvp(lambda m: m(x), (m,), (t,))[1])(model, t)
     got = ft.differential(lambda m: m(x), at=model)(ft.parameters(t))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-13 * float(np.abs(want).max()))
     _, linear = jax.linearize(lambda m: m(x), model)
@@ -300,7 +323,7 @@ def test_jvp_and_linearize_of_a_module_call_are_the_differential():
 
 
 def test_hessian_of_a_loss_wrt_a_model_is_jax_hessian_and_composed_gradients():
-    model, batch = _mlp(jax.random.key(0)), _batch()
+    model, batch = _mlp_jit(jax.random.key(0)), _batch()
     # each jitted: eagerly, a Hessian runs op by op (seconds)
     want = jax.jit(jax.hessian(_member_loss))(model, batch)
     got = jax.jit(ft.hessian(_member_loss))(model, batch)
@@ -330,7 +353,7 @@ def test_pullback_at_batchnorm_is_jax_vjp_with_none_at_its_statistics(training):
     _, pb = ft.value_with_pullback(f, at=bn)
     got = pb(cot)
     assert got.running_mean is None and got.running_variance is None  # the docs: no cotangent there
-    assert_trees_close(got, jax.vjp(f, bn)[1](cot)[0])
+    assert_trees_close(got, jax.jit(lambda bn: jax.vjp(f, bn)[1](cot)[0])(bn))
 
 
 def test_pullback_of_a_model_valued_function_takes_the_parameter_view():
@@ -378,14 +401,14 @@ def test_jax_key_paths_name_the_leaves_functree_names():
     # to_flat_dict's names follow JAX's leaf order
     assert [v for v in ft.to_flat_dict(net).values()] == jax.tree.leaves(net)
     # a model without dicts: the same order
-    model = _bn_net(key)
+    model = _bn_net_jit(key)
     assert [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(model)[0]] == [
         str(kp) for kp in ft.recursively_all_writable_key_paths(model, to=jax.Array)]
 
 
 def test_tree_map_with_path_over_a_model_and_its_gradient():
-    model, batch = _bn_net(jax.random.key(0)), _batch(out=1)
-    grads = ft.nn.value_with_gradient_and_state(_member_loss, model, batch)[1]
+    model, batch = _bn_net_jit(jax.random.key(0)), _batch(out=1)
+    grads = jax.jit(lambda m: ft.nn.value_with_gradient_and_state(_member_loss, m, batch)[1])(model)
     # the gradient first: its None leaves (the running statistics) are skipped
     moved = jax.tree.map(lambda g, p: p if g is None else p - 0.1 * g, grads, model,
                          is_leaf=lambda v: v is None)
@@ -401,7 +424,7 @@ def test_tree_map_with_path_over_a_model_and_its_gradient():
 
 def test_eval_shape_of_a_constructor_then_the_optimizer_init():
     abstract = jax.eval_shape(_mlp, jax.random.key(0))
-    concrete = _mlp(jax.random.key(0))
+    concrete = _mlp_jit(jax.random.key(0))
     assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
     assert [(a.shape, a.dtype) for a in jax.tree.leaves(abstract)] == [
         (c.shape, c.dtype) for c in jax.tree.leaves(concrete)]
@@ -413,7 +436,7 @@ def test_eval_shape_of_a_constructor_then_the_optimizer_init():
 def test_device_put_of_a_model_to_a_sharding():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    model = _mlp(jax.random.key(0))
+    model = _mlp_jit(jax.random.key(0))
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     placed = jax.device_put(model, NamedSharding(mesh, PartitionSpec()))
     assert type(placed) is type(model)

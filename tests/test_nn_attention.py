@@ -43,9 +43,12 @@ def _output(mha, out):
     return out @ np.asarray(dense.weight, np.float64) + np.asarray(dense.bias, np.float64)
 
 
+_jax_attention = jax.jit(lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask))  # eagerly ~10 programs
+
+
 def _reference(mha, q, k, v, mask=None):
-    Q, K, V = (jnp.asarray(a, jnp.float32) for a in _heads(mha, q, k, v))
-    out = jax.nn.dot_product_attention(Q, K, V, mask=mask)
+    Q, K, V = (jax.device_put(np.asarray(a, np.float32)) for a in _heads(mha, q, k, v))
+    out = _jax_attention(Q, K, V, mask)
     return _output(mha, np.asarray(out, np.float64))
 
 
@@ -86,10 +89,18 @@ def test_causal_mask_ignores_the_future(key):
 
 
 def test_gradient_finite_differences(key):
+    # Every weight and the input in one float64 vector, cut apart inside the jitted function:
+    # check_grads perturbs its arguments eagerly, a program per leaf shape.
+    leaves, treedef = jax.tree.flatten((ft.nn.MultiheadAttention(4, 2, key=key), _normal(1, (3, 4))))
+    flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in leaves])
+    ends = np.cumsum([a.size for a in leaves])[:-1]
+
+    def run(v):
+        m, x = jax.tree.unflatten(treedef, [p.reshape(a.shape) for p, a in zip(jnp.split(v, ends), leaves)])
+        return m(x)
+
     with jax.enable_x64(True):
-        mha = _x64(ft.nn.MultiheadAttention(4, 2, key=key))
-        x = _normal(1, (3, 4), np.float64)
-        check_grads(jax.jit(lambda m, x: m(x)), (mha, x), order=1, modes=["rev"])
+        check_grads(jax.jit(run), (flat,), order=1, modes=["rev"])
 
 
 def test_errors(key):
@@ -97,9 +108,9 @@ def test_errors(key):
         ft.nn.MultiheadAttention(6, 4, key=key)
     mha = ft.nn.MultiheadAttention(4, 2, key=key)
     with pytest.raises(ft.nn.LayerInputError, match=r"MultiheadAttention expects inputs \[\.\.\., queries, 4\] \(float\), got f32\[3,5\]"):
-        mha(jnp.ones((3, 5)))
+        mha(jax.device_put(np.ones((3, 5), np.float32)))  # (inputs by device_put: jnp.ones compiles a program a shape)
     with pytest.raises(ft.nn.LayerInputError, match=r"mask broadcastable to \[2, 3, 3\] \(bool\), got f32\[3,3\]"):
-        mha(jnp.ones((3, 4)), mask=jnp.ones((3, 3)))
+        mha(jax.device_put(np.ones((3, 4), np.float32)), mask=jax.device_put(np.ones((3, 3), np.float32)))
 
 
 def _explicit(mha, x, mask=None, causal=False, dropout=0.0, key=None):
@@ -146,7 +157,8 @@ def test_attention_dropout(key):
     np.testing.assert_array_equal(y_eval, y_no_dropout)  # inference: no dropout
     np.testing.assert_allclose(y, y_explicit, rtol=1e-5, atol=1e-6)
     assert not np.allclose(y, y_eval, atol=1e-3)
-    assert ft.nn.training(ft.nn.Sequential(mha))(x, key=drop_key).shape == (3, 5, 4)  # Sequential passes keys
+    # Sequential passes keys (traced: a missing key is refused while tracing, as eagerly)
+    assert jax.eval_shape(lambda: ft.nn.training(ft.nn.Sequential(mha))(x, key=drop_key)).shape == (3, 5, 4)
     with pytest.raises(ValueError, match=r"(?s)dropout=0.5\) is in training mode and needs a PRNG key.*key=jax.random.key\(step\)"):
         train(x)
     with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\), got 1.0"):
@@ -169,16 +181,21 @@ def test_bfloat16_attention_of_one_query_row_compiles_and_equals_the_batched_row
     jax.nn.dot_product_attention too), eagerly and under jit, its gradient too; it equals the
     same row computed in a batch of two within a bfloat16 rounding, and float32's."""
     mha = ft.nn.MultiheadAttention(size * heads, heads, num_kv_heads=kv_heads, key=key, dtype=jnp.bfloat16)
-    x = _normal(1, (2, keys, size * heads), jnp.bfloat16)
-    kv = x[:1]
-    alone = mha(x[:1, -1:], kv, kv)  # the last key's row: one query
-    batched = jax.jit(lambda m, q, k: m(q, k, k))(mha, x[:, -1:], x)  # two rows: XLA's fused program
-    np.testing.assert_allclose(alone.astype(jnp.float32), batched[:1].astype(jnp.float32), rtol=0,
-                               atol=2 * 2.0 ** -8 * float(jnp.abs(batched.astype(jnp.float32)).max()))  # 2 bf16 ulps
-    reference = _x32(mha)(x[:1, -1:].astype(jnp.float32), kv.astype(jnp.float32), kv.astype(jnp.float32))
-    np.testing.assert_allclose(alone.astype(jnp.float32), reference, rtol=0, atol=0.05)
-    grad = jax.jit(jax.grad(lambda m: m(x[:1, -1:], kv, kv).astype(jnp.float32).sum()))(mha)
-    assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in jax.tree.leaves(grad))
+    x = np.asarray(_normal(1, (2, keys, size * heads), jnp.bfloat16))  # sliced in NumPy (eagerly, a program a slice)
+    q, kv = jax.device_put(x[:1, -1:]), jax.device_put(x[:1])  # (jnp.asarray compiles a program per shape)
+    alone = np.asarray(mha(q, kv, kv), np.float32)  # the last key's row: one query, eagerly
+
+    @jax.jit  # one program: the two rows (XLA's fused program), float32's row, the row's gradient
+    def jitted(m, q2, x, q, kv):
+        reference = _x32(m)(q.astype(jnp.float32), kv.astype(jnp.float32), kv.astype(jnp.float32))
+        grad = jax.grad(lambda m: m(q, kv, kv).astype(jnp.float32).sum())(m)
+        return m(q2, x, x), reference, [jnp.isfinite(g.astype(jnp.float32)).all() for g in jax.tree.leaves(grad)]
+
+    batched, reference, finite = jitted(mha, jax.device_put(x[:, -1:]), jax.device_put(x), q, kv)
+    batched = np.asarray(batched, np.float32)
+    np.testing.assert_allclose(alone, batched[:1], rtol=0, atol=2 * 2.0 ** -8 * float(np.abs(batched).max()))  # 2 bf16 ulps
+    np.testing.assert_allclose(alone, reference, rtol=0, atol=0.05)
+    assert all(map(bool, finite))
 
 
 def _x32(tree):
@@ -249,14 +266,16 @@ _step = jax.jit(lambda m, x, c, p, mask: m(x, cache=c, positions=p, mask=mask))
 
 def _decode(mha, x, splits, mask=None, length=None):
     """``x`` through ``mha``'s cache in chunks of ``splits`` tokens (a prefill, then steps)."""
+    x = np.asarray(x)  # sliced and joined in NumPy (eagerly, a program per slice; device_put compiles none)
     b, t, _ = x.shape
-    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
     cache, outs, start = mha.init_cache(b, length or t), [], 0
     for n in splits:
-        out, cache = _step(mha, x[:, start:start + n], cache, positions[:, start:start + n], mask)
-        outs.append(out)
+        out, cache = _step(mha, jax.device_put(x[:, start:start + n]), cache,
+                           jax.device_put(positions[:, start:start + n]), mask)
+        outs.append(np.asarray(out))
         start += n
-    return jnp.concatenate(outs, axis=1), cache
+    return np.concatenate(outs, axis=1), cache
 
 
 def test_cache_decoding_equals_causal_attention_with_left_padding(key):
@@ -265,8 +284,8 @@ def test_cache_decoding_equals_causal_attention_with_left_padding(key):
     then row 0's first 4 tokens: masked out and rotated by their slots (2..5), its outputs
     equal row 0's (rotary attention depends on offsets only)."""
     mha = ft.nn.MultiheadAttention(16, 4, num_kv_heads=2, rotary=10000.0, causal=True, key=key)
-    x0 = _normal(1, (6, 16))
-    x = jnp.stack([x0, jnp.concatenate([jnp.full((2, 16), 9.0), x0[:4]])])
+    x0 = np.asarray(_normal(1, (6, 16)))  # the rows built in NumPy (eagerly ~5 programs)
+    x = np.stack([x0, np.concatenate([np.full((2, 16), 9.0, np.float32), x0[:4]])])
     mask = jnp.array([[True] * 8, [False, False] + [True] * 6])  # over the 8 slots
     out, cache = _decode(mha, x, [3, 1, 1, 1], mask=mask, length=8)
     expected = _gqa_reference(mha, x0[None], True, 10000.0)[0]
@@ -288,43 +307,44 @@ def test_positions_without_a_cache_rotate_queries_and_keys(key):
 
 def test_cache_errors(key):
     mha = ft.nn.MultiheadAttention(8, 2, num_kv_heads=1, key=key)
-    x, cache = jnp.ones((2, 3, 8)), mha.init_cache(2, 8)
-    pos = jnp.zeros((2, 3), jnp.int32)
+    # the inputs built in NumPy and put on the device (eagerly, each jnp operation here compiled a program)
+    dev, xn, posn = jax.device_put, np.ones((2, 3, 8), np.float32), np.zeros((2, 3), np.int32)
+    x, cache, pos = dev(xn), mha.init_cache(2, 8), dev(posn)
     with pytest.raises(ValueError, match=r"keys= and values= cannot be passed with cache="):
         mha(x, x, cache=cache, positions=pos)
     with pytest.raises(ValueError, match=r"cache= needs positions= \(int32 \[batch, T\]"):
         mha(x, cache=cache)
     with pytest.raises(ft.nn.LayerInputError, match=r"expects inputs positions \[2, 3\] \(int\), got f32\[2,3\]"):
-        mha(x, cache=cache, positions=pos.astype(jnp.float32))
+        mha(x, cache=cache, positions=dev(posn.astype(np.float32)))
     with pytest.raises(ft.nn.LayerInputError, match=r"positions \[2, 3\] \(int\), got i32\[4\]"):
-        mha(x, cache=cache, positions=jnp.arange(4))
+        mha(x, cache=cache, positions=dev(np.arange(4, dtype=np.int32)))
     with pytest.raises(ft.nn.LayerInputError, match=r"expects inputs \[batch, T, 8\] \(float\), got f32\[3,8\]"):
-        mha(x[0], cache=cache, positions=pos[0])
+        mha(dev(xn[0]), cache=cache, positions=dev(posn[0]))
     with pytest.raises(ft.nn.LayerInputError, match=r"\[batch, T, 8\] \(float\), got f32\[1,2,3,8\](.|\n)*one batch axis"):
-        mha(x[None], cache=cache, positions=pos)
+        mha(dev(xn[None]), cache=cache, positions=pos)
     with pytest.raises(ft.nn.LayerInputError, match=r"cache KVCache\(keys \[1, max_length, 1, 4\], values "
                                                     r"\[1, max_length, 1, 4\]\), got KVCache\(keys=f32\[2,8,1,4\]"):
-        mha(x[:1], cache=cache, positions=pos[:1])
+        mha(dev(xn[:1]), cache=cache, positions=dev(posn[:1]))
     with pytest.raises(ft.nn.LayerInputError, match=r"got a dict"):
         mha(x, cache={"keys": cache.keys}, positions=pos)
     with pytest.raises(ft.nn.LayerInputError, match=r"mask \[2, 8\] \(bool\), got f32\[2,8\](.|\n)*over the cache's slots"):
-        mha(x, cache=cache, positions=pos, mask=jnp.ones((2, 8)))
+        mha(x, cache=cache, positions=pos, mask=dev(np.ones((2, 8), np.float32)))
     with pytest.raises(ft.nn.LayerInputError, match=r"mask \[2, 8\] \(bool\), got bool\[2,3,8\]"):
-        mha(x, cache=cache, positions=pos, mask=jnp.ones((2, 3, 8), bool))
+        mha(x, cache=cache, positions=pos, mask=dev(np.ones((2, 3, 8), bool)))
     with pytest.raises(ValueError, match=r"init_cache\(batch_size, max_length\) takes positive ints, got "
                                          r"batch_size=0, max_length=8"):
         mha.init_cache(0, 8)
     with pytest.raises(ValueError, match=r"positions= \(without a cache\) rotates self-attention's"):
         mha(x, x, positions=pos)
     with pytest.raises(ft.nn.LayerInputError, match=r"positions \[2, 3\] \(int\), got f32\[3\]"):
-        mha(x, positions=jnp.ones(3))
+        mha(x, positions=dev(np.ones(3, np.float32)))
     # slots outside the cache: its scatter dropped the write (a negative slot wrapped), silently
     with pytest.raises(ValueError, match=r"(?s)run from 6 to 8, but the cache has 8 slots \(0 to 7\).*"
                                          r"right:  cache = model.init_cache\(2, 9\)"):
-        mha(x, cache=cache, positions=pos + 6 + jnp.arange(3))
+        mha(x, cache=cache, positions=dev(posn + 6 + np.arange(3, dtype=np.int32)))
     with pytest.raises(ValueError, match=r"(?s)run from -1 to 1, but the cache has 8 slots.*counted from 0"):
-        mha(x, cache=cache, positions=jnp.broadcast_to(jnp.arange(3) - 1, (2, 3)))
-    out, _ = jax.jit(lambda p: mha(x, cache=cache, positions=p))(pos + 6 + jnp.arange(3))  # traced: not checked (generate sizes it)
+        mha(x, cache=cache, positions=dev(np.broadcast_to(np.arange(3, dtype=np.int32) - 1, (2, 3))))
+    out, _ = jax.jit(lambda p: mha(x, cache=cache, positions=p))(dev(posn + 6 + np.arange(3, dtype=np.int32)))  # traced: not checked (generate sizes it)
     assert out.shape == (2, 3, 8)
 
 
@@ -335,8 +355,8 @@ _A100 = ("nvidia", (8, 0))
 
 
 def _qkv(t=16, size=64, dtype=jnp.bfloat16, s=None):
-    q = jnp.zeros((2, t, 4, size), dtype)
-    k = jnp.zeros((2, t if s is None else s, 4, size), dtype)
+    q = jax.device_put(np.zeros((2, t, 4, size), dtype))  # (jnp.zeros: a program per shape, at collection)
+    k = jax.device_put(np.zeros((2, t if s is None else s, 4, size), dtype))
     return q, k, k
 
 
@@ -350,8 +370,8 @@ def _qkv(t=16, size=64, dtype=jnp.bfloat16, s=None):
         (_qkv(size=256), None, _A100, "xla"),  # 256 only from Hopper on
         (_qkv(size=256), None, _H200, "cudnn"),
         (_qkv(t=1, s=32), None, _H200, "xla"),  # one-token decoding stays on XLA
-        (_qkv(t=15), jnp.ones((1, 1, 15, 15), bool), _H200, "xla"),  # odd lengths with a mask
-        (_qkv(t=16), jnp.ones((1, 1, 16, 16), bool), _H200, "cudnn"),
+        (_qkv(t=15), jax.device_put(np.ones((1, 1, 15, 15), bool)), _H200, "xla"),  # odd lengths with a mask
+        (_qkv(t=16), jax.device_put(np.ones((1, 1, 16, 16), bool)), _H200, "cudnn"),
         (_qkv(), None, ("nvidia", (7, 5)), "xla"),  # before Ampere
         (_qkv(), None, ("gpu", None), "xla"),  # a ROCm GPU
         (_qkv(), None, ("tpu", None), "xla"),
@@ -491,10 +511,13 @@ def test_bfloat16_explicit_attention_is_as_accurate_as_the_fused_path():
     softmax: 0.038 from float32's output on bf16-rounded inputs where the fused path
     (float32 logits and softmax) is 0.013 and torch's bf16 sdpa 0.0088. It does what the
     fused path does now: the same 0.013."""
-    ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(kk, (2, 64, 4, 64)).astype(jnp.bfloat16) for kk in ks)
-    q = (q.astype(jnp.float32) * 3.0).astype(jnp.bfloat16)  # logits' std ~ 24: softmax rounding shows
-    expected = _softmax_attention_float64(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    @jax.jit  # the inputs drawn in one program (eagerly ~8)
+    def draw(key):
+        q, k, v = (jax.random.normal(kk, (2, 64, 4, 64)).astype(jnp.bfloat16) for kk in jax.random.split(key, 3))
+        return (q.astype(jnp.float32) * 3.0).astype(jnp.bfloat16), k, v  # logits' std ~ 24: softmax rounding shows
+
+    q, k, v = draw(jax.random.key(0))
+    expected = _softmax_attention_float64(*(np.asarray(a, np.float32) for a in (q, k, v)))
     explicit = attention.attention_weights_times_values(q, k, v, None, True)
     fused = attention._fused_attention(q, k, v, None, True, "xla")
     assert explicit.dtype == fused.dtype == jnp.bfloat16
@@ -518,7 +541,7 @@ def test_a_query_with_every_key_masked_is_what_the_docstring_says(key):
     q, kv = np.random.default_rng(0).normal(size=(2, 2, 5, 8)).astype(np.float32)
     mask = np.ones((2, 1, 5, 5), bool)
     mask[1, :, 0] = False  # query 0 of example 1 sees no key
-    y = jax.jit(lambda m, q, kv, mask: m(q, kv, mask=mask))(mha, jnp.asarray(q), jnp.asarray(kv), jnp.asarray(mask))
+    y = jax.jit(lambda m, q, kv, mask: m(q, kv, mask=mask))(mha, *map(jax.device_put, (q, kv, mask)))
     values = np.asarray(kv[1], np.float64) @ np.asarray(mha.value_projection.weight) + np.asarray(mha.value_projection.bias)
     expected = values.mean(0) @ np.asarray(mha.output_projection.weight) + np.asarray(mha.output_projection.bias)
     np.testing.assert_allclose(y[1, 0], expected, rtol=0, atol=1e-5)
@@ -547,7 +570,7 @@ def test_an_eager_attention_call_compiles_its_core_and_rotation_as_one_program_e
     from _compiles import compiled
 
     attn = ft.nn.MultiheadAttention(16, 2, causal=True, rotary=True, key=jax.random.key(0))
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 7, 16)), jnp.float32)  # |y| ~ 2
+    x = jax.device_put(np.random.default_rng(0).normal(size=(2, 7, 16)).astype(np.float32))  # |y| ~ 2
     with compiled() as names:
         y = attn(x)
     assert len(names) <= 8, names  # main: 40

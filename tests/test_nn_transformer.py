@@ -2,6 +2,7 @@
 state dict both ways, masks (bool and float, key padding, causal), gradients, dropout's
 statistics, and the refusals. Tiny sizes (d_model 8, 2 heads, 1-2 layers), one compile a case."""
 
+import functools
 from typing import Any
 
 import jax
@@ -64,8 +65,10 @@ def test_transformer_matches_torchs_in_float64(norm_first, activation, batch_fir
     module = torch.nn.Transformer(E, HEADS, 1, 2, FF, dropout=0.1, activation=activation, batch_first=batch_first,
                                   norm_first=norm_first, dtype=torch.float64)
     with jax.enable_x64(True):
-        model = ft.nn.Transformer(E, HEADS, 1, 2, FF, activation=activation, batch_first=batch_first,
-                                  norm_first=norm_first, key=jax.random.key(0), dtype=jnp.float64)
+        # built abstract (no eager draws: ~45 programs), every leaf then loaded from torch's
+        model = jax.eval_shape(lambda: ft.nn.Transformer(E, HEADS, 1, 2, FF, activation=activation,
+                                                         batch_first=batch_first, norm_first=norm_first,
+                                                         key=jax.random.key(0), dtype=jnp.float64))
         model = ft.nn.load_torch_state_dict(model, module.state_dict())
         args = _inputs(rng, batch_first, np.float64)
         masks = _masks(rng, not batch_first, np.float64)
@@ -100,10 +103,10 @@ def test_encoder_layer_per_head_masks_unbatched_and_decoder_memory_mask():
     enc = torch.nn.TransformerEncoderLayer(E, HEADS, FF, batch_first=True, dtype=torch.float64)
     dec = torch.nn.TransformerDecoderLayer(E, HEADS, FF, norm_first=True, dtype=torch.float64)
     with jax.enable_x64(True):
-        ours_enc = ft.nn.load_torch_state_dict(ft.nn.TransformerEncoderLayer(
-            E, HEADS, FF, batch_first=True, key=jax.random.key(0), dtype=jnp.float64), enc.state_dict())
-        ours_dec = ft.nn.load_torch_state_dict(ft.nn.TransformerDecoderLayer(
-            E, HEADS, FF, norm_first=True, key=jax.random.key(0), dtype=jnp.float64), dec.state_dict())
+        ours_enc = ft.nn.load_torch_state_dict(jax.eval_shape(lambda: ft.nn.TransformerEncoderLayer(
+            E, HEADS, FF, batch_first=True, key=jax.random.key(0), dtype=jnp.float64)), enc.state_dict())
+        ours_dec = ft.nn.load_torch_state_dict(jax.eval_shape(lambda: ft.nn.TransformerDecoderLayer(
+            E, HEADS, FF, norm_first=True, key=jax.random.key(0), dtype=jnp.float64)), dec.state_dict())
         x = rng.standard_normal((N, S, E))
         per_head = rng.standard_normal((N * HEADS, S, S))
         memory_mask = rng.random((L, S)) < 0.4
@@ -149,14 +152,25 @@ def test_gradients_check_in_float64():
     """check_grads (reverse, order 1) of a pre-norm encoder layer through its parameters and
     input, with a float mask and a bool key padding mask."""
     with jax.enable_x64(True):
-        layer = ft.nn.TransformerEncoderLayer(4, 2, 6, activation="gelu", norm_first=True, batch_first=True,
-                                              key=jax.random.key(3), dtype=jnp.float64)
-        x = jax.random.normal(jax.random.key(4), (2, 3, 4), jnp.float64)
+        # drawn in one program (eagerly, float64's initializers compiled ~15)
+        layer, x = jax.jit(lambda k, kx: (
+            ft.nn.TransformerEncoderLayer(4, 2, 6, activation="gelu", norm_first=True, batch_first=True, key=k,
+                                          dtype=jnp.float64),
+            jax.random.normal(kx, (2, 3, 4), jnp.float64)))(jax.random.key(3), jax.random.key(4))
         bias = jnp.array([[0.0, -1.0, -jnp.inf], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
         pad = jnp.array([[False, False, True], [False, False, False]])
+        # Every parameter and the input in one float64 vector, cut apart inside the jitted
+        # function: check_grads perturbs its arguments eagerly, a program per leaf shape.
+        leaves, treedef = jax.tree.flatten((layer, x))
+        flat = np.concatenate([np.asarray(a).ravel() for a in leaves])
+        ends = np.cumsum([a.size for a in leaves])[:-1]
+
+        def run(v):
+            m, x = jax.tree.unflatten(treedef, [p.reshape(a.shape) for p, a in zip(jnp.split(v, ends), leaves)])
+            return m(x, src_mask=bias, src_key_padding_mask=pad)
+
         # eps 1e-6: the central difference's error (eps**2: 5.8e-6 at 1e-4, 5.8e-8 at 1e-5) well below 1e-7
-        check_grads(jax.jit(lambda m, x: m(x, src_mask=bias, src_key_padding_mask=pad)), (layer, x), order=1,
-                    modes=["rev"], atol=1e-7, rtol=1e-7, eps=1e-6)
+        check_grads(jax.jit(run), (flat,), order=1, modes=["rev"], atol=1e-7, rtol=1e-7, eps=1e-6)
 
 
 def test_dropout_in_training_is_unbiased_and_drops_at_its_rate():
@@ -175,15 +189,18 @@ def test_dropout_in_training_is_unbiased_and_drops_at_its_rate():
     def draws(model):
         return jax.vmap(lambda k: model(x, key=k))(keys)
 
-    outs = draws(trained)
+    # inference with and without a key in one program; the statistics in NumPy (eagerly, a
+    # program per jnp operation)
+    inferred, inferred_keyed = jax.jit(lambda m, k: (m(x), m(x, key=k)))(layer, keys[0])
+    outs = np.asarray(draws(trained))
     spread = outs.std(0) / np.sqrt(len(keys))
-    np.testing.assert_array_less(np.abs(outs.mean(0) - layer(x)), 5 * spread + 1e-6)
+    np.testing.assert_array_less(np.abs(outs.mean(0) - np.asarray(inferred)), 5 * spread + 1e-6)
     assert float(spread.max()) > 1e-3  # the masks do vary the output
-    branch = draws(ft.set(trained, "linear2.bias", jnp.ones(E))) - draws(trained)  # dropout2(ones)
-    kept = np.asarray(branch)[np.asarray(branch) != 0]
+    branch = np.asarray(draws(ft.set(trained, "linear2.bias", np.ones(E, np.float32)))) - outs  # dropout2(ones)
+    kept = branch[branch != 0]
     np.testing.assert_allclose(kept, 1 / 0.75, rtol=1e-5)  # the kept ones scaled by 1 / (1 - rate)
     assert abs(1 - kept.size / branch.size - 0.25) < 0.01   # 4000 * 2 * 6 * 8 draws: std 0.002
-    np.testing.assert_array_equal(layer(x, key=keys[0]), layer(x))
+    np.testing.assert_array_equal(inferred_keyed, inferred)
     with pytest.raises(ValueError, match="needs a PRNG key"):
         trained(x)
 
@@ -283,7 +300,7 @@ def test_is_causal_without_its_mask_is_refused_as_torch_refuses_it():
         with pytest.raises(ValueError, match=rf"{type(ours).__name__}: {flag}=True is torch's hint that {name} "
                                              rf"[\s\S]*right: .*{name}=ft.nn.Transformer.generate_square"):
             ours(*o_args, **{flag: True})
-        ours(*o_args, **{flag: False})  # False (or None) needs no mask
+        jax.eval_shape(functools.partial(ours, *o_args, **{flag: False}))  # False (or None) needs no mask (traced)
 
 
 def test_attention_bias_refusals():
@@ -295,7 +312,8 @@ def test_attention_bias_refusals():
         attn(x, bias=jnp.zeros((S, S), bool))
     with pytest.raises(ValueError, match=r"bias= .* is not taken with cache="):
         attn(x, bias=jnp.zeros((S, S)), cache=attn.init_cache(1, 8), positions=jnp.arange(S)[None])
-    np.testing.assert_allclose(attn(x, bias=jnp.zeros((S, S))), attn(x), atol=1e-6)
+    biased, plain = jax.jit(lambda m: (m(x, bias=jnp.zeros((S, S))), m(x)))(attn)  # one program (eagerly ~15)
+    np.testing.assert_allclose(biased, plain, atol=1e-6)
 
 
 def test_module_names_its_public_layers():

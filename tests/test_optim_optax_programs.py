@@ -149,17 +149,26 @@ def test_trajectory_as_plain_optax(plain, functree):
     assert_same(actual, expected)
 
 
+LBFGS_STEPS = 3  # each eager step compiles the line search's while and scans anew
+
+
 def test_lbfgs_as_optax_value_and_grad_from_state():
     """optax's own L-BFGS loop (value_and_grad_from_state reuses the line search's value)."""
-    tx, p, (x, y) = optax.lbfgs(), arrays(), data()
-    s, expected = tx.init(p), []
+    tx = optax.lbfgs()
     value_and_grad = optax.value_and_grad_from_state(plain_loss)
-    for _ in range(STEPS):
-        v, g = value_and_grad(p, x, y, state=s)
-        u, s = tx.update(g, s, p, value=v, grad=g, value_fn=lambda q: plain_loss(q, x, y))
-        p = optax.apply_updates(p, u)
-        expected.append(flat(p))
-    assert_same(run_ft(optax.lbfgs())[0], expected)
+
+    @jax.jit  # one program, one step's body (eagerly, the line search's while and scans compile anew each step)
+    def trajectory(p, x, y):
+        def step(carry, _):
+            p, s = carry
+            v, g = value_and_grad(p, x, y, state=s)
+            u, s = tx.update(g, s, p, value=v, grad=g, value_fn=lambda q: plain_loss(q, x, y))
+            p = optax.apply_updates(p, u)
+            return (p, s), p
+        return jax.lax.scan(step, (p, tx.init(p)), length=LBFGS_STEPS)[1]
+
+    out = jax.tree.map(np.asarray, trajectory(arrays(), *data()))
+    assert_same(run_ft(optax.lbfgs(), steps=LBFGS_STEPS)[0], [{k: v[i] for k, v in out.items()} for i in range(LBFGS_STEPS)])
 
 
 @pytest.mark.parametrize("how", ["ft.optim.set_hyperparameters", "opt_state.hyperparams"])
@@ -328,8 +337,11 @@ def stack_loss(m):
     return jnp.mean(m(data()[0]) ** 2)
 
 
+STACK_STEPS = 3  # each eager ft.nn.value_with_gradient_and_state of a Stack compiles two scans anew (0.4 CPU-s)
+
+
 def test_stack_global_norm_as_the_stacked_arrays():
-    run_structural(stack(), stack_loss, clip_adam)
+    run_structural(stack(), stack_loss, clip_adam, steps=STACK_STEPS)
 
 
 def test_stack_member_mask_in_optax_masked_is_named():
@@ -352,7 +364,7 @@ def test_stack_member_mask_fix_decays_the_members_selected():
 
     run_structural(s, stack_loss, lambda m: optax.chain(
         optax.scale_by_adam(), ft.optim.masked(optax.add_decayed_weights(0.3), ft.select(m, "[0-1].*")), optax.scale(-0.01)),
-        plain)
+        plain, steps=STACK_STEPS)
 
 
 @pytest.mark.parametrize("how", ["minimize", "train_step"])

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.flatten_util import ravel_pytree
 from jax.test_util import check_grads
 
 import functree as ft
@@ -91,16 +92,10 @@ def test_causal_mask_ignores_the_future(key):
 def test_gradient_finite_differences(key):
     # Every weight and the input in one float64 vector, cut apart inside the jitted function:
     # check_grads perturbs its arguments eagerly, a program per leaf shape.
-    leaves, treedef = jax.tree.flatten((ft.nn.MultiheadAttention(4, 2, key=key), _normal(1, (3, 4))))
-    flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in leaves])
-    ends = np.cumsum([a.size for a in leaves])[:-1]
-
-    def run(v):
-        m, x = jax.tree.unflatten(treedef, [p.reshape(a.shape) for p, a in zip(jnp.split(v, ends), leaves)])
-        return m(x)
-
+    tree = jax.tree.map(lambda a: np.asarray(a, np.float64), (ft.nn.MultiheadAttention(4, 2, key=key), _normal(1, (3, 4))))
     with jax.enable_x64(True):
-        check_grads(jax.jit(run), (flat,), order=1, modes=["rev"])
+        flat, unravel = ravel_pytree(tree)
+        check_grads(jax.jit(lambda v: (lambda m, x: m(x))(*unravel(v))), (flat,), order=1, modes=["rev"])
 
 
 def test_errors(key):

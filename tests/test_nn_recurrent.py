@@ -830,6 +830,28 @@ def test_lengths_run_each_sequence_as_torchs_packed_sequences(cls, layers, bidir
     assert not np.any(np.moveaxis(np.asarray(grad), 0 if batch_first else 1, 0)[padded])
 
 
+def test_lengths_of_any_integer_type_run_under_x64_and_are_checked_without_compiling():
+    """int32 lengths under x64 raised TypePromotionError (the step index was jnp.arange's
+    int64), and each eager call's check compiled 4-5 programs per shape (>=, <=, &, all, <).
+    The known lengths are now checked and compared on the host; traced ones in their own
+    integer type."""
+    from _compiles import compiled
+
+    rnn = ft.nn.RNN(ft.nn.GRUCell(3, 4, key=jax.random.key(0)))
+    xs = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3)), jnp.float32)
+    expected = np.asarray(rnn(xs, lengths=jnp.array([5, 2])))
+    with compiled() as with_lengths:
+        rnn(xs, lengths=np.array([5, 2]))
+    with compiled() as without:
+        rnn(xs)
+    assert with_lengths == without  # the same programs: the check adds none
+    run = jax.jit(lambda m, x, n: m(x, lengths=n))
+    with jax.enable_x64(True):
+        for lengths in (jnp.array([5, 2], jnp.int32), np.array([5, 2]), [5, 2], jnp.array([5, 2], jnp.uint8)):
+            np.testing.assert_array_equal(np.asarray(rnn(xs, lengths=lengths)), expected, err_msg=str(lengths))
+            np.testing.assert_array_equal(np.asarray(run(rnn, xs, jnp.asarray(lengths))), expected)
+
+
 def test_lengths_are_checked_and_a_recording_cell_is_refused():
     rnn = ft.nn.RNN(ft.nn.GRUCell(3, 4, key=jax.random.key(0)))
     xs = jnp.ones((2, 5, 3))

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.core import Tracer
 
 from functree._activations import tanh
@@ -466,18 +467,23 @@ class RNN(Layer):
                                                      (steps, keys, None), reverse=self.reverse)
         return final, ys, paths, values
 
-    def _real_steps(self, lengths: Any, steps: jax.Array, xs: jax.Array) -> jax.Array:
+    def _real_steps(self, lengths: Any, steps: jax.Array, xs: jax.Array) -> Any:
         """``[time, *batch]``: whether step ``t`` of each sequence is real (``t < lengths``),
-        ``lengths`` checked (its values where they are known: not under ``jit``)."""
+        ``lengths`` checked (its values where they are known: not under ``jit``). Known
+        lengths give a NumPy array (compared on the host: an eager call compiles nothing
+        for them), traced ones a traced array."""
         time, batch = steps.shape[0], steps.shape[1:-1]
-        given = jnp.asarray(lengths) if not isinstance(lengths, jax.Array) else lengths
+        given = lengths if isinstance(lengths, jax.Array) else np.asarray(lengths)
         ok = given.shape == batch and jnp.issubdtype(given.dtype, jnp.integer)
-        if ok and not isinstance(given, Tracer):
-            ok = bool(jnp.all((given >= 0) & (given <= time)))
-        if not ok:
+        index = (time,) + (1,) * len(batch)
+        if ok and isinstance(given, Tracer):
+            # the steps in the lengths' own integer type: an int32 array stays int32 under x64
+            return jnp.arange(time, dtype=given.dtype).reshape(index) < given
+        known = np.asarray(given)  # known values: checked and compared on the host, no program compiled
+        if not (ok and ((known >= 0) & (known <= time)).all()):
             raise LayerInputError(self, LENGTHS_EXPECTED.format(batch=batch, time=time, xs=short_array(xs)),
                                   f"{short_array(given)} {_values(given)}", FIX_LENGTHS)
-        return jnp.arange(time).reshape((time,) + (1,) * len(batch)) < given
+        return np.arange(time).reshape(index) < known
 
     def _checked(self, state: Any, batch: tuple[int, ...], xs: jax.Array) -> Any:
         """``state`` if it has the structure and shapes of ``cell.zero_state(batch)``."""
@@ -505,7 +511,7 @@ class RNN(Layer):
         )
 
 
-def _values(given: jax.Array) -> str:
+def _values(given: Any) -> str:
     """A known integer array's range, for an error (nothing for a traced one)."""
     if isinstance(given, Tracer) or given.size == 0 or not jnp.issubdtype(given.dtype, jnp.number):
         return ""

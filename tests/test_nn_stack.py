@@ -234,6 +234,38 @@ def test_state_under_value_with_gradient_and_state_inside_a_model():
     assert grads.layers[0].layers.dense.weight.shape == (3, 3, 3)
 
 
+def test_eager_steps_collecting_state_compile_the_scan_once():
+    """Under collect_state (value_with_gradient_and_state, a hand-written eager loop) the
+    Stack ran a plain scan: its body a new closure at each call, two scan programs compiled
+    at every step (0.35 s for three Dense members). Now the compiled scan of its signature,
+    the state's key paths kept from its one trace; the numbers of the step traced under
+    jax.jit (another program: float32 rounding apart)."""
+    from _compiles import compiled
+
+    x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3))
+
+    def loss(m, xx):
+        return jnp.mean(m(xx, key=jax.random.key(1)) ** 2)
+
+    def step(m):
+        value, grads, state = ft.nn.value_with_gradient_and_state(loss, m, x)
+        return value, ft.nn.apply_state(ft.move(m, along=jax.tree.map(lambda g: -0.1 * g, grads)), state)
+
+    eager = jitted = ft.nn.training(ft.nn.Sequential(noisy_stack()))
+    step(eager)  # the first step compiles
+    with compiled() as names:
+        step(eager)
+        names.clear()
+        for _ in range(2):
+            value, eager = step(eager)
+            value_jitted, jitted = jax.jit(step)(jitted)
+            np.testing.assert_allclose(np.asarray(value), np.asarray(value_jitted), rtol=0, atol=2e-6)  # measured 1.8e-7 (value 3)
+    assert [n for n in names if "scan" in n or n == "jit(run)"] == [], names
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)  # measured 1.2e-7
+    assert float(jnp.abs(eager.layers[0].layers.norm.running_mean).min()) > 0  # the state was applied
+
+
 # ------------------------------------------------------------------ per-member key paths
 def test_get_and_set_one_member():
     m = model()

@@ -256,12 +256,12 @@ class Stack(Layer):
         if cache is not None:
             self._check_caches(cache)
         state = collecting()
-        eager = None if state else _eager_scan(self, x, keys, cache, args, kwargs)
+        eager = _eager_scan(self, x, keys, cache, args, kwargs, state)
         if eager is not None:  # compiled once per signature, not at every call
-            x, cache = eager()
-            return x if cache is None else (x, cache)
-        paths: list[KeyPath] = []
-        x, values, cache = self._scan(x, keys, cache, args, kwargs, paths if state else None)
+            x, values, cache, paths = eager()
+        else:
+            paths: list[KeyPath] = []
+            x, values, cache = self._scan(x, keys, cache, args, kwargs, paths if state else None)
         record_under(self, "layers", paths, values)
         return x if cache is None else (x, cache)
 
@@ -483,9 +483,11 @@ def _static_values_key(stack: Stack) -> Any:
 
 
 def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> Callable[[], tuple[Any, Any]] | None:
+                kwargs: dict[str, Any], collect: bool) -> Callable[[], tuple[Any, Any, Any, list[KeyPath]]] | None:
     """The call run eagerly (at top level, under ``jax.grad`` or ``jax.vmap``: no jaxpr
-    staged around it) as ``() -> (x, caches)``, or None.
+    staged around it) as ``() -> (x, state values, caches, their key paths)``, or None.
+    With ``collect`` (under ``ft.nn.collect_state``), the members' layer state comes back
+    stacked, at the key paths the first trace found (one structure: the same paths).
 
     ``jax.lax.scan`` caches its trace on the body function: the body, a fresh closure at
     each call, was traced and compiled again at every eager call. Here the scan runs in a
@@ -512,7 +514,7 @@ def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ..
     statics = _static_values_key(stack)
     if statics is _UNKEYED:  # a mutable object as a static value: traced afresh, never stale
         return None
-    signature = (dynamic_def, statics, extra_def, tuple(static), tuple(jax.typeof(a) for a in dynamic))
+    signature = (dynamic_def, statics, extra_def, tuple(static), tuple(jax.typeof(a) for a in dynamic), collect)
     key, entry = cached(_SCANS, signature)
     if key is None:
         return None
@@ -524,7 +526,7 @@ def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ..
     if reads is None:  # something the blocks read cannot be keyed: traced afresh, never stale
         return None
     if run is None:
-        run = _compiled_scan(extra_def, [v if v is _ARRAY else v[1] for v in static])
+        run = _compiled_scan(extra_def, [v if v is _ARRAY else v[1] for v in static], collect)
         if len(runs) >= _READS_LIMIT:  # a notebook's old values of its globals
             runs.clear()
         runs[reads] = run
@@ -556,17 +558,24 @@ def _user_code_object(v: Any) -> bool:
             and not library_class(kind))
 
 
-def _compiled_scan(extra_def: Any, static: list[Any]) -> Callable[..., Any]:
-    """The eager scan of one signature: ``run(stack, x, keys, caches, arrays) -> (x, caches)``,
-    the extra arguments rebuilt from their arrays and static values."""
+def _compiled_scan(extra_def: Any, static: list[Any], collect: bool) -> Callable[..., Any]:
+    """The eager scan of one signature: ``run(stack, x, keys, caches, arrays) -> (x, state
+    values, caches, their key paths)``, the extra arguments rebuilt from their arrays and
+    static values. The key paths are found while the program is traced (a cache hit
+    traces nothing): kept with it."""
+    paths: list[KeyPath] = []
 
-    def run(stack: Stack, x: Any, keys: Any, cache: Any, arrays: list[Any]) -> tuple[Any, Any]:
+    def run(stack: Stack, x: Any, keys: Any, cache: Any, arrays: list[Any]) -> tuple[Any, Any, Any]:
         given = iter(arrays)
         args, kwargs = jax.tree.unflatten(extra_def, [next(given) if v is _ARRAY else v for v in static])
-        x, _, cache = stack._scan(x, keys, cache, args, kwargs, None)
-        return x, cache
+        return stack._scan(x, keys, cache, args, kwargs, paths if collect else None)
 
-    return jax.jit(run)
+    compiled = jax.jit(run)
+
+    def call(stack: Stack, x: Any, keys: Any, cache: Any, arrays: list[Any]) -> tuple[Any, Any, Any, list[KeyPath]]:
+        return (*compiled(stack, x, keys, cache, arrays), list(paths))
+
+    return call
 
 
 def _check_carry(block: Any, x: Any, y: Any) -> None:

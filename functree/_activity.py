@@ -290,9 +290,12 @@ def cutting_at(names: frozenset[str]) -> Iterator[None]:
 def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
     from jax.extend import core as jcore
     name = eqn.primitive.name
-    u = join_all(ins) if ins else EMPTY
     if name in _CUTTING.names:
-        return [_cut(u, eqn)] * len(eqn.outvars)
+        # a while loop's condition constants are never differentiated (JAX's refusal is
+        # for its body's constants and its carry): a leaf read only there did not cause it
+        reaching = ins[eqn.params["cond_nconsts"]:] if name == "while" else ins
+        return [_cut(join_all(reaching) if reaching else EMPTY, eqn)] * len(eqn.outvars)
+    u = join_all(ins) if ins else EMPTY
     if name == "stop_gradient":
         if scoped:  # ft.without_derivative: all of it is intentional, and marked as such
             quiet = u.quiet | u.cut | u.active | MARK

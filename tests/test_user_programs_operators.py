@@ -223,3 +223,19 @@ def test_a_while_loop_in_reverse_mode_is_an_error_naming_the_key_path(jit):
     # The fix it names runs: forward mode through the same loop.
     tangent = ft.differential(_while_loss, at=GATE)(Gate(jnp.ones(2), jnp.zeros(2)))  # pyright: ignore[reportCallIssue]
     np.testing.assert_allclose(tangent, float(jnp.sum(3 * GATE.w ** 2 * X)), rtol=0, atol=1e-5)
+
+
+def test_a_parameter_read_only_by_the_loop_condition_is_not_named():
+    """The explanation listed every differentiated leaf that reached the while loop, its
+    condition's constants included: JAX differentiates the body's constants and the carry,
+    never the condition's, so a leaf read only by the condition is not why it refused."""
+    def loss(m):  # v bounds the loop (its condition); w is multiplied in (its body)
+        _, carried = jax.lax.while_loop(lambda c: c[0] < 3.0 * m.v.sum(), lambda c: (c[0] + 1.0, c[1] * m.w),
+                                        (0.0, X))
+        return carried.sum()
+
+    with pytest.warns(ft.NonDifferentiableWarning, match=r"    v   \(through comparison `lt`\)"), \
+            pytest.raises(ValueError) as info:  # (v's zero derivative is warned of first)
+        ft.gradient(loss, at=GATE)
+    assert "carries 1 differentiated parameter(s)" in str(info.value)
+    assert "\n    w\n" in str(info.value) and "    v\n" not in str(info.value)

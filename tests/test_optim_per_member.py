@@ -318,3 +318,29 @@ def test_a_mask_tree_of_the_stacked_model_inside_is_refused_naming_the_fix():
     want, _ = _train(optax.masked(optax.lamb(0.05), {"blocks": True, "head": False}), _unrolled(MODEL),
                      [_unrolled(g) for g in grads])
     assert_close_trained(got, _restacked(want), spread=0.0)  # measured 0: one float32 rounding
+
+
+def test_masked_takes_key_path_patterns_as_freeze_and_wrt_do():
+    """masked(tx, "head.*") read the string as one truthy mask leaf, a prefix selecting every
+    parameter: the clip below clipped ``body`` too, over both norms, silently; a tuple of
+    patterns failed inside JAX. A pattern (or several) is ft.mask of the parameters now,
+    and one that names nothing is refused by ft.mask's error."""
+    params = {"head": {"w": jnp.ones(2)}, "body": {"w": jnp.ones(2)}, "tail": {"w": jnp.ones(2)}}
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 10.0), params)
+
+    def clipped(mask):
+        tx = ft.optim.masked(ft.optim.clip_by_global_norm(1.0), mask)
+        return tx.update(grads, tx.init(params), params)[0]
+
+    one = clipped("head.*")
+    np.testing.assert_allclose(one["head"]["w"], np.full(2, 0.5 ** 0.5), rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(one["body"]["w"], np.full(2, 10.0))  # (was clipped to 0.5)
+    for mask in (("head.*", "tail.*"), ["head.*", "tail.*"]):
+        two = clipped(mask)
+        np.testing.assert_allclose(two["tail"]["w"], np.full(2, 0.5), rtol=0, atol=1e-7)  # the norm over both
+        np.testing.assert_array_equal(two["body"]["w"], np.full(2, 10.0))
+    reference = clipped(ft.mask(params, "head.*"))
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="neck"):
+        clipped("neck.*")

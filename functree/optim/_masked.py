@@ -25,6 +25,7 @@ import optax
 
 from functree._module import Module
 from functree._naming import broadcast
+from functree._parameters import mask as select
 
 __all__ = ["masked", "partition_members", "restore_members", "is_partial", "MEMBER_MASK_IN_OPTAX",
            "named_member_masks"]
@@ -123,7 +124,8 @@ def restore_members(new_state: Any, old_state: Any, template: Any, marks: list[A
 def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTransformationExtraArgs:
     """``optax.masked`` for masks that may select members of stacked leaves (``ft.mask``).
 
-    ``mask`` is a tree (or a function of the parameters giving one) of bools and, for
+    ``mask`` is a key-path pattern or a sequence of them (``"head.*"``: ``ft.mask`` of the
+    parameters), or a tree (or a function of the parameters giving one) of bools and, for
     leaves partly selected, boolean member arrays. Whole leaves behave as in
     ``optax.masked``; a partial leaf is transformed whole with zero gradients at the
     unselected members, which then keep the incoming update and their state.
@@ -140,6 +142,14 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
              [1., 1.]], dtype=float32)
     """
     inner = optax.with_extra_args_support(inner)
+    patterns = (mask,) if isinstance(mask, str) else None
+    if isinstance(mask, (tuple, list)) and mask and all(isinstance(m, str) for m in mask):
+        patterns = tuple(mask)
+    if patterns is not None:
+        # Key-path patterns, as freeze() and wrt= take them: a string given as the mask tree
+        # was one truthy leaf, a prefix selecting every parameter, silently (a tuple of them:
+        # a pytree structure error inside JAX).
+        mask = lambda tree: select(tree, *patterns)  # noqa: E731
 
     as_function = callable(mask) and not isinstance(mask, Module)  # a mask tree of a model is callable too
 

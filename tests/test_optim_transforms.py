@@ -379,3 +379,52 @@ def test_per_tensor_clipping_clips_each_member_of_a_stack_as_the_unrolled_layers
     g = jax.tree.unflatten(jax.tree.structure(ensemble), jax.tree.leaves(g))
     u, _ = _update(fo.clip_by_norm(1.0), g)
     np.testing.assert_allclose(u.layers.weight, [want, [[[0.6, 0.8]]] * 3], rtol=0, atol=1e-7)
+
+
+def test_per_example_clipping_takes_a_complex_gradients_whole_norm_and_float64s_own():
+    """Each example's norm was taken of g.astype(float32): a complex gradient lost its
+    imaginary part (clipped by the wrong factor: 1.6e-2 off torch's step, only JAX's
+    ComplexWarning said so) and a float64 one was normed in float32 (5e-10 off)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    w0 = (rng.normal(size=3) + 1j * rng.normal(size=3)).astype(np.complex64)
+    xs = (rng.normal(size=(4, 3)) + 1j * rng.normal(size=(4, 3))).astype(np.complex64)
+    ys = rng.normal(size=4).astype(np.complex64)  # (real targets; complex for strict promotion)
+
+    def loss(p, x, y):
+        return jnp.mean(jnp.abs(x @ p["w"] - y) ** 2)
+
+    def step(p, x, y, threshold):
+        opt = fo.Optimizer(fo.sgd(0.1), get_gradients=fo.per_example_clipping(threshold))
+        return opt.minimize(loss, p, opt.init(p), x, y)[0]["w"]
+
+    tw, clipped = torch.tensor(w0, requires_grad=True), []
+    for i in range(4):  # torch's complex norm: sqrt(sum |g|^2)
+        g, = torch.autograd.grad((torch.abs(torch.tensor(xs[i:i + 1]) @ tw - torch.tensor(ys[i:i + 1])) ** 2).mean(), tw)
+        clipped.append(g * min(1.0, 0.5 / float(torch.linalg.vector_norm(g))))
+    expected = w0 - 0.1 * (sum(clipped) / 4).numpy()
+    np.testing.assert_allclose(np.asarray(step({"w": jnp.asarray(w0)}, xs, ys, 0.5)), expected, rtol=0, atol=1e-6)
+    with jax.enable_x64(True):
+        p = {"w": jnp.asarray(rng.normal(size=3))}
+        x, y = rng.normal(size=(12, 3)) * 2, rng.normal(size=12)
+        gs = [jax.grad(loss)(p, x[i:i + 1], y[i:i + 1])["w"] for i in range(12)]
+        expected64 = p["w"] - 0.1 * sum(g * jnp.minimum(1, 0.7 / jnp.linalg.norm(g)) for g in gs) / 12
+        np.testing.assert_allclose(np.asarray(step(p, x, y, 0.7)), np.asarray(expected64), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_clip_by_global_norm_clips_half_precision_gradients(dtype):
+    """The default 2-norm ran optax.clip_by_global_norm, whose lax.select of a bfloat16
+    gradient and the float32 threshold raised a TypeError inside JAX (norm_type=3 worked)."""
+    grads = {"w": jnp.full(4, 3.0, dtype), "b": jnp.full(2, 4.0, dtype)}
+    tx = fo.clip_by_global_norm(1.0)
+    out = tx.update(grads, tx.init(grads))[0]
+    norm = float(np.sqrt(4 * 9.0 + 2 * 16.0))
+    for name in grads:
+        assert out[name].dtype == dtype
+        np.testing.assert_allclose(np.asarray(out[name], np.float32), np.asarray(grads[name], np.float32) / norm,
+                                   rtol=0, atol=4e-3)  # half precision's rounding of values below 1
+    f32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    ours, theirs = tx.update(f32, tx.init(f32))[0], optax.clip_by_global_norm(1.0).update(f32, None)[0]
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(a, b)  # float32: optax's numbers, bit for bit

@@ -116,7 +116,8 @@ def _clip_tensor(g: Any, t: Any, members: int = 0) -> Any:
 
 def _abs_squared(x: Any) -> Any:
     """``|x|²`` elementwise, in ``x``'s real dtype (float32 at least)."""
-    wide = jnp.promote_types(jnp.finfo(x.dtype).dtype, jnp.float32)
+    real = jnp.dtype(jnp.finfo(x.dtype).dtype)
+    wide = real if real.itemsize >= 4 else jnp.dtype(jnp.float32)  # (promote_types refuses float64 under strict)
     if jnp.iscomplexobj(x):
         return jnp.square(x.real.astype(wide)) + jnp.square(x.imag.astype(wide))
     return jnp.square(x.astype(wide))
@@ -220,8 +221,8 @@ def clip_by_global_norm(threshold: Hyper, *, norm_type: float = 2.0) -> optax.Gr
       {'a': Array([0.75], dtype=float32), 'b': Array([1.], dtype=float32)}
     """
     p = _norm_type(norm_type)
-    if p == 2:
-        return optax.clip_by_global_norm(threshold)
+    # Not optax.clip_by_global_norm for p = 2: its lax.select of a bfloat16 gradient and the
+    # float32 threshold (the hyperparameter's array) raised a TypeError inside JAX.
     return _stateless(lambda g, _: _clipped_by_p_norm(g, threshold, p), "clip_by_global_norm")
 
 
@@ -235,7 +236,7 @@ def _p_norm(tree: Any, p: float) -> jax.Array:
     if p == float("inf"):
         return jnp.max(jnp.stack([jnp.max(x, initial=0.0) for x in leaves]))
     total = sum(jnp.sum(x**p) for x in leaves)
-    return jnp.asarray(total) ** (1.0 / p)
+    return jnp.sqrt(total) if p == 2 else jnp.asarray(total) ** (1.0 / p)  # sqrt: optax's 2-norm, bit for bit
 
 
 def _clipped_by_p_norm(tree: Any, threshold: Any, p: float) -> Any:
@@ -333,16 +334,25 @@ def per_example_clipping(threshold: float) -> Callable[..., Any]:
             return out, g
 
         outs, grads = jax.vmap(one)(batch)
-        norms = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim)))
+        # |g|² in the gradient's real dtype (float32 at least): a complex gradient's imaginary
+        # part counts (cast to float32 it was dropped), a float64 one's norm is float64's.
+        norms = jnp.sqrt(sum(jnp.sum(_abs_squared(g), axis=tuple(range(1, g.ndim)))
                              for g in jax.tree.leaves(grads)))
-        limit = threshold if scale is None else threshold * jnp.asarray(scale, jnp.float32)
+        limit = threshold if scale is None else threshold * jnp.asarray(scale, jnp.float32).astype(norms.dtype)
         factor = jnp.minimum(1.0, limit / jnp.maximum(norms, 1e-30))
-        mean = jax.tree.map(lambda g: jnp.tensordot(factor, g, axes=1).astype(g.dtype) / g.shape[0], grads)
+        mean = jax.tree.map(lambda g: _weighted_sum(factor, g) / g.shape[0], grads)
         if has_aux:
             return (jnp.mean(outs[0]), outs[1]), mean
         return jnp.mean(outs), mean
 
     return get_gradients
+
+
+def _weighted_sum(factor: jax.Array, g: jax.Array) -> jax.Array:
+    """``sum_i factor[i] g[i]`` in ``g``'s dtype, computed in the wider of the two (a complex
+    gradient times real factors, a bfloat16 one summed in float32)."""
+    wide = g.dtype if jnp.dtype(g.dtype).itemsize >= jnp.dtype(factor.dtype).itemsize else factor.dtype
+    return jnp.tensordot(factor.astype(wide), g.astype(wide), axes=1).astype(g.dtype)
 
 
 @optimizer("ft.optim.l1_regularization")

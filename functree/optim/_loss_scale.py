@@ -150,8 +150,10 @@ def _unscaled(g: Any, scale: jax.Array) -> jax.Array:
     wide = g.dtype if jnp.issubdtype(g.dtype, jnp.complexfloating) else statistics_dtype(g.dtype)
     big = scale > 2.0**126
     first = jnp.where(big, jnp.float32(2.0**-64), jnp.float32(1.0))
-    second = jnp.where(big, jnp.float32(2.0**64), jnp.float32(1.0)) / scale
-    return (g.astype(wide) * first.astype(wide) * second.astype(wide)).astype(g.dtype)
+    # The reciprocal in the gradient's (wide) dtype: a float32 1 / (scale / k) (accumulate=k,
+    # k no power of two) put float32's rounding, 6e-8, into every float64 gradient.
+    second = jnp.where(big, jnp.float32(2.0**64), jnp.float32(1.0)).astype(wide) / scale.astype(wide)
+    return (g.astype(wide) * first.astype(wide) * second).astype(g.dtype)
 
 
 def _is_scalar(x: Any) -> bool:

@@ -502,11 +502,19 @@ def _cycled(low: float, high: float, step_size_up: float, step_size_down: float 
     else:
         scale = scale_fn
     dtype = _float()
+    whole = total.is_integer()  # whole step sizes (torch's ints): the cycle and its position in integers
 
     def at(ctx: LearningContext) -> jax.Array:
-        count = counter(ctx, unit).astype(dtype)
-        cycle = jnp.floor(1 + count / total)
-        x = 1.0 + count / total - cycle
+        raw = counter(ctx, unit)
+        count = raw.astype(dtype)
+        if whole:
+            # count / total in float32 lost the position in a cycle once count passed 2**24
+            # (or count / total reached thousands): 4e-4 of the rate at 3e7 samples.
+            cycle = (raw // int(total) + 1).astype(dtype)
+            x = (raw % int(total)).astype(dtype) / total
+        else:
+            cycle = jnp.floor(1 + count / total)
+            x = 1.0 + count / total - cycle
         factor = jnp.where(x <= ratio, x / ratio, (x - 1) / (ratio - 1))
         height = (high - low) * factor * jnp.asarray(scale(cycle if scale_mode == "cycle" else count), dtype)
         return high - height if falling else low + height

@@ -721,3 +721,31 @@ def test_keras_verbose_prints_the_stop_in_the_fit_it_ended_only(capsys):
     stop.on_train_end(trainer, ft.train.TrainingContext("end", 12, 4, 0, 1, None, {}))
     stop.on_train_end(trainer, ft.train.TrainingContext("end", 12, 4, 0, 1, None, {}))  # a later fit, no epoch
     assert capsys.readouterr().err == "Epoch 4: early stopping\n" and stop.stopped_epoch == 4
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_logged_learning_rate_is_the_one_reduce_on_plateau_applied(grouped):
+    """The history, callbacks and loggers read hyperparameters(), which leaves out the scale
+    of an optax reduce_on_plateau in the chain: on a plateau they logged 0.1 at every step
+    while the steps applied 0.1, 0.05, 0.025, 0.0125. Within groups too."""
+    import optax
+
+    x = np.ones((8, 1), np.float32)
+
+    def flat_loss(m, batch):  # a constant loss with a unit gradient: the step is the rate
+        return jnp.mean(batch[0] @ m["w"]) - jnp.mean(batch[0] @ jax.lax.stop_gradient(m["w"])) + 1.0
+
+    plateau = ft.optim.reduce_on_plateau(factor=0.5, patience=1)
+    tx = (ft.optim.groups({"w": optax.chain(ft.optim.sgd(0.1), plateau)}) if grouped
+          else optax.chain(ft.optim.sgd(0.1), plateau))
+    trainer = ft.train.Trainer({"w": jnp.ones((1, 1))}, ft.optim.Optimizer(tx), flat_loss)
+    history = trainer.fit(ft.train.batches((x,), 2, shuffle=False), epochs=1, progress=False)
+    opt = ft.optim.Optimizer(tx)
+    model, state, applied = {"w": jnp.ones((1, 1))}, opt.init({"w": jnp.ones((1, 1))}), []
+    for _ in range(4):  # the same steps by hand: what each applied
+        new, state, _ = opt.minimize(flat_loss, model, state, (x[:2],))
+        applied.append(float(model["w"][0, 0] - new["w"][0, 0]))
+        model = new
+    np.testing.assert_allclose(applied, [0.1, 0.05, 0.025, 0.0125], rtol=0, atol=1e-7)
+    assert [n for n in history.steps if "learning_rate" in n] == ["learning_rate"]  # (one group: its rate's name)
+    np.testing.assert_allclose(history.steps["learning_rate"], applied, rtol=0, atol=1e-7)  # (was 0.1 four times)

@@ -812,6 +812,42 @@ def learning_rate_names(state: Any) -> list[str]:
     return [k for k in hyperparameter_names(state) if k == "learning_rate" or k.endswith("/learning_rate")]
 
 
+def _is_plateau(x: Any) -> bool:
+    return isinstance(x, optax.contrib.ReduceLROnPlateauState)
+
+
+def applied_learning_rates(state: Any, names: list[str] | None = None) -> dict[str, jax.Array]:
+    """The learning rates of :func:`learning_rate_names` (or ``names``) as the updates apply
+    them: :func:`hyperparameters`' value times the ``scale`` of every
+    ``ft.optim.reduce_on_plateau`` (``optax.contrib.reduce_on_plateau``) that scales them:
+    the one in the rate's own group, and any chained outside every group.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, functree as ft
+      >>> from functree.optim._hyper import applied_learning_rates
+      >>> tx = optax.chain(ft.optim.sgd(0.1), ft.optim.reduce_on_plateau())
+      >>> applied_learning_rates(tx.init({"w": jnp.ones(1)}))
+      {'learning_rate': Array(0.1, dtype=float32)}
+    """
+    names = learning_rate_names(state) if names is None else names
+    if not names:
+        return {}
+    values = hyperparameters(state)
+    entries = _entries(state, values=False)
+    labels = {key: e[0] for key, e in zip(_keys(entries), entries)}
+    own = {labels[n] for n in names}
+    found = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_plateau)[0]
+    plateaus = [(_label(path), node.scale) for path, node in found if _is_plateau(node)]
+    out = {}
+    for name in names:
+        value = values[name]
+        for label, scale in plateaus:
+            if label == labels[name] or label not in own:
+                value = value * jnp.asarray(scale).astype(value.dtype)
+        out[name] = value
+    return out
+
+
 def group_learning_rate(state: Any, group: str) -> str | None:
     """The :func:`hyperparameters` name of group ``group``'s learning rate (``ft.optim.groups``:
     ``"<group>/learning_rate"``, or ``"learning_rate"`` where no other group has one), or None.

@@ -25,8 +25,8 @@ import numpy as np
 
 from functree._tree import bounded_put, cached
 from functree._where import put
-from functree.optim import context, hyperparameters
-from functree.optim._hyper import learning_rate_names
+from functree.optim import context
+from functree.optim._hyper import applied_learning_rates, learning_rate_names
 from functree.train._metrics import metric_dtype
 
 __all__ = ["Interval", "MetricLog", "Reading", "next_buffer", "snapshot", "STOPPED_EARLIER", "to_host"]
@@ -55,8 +55,7 @@ def _snapshot(opt_state: Any) -> tuple[Any, Any]:
     """Copies of the learning context and the learning rates by name (``{"learning_rate":
     ...}``, one ``"<group>/learning_rate"`` per group of ``ft.optim.groups``, or none), traced."""
     names = learning_rate_names(opt_state)
-    values = hyperparameters(opt_state) if names else {}
-    rates = {name: values[name] for name in names}
+    rates = applied_learning_rates(opt_state, names)  # a reduce_on_plateau's scale included
     return jax.tree.map(jnp.copy, (context(opt_state), rates))  # copies: the next step donates the state
 
 

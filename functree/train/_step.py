@@ -53,9 +53,9 @@ from functree._where import devices_error
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._salt import salted_keys
 from functree.nn._state import collect_state
-from functree.optim import Optimizer, OptimizerState, context, hyperparameters
+from functree.optim import Optimizer, OptimizerState, context
 from functree.optim._accumulate import check_accumulation
-from functree.optim._hyper import learning_rate_names
+from functree.optim._hyper import applied_learning_rates, learning_rate_names
 from functree.optim._optimizer import Gradients, with_axis_name
 from functree.optim._replicas import all_varying, as_varying, replica_mean, replica_weighted_mean
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
@@ -622,8 +622,8 @@ class TrainStep:
             dtype = log["rows"].dtype  # metric_dtype(): float64 under jax_enable_x64
             row = [jnp.asarray(v).astype(dtype) for v in metrics.values()]
             rates = learning_rate_names(opt_state)  # one, or one per ft.optim.groups group
-            if rates:
-                values = hyperparameters(opt_state)
+            if rates:  # as applied: a reduce_on_plateau's scale included
+                values = applied_learning_rates(opt_state, rates)
                 row.extend(jnp.asarray(values[name]).astype(dtype) for name in rates)
             new["rows"] = log["rows"].at[count].set(jnp.stack(row))
         return new

@@ -589,3 +589,32 @@ def test_an_empty_batch_is_attended_as_torchs(kv_heads):
     expected = torch.nn.MultiheadAttention(6, 2, batch_first=True)(*(torch.zeros(0, 3, 6),) * 3)[0]
     assert y.shape == tuple(expected.shape) == (0, 3, 6)
     assert grads[1].shape == x.shape and not np.asarray(grads[0].query_projection.weight).any()
+
+
+def test_narrow_cache_positions_attend_as_int32_ones():
+    """Positions of 8 bits were kept in their type: a cache of 300 slots compared slots
+    jnp.arange(300, uint8) (slot 256 was slot 0: empty slots attended, 1.89 off) and a
+    window's positions - window wrapped (1 - 2 = 255: the query's own window masked out,
+    2.30 off); int8 positions with 300 slots overflowed inside JAX."""
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 4, 8)), jnp.float32)
+    for window, slots in ((None, 300), (2, 8)):
+        attn = ft.nn.MultiheadAttention(8, 2, key=jax.random.key(0), causal=True, window=window)
+        uncached = np.asarray(attn(x))
+        for dtype in (jnp.int32, jnp.uint8, jnp.int8):
+            cached = attn(x, cache=attn.init_cache(1, slots), positions=jnp.arange(4, dtype=dtype)[None])[0]
+            np.testing.assert_allclose(np.asarray(cached), uncached, rtol=0, atol=1e-6, err_msg=f"{window} {dtype}")
+
+
+def test_bfloat16_attention_differentiates_under_strict_promotion():
+    """The fused call's backward pass (lowered outside its "standard" promotion block) has a
+    float32-by-bfloat16 dot: jax.grad of a bfloat16 MultiheadAttention raised a
+    TypePromotionError inside JAX under strict promotion (this suite's setting)."""
+    attn = ft.nn.MultiheadAttention(8, 2, key=jax.random.key(0), dtype=jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 8)), jnp.bfloat16)
+    grads = ft.gradient(lambda a: a(x).astype(jnp.float32).sum(), at=attn)
+    assert grads.query_projection.weight.dtype == jnp.bfloat16
+    with jax.numpy_dtype_promotion("standard"):
+        expected = ft.gradient(lambda a: a(x).astype(jnp.float32).sum(), at=attn)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=0,
+                                   atol=0.05 * float(np.abs(np.asarray(b, np.float32)).max()))  # bfloat16's paths

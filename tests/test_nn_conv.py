@@ -512,3 +512,19 @@ def test_settings_xla_aborted_on_compile_and_equal_torchs(key, cls, sizes, k, s,
         np.testing.assert_allclose(grad_x, dx, rtol=0, atol=1e-12 * np.abs(dx).max())
         np.testing.assert_allclose(grad_layer.weight, dw, rtol=0, atol=1e-12 * np.abs(dw).max())
         jax.jit(jax.grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=(0, 1)))(layer, x)  # the compiled step too
+
+
+@pytest.mark.parametrize("cls", ["Conv2D", "Conv2DTranspose"])
+def test_an_input_of_another_float_dtype_is_promoted_as_dense_does(cls):
+    """lax's convolution takes one dtype: a float32 layer given bfloat16 images (or the
+    reverse) raised "lax.conv_general_dilated requires arguments to have the same dtypes"
+    with no layer named. Both operands are promoted now, as Dense's x @ weight is (strict
+    promotion refuses the mix, naming the dtypes)."""
+    layer = getattr(ft.nn, cls)(4, 3, 3, key=jax.random.key(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, 5, 4)), jnp.bfloat16)
+    with jax.numpy_dtype_promotion("standard"):
+        y = layer(x)
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(layer(x.astype(jnp.float32))))
+    with pytest.raises(jax.dtypes.TypePromotionError):
+        layer(x)

@@ -147,3 +147,19 @@ def _frequency_scaled(emb, indices, cotangent, tangent):  # one program (op by o
     _, forward = jax.jvp(lookup, (emb.embeddings,), (tangent,))
     _, plain = jax.vjp(lambda table: lookup(table, False), emb.embeddings)
     return y, vjp(cotangent)[0], forward, plain(cotangent)[0]
+
+
+def test_narrow_ids_renormalize_and_scale_by_frequency_as_int32_ones():
+    """int8 ids with a vocabulary of 300: renormalized() and scale_grad_by_freq=True raised
+    an OverflowError inside JAX (its scatter normalizes indices in their own type)."""
+    emb = ft.nn.Embedding(300, 4, key=jax.random.key(0))
+    freq = ft.nn.Embedding(300, 4, key=jax.random.key(0), scale_grad_by_freq=True)
+    ids = jnp.array([1, 2, 2, 5], jnp.int8)
+    wide = ids.astype(jnp.int32)
+    np.testing.assert_array_equal(np.asarray(freq(ids)), np.asarray(freq(wide)))
+    for a, b in zip(jax.tree.leaves(emb.renormalized(ids, 1.0)), jax.tree.leaves(emb.renormalized(wide, 1.0)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    grad = ft.gradient(lambda e: e(ids).sum(), at=freq)
+    np.testing.assert_array_equal(np.asarray(grad.embeddings), np.asarray(ft.gradient(lambda e: e(wide).sum(),
+                                                                                      at=freq).embeddings))

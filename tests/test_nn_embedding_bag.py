@@ -166,3 +166,15 @@ def test_scale_grad_by_freq_divides_each_rows_gradient_by_its_count(mode, paddin
     with pytest.raises(ValueError) as e:  # torch's forward refuses it: one entry per feature gets the gradient
         ft.nn.EmbeddingBag(VOCAB, DIM, "max", scale_grad_by_freq=True, key=jax.random.key(0))
     assert str(e.value) == MAX_FREQUENCY
+
+
+def test_narrow_offsets_bag_every_index():
+    """uint8 offsets: the positions 0..n-1 were jnp.arange(n, uint8), which wraps at 256, so
+    indices 256 and up were summed into bag 0 (5.6 off), silently."""
+    bag = ft.nn.EmbeddingBag(50, 3, mode="sum", key=jax.random.key(0))
+    indices = jnp.asarray(np.random.default_rng(1).integers(0, 50, 300), jnp.int32)
+    w, idx = np.asarray(bag.embeddings, np.float64), np.asarray(indices)
+    expected = np.stack([w[idx[:100]].sum(0), w[idx[100:]].sum(0)])
+    for dtype in (jnp.int32, jnp.uint8, jnp.int16):
+        out = np.asarray(bag(indices, offsets=jnp.array([0, 100], dtype)))
+        np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5, err_msg=str(dtype))  # 200 float32 terms of ~1

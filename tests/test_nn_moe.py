@@ -257,3 +257,14 @@ def test_a_numpy_integer_top_k_is_the_int_it_is():
     assert type(moe.top_k) is int and moe.top_k == 2
     x = jnp.ones((3, D))
     np.testing.assert_array_equal(moe(x), moe.replace(top_k=2)(x))
+
+
+def test_bfloat16_jitter_runs_under_strict_promotion():
+    """Training-mode jitter multiplied bfloat16 inputs by float32 noise: a TypePromotionError
+    inside JAX under strict promotion."""
+    moe = ft.nn.training(ft.nn.SparseMoE(4, 6, num_experts=3, jitter=0.1, key=jax.random.key(0), dtype=jnp.bfloat16))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 4)), jnp.bfloat16)
+    y = moe(x, key=jax.random.key(2))
+    assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+    evaluated = ft.nn.inference(moe)(x)  # no jitter
+    assert evaluated.shape == y.shape

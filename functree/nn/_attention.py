@@ -636,6 +636,10 @@ class MultiheadAttention(Layer):
             ok = False
         if not ok:
             raise LayerInputError(self, f"positions {list(shape)} (int)", short_array(positions), BAD_POSITIONS)
+        if positions.dtype.itemsize < 4 or jnp.issubdtype(positions.dtype, jnp.unsignedinteger):
+            # int32: the cache's slots (jnp.arange(length, dtype=positions.dtype)) and a window's
+            # positions - window would wrap in uint8 (slot 256 is slot 0; 1 - 2 is 255)
+            positions = positions.astype(jnp.int32)
         return jnp.broadcast_to(positions, shape)
 
     def _check_cache(self, cache: Any, batch: int) -> None:
@@ -776,7 +780,10 @@ def _fused_traced(
                             "xla", scale)
         return out.astype(q.dtype)
     one_row = batch * t * k4.shape[-2] == 1
-    if q4.dtype == jnp.bfloat16 and chosen != "cudnn" and jax.default_backend() == "cpu" and one_row:
+    # Strict promotion: jax.nn.dot_product_attention's backward pass, lowered outside the
+    # "standard" block below, has a float32-by-bfloat16 dot that strict promotion refuses.
+    strict = jax.config.jax_numpy_dtype_promotion == "strict"  # pyright: ignore[reportAttributeAccessIssue]
+    if q4.dtype == jnp.bfloat16 and chosen != "cudnn" and ((jax.default_backend() == "cpu" and one_row) or strict):
         # One query row per key/value head (batch, length and key/value heads all 1): XLA's
         # CPU compiler lowers the logits' dot with an emitter that has no BF16_BF16_F32
         # algorithm (what JAX asks for bfloat16) and refuses the program (raw

@@ -297,15 +297,23 @@ class Conv(Layer):
                 else self.padding)
 
     def _convolve(self, x: jax.Array, padding: Any) -> jax.Array:
+        x, weight = _promoted(x, self.weight)
         return jax.lax.conv_general_dilated(
             x,
-            self.weight,
+            weight,
             window_strides=self.strides,
             padding=padding,
             rhs_dilation=self.dilation,
             dimension_numbers=_SPEC[self._rank],
             feature_group_count=self.groups,
         )
+
+
+def _promoted(x: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x`` and ``weight`` in their promoted dtype, as Dense's ``x @ weight`` (lax's convolution
+    takes one dtype): promoted under "standard", jax's TypePromotionError under "strict"."""
+    dtype = jnp.result_type(x, weight)
+    return x.astype(dtype), weight.astype(dtype)
 
 
 class ConvTranspose(Conv):
@@ -348,7 +356,8 @@ class ConvTranspose(Conv):
         ``feature_group_count`` takes it (``lax.conv_transpose`` has no groups)."""
         n = self._rank
         kernel = self.weight.shape[:n]
-        w = jnp.flip(self.weight, axis=tuple(range(n)))
+        x, weight = _promoted(x, self.weight)
+        w = jnp.flip(weight, axis=tuple(range(n)))
         if self.groups > 1:
             cin, per_group = self.weight.shape[n:]
             w = w.reshape((*kernel, self.groups, cin // self.groups, per_group))

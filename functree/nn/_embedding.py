@@ -130,7 +130,7 @@ def renormalized_rows(w: jax.Array, indices: jax.Array, max_norm: float, norm_ty
     lookup reads them): each distinct one of ``p``-norm above ``max_norm`` scaled to
     ``max_norm / (norm + 1e-7)`` of itself; the gradient passed through unscaled (torch's
     ``no_grad``). ``Embedding.renormalized`` and ``EmbeddingBag.renormalized``."""
-    read = jnp.clip(indices, 0, w.shape[0] - 1).ravel()  # the rows a lookup reads
+    read = jnp.clip(_wide(indices), 0, w.shape[0] - 1).ravel()  # the rows a lookup reads
     looked = jnp.zeros(w.shape[0], bool).at[read].set(True)
     norms = jnp.linalg.norm(w, ord=norm_type, axis=-1)
     scale = jnp.where(looked & (norms > max_norm), max_norm / (norms + 1e-7), 1.0).astype(w.dtype)
@@ -155,9 +155,16 @@ def embedding_table(initializer: Initializer, key: jax.Array, vocabulary_size: i
     return table.at[padding_index].set(0), padding_index  # torch's padding row
 
 
+def _wide(indices: jax.Array) -> jax.Array:
+    """Integer ``indices`` of fewer than 32 bits as int32: JAX's scatter normalizes negative
+    indices against the table's length in the indices' own type (int8 cannot hold 300)."""
+    return indices.astype(jnp.int32) if jnp.dtype(indices.dtype).itemsize < 4 else indices
+
+
 def frequency_scaled(rows: jax.Array, read: jax.Array, vocabulary_size: int) -> jax.Array:
     """``rows [..., d]`` (looked up at ``read [...]``, in range) as they are, the cotangent of
     each divided by its index's count in ``read`` (torch's ``scale_grad_by_freq``)."""
+    read = _wide(read)
     counts = jnp.zeros((vocabulary_size,), jnp.int32).at[read.ravel()].add(1)
     return _tangent_scaled(rows, (1 / counts[read].astype(rows.dtype))[..., None])
 

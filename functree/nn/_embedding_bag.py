@@ -185,7 +185,9 @@ class EmbeddingBag(Layer):
                                                                  else given.tolist())))
         if self.include_last_offset:  # torch 2.13 ignores the last entry: the last bag runs to the end
             offsets = offsets[:-1]
-        bags = jnp.searchsorted(offsets, jnp.arange(n, dtype=offsets.dtype), side="right") - 1
+        # the positions 0..n-1 in a type that holds them (an 8- or 16-bit offsets' own wraps at 256 / 65536)
+        wide = jnp.dtype(jnp.int32) if offsets.dtype.itemsize < 4 else offsets.dtype
+        bags = jnp.searchsorted(offsets.astype(wide), jnp.arange(n, dtype=wide), side="right") - 1
         return bags, offsets.shape[0]
 
     def _reduce(self, indices: jax.Array, bags: jax.Array, n: int, weights: jax.Array | None) -> jax.Array:

@@ -200,7 +200,7 @@ class SparseMoE(Layer):
                 raise ValueError(JITTER_KEY.format(jitter=self.jitter))
             noise = jax.random.uniform(flat_key(key), x.shape, statistics_dtype(x.dtype), 1.0 - self.jitter,
                                        1.0 + self.jitter)
-            x = (x * noise).astype(x.dtype)
+            x = (x.astype(noise.dtype) * noise).astype(x.dtype)  # in float32 for bf16 (strict promotion)
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         logits, weights, experts = self.route(rows)

@@ -11,10 +11,6 @@ array (see :mod:`functree._stacked`).
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import functools
-import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -30,8 +26,9 @@ from functree._repr import short_array
 from functree._traces import staged
 from functree._tree import bounded_put, cached, dotted_name, is_array_value
 from functree.nn._check import LayerInputError
+from functree.nn._eager_keys import UNKEYED, code_roots, static_key, static_values_key
 from functree.nn._mode import Layer
-from functree.nn._reads import library_class, reads_key
+from functree.nn._reads import reads_key
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
 from functree.nn._sequential import Sequential, cache_pair, member_cache, takes_key
 
@@ -420,66 +417,7 @@ def _item(a: Any, i: int) -> Any:
 _SCANS: dict[Any, tuple[tuple[Any, Any], dict[Any, Callable[..., Any]]]] = {}
 _READS_LIMIT = 16
 
-# Values the extra arguments may hold besides arrays, compiled into the scan as the
-# constants a closure over them made.
-_PLAIN = (bool, int, float, complex, str, bytes, np.generic, np.dtype, type)
 _ARRAY = object()  # an extra argument's leaf passed to the compiled scan as an array
-
-
-def _static_key(v: Any) -> Any:
-    """``v``'s key as a constant of the scan, keyed by type and exact value (``1``, ``1.0``
-    and ``True`` are equal in Python, not in a jaxpr; ``-0.0`` is not ``0.0``); None for
-    another kind of value."""
-    if not isinstance(v, _PLAIN):
-        return None
-    if isinstance(v, np.generic):
-        return type(v), v, v.tobytes()
-    if isinstance(v, (float, complex)):
-        return type(v), v, repr(v)
-    return type(v), v
-
-
-_UNKEYED = object()  # a static value keyed by neither type and value nor code: no compiled scan
-
-
-def _exact_key(v: Any) -> Any:
-    """A static value's key by exact type and value, recursively (``0.0`` and ``-0.0``,
-    ``0.5`` and ``np.float32(0.5)``, a dataclass field with ``compare=False`` differ, as in
-    the program they make); a callable by itself (its code is keyed by ``reads_key``); or
-    :data:`_UNKEYED` for a plain object compared by identity (a mutable ``Knobs()``: edited
-    in place it would keep the program its old state made)."""
-    if v is None or v is Ellipsis:
-        return v
-    if (k := _static_key(v)) is not None:
-        return k
-    if isinstance(v, (tuple, list, frozenset, set)):
-        items = sorted(v, key=repr) if isinstance(v, (frozenset, set)) else v
-        return _exact_parts(type(v), items)
-    if isinstance(v, dict):
-        return _exact_parts(type(v), [x for pair in v.items() for x in pair])
-    if isinstance(v, Module):
-        return _exact_parts(type(v), [v.__dict__.get(n) for n in type(v).__ft_fields__])  # type: ignore[attr-defined]
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return _exact_parts(type(v), [getattr(v, f.name) for f in dataclasses.fields(v)])
-    if callable(v) or type(v).__eq__ is not object.__eq__:
-        return type(v), v  # code (keyed by reads_key), or a value type with its own equality
-    if isinstance(v, enum.Enum) or type(v) is object:
-        return type(v), v  # a member or a sentinel: one object, never edited (identity is its value)
-    return _UNKEYED
-
-
-def _exact_parts(kind: type, parts: Sequence[Any]) -> Any:
-    keys = tuple(_exact_key(x) for x in parts)
-    return _UNKEYED if any(k is _UNKEYED for k in keys) else (kind, keys)
-
-
-def _static_values_key(stack: Stack) -> Any:
-    """The exact keys (:func:`_exact_key`) of the static fields of ``stack`` and of every
-    module in it, in walk order; :data:`_UNKEYED` if one has none. The tree definition
-    compares static values with ``==``, which calls ``-0.0`` ``0.0``."""
-    nodes = [stack, *(v for _, v in walk(stack))]
-    return _exact_parts(tuple, [m.__dict__.get(n) for m in nodes if isinstance(m, Module)
-                                for n in type(m).__ft_static__])  # type: ignore[attr-defined]
 
 
 def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ...],
@@ -504,22 +442,22 @@ def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ..
         if isinstance(v, jax.Array) or (isinstance(v, np.ndarray) and v.ndim):
             arrays.append(v)
             static.append(_ARRAY)
-        elif (k := _static_key(v)) is not None:
+        elif (k := static_key(v)) is not None:
             static.append(k)
         else:
             return None
     dynamic, dynamic_def = jax.tree.flatten((stack, x, keys, cache, arrays))
     if not all(map(is_array_value, dynamic)):
         return None
-    statics = _static_values_key(stack)
-    if statics is _UNKEYED:  # a mutable object as a static value: traced afresh, never stale
+    statics = static_values_key(stack)
+    if statics is UNKEYED:  # a mutable object as a static value: traced afresh, never stale
         return None
     signature = (dynamic_def, statics, extra_def, tuple(static), tuple(jax.typeof(a) for a in dynamic), collect)
     key, entry = cached(_SCANS, signature)
     if key is None:
         return None
     if entry is None:
-        entry = _code_roots(stack.layers), {}
+        entry = code_roots(stack.layers), {}
         bounded_put(_SCANS, key, entry)
     (classes, functions), runs = entry
     reads, run = cached(runs, reads_key(classes, functions))
@@ -531,31 +469,6 @@ def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ..
             runs.clear()
         runs[reads] = run
     return lambda: run(stack, x, keys, cache, arrays)
-
-
-_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
-
-
-def _code_roots(layers: Any) -> tuple[tuple[type, ...], tuple[Any, ...]]:
-    """``(classes, functions)`` whose Python an eager scan of ``layers`` runs: the user
-    classes of its modules (library classes are fixed code, compared through the tree
-    definition), the functions held as static values (an activation) and the user classes
-    of the callable objects held as static values (``act=Scaled()``: the block runs
-    ``type(act).__call__``, which may read a global the notebook changes)."""
-    nodes = [layers, *(v for _, v in walk(layers))]
-    classes = {type(v): None for v in nodes if _user_code_object(v)}
-    functions = {id(v): v for v in nodes if isinstance(v, _FUNCTIONS)}
-    return tuple(classes), tuple(functions.values())
-
-
-def _user_code_object(v: Any) -> bool:
-    """Whether ``v`` is a Module or a callable object (not a function, a class or an array)
-    of a user class: its class's Python runs when the block calls it."""
-    if isinstance(v, Module):
-        return not library_class(type(v))
-    kind = type(v)  # (builtin functions' classes are library code not bound by their names)
-    return (callable(v) and not isinstance(v, (type, *_FUNCTIONS)) and kind.__module__ != "builtins"
-            and not library_class(kind))
 
 
 def _compiled_scan(extra_def: Any, static: list[Any], collect: bool) -> Callable[..., Any]:

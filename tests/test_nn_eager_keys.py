@@ -1,0 +1,53 @@
+"""The key an eager compiled call is cached under (functree/nn/_eager_keys.py): static values
+by exact type and value, the code a call runs, and UNKEYED where neither keys a value."""
+
+import enum
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import functree as ft
+from functree.nn._eager_keys import UNKEYED, code_roots, exact_key, static_key, static_values_key
+
+
+def test_static_values_equal_in_python_but_not_in_a_program_have_other_keys():
+    for a, b in ((1, 1.0), (1, True), (0.0, -0.0), (0.5, np.float32(0.5)), ((0.0,), (-0.0,))):
+        assert a == b and exact_key(a) != exact_key(b), (a, b)
+    assert exact_key({"a": (1, 2.0)}) == exact_key({"a": (1, 2.0)})
+    assert static_key(object()) is None and static_key(jnp.ones(1)) is None
+
+
+class _Knobs:
+    gain = 1.0
+
+
+class _Mode(enum.Enum):
+    ON = 1
+
+
+def test_a_mutable_object_is_unkeyed_a_member_or_a_function_keyed_by_itself():
+    assert exact_key(_Knobs()) is UNKEYED  # edited in place, it would keep its old program
+    assert exact_key((1, _Knobs())) is UNKEYED
+    assert exact_key(types.SimpleNamespace(a=1)) is not UNKEYED  # (compares by value: keyed by it)
+    assert exact_key(_Mode.ON) == (_Mode, _Mode.ON)
+    assert exact_key(jnp.tanh) == (type(jnp.tanh), jnp.tanh)
+
+
+class _Scaled(ft.Module):
+    w: jax.Array
+    scale: float = ft.field(static=True, default=1.0)
+
+    def __call__(self, x):
+        return self.scale * self.w * x
+
+
+def test_static_fields_and_code_roots_of_a_model():
+    one, zero, negative = _Scaled(jnp.ones(2)), _Scaled(jnp.ones(2), 0.0), _Scaled(jnp.ones(2), -0.0)
+    assert static_values_key(zero) != static_values_key(negative)  # the tree definitions call them equal
+    assert jax.tree.structure(zero) == jax.tree.structure(negative)
+    assert static_values_key(one) == static_values_key(_Scaled(jnp.zeros(2)))
+    classes, functions = code_roots(ft.nn.Sequential(one, ft.nn.Dense(2, 2, jax.nn.gelu, key=jax.random.key(0))))
+    assert classes == (_Scaled,)  # the user's class; Sequential and Dense are library code
+    assert functions == (jax.nn.gelu,)

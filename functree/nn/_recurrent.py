@@ -7,6 +7,7 @@ gives the initial state.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
@@ -21,10 +22,14 @@ from functree._module import field
 from functree._paths import ATTR, Entry, KeyPath
 from functree._random import flat_key
 from functree._repr import short_array
+from functree._traces import staged
+from functree._tree import bounded_put, cached, is_array_value
 from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input
+from functree.nn._eager_keys import UNKEYED, code_roots, static_values_key
 from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
+from functree.nn._reads import reads_key
 from functree.nn._remat import call_collecting, collecting, record_under
 from functree.nn._sequential import takes_key
 from functree.nn._state import Intermediate, apply_state, threaded_state
@@ -453,7 +458,11 @@ class RNN(Layer):
         its carry's dtype, so a bfloat16 bias summed 256 steps of cotangents in bfloat16.
         ``real`` (``[time, *batch]`` booleans, or None): the steps each sequence runs."""
         wide = _widened(self.cell)
-        if not collecting():
+        if not collecting() or (real is not None and not self._records(state, steps, keys)):
+            eager = _eager_scan(self, state, wide, steps, keys, real, widen)
+            if eager is not None:  # compiled once per signature, not at every call
+                (final, _), (ys, values) = eager()
+                return final, ys, [], values
             body = _step(self.cell, keys is not None, widen, bool(wide), real is not None)
             (final, _), (ys, values) = jax.lax.scan(body, (state, wide), (steps, keys, real), reverse=self.reverse)
             return final, ys, [], values
@@ -467,6 +476,19 @@ class RNN(Layer):
                                                      (steps, keys, None), reverse=self.reverse)
         return final, ys, paths, values
 
+    def _records(self, state: Any, steps: jax.Array, keys: Any) -> bool:
+        """Whether one step of the cell records anything (layer state, an intermediate):
+        traced abstractly (``jax.eval_shape``), nothing compiled. A cell that records
+        nothing runs the plain scan under ``collect_state`` too (``lengths=`` included)."""
+        paths: list[KeyPath] = []
+
+        def step(cell: Any, carry: Any, steps: jax.Array, keys: Any) -> Any:
+            kw = {} if keys is None else {"key": keys[0]}
+            return call_collecting(lambda c: c(carry, steps[0], **kw), cell, paths)[0]
+
+        jax.eval_shape(step, self.cell, state, steps, keys)
+        return bool(paths)
+
     def _real_steps(self, lengths: Any, steps: jax.Array, xs: jax.Array) -> Any:
         """``[time, *batch]``: whether step ``t`` of each sequence is real (``t < lengths``),
         ``lengths`` checked (its values where they are known: not under ``jit``). Known
@@ -477,8 +499,10 @@ class RNN(Layer):
         ok = given.shape == batch and jnp.issubdtype(given.dtype, jnp.integer)
         index = (time,) + (1,) * len(batch)
         if ok and isinstance(given, Tracer):
-            # the steps in the lengths' own integer type: an int32 array stays int32 under x64
-            return jnp.arange(time, dtype=given.dtype).reshape(index) < given
+            # the steps and lengths in one integer type that holds every step: int32 (int64 for
+            # a 64-bit array under x64), never the lengths' own narrow one (uint8 wraps at 256)
+            wide = jnp.dtype(jnp.int32) if given.dtype.itemsize < 4 else given.dtype
+            return jnp.arange(time, dtype=wide).reshape(index) < given.astype(wide)
         known = np.asarray(given)  # known values: checked and compared on the host, no program compiled
         if not (ok and ((known >= 0) & (known <= time)).all()):
             raise LayerInputError(self, LENGTHS_EXPECTED.format(batch=batch, time=time, xs=short_array(xs)),
@@ -592,6 +616,56 @@ def _step(cell: Any, keyed: bool, widen: bool, wide: bool, masked: bool = False)
     if found is None:
         found = steps[keyed, widen, wide, masked] = _Step(cell, keyed, widen, weak=True, wide=wide, masked=masked)
     return found
+
+
+# An eager call's compiled scan, one per structure and abstract signature of the cell and
+# its inputs, and per value of what the cell's Python reads (as Stack's: ``_stack._SCANS``).
+_SCANS: dict[Any, tuple[tuple[Any, Any], dict[Any, Callable[..., Any]]]] = {}
+_READS_LIMIT = 16
+
+
+def _eager_scan(rnn: RNN, state: Any, wide: Any, steps: jax.Array, keys: Any, real: Any,
+                widen: bool) -> Callable[[], Any] | None:
+    """The non-collecting scan run eagerly (at top level, under ``jax.grad`` or ``jax.vmap``:
+    no jaxpr staged around it) as ``() -> ((final, wide), (ys, values))``, or None.
+
+    The body closes over the cell: ``ft.gradient`` rebuilds the model from new tracers at
+    every call and ``ft.move`` makes a new cell, so a body cached per cell object (``_step``)
+    was traced and compiled again at every eager gradient, and at the first call of every
+    moved model. Here the scan runs in a ``jax.jit`` made once per structure and signature,
+    the cell passed in as an argument."""
+    if staged():
+        return None
+    dynamic, dynamic_def = jax.tree.flatten((rnn.cell, state, wide, steps, keys, real))
+    if not all(map(is_array_value, dynamic)):
+        return None
+    statics = static_values_key(rnn.cell)
+    if statics is UNKEYED:  # a mutable object as a static value: traced afresh, never stale
+        return None
+    flags = (keys is not None, widen, bool(wide), real is not None, rnn.reverse)
+    signature = (dynamic_def, statics, flags, tuple(jax.typeof(a) for a in dynamic))
+    key, entry = cached(_SCANS, signature)
+    if key is None:
+        return None
+    if entry is None:
+        entry = code_roots(rnn.cell), {}
+        bounded_put(_SCANS, key, entry)
+    (classes, functions), runs = entry
+    reads, run = cached(runs, reads_key(classes, functions))
+    if reads is None:  # something the cell reads cannot be keyed: traced afresh, never stale
+        return None
+    if run is None:
+        run = jax.jit(functools.partial(_compiled_scan, *flags))
+        if len(runs) >= _READS_LIMIT:  # a notebook's old values of its globals
+            runs.clear()
+        runs[reads] = run
+    return lambda: run(rnn.cell, state, wide, steps, keys, real)
+
+
+def _compiled_scan(keyed: bool, widen: bool, is_wide: bool, masked: bool, reverse: bool, cell: Any,
+                   state: Any, wide: Any, steps: jax.Array, keys: Any, real: Any) -> Any:
+    body = _Step(cell, keyed, widen, wide=is_wide, masked=masked)
+    return jax.lax.scan(body, (state, wide), (steps, keys, real), reverse=reverse)
 
 
 def _half(leaf: Any) -> bool:

@@ -199,3 +199,34 @@ def test_separable_is_declared_not_guessed():
     assert not is_separable(object())
     tx = optax.sgd(0.1)
     assert separable(tx) is tx and is_separable(tx)
+
+
+@pytest.mark.parametrize("tx", [ft.optim.adam(1e-2), ft.optim.skip_non_finite(ft.optim.adam(1e-2))],
+                         ids=["adam", "skip_non_finite"])
+def test_eager_gated_steps_compile_nothing_after_the_first(tx):
+    """An eager opt.step(on_nan="skip") compiled its lax.conds again at every step (one per
+    parameter, or one around the update: 1-1.2 s a step on 4 parameters), their branches
+    fresh closures. Eagerly the gate is known: the branch it takes runs. The same steps as
+    the jitted one (float32 rounding), and a NaN batch leaves model and state bit for bit."""
+    from _compiles import compiled
+
+    opt = ft.optim.Optimizer(tx)
+    model, batch = _model(), _batch()
+    eager, state = model, opt.init(model)
+    jitted, jitted_state = model, opt.init(model)
+    step = jax.jit(lambda m, s, b: (lambda r: (r.model, r.state))(opt.step(_loss, m, s, (b,), on_nan="skip")))
+    with compiled() as names:
+        for i in range(3):
+            if i == 1:
+                names.clear()
+            r = opt.step(_loss, eager, state, (batch,), on_nan="skip")
+            eager, state = r.model, r.state
+            jax.block_until_ready(eager)
+    assert names == []
+    for _ in range(3):
+        jitted, jitted_state = step(jitted, jitted_state, batch)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    r = opt.step(_loss, eager, state, ((batch[0] * jnp.nan, batch[1]),), on_nan="skip")
+    for a, b in zip(jax.tree.leaves((r.model, r.state)), jax.tree.leaves((eager, state)), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -14,7 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from functree._examples import check_example_axis
+from functree._traces import staged
+from functree._tree import bounded_put, cached, is_array_value
 from functree.losses._weighted import WeightedMean, ratio
+from functree.nn._eager_keys import code_roots
+from functree.nn._reads import library_class, reads_key
 from functree.nn._salt import salted_call
 from functree.nn._state import apply_state, threaded_state
 from functree.optim._subset import trained_view
@@ -89,8 +93,51 @@ def _threaded(carried: dict[Any, Any], recorded: dict[Any, Any]) -> dict[Any, An
     return out
 
 
+# An eager step's compiled accumulation, one per optimizer, loss function, flags and value
+# of what their Python and the model's reads (``_reads.reads_key``, as an eager Stack's):
+# jax.jit keys the rest (tree definitions, shapes, dtypes). Bounded like every such cache.
+_RUNS: dict[Any, Callable[..., Any]] = {}
+
+
 def accumulated_gradients(opt: Optimizer, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
                           state: Any, key: Any = None) -> tuple[Any, Any]:
+    """:func:`_accumulated`, run eagerly (no jaxpr staged around it: a notebook's
+    ``opt.minimize``) in a ``jax.jit`` made once per optimizer, loss function and what
+    their Python reads: the scan's body, a fresh closure over the model at each call, was
+    traced and compiled again at every eager step."""
+    if not staged():
+        run = _eager_run(opt, loss_fn, model, batch, has_aux, state, key)
+        if run is not None:
+            return run(model, batch, state, key)
+    return _accumulated(opt, loss_fn, model, batch, has_aux, state, key)
+
+
+def _eager_run(opt: Optimizer, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
+               state: Any, key: Any) -> Callable[..., Any] | None:
+    """The compiled accumulation of this optimizer and loss function, or None where an
+    argument holds a value that is not an array (a Python number the loss may branch on)
+    or something read cannot be keyed (then the plain scan: traced afresh, never stale)."""
+    if not all(map(is_array_value, jax.tree.leaves((model, batch, state, key)))):
+        return None
+    classes, functions = code_roots(model)
+    overrides = tuple(c for c in type(opt).__mro__ if c is not object and not library_class(c))
+    reads = reads_key((*classes, *overrides), (*functions, loss_fn))
+    if reads is None:
+        return None
+    signature, run = cached(_RUNS, (id(opt), has_aux, key is None, reads))
+    if signature is None:
+        return None
+    if run is None:
+        def accumulate(model: Any, batch: tuple, state: Any, key: Any) -> tuple[Any, Any]:
+            return _accumulated(opt, loss_fn, model, batch, has_aux, state, key)
+
+        run = jax.jit(accumulate)
+        bounded_put(_RUNS, signature, run)
+    return run
+
+
+def _accumulated(opt: Optimizer, loss_fn: Callable[..., Any], model: Any, batch: tuple, has_aux: bool,
+                 state: Any, key: Any = None) -> tuple[Any, Any]:
     """``(loss, grads)`` of :meth:`Optimizer.compute_gradients` with ``opt.accumulate = k``:
     ``batch`` split into ``k`` microbatches along its leading axis, each one's gradients
     from ``opt.get_gradients`` (microbatch ``i`` given ``jax.random.fold_in(key, i)``),

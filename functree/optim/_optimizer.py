@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.core import Tracer
 
 from functree._alias import copy_aliases
 from functree._foreign_methods import OPTIMIZER_METHODS, missing_attribute
@@ -45,7 +46,7 @@ from functree._operators import value_with_gradient
 from functree._parameters import with_parameters
 from functree._source import USER_FUNCTION
 from functree._tangent import move
-from functree._tree import dotted_name
+from functree._tree import bounded_put, cached, dotted_name
 from functree._where import placement_of, put, several_devices
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._lora import check_base_untrained
@@ -746,13 +747,7 @@ class Optimizer:
         (:meth:`compute_gradients`, ``key`` and ``checked`` included) and the layer state
         the model recorded, per replica."""
         if _has_layer_state(model):  # collect what BatchNorm & co. record in training mode
-            def objective(m: Any, *b: Any, **kw: Any) -> tuple[Any, Any]:
-                out, layer_state = collect_state(lambda mm: loss_fn(mm, *b, **kw), m)
-                return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
-            objective.__qualname__ = getattr(loss_fn, "__qualname__", "loss_fn")  # (as get_gradients')
-            setattr(objective, USER_FUNCTION, loss_fn)
-            objective.__ft_records_state__ = True  # type: ignore[attr-defined]  # accumulation threads it
-
+            objective = _state_objective(loss_fn, has_aux)
             (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
                                                                        state=state, key=key, checked=checked)
         else:  # the user's loss function as it is (custom get_gradients hooks see it unchanged)
@@ -794,6 +789,10 @@ class Optimizer:
 
         if door.apply is None:
             new_model, new_state = applied(model, state)
+        elif not isinstance(door.apply, Tracer):  # eager: the gate is known, take its branch
+            # (a lax.cond here, its branches fresh closures over this step's arrays, compiled
+            # one program per parameter again at every eager step)
+            new_model, new_state = applied(model, state) if bool(door.apply) else (model, state)
         else:  # one cond around the whole update (or one per parameter): buffers written in place
             leafwise = self._leafwise(g, model, state, door.apply, minibatch_size)
             new_model, new_state = leafwise or apply_or_keep(door.apply, applied, model, state)
@@ -822,6 +821,28 @@ class Optimizer:
             return None
         new_params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(out[0]))  # the model's mode
         return with_parameters(model, new_params), out[1]
+
+
+# One state-collecting objective per loss function and has_aux: the same function at every
+# eager step, so what is compiled for it (an accumulated step's scan) is found again.
+_OBJECTIVES: dict[Any, Callable[..., Any]] = {}
+
+
+def _state_objective(loss_fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``loss_fn`` run under ``collect_state``: ``(loss, (out, layer_state))``."""
+    signature, found = cached(_OBJECTIVES, (loss_fn, has_aux))
+    if found is not None:
+        return found
+
+    def objective(m: Any, *b: Any, **kw: Any) -> tuple[Any, Any]:
+        out, layer_state = collect_state(lambda mm: loss_fn(mm, *b, **kw), m)
+        return (out[0], (out, layer_state)) if has_aux else (out, (out, layer_state))
+    objective.__qualname__ = getattr(loss_fn, "__qualname__", "loss_fn")  # (as get_gradients')
+    setattr(objective, USER_FUNCTION, loss_fn)
+    objective.__ft_records_state__ = True  # type: ignore[attr-defined]  # accumulation threads it
+    if signature is not None:
+        bounded_put(_OBJECTIVES, signature, objective)
+    return objective
 
 
 def _is_skip(x: Any) -> bool:

@@ -26,7 +26,8 @@ from functree._naming import (
 )
 from functree._operators import value_with_gradient
 from functree._random import flat_key
-from functree._tree import is_none
+from functree._traces import staged
+from functree._tree import is_array_value, is_none
 from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of, exclude_patterns
 from functree.optim._arguments import check_argument
 from functree.optim._complex import RealPair, is_pair
@@ -570,6 +571,9 @@ def reduce_on_plateau(
     """
     _check_plateau(patience=patience, cooldown=cooldown, accumulation_size=accumulation_size)
     tx = optax.contrib.reduce_on_plateau(factor, patience, rtol, atol, cooldown, accumulation_size, min_scale)
+    # optax's update builds its lax.cond branches afresh at each call: eagerly (a notebook's
+    # opt.minimize) it traced and compiled them at every step. Compiled once per signature.
+    compiled = jax.jit(tx.update)
 
     def init(params: Any) -> PlateauState:
         return PlateauState(tx.init(params))
@@ -581,7 +585,9 @@ def reduce_on_plateau(
         if loss is None:
             raise ValueError(NEEDS_LOSS)
         with jax.numpy_dtype_promotion("standard"):  # optax.contrib mixes int counters and floats
-            updates, inner = tx.update(updates, state.inner, params, value=jnp.asarray(loss, jnp.float32))
+            eager = not staged() and all(map(is_array_value, jax.tree.leaves((updates, state.inner, params, loss))))
+            updates, inner = (compiled if eager else tx.update)(updates, state.inner, params,
+                                                                value=jnp.asarray(loss, jnp.float32))
         return updates, PlateauState(inner)
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import re
 from collections.abc import Iterator
 
 import jax
-
-# A value of this context is part of every key of JAX's tracing, lowering and compilation
-# caches (jax.make_user_context), so a block run under a value of its own finds none of the
-# programs compiled before it and compiles each as a fresh process would, while those
-# programs stay cached for the code after the block. (`jax.clear_caches()` did the same by
-# dropping every cached program: seconds in a worker that had run a hundred files, and each
-# eager operation of the tests after it traced and lowered again.)
-_FRESH = jax.make_user_context(0)
-_BLOCKS = itertools.count(1)
 
 
 class _Names(logging.Handler):
@@ -33,15 +23,16 @@ class _Names(logging.Handler):
 
 @contextlib.contextmanager
 def compiled() -> Iterator[list[str]]:
-    """The names of the programs compiled inside the block, as if none had been compiled
-    before it (so an eager operation another test ran compiles again here)."""
+    """The names of the programs compiled inside the block, every cache cleared first (so
+    an eager operation another test ran compiles again here)."""
+    jax.clear_caches()
     handler, logger = _Names(), logging.getLogger("jax")
     level, propagate = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
     logger.propagate = False  # (JAX logs each compile at WARNING under log_compiles)
     try:
-        with _FRESH(next(_BLOCKS)), jax.log_compiles(True):
+        with jax.log_compiles(True):
             yield handler.names
     finally:
         logger.removeHandler(handler)

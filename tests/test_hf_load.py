@@ -1214,7 +1214,9 @@ def test_to_hf_state_dict_of_an_adapted_model_names_itself_and_the_merge():
 
 
 def test_from_config_builds_as_one_program_equal_to_op_by_op():
-    """from_hf(config, key): one program, equal to the build run op by op."""
+    """from_hf(config, key): one program, equal to the build run op by op. Last in the file:
+    ``compiled()`` clears every cache, after which the tests below it traced and lowered
+    again the programs they share with the tests above (the jitted forward, the eager ops)."""
     # One compile where op by op took 47 (each a GPU compile); the same draws, and the
     # layers' default draws that HF's initialization replaces are never made.
     from _compiles import compiled
@@ -1246,7 +1248,7 @@ def test_the_same_config_builds_again_without_a_trace_or_a_compile():
 
     config = INIT_CONFIGS["llama"]()
     first = ft.nn.from_hf(config, key=jax.random.key(0))
-    with compiled() as names:  # (as a fresh process: the program is traced and compiled again here)
+    with compiled() as names:  # (clears JAX's caches: the program is traced and compiled again here)
         ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(1))
         names.clear()
         again = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(2))
@@ -1262,8 +1264,8 @@ def test_the_same_config_builds_again_without_a_trace_or_a_compile():
     config.num_hidden_layers = 1  # the user's config object, changed in place
     assert ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True).keys() != \
         ft.nn.to_hf_state_dict(first, numpy=True).keys()
-    with compiled():  # traced again, as in a fresh process
-        rebuilt = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(0))  # the two-layer program
+    jax.clear_caches()
+    rebuilt = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(0))  # the two-layer program
     for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(first), strict=True):
         np.testing.assert_array_equal(a, b)
     bf16 = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(0), dtype=jnp.bfloat16)

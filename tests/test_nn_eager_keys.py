@@ -51,3 +51,24 @@ def test_static_fields_and_code_roots_of_a_model():
     classes, functions = code_roots(ft.nn.Sequential(one, ft.nn.Dense(2, 2, jax.nn.gelu, key=jax.random.key(0))))
     assert classes == (_Scaled,)  # the user's class; Sequential and Dense are library code
     assert functions == (jax.nn.gelu,)
+
+
+def test_eager_program_is_made_once_per_signature_and_none_without_a_key():
+    from functree.nn._eager_keys import eager_program
+
+    cache, made = {}, []
+
+    def make():
+        made.append(None)
+        return jax.jit(lambda m, x: m(x))
+
+    model = _Scaled(jnp.ones(2))
+    first = eager_program(cache, model, (model, jnp.ones(2)), "flags", make)
+    assert eager_program(cache, _Scaled(jnp.zeros(2)), (_Scaled(jnp.zeros(2)), jnp.ones(2)), "flags", make) is first
+    assert len(made) == 1  # new arrays of the same signature: the same program
+    eager_program(cache, model, (model, jnp.ones(3)), "flags", make)  # another shape
+    eager_program(cache, _Scaled(jnp.ones(2), 2.0), (_Scaled(jnp.ones(2), 2.0), jnp.ones(2)), "flags", make)
+    assert len(made) == 3
+    assert eager_program(cache, model, (model, 1.0), "flags", make) is None  # a Python number: no key
+    knobbed = _Scaled(jnp.ones(2), _Knobs())  # a mutable object as a static value
+    assert eager_program(cache, knobbed, (knobbed, jnp.ones(2)), "flags", make) is None

@@ -17,16 +17,20 @@ import dataclasses
 import enum
 import functools
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from functree._module import Module
 from functree._paths import walk
-from functree.nn._reads import library_class
+from functree._tree import bounded_put, cached, is_array_value
+from functree.nn._reads import library_class, reads_key
 
-__all__ = ["UNKEYED", "static_key", "exact_key", "static_values_key", "code_roots"]
+__all__ = ["UNKEYED", "static_key", "exact_key", "static_values_key", "code_roots", "eager_program"]
+
+READS_LIMIT = 16  # programs kept per signature: a notebook's old values of its globals
 
 # Values keyed by type and exact value (an extra argument's, compiled into a scan as the
 # constant a closure over it made; a static field's).
@@ -112,3 +116,35 @@ def _user_code_object(v: Any) -> bool:
     kind = type(v)  # (builtin functions' classes are library code not bound by their names)
     return (callable(v) and not isinstance(v, (type, *_FUNCTIONS)) and kind.__module__ != "builtins"
             and not library_class(kind))
+
+
+def eager_program(cache: dict[Any, Any], module: Any, arguments: Any, flags: Any,
+                  make: Callable[[], Callable[..., Any]]) -> Callable[..., Any] | None:
+    """The program ``make()`` built for ``module``'s eager call on ``arguments`` (a tree
+    holding ``module``), found in ``cache`` by its key: the tree definition and abstract
+    signature of ``arguments``' arrays, ``module``'s exact static values (:func:`static_values_key`),
+    ``flags`` (hashable) and what the code it runs reads (:func:`code_roots`, ``reads_key``).
+    None where no key holds: a leaf that is not an array, a static value or a read that
+    cannot be keyed (the caller then traces afresh: never stale)."""
+    leaves, treedef = jax.tree.flatten(arguments)
+    if not all(map(is_array_value, leaves)):
+        return None
+    statics = static_values_key(module)
+    if statics is UNKEYED:  # a mutable object as a static value
+        return None
+    key, entry = cached(cache, (treedef, statics, flags, tuple(jax.typeof(a) for a in leaves)))
+    if key is None:
+        return None
+    if entry is None:
+        entry = code_roots(module), {}
+        bounded_put(cache, key, entry)
+    (classes, functions), programs = entry
+    reads, program = cached(programs, reads_key(classes, functions))
+    if reads is None:
+        return None
+    if program is None:
+        program = make()
+        if len(programs) >= READS_LIMIT:
+            programs.clear()
+        programs[reads] = program
+    return program

@@ -23,13 +23,11 @@ from functree._paths import ATTR, Entry, KeyPath
 from functree._random import flat_key
 from functree._repr import short_array
 from functree._traces import staged
-from functree._tree import bounded_put, cached, is_array_value
 from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input
-from functree.nn._eager_keys import UNKEYED, code_roots, static_values_key
+from functree.nn._eager_keys import eager_program
 from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
-from functree.nn._reads import reads_key
 from functree.nn._remat import call_collecting, collecting, record_under
 from functree.nn._sequential import takes_key
 from functree.nn._state import Intermediate, apply_state, threaded_state
@@ -621,7 +619,6 @@ def _step(cell: Any, keyed: bool, widen: bool, wide: bool, masked: bool = False)
 # An eager call's compiled scan, one per structure and abstract signature of the cell and
 # its inputs, and per value of what the cell's Python reads (as Stack's: ``_stack._SCANS``).
 _SCANS: dict[Any, tuple[tuple[Any, Any], dict[Any, Callable[..., Any]]]] = {}
-_READS_LIMIT = 16
 
 
 def _eager_scan(rnn: RNN, state: Any, wide: Any, steps: jax.Array, keys: Any, real: Any,
@@ -636,29 +633,11 @@ def _eager_scan(rnn: RNN, state: Any, wide: Any, steps: jax.Array, keys: Any, re
     the cell passed in as an argument."""
     if staged():
         return None
-    dynamic, dynamic_def = jax.tree.flatten((rnn.cell, state, wide, steps, keys, real))
-    if not all(map(is_array_value, dynamic)):
-        return None
-    statics = static_values_key(rnn.cell)
-    if statics is UNKEYED:  # a mutable object as a static value: traced afresh, never stale
-        return None
     flags = (keys is not None, widen, bool(wide), real is not None, rnn.reverse)
-    signature = (dynamic_def, statics, flags, tuple(jax.typeof(a) for a in dynamic))
-    key, entry = cached(_SCANS, signature)
-    if key is None:
-        return None
-    if entry is None:
-        entry = code_roots(rnn.cell), {}
-        bounded_put(_SCANS, key, entry)
-    (classes, functions), runs = entry
-    reads, run = cached(runs, reads_key(classes, functions))
-    if reads is None:  # something the cell reads cannot be keyed: traced afresh, never stale
-        return None
+    run = eager_program(_SCANS, rnn.cell, (rnn.cell, state, wide, steps, keys, real), flags,
+                        lambda: jax.jit(functools.partial(_compiled_scan, *flags)))
     if run is None:
-        run = jax.jit(functools.partial(_compiled_scan, *flags))
-        if len(runs) >= _READS_LIMIT:  # a notebook's old values of its globals
-            runs.clear()
-        runs[reads] = run
+        return None
     return lambda: run(rnn.cell, state, wide, steps, keys, real)
 
 

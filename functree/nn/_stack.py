@@ -24,11 +24,10 @@ from functree._naming import refuse_batched_members
 from functree._paths import KeyPath, children, walk
 from functree._repr import short_array
 from functree._traces import staged
-from functree._tree import bounded_put, cached, dotted_name, is_array_value
+from functree._tree import dotted_name, is_array_value
 from functree.nn._check import LayerInputError
-from functree.nn._eager_keys import UNKEYED, code_roots, static_key, static_values_key
+from functree.nn._eager_keys import eager_program, static_key
 from functree.nn._mode import Layer
-from functree.nn._reads import reads_key
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
 from functree.nn._sequential import Sequential, cache_pair, member_cache, takes_key
 
@@ -415,7 +414,6 @@ def _item(a: Any, i: int) -> Any:
 # notebook's global, a patched ``__call__``): ``signature -> ((classes, functions), {reads:
 # run})``. Keys hold no arrays, bounded like every tree-definition cache.
 _SCANS: dict[Any, tuple[tuple[Any, Any], dict[Any, Callable[..., Any]]]] = {}
-_READS_LIMIT = 16
 
 _ARRAY = object()  # an extra argument's leaf passed to the compiled scan as an array
 
@@ -446,28 +444,10 @@ def _eager_scan(stack: Stack, x: Any, keys: Any, cache: Any, args: tuple[Any, ..
             static.append(k)
         else:
             return None
-    dynamic, dynamic_def = jax.tree.flatten((stack, x, keys, cache, arrays))
-    if not all(map(is_array_value, dynamic)):
-        return None
-    statics = static_values_key(stack)
-    if statics is UNKEYED:  # a mutable object as a static value: traced afresh, never stale
-        return None
-    signature = (dynamic_def, statics, extra_def, tuple(static), tuple(jax.typeof(a) for a in dynamic), collect)
-    key, entry = cached(_SCANS, signature)
-    if key is None:
-        return None
-    if entry is None:
-        entry = code_roots(stack.layers), {}
-        bounded_put(_SCANS, key, entry)
-    (classes, functions), runs = entry
-    reads, run = cached(runs, reads_key(classes, functions))
-    if reads is None:  # something the blocks read cannot be keyed: traced afresh, never stale
-        return None
+    run = eager_program(_SCANS, stack, (stack, x, keys, cache, arrays), (extra_def, tuple(static), collect),
+                        lambda: _compiled_scan(extra_def, [v if v is _ARRAY else v[1] for v in static], collect))
     if run is None:
-        run = _compiled_scan(extra_def, [v if v is _ARRAY else v[1] for v in static], collect)
-        if len(runs) >= _READS_LIMIT:  # a notebook's old values of its globals
-            runs.clear()
-        runs[reads] = run
+        return None
     return lambda: run(stack, x, keys, cache, arrays)
 
 

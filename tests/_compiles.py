@@ -22,10 +22,17 @@ class _Names(logging.Handler):
 
 
 @contextlib.contextmanager
-def compiled() -> Iterator[list[str]]:
+def compiled(*, clear: bool = True) -> Iterator[list[str]]:
     """The names of the programs compiled inside the block, every cache cleared first (so
-    an eager operation another test ran compiles again here)."""
-    jax.clear_caches()
+    an eager operation another test ran compiles again here).
+
+    ``clear=False`` keeps JAX's caches, for a block that runs a warm-up first and then
+    asserts what the next call compiles (``names.clear()`` after the warm-up): that claim is
+    the same with warm caches, and a clear costs the worker more than the block (up to 2 s in
+    a worker that ran many tests, and every later test there traces and lowers its eager
+    operations again)."""
+    if clear:
+        jax.clear_caches()
     handler, logger = _Names(), logging.getLogger("jax")
     level, propagate = logger.level, logger.propagate
     logger.addHandler(handler)

@@ -312,6 +312,10 @@ def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
         assert (top3 == out[:, 3:, None]).any(-1).all()
 
 
+# filtered as one program a case (op by op, eagerly: 45 programs compiled for the cases below)
+_filtered = jax.jit(_controls.filtered, static_argnames=("temperature", "top_k", "top_p", "min_p"))
+
+
 def test_filters_equal_hf_logits_warpers():
     from transformers.generation.logits_process import (
         MinPLogitsWarper,
@@ -334,7 +338,7 @@ def test_filters_equal_hf_logits_warpers():
             before = np.isfinite(expected.numpy()).sum()
             expected = MinPLogitsWarper(min_p)(no_ids, expected)
             assert np.isfinite(expected.numpy()).sum() < before  # min_p removed some tokens
-        ours = np.asarray(_controls.filtered(jnp.asarray(logits), temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+        ours = np.asarray(_filtered(jnp.asarray(logits), temperature, top_k=top_k, top_p=top_p, min_p=min_p))
         expected = expected.numpy()
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
         kept = np.isfinite(expected)

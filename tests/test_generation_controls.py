@@ -432,6 +432,10 @@ def test_warpers_compute_no_nan_after_removed_tokens(options):
     np.testing.assert_allclose(np.asarray(entropy)[:, 0], hf_entropy, rtol=0, atol=1e-5 * hf_entropy.max())
 
 
+# filtered as one program a shape and top_p (op by op, eagerly: 69 programs compiled here)
+_top_p = jax.jit(_controls.filtered, static_argnames=("temperature", "top_p"))
+
+
 def test_top_p_keeps_hf_tokens_at_ties():
     """top_p with tied logits keeps exactly HF's tokens (the smallest set, ties in HF's sort
     order): a score threshold kept every token tied with the cut (3 of [0.5, 0.25, 0.25] at
@@ -441,7 +445,7 @@ def test_top_p_keeps_hf_tokens_at_ties():
     with np.errstate(divide="ignore"):
         rows = np.log(np.array([[0.5, 0.25, 0.25, 0.0], [0.25] * 4, [0.1, 0.3, 0.3, 0.3]])).astype(np.float32)
     for top_p in (0.3, 0.5, 0.6, 0.75, 0.9):
-        ours = np.asarray(_controls.filtered(jnp.asarray(rows), 1.0, top_p=top_p))
+        ours = np.asarray(_top_p(jnp.asarray(rows), 1.0, top_p=top_p))
         expected = TopPLogitsWarper(top_p)(None, torch.from_numpy(rows)).numpy()
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected), err_msg=f"top_p {top_p}")
     # 4 rows (each a row of its own: the rule is per row; 64, then 16 before) keep XLA's sort
@@ -449,7 +453,7 @@ def test_top_p_keeps_hf_tokens_at_ties():
     # at every top_p below (2, 7 and 11 of them), as the last assertion checks
     coarse = np.asarray(jax.random.normal(jax.random.key(3), (4, 32000)).astype(jnp.bfloat16).astype(jnp.float32)) * 4
     for top_p in (0.5, 0.9, 0.95):
-        ours = np.asarray(_controls.filtered(jnp.asarray(coarse), 1.0, top_p=top_p))
+        ours = np.asarray(_top_p(jnp.asarray(coarse), 1.0, top_p=top_p))
         expected = TopPLogitsWarper(top_p)(None, torch.from_numpy(coarse)).numpy()
         # torch.sort is not stable on a long row: which of the tied tokens at the cut HF keeps
         # is its sort's; how many, and so the kept mass, is the rule's

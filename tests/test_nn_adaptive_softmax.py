@@ -22,9 +22,9 @@ CASES = [  # in_features, n_classes, cutoffs, div_value, head_bias
 def _pair(in_features, n_classes, cutoffs, div_value, head_bias, seed=0):
     torch.manual_seed(seed)
     module = torch.nn.AdaptiveLogSoftmaxWithLoss(in_features, n_classes, cutoffs, div_value, head_bias).double()
-    with jax.enable_x64(True):
-        layer = ft.nn.AdaptiveLogSoftmaxWithLoss(in_features, n_classes, cutoffs, div_value, head_bias,
-                                                 key=jax.random.key(0), dtype=jnp.float64)
+    with jax.enable_x64(True):  # built abstractly (every leaf is torch's: eager initializers compiled apart)
+        layer = jax.eval_shape(lambda: ft.nn.AdaptiveLogSoftmaxWithLoss(
+            in_features, n_classes, cutoffs, div_value, head_bias, key=jax.random.key(0), dtype=jnp.float64))
         layer = ft.nn.load_torch_state_dict(layer, module.state_dict())
     return module, layer
 
@@ -41,10 +41,11 @@ def test_forward_log_prob_predict_and_gradients_match_torchs(case):
     out_t, loss_t = module(xt, torch.from_numpy(target))
     loss_t.backward()
     with jax.enable_x64(True):
-        out, loss = layer(jnp.asarray(x), jnp.asarray(target))
-        g_layer, g_x = jax.grad(lambda m, v: m(v, jnp.asarray(target)).loss, (0, 1))(layer, jnp.asarray(x))
-        log_prob = layer.log_prob(jnp.asarray(x))
-        predicted = layer.predict(jnp.asarray(x))
+        out, loss = layer(jnp.asarray(x), jnp.asarray(target))  # eager
+        # the gradients, log_prob and predict in one program (op by op: each operation compiled apart)
+        g_layer, g_x, log_prob, predicted = jax.jit(lambda m, v, t: (
+            *jax.grad(lambda m, v: m(v, t).loss, (0, 1))(m, v), m.log_prob(v), m.predict(v)))(
+                layer, jnp.asarray(x), jnp.asarray(target))
     scale = np.abs(out_t.detach().numpy()).max()
     np.testing.assert_allclose(out, out_t.detach().numpy(), rtol=0, atol=1e-13 * scale)
     np.testing.assert_allclose(loss, loss_t.item(), rtol=0, atol=1e-13 * scale)
@@ -64,7 +65,8 @@ def test_forward_log_prob_predict_and_gradients_match_torchs(case):
 def test_parameters_are_torchs_shapes_and_names():
     torch.manual_seed(0)
     module = torch.nn.AdaptiveLogSoftmaxWithLoss(32, 30, [5, 12], 4.0, True)
-    layer = ft.nn.AdaptiveLogSoftmaxWithLoss(32, 30, [5, 12], 4.0, True, key=jax.random.key(0))
+    # built in one program (eagerly, each initializer compiled apart)
+    layer = jax.jit(lambda: ft.nn.AdaptiveLogSoftmaxWithLoss(32, 30, [5, 12], 4.0, True, key=jax.random.key(0)))()
     mine = ft.nn.torch_state_dict(layer, numpy=True)
     assert {k: v.shape for k, v in mine.items()} == {k: tuple(v.shape) for k, v in module.state_dict().items()}
     # torch's Linear initialisation: U(+-1/sqrt(fan_in))
@@ -92,7 +94,7 @@ def test_errors_name_the_fix():
     raises_named(lambda: make(8, 10, [5, 3], key=key), ValueError, BAD_CUTOFFS, "cutoffs=[3, 5]")
     raises_named(lambda: make(8, 10, [4, 10], key=key), ValueError, BAD_CUTOFFS, "cutoffs=[4, 9]")
     raises_named(lambda: make(8, 10, [0], key=key), ValueError, BAD_CUTOFFS, "[1, 9]")
-    asm = make(8, 10, [4], key=key)
+    asm = jax.jit(lambda: make(8, 10, [4], key=key))()  # one program (eagerly, each initializer compiled apart)
     x = jnp.ones((3, 8))
     raises_named(lambda: asm(x, jnp.array([0, 10, 2])), ValueError, BAD_TARGET, "in [0, 9]")
     raises_named(lambda: asm(x, jnp.array([0, -1, 2])), ValueError, BAD_TARGET, "[-1, 2]")

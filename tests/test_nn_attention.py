@@ -532,7 +532,8 @@ def test_a_query_with_every_key_masked_is_what_the_docstring_says(key):
     torch.manual_seed(0)
     module = torch.nn.MultiheadAttention(8, 2, batch_first=True)
     torch.nn.init.normal_(module.out_proj.bias)
-    mha = ft.nn.load_torch_state_dict(ft.nn.MultiheadAttention(8, 2, key=key), module.state_dict())
+    mha = ft.nn.load_torch_state_dict(jax.eval_shape(lambda: ft.nn.MultiheadAttention(8, 2, key=key)),  # torch's leaves
+                                      module.state_dict())
     q, kv = np.random.default_rng(0).normal(size=(2, 2, 5, 8)).astype(np.float32)
     mask = np.ones((2, 1, 5, 5), bool)
     mask[1, :, 0] = False  # query 0 of example 1 sees no key

@@ -8,6 +8,7 @@ the adapted model's to float32 rounding: atol 2.5e-5 times the logits' magnitude
 are tested in test_hf_peft, on this module's model.
 """
 
+import functools
 import json
 import os
 import warnings
@@ -165,10 +166,13 @@ class Block(ft.Module):
 
 
 def test_dropout_draws_a_fresh_mask_each_step():
-    stack = jax.jit(lambda k: ft.nn.Stack(lambda k: Block(key=k), 3, key=k))(jax.random.key(0))  # one compilation
-    model = ft.nn.lora({"h": stack}, "h.*.up", rank=2, dropout=0.5, key=jax.random.key(1))
-    model = ft.set(model, "h.layers.up.lora_b", jnp.ones((3, 2, 8)))
-    x = jax.random.normal(jax.random.key(2), (5, 4))
+    @jax.jit  # the model and the input in one compilation (eagerly, each operation compiled apart)
+    def made(k):
+        stack = ft.nn.Stack(lambda k: Block(key=k), 3, key=k)
+        model = ft.nn.lora({"h": stack}, "h.*.up", rank=2, dropout=0.5, key=jax.random.key(1))
+        return ft.set(model, "h.layers.up.lora_b", jnp.ones((3, 2, 8))), jax.random.normal(jax.random.key(2), (5, 4))
+
+    model, x = made(jax.random.key(0))
     run = lambda m: m["h"](x)  # noqa: E731
     train = ft.nn.training(model)
     collect = jax.jit(lambda m: ft.nn.collect_state(run, m))
@@ -253,7 +257,8 @@ def test_a_dense_subclass_is_refused_naming_it_and_the_plain_layers_selected():
     """A subclass became a plain LoraDense: its __call__ and fields were dropped and the
     adapted model (B = 0) differed from the original by 1.21. Refused; the fix runs."""
     keys = jax.random.split(jax.random.key(0), 4)
-    net = ft.nn.Sequential(ft.nn.Dense(4, 4, key=keys[0]), WithScale(4, 4, key=keys[1]), ScaledOut(4, 2, key=keys[2]))
+    net = jax.jit(lambda keys: ft.nn.Sequential(  # one program (eagerly, each initializer compiled apart)
+        ft.nn.Dense(4, 4, key=keys[0]), WithScale(4, 4, key=keys[1]), ScaledOut(4, 2, key=keys[2])))(keys)
     for pattern in ("*", "all-linear", ["layers.0", "layers.1"]):
         with pytest.raises(ValueError, match=r"(?s)selects 'layers.1', a WithScale: a subclass of ft.nn.Dense.*"
                                              r"would drop what WithScale adds.*"
@@ -350,7 +355,17 @@ def test_a_lora_dense_pickled_before_saved_modules_existed_reads_at_the_default(
 
 def stacked_adapters(scales):
     """A Stack of two adapted Dense layers, lora_b trained away from zero, its members'
-    scales ``scales`` (None: alpha / r for both)."""
+    scales ``scales`` (None: alpha / r for both). Built once per scales, in one program
+    (eagerly, each initializer and draw compiled apart), and shared: arrays are immutable."""
+    return _stacked_adapters(None if scales is None else tuple(scales))
+
+
+@functools.cache
+def _stacked_adapters(scales):
+    return jax.jit(lambda: _stack_adapted(scales))()
+
+
+def _stack_adapted(scales):
     stack = ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, key=k), 2, key=jax.random.key(0))
     adapted = ft.nn.lora(stack, "*", rank=2, alpha=4.0, key=jax.random.key(1))
     layer = adapted.layers.replace(lora_b=jax.random.normal(jax.random.key(2), (2, 2, 3)))
@@ -407,12 +422,15 @@ class Adapted(ft.Module):
         return self.a(x)
 
 
+@functools.cache  # shared: arrays are immutable; built in one program (eagerly, each initializer apart)
+@jax.jit
 def adapted_with_dropout():
     model = ft.nn.lora(Adapted(ft.nn.Dense(6, 6, key=jax.random.key(0))), "a", rank=2, dropout=0.5,
                        key=jax.random.key(1))
     return ft.nn.training(ft.set(model, "a.lora_b", jnp.ones((2, 6))))  # B nonzero: the adapter shows
 
 
+@jax.jit  # one program (eagerly, each operation compiled apart)
 def by_hand(layer, x, key):
     """The LoRA layer's output with its input mask drawn from ``key`` (the layer's formula)."""
     keep = jax.random.bernoulli(key, 0.5, x.shape)
@@ -483,9 +501,9 @@ def test_an_optimizer_without_wrt_warns_that_the_adapted_weights_train_too(tmp_p
     ``save_lora`` writes the adapters alone, and PEFT's model (the untrained base plus them)
     is not the trained one. ``init`` warns, naming the base weights and both fixes; any
     ``wrt`` given (``"*"`` too: everything, deliberately) and a model without adapters do not."""
-    model = ft.nn.Sequential(ft.nn.Dense(4, 4, jax.nn.relu, key=jax.random.key(0)),
-                             ft.nn.Dense(4, 2, key=jax.random.key(1)))
-    adapted = ft.nn.lora(model, "layers.*", rank=2, alpha=4, key=jax.random.key(2))
+    # built in one program (eagerly, each initializer compiled apart)
+    model, adapted = jax.jit(lambda: (lambda model: (model, ft.nn.lora(model, "layers.*", rank=2, alpha=4, key=jax.random.key(2))))(
+        ft.nn.Sequential(ft.nn.Dense(4, 4, jax.nn.relu, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1)))))()
     with pytest.warns(ft.nn.LoraBaseWarning) as caught:
         state = ft.optim.Optimizer(ft.optim.sgd(0.1)).init(adapted)
     message = str(caught[0].message)
@@ -494,7 +512,8 @@ def test_an_optimizer_without_wrt_warns_that_the_adapted_weights_train_too(tmp_p
     # what the warning is about: the step moves the base weights, which save_lora leaves out
     x, y = jnp.ones((3, 4)), jnp.zeros((3, 2))
     loss_fn = lambda m, x, y: jnp.mean((m(x) - y) ** 2)  # noqa: E731
-    trained, _, _ = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="*").minimize(loss_fn, adapted, state, x, y)
+    everything = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="*")
+    trained, _, _ = jax.jit(lambda a, s: everything.minimize(loss_fn, a, s, x, y))(adapted, state)  # one program
     assert not np.array_equal(np.asarray(trained.layers[1].weight), np.asarray(adapted.layers[1].weight))
     batch_loss = lambda m, batch: loss_fn(m, *batch)  # noqa: E731
     with pytest.warns(ft.nn.LoraBaseWarning):  # the Trainer's optimizer too

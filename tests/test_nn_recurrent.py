@@ -329,7 +329,7 @@ def test_eager_calls_compile_the_scan_once(key):
     rnn = ft.nn.RNN(ft.nn.GRUCell(3, 4, key=key))
     xs, h0 = jnp.ones((2, 5, 3)), jnp.zeros((2, 4))
     loss = lambda m: jnp.sum(m(xs) ** 2)  # noqa: E731
-    with compiled() as names:
+    with compiled(clear=False) as names:
         first, grad = rnn(xs), ft.gradient(loss, at=rnn)
         rnn(xs, h0)
         moved = ft.move(rnn, along=grad)
@@ -475,10 +475,10 @@ def test_simple_rnn_matches_torchs_rnn_through_the_port(nonlinearity, bidirectio
     rnn = lambda reverse: ft.nn.RNN(ft.nn.SimpleRNNCell(3, 5, key=jax.random.key(0), activation=activation),  # noqa: E731
                                     reverse=reverse)
     if bidirectional:  # torch's names, each direction under its field
-        model = _Bidirectional(rnn(False), rnn(True))
+        model = jax.eval_shape(lambda: _Bidirectional(rnn(False), rnn(True)))  # abstract: every leaf is torch's
         given = {("backward." if n.endswith("_reverse") else "forward.") + n: v for n, v in module.state_dict().items()}
     else:
-        model, given = rnn(False), module.state_dict()
+        model, given = jax.eval_shape(lambda: rnn(False)), module.state_dict()
     model = ft.nn.load_torch_state_dict(model, given)
     x = np.random.default_rng(0).normal(size=(2, 6, 3)).astype(np.float32)
     xt = torch.tensor(x, requires_grad=True)
@@ -502,7 +502,8 @@ def test_simple_rnn_cell_is_torchs_rnn_cell_and_has_gradients(key):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     module = torch.nn.RNNCell(3, 4)
-    cell = ft.nn.load_torch_state_dict(ft.nn.SimpleRNNCell(3, 4, key=key), module.state_dict())
+    cell = ft.nn.load_torch_state_dict(jax.eval_shape(lambda: ft.nn.SimpleRNNCell(3, 4, key=key)),  # torch's leaves
+                                       module.state_dict())
     x, h = (np.random.default_rng(s).normal(size=(2, n)).astype(np.float32) for s, n in ((0, 3), (1, 4)))
     expected = module(torch.tensor(x), torch.tensor(h)).detach().numpy()
     new, y = cell(jnp.asarray(h), jnp.asarray(x))
@@ -652,9 +653,11 @@ def test_a_bidirectional_layer_alone_is_torchs_one_layer_bidirectional_module():
     """ft.nn.Bidirectional outside a stack reads and writes _l0 and _l0_reverse."""
     torch = pytest.importorskip("torch")
     module = torch.nn.GRU(2, 3, bidirectional=True)
-    cells = [ft.nn.GRUCell(2, 3, key=k) for k in jax.random.split(jax.random.key(0))]
-    bi = ft.nn.Bidirectional(ft.nn.RNN(cells[0]), ft.nn.RNN(cells[1], reverse=True))
-    bi = ft.nn.load_torch_state_dict(bi, module.state_dict())
+    def build():  # abstract (every leaf is read from torch): eagerly, each initializer compiled apart
+        cells = [ft.nn.GRUCell(2, 3, key=k) for k in jax.random.split(jax.random.key(0))]
+        return ft.nn.Bidirectional(ft.nn.RNN(cells[0]), ft.nn.RNN(cells[1], reverse=True))
+
+    bi = ft.nn.load_torch_state_dict(jax.eval_shape(build), module.state_dict())
     written = ft.nn.torch_state_dict(bi, numpy=True)
     assert set(written) == set(module.state_dict())
     for name, value in module.state_dict().items():

@@ -253,7 +253,7 @@ def test_eager_steps_collecting_state_compile_the_scan_once():
 
     eager = jitted = ft.nn.training(ft.nn.Sequential(noisy_stack()))
     step(eager)  # the first step compiles
-    with compiled() as names:
+    with compiled(clear=False) as names:
         step(eager)
         names.clear()
         for _ in range(2):
@@ -732,7 +732,7 @@ def test_a_stack_pickled_or_saved_before_ranks_existed_reads_and_keeps_working()
 
     from functree.train.checkpoint._treespec import decode, encode
 
-    m = jax.jit(lambda: build(3))()  # one program: eagerly, every initializer compiles apart
+    m = model()  # the shared build(N) (not mutated: pickled, saved and read back)
     older = pickle.loads(pickle.dumps(m))
     older.blocks.__dict__.pop("ranks")  # what an earlier functree's pickle holds
     back = pickle.loads(pickle.dumps(older))
@@ -745,8 +745,9 @@ def test_a_stack_pickled_or_saved_before_ranks_existed_reads_and_keeps_working()
     with tempfile.TemporaryDirectory() as d:
         ft.train.save(d + "/m", back)
         assert ft.train.load(d + "/m", m).blocks.ranks == m.blocks.ranks
-    ens = jax.vmap(lambda k: ft.nn.Stack(lambda kk: ft.nn.Dense(2, 2, key=kk), 3, key=k))(
-        jax.random.split(jax.random.key(0), 2))
+    # built as one program (eagerly, each vmapped initializer compiled apart)
+    ens = jax.jit(lambda: jax.vmap(lambda k: ft.nn.Stack(lambda kk: ft.nn.Dense(2, 2, key=kk), 3, key=k))(
+        jax.random.split(jax.random.key(0), 2)))()
     old = ft.Module.replace(ens, ranks=None)
     with pytest.raises(ValueError, match=r"'0.weight' addresses a member .* shape \(2, 3, 2, 2\).*\(3, \.\.\.\)"):
         ft.get(old, "0.weight")
@@ -1249,11 +1250,12 @@ def test_a_member_leaf_is_set_from_a_numpy_array_a_constant_under_vmap_and_under
     jax.vmap over an ensemble, the error's own fix; a tracer under jax.grad) was refused
     as BAD_MEMBER naming equal shapes: its check compared the leaves' Python types."""
     make = lambda k: ft.nn.Dense(2, 2, key=k)  # noqa: E731
-    stack = ft.nn.Stack(make, 3, key=jax.random.key(0))
+    # the stack and the ensemble built in one program (eagerly, each initializer compiled apart)
+    stack, ensemble = jax.jit(lambda: (ft.nn.Stack(make, 3, key=jax.random.key(0)), jax.vmap(
+        lambda k: ft.nn.Stack(make, 3, key=k))(jax.random.split(jax.random.key(1), 4))))()
     out = ft.set(stack, "1.weight", np.zeros((2, 2), np.float32))
     np.testing.assert_array_equal(out.layers.weight[1], 0)
     np.testing.assert_array_equal(out.layers.weight[::2], stack.layers.weight[::2])
-    ensemble = jax.vmap(lambda k: ft.nn.Stack(make, 3, key=k))(jax.random.split(jax.random.key(1), 4))
     out = jax.vmap(lambda s: ft.set(s, "1.weight", jnp.zeros((2, 2))))(ensemble)
     np.testing.assert_array_equal(out.layers.weight[:, 1], 0)
     np.testing.assert_array_equal(out.layers.weight[:, ::2], ensemble.layers.weight[:, ::2])

@@ -126,7 +126,7 @@ def test_eager_accumulated_steps_compile_the_scan_once():
         eager = jitted = model
         state = jitted_state = opt.init(model)
         step = jax.jit(lambda m, s, opt=opt: opt.minimize(loss, m, s, x, y))
-        with compiled() as names:
+        with compiled(clear=False) as names:
             eager, state, _ = opt.minimize(loss, eager, state, x, y)
             jitted, jitted_state, _ = step(jitted, jitted_state)
             names.clear()

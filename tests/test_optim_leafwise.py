@@ -215,7 +215,7 @@ def test_eager_gated_steps_compile_nothing_after_the_first(tx):
     eager, state = model, opt.init(model)
     jitted, jitted_state = model, opt.init(model)
     step = jax.jit(lambda m, s, b: (lambda r: (r.model, r.state))(opt.step(_loss, m, s, (b,), on_nan="skip")))
-    with compiled() as names:
+    with compiled(clear=False) as names:
         for i in range(2):
             if i == 1:
                 names.clear()

@@ -8,6 +8,7 @@ The model's fields are declared in the dict's sorted key order, so that transfor
 random numbers per leaf (``noisy_sgd``) draw them for the same leaves in both programs.
 """
 
+import functools
 from typing import Any, cast
 
 import jax
@@ -21,7 +22,7 @@ from functree.optim._masked import MEMBER_MASK_IN_OPTAX
 from functree.optim._state import OPTAX_STATE_FIELD
 from tests._errors import raises_named
 
-STEPS = 6  # (each step runs eagerly, op by op; a change "at i == 5" is the last step)
+STEPS = 6  # (functree's steps run eagerly, op by op; a change "at i == 5" is the last step)
 ATOL = 1e-13  # float64 rounding, scaled by max(1, |values|)
 
 
@@ -42,15 +43,28 @@ class MLP(ft.Module):
         return jnp.tanh(x @ self.w1 + self.b1) @ self.w2 + self.b2
 
 
+@functools.cache
+def _drawn():
+    """The initial arrays and the data, drawn once (in one compiled program) as NumPy values."""
+
+    @jax.jit
+    def draw():
+        k = jax.random.split(jax.random.key(0), 4)
+        return ({"b1": 0.1 * jax.random.normal(k[0], (4,), jnp.float64), "b2": jnp.zeros(2, jnp.float64),
+                 "w1": jax.random.normal(k[1], (3, 4), jnp.float64), "w2": jax.random.normal(k[2], (4, 2), jnp.float64)},
+                (jax.random.normal(jax.random.key(1), (16, 3), jnp.float64),
+                 jax.random.normal(jax.random.key(2), (16, 2), jnp.float64)))
+
+    with jax.enable_x64(True):
+        return jax.tree.map(np.asarray, draw())
+
+
 def arrays():
-    k = jax.random.split(jax.random.key(0), 4)
-    return {"b1": 0.1 * jax.random.normal(k[0], (4,), jnp.float64), "b2": jnp.zeros(2, jnp.float64),
-            "w1": jax.random.normal(k[1], (3, 4), jnp.float64), "w2": jax.random.normal(k[2], (4, 2), jnp.float64)}
+    return {k: jnp.asarray(v) for k, v in _drawn()[0].items()}
 
 
 def data():
-    return (jax.random.normal(jax.random.key(1), (16, 3), jnp.float64),
-            jax.random.normal(jax.random.key(2), (16, 2), jnp.float64))
+    return tuple(jnp.asarray(v) for v in _drawn()[1])
 
 
 def plain_loss(p, x, y):
@@ -70,14 +84,20 @@ def flat(tree):
 
 
 def run_plain(tx, steps=STEPS, between=None):
+    """The plain program, its step one compiled program (eagerly, each of its operations compiled one)."""
     p, (x, y) = arrays(), data()
     s = tx.init(p)
+
+    @jax.jit
+    def step(p, s):
+        u, s = tx.update(jax.grad(plain_loss)(p, x, y), s, p)
+        return optax.apply_updates(p, u), s
+
     out = []
     for i in range(steps):
         if between is not None:
             s = between(i, s)
-        u, s = tx.update(jax.grad(plain_loss)(p, x, y), s, p)
-        p = optax.apply_updates(p, u)
+        p, s = step(p, s)
         out.append(flat(p))
     return out, p, s
 
@@ -194,9 +214,14 @@ def test_lookahead_fast_weights_as_optax():
     tx, (x, y) = optax.lookahead(optax.adam(0.01), 3, 0.5), data()
     p = optax.LookaheadParams.init_synced(arrays())
     s, expected = tx.init(p), []
-    for _ in range(STEPS):
+
+    @jax.jit  # the plain program's step, compiled whole
+    def step(p, s):
         u, s = tx.update(jax.grad(plain_loss)(p.fast, x, y), s, p)
-        p = cast(optax.LookaheadParams, optax.apply_updates(p, u))
+        return cast(optax.LookaheadParams, optax.apply_updates(p, u)), s
+
+    for _ in range(STEPS):
+        p, s = step(p, s)
         expected.append(flat(p.fast))
     assert_same(run_ft(optax.lookahead(optax.adam(0.01), 3, 0.5))[0], expected)
 
@@ -238,11 +263,16 @@ def test_target_network_on_the_parameter_view():
     m, target_m = model(), model()
     opt = ft.optim.Optimizer(optax.sgd(0.1))
     state, actual = opt.init(m), []
-    for i in range(STEPS):
+
+    @jax.jit  # the plain program's step, compiled whole
+    def step(p, s, target, i):
         u, s = tx.update(jax.grad(plain_loss)(p, x, y), s, p)
         p = optax.apply_updates(p, u)
         target = optax.incremental_update(p, target, 0.1)
-        target = optax.periodic_update(p, target, jnp.asarray(i), 5)
+        return p, s, optax.periodic_update(p, target, i, 5)
+
+    for i in range(STEPS):
+        p, s, target = step(p, s, target, jnp.asarray(i))
         expected.append(flat(target))
         m, state, _ = opt.minimize(ft_loss, m, state, x, y)
         view = optax.incremental_update(ft.parameters(m), ft.parameters(target_m), 0.1)
@@ -267,12 +297,17 @@ def run_structural(m, loss, make, make_plain=None, steps=6, wrt=None):
     pv = {k: jnp.asarray(v) for k, v in flat(m).items() if k in names}
     tx = (make_plain or make)(pv)
     s = tx.init(pv)
+
+    @jax.jit  # the plain program's step, compiled whole
+    def plain_step(pv, s, g):
+        up, s = tx.update(g, s, pv)
+        return optax.apply_updates(pv, up), s
+
     for _ in range(steps):
         _, g, layer_state = ft.nn.value_with_gradient_and_state(loss, m)  # BatchNorm's statistics
         u, state = opt.update(g, state, m)
         m = ft.nn.apply_state(ft.move(m, along=u), layer_state)
-        up, s = tx.update({k: v for k, v in ft.to_flat_dict(g).items() if k in names}, s, pv)
-        pv = optax.apply_updates(pv, up)
+        pv, s = plain_step(pv, s, {k: v for k, v in ft.to_flat_dict(g).items() if k in names})
         assert_same([{k: v for k, v in flat(m).items() if k in names}], [flat(pv)])
     return m
 
@@ -375,9 +410,14 @@ def test_sam_opaque_mode_gets_grad_fn(how):
     make = lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=3, opaque_mode=True)  # noqa: E731
     tx, p, (x, y) = make(), arrays(), data()
     s, expected = tx.init(p), []
-    for _ in range(STEPS):
+
+    @jax.jit  # the plain program's step, compiled whole
+    def plain_step(p, s):
         u, s = tx.update(jax.grad(plain_loss)(p, x, y), s, p, grad_fn=lambda q, i: jax.grad(plain_loss)(q, x, y))
-        p = optax.apply_updates(p, u)
+        return optax.apply_updates(p, u), s
+
+    for _ in range(STEPS):
+        p, s = plain_step(p, s)
         expected.append(flat(p))
     if how == "minimize":
         actual = run_ft(make())[0]
@@ -410,10 +450,15 @@ def test_stack_members_trained_by_wrt_global_norm_as_a_plain_program():
     opt = ft.optim.Optimizer(clip_adam(None), wrt=("[0-1].*",))
     state, tx = opt.init(s), clip_adam(None)
     sp = tx.init(p)
+
+    @jax.jit  # the plain program's step, compiled whole
+    def plain_step(p, sp):
+        u, sp = tx.update(jax.grad(plain)(p), sp, p)
+        return cast(dict[str, Any], optax.apply_updates(p, u)), sp
+
     for _ in range(6):
         s, state, _ = opt.minimize(stack_loss, s, state)
-        u, sp = tx.update(jax.grad(plain)(p), sp, p)
-        p = cast(dict[str, Any], optax.apply_updates(p, u))
+        p, sp = plain_step(p, sp)
         got = {k: np.asarray(v) for k, v in ft.to_flat_dict(s, unstack=True).items()}
         assert_same([got], [flat({**p, **fixed})])
 
@@ -429,11 +474,16 @@ def test_complex_parameter_is_a_real_pair_to_optax_adam():
     pair = {"x": jnp.zeros(2), "y": jnp.zeros(2)}
     tx = optax.adam(0.1)
     s = tx.init(pair)
-    for _ in range(STEPS):
-        z, state, _ = opt.minimize(lambda p: jnp.sum(jnp.abs(p["z"] - a) ** 2 * weights), z, state)
+
+    @jax.jit  # the plain program's step, compiled whole
+    def plain_step(pair, s):
         g = jax.grad(lambda q: jnp.sum(((q["x"] - a.real) ** 2 + (q["y"] - a.imag) ** 2) * weights))(pair)
         u, s = tx.update(g, s, pair)
-        pair = cast(dict[str, Any], optax.apply_updates(pair, u))
+        return cast(dict[str, Any], optax.apply_updates(pair, u)), s
+
+    for _ in range(STEPS):
+        z, state, _ = opt.minimize(lambda p: jnp.sum(jnp.abs(p["z"] - a) ** 2 * weights), z, state)
+        pair, s = plain_step(pair, s)
     np.testing.assert_allclose(z["z"].real, pair["x"], rtol=0, atol=1e-14)
     np.testing.assert_allclose(z["z"].imag, pair["y"], rtol=0, atol=1e-14)
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 import torch
 from _references import optax_lbfgs
-from _tolerance import assert_close_trained
+from _tolerance import assert_close_trained, needs_float16_conversions
 
 import functree as ft
 import functree.optim as fo
@@ -54,9 +54,15 @@ def test_compute_then_apply_gradients_equals_minimize():
     opt = fo.Optimizer(fo.sgd(0.1, 0.9))
     model = _model()
     state = opt.init(model)
-    loss, grads = opt.compute_gradients(_loss, model, X, Y)
-    m1, s1 = opt.apply_gradients(grads, model, state, minibatch_size=8, loss=loss)
-    m2, s2, _ = opt.minimize(_loss, model, state, X, Y)
+
+    @jax.jit  # both ways in one program (eager, each operation compiled on its own)
+    def both(model, state):
+        loss, grads = opt.compute_gradients(_loss, model, X, Y)
+        m1, s1 = opt.apply_gradients(grads, model, state, minibatch_size=8, loss=loss)
+        m2, s2, _ = opt.minimize(_loss, model, state, X, Y)
+        return m1, s1, m2, s2
+
+    m1, s1, m2, s2 = both(model, state)
     np.testing.assert_array_equal(m1.weight, m2.weight)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b) | jnp.all(jnp.isnan(a))), s1, s2))
 
@@ -245,10 +251,15 @@ def test_models_with_non_parameters_keep_them_untouched():
     assert not np.allclose(new.dense.weight, model.dense.weight)
     # the same transform used directly as an optax transform over the parameter view
     tx = fo.adamw(0.1, weight_decay=0.5)
-    view = ft.parameters(model)
-    grads = ft.gradient(lambda m: _loss(m, X, Y), at=model)
-    updates, _ = tx.update(grads, tx.init(view), view)
-    assert_close_trained(ft.move(model, along=updates).dense.weight, new.dense.weight, spread=2e-8)  # measured max 1.7e-8
+
+    @jax.jit  # one program (eager, each operation compiled on its own)
+    def direct(model):
+        view = ft.parameters(model)
+        grads = ft.gradient(lambda m: _loss(m, X, Y), at=model)
+        updates, _ = tx.update(grads, tx.init(view), view)
+        return ft.move(model, along=updates)
+
+    assert_close_trained(direct(model).dense.weight, new.dense.weight, spread=2e-8)  # measured max 1.7e-8
 
 
 def test_data_parallel_replicas_keep_identical_state():
@@ -365,7 +376,9 @@ def test_complex_parameters_descend_through_minimize_update_and_train_step(make)
 def test_complex_moments_are_pairs_of_reals_and_real_models_are_untouched():
     opt = fo.Optimizer(fo.adam(0.1))
     z = {"z": jnp.array([3.0 + 6.0j], jnp.complex64), "w": jnp.ones(2)}
-    _, state, _ = opt.minimize(lambda m: _distance(m).sum() + jnp.sum(m["w"] ** 2), z, opt.init(z))
+    # one program (eager, each operation compiled on its own)
+    _, state, _ = jax.jit(lambda z, s: opt.minimize(lambda m: _distance(m).sum() + jnp.sum(m["w"] ** 2), z, s))(
+        z, opt.init(z))
     nu = fo.moments(state)["nu"]
     assert isinstance(nu["z"], fo.RealPair)
     # torch's second moments: one per real component of the gradient 2(z − a) = (4, 8)
@@ -410,8 +423,13 @@ def test_lbfgs_through_minimize_and_update_equals_optax_loop():
 def test_a_complex_parameter_without_a_gradient_keeps_its_moments():
     opt = fo.Optimizer(fo.adam(0.1))
     z = {"z": jnp.array([3.0 + 6.0j], jnp.complex64), "w": jnp.ones(2)}
-    _, state, _ = opt.minimize(lambda m: _distance(m).sum() + jnp.sum(m["w"] ** 2), z, opt.init(z))
-    updates, new = opt.update({"z": None, "w": jnp.ones(2)}, state, z)
+
+    @jax.jit  # one program (eager, each operation compiled on its own)
+    def steps(z, state):
+        _, state, _ = opt.minimize(lambda m: _distance(m).sum() + jnp.sum(m["w"] ** 2), z, state)
+        return state, *opt.update({"z": None, "w": jnp.ones(2)}, state, z)
+
+    state, updates, new = steps(z, opt.init(z))
     assert updates["z"] is None
     before, after = fo.moments(state), fo.moments(new)
     for name in ("mu", "nu"):
@@ -529,7 +547,7 @@ def test_an_unchecked_step_applies_the_hooks_output_as_torch_without_a_scaler():
     torch.optim.SGD([torch_w], lr=0.1).step()
     opt = fo.Optimizer(fo.sgd(0.1), transform_gradients=_clip)
     p = {"b": jnp.ones(2), "w": jnp.ones(1)}
-    w, _, _ = opt.minimize(_inf_gradient, p, opt.init(p))
+    w, _, _ = jax.jit(lambda p, s: opt.minimize(_inf_gradient, p, s))(p, opt.init(p))  # one program
     np.testing.assert_array_equal(np.asarray(w["w"]), torch_w.detach().numpy())  # 0.9
     np.testing.assert_array_equal(np.asarray(w["b"]), np.float32(1) - np.float32(0.1))  # 1 - 0.1 * clip(2)
 
@@ -616,8 +634,13 @@ def test_a_bool_mask_built_in_training_mode_is_named_at_init():
         ft.optim.Optimizer(optax.masked(optax.sgd(0.1), ft.mask(training, "*.weight"))).init(training)
     opt = ft.optim.Optimizer(optax.masked(optax.sgd(0.1), ft.mask(net, "*.weight")))
     state = opt.init(training)
-    grads = ft.gradient(lambda m: jnp.sum(m(jnp.ones((1, 2)), key=jax.random.key(1))), at=training)
-    moved, _ = opt.apply_gradients(grads, training, state)
+
+    @jax.jit  # one program (eager, each operation compiled on its own)
+    def step(training, state):
+        grads = ft.gradient(lambda m: jnp.sum(m(jnp.ones((1, 2)), key=jax.random.key(1))), at=training)
+        return grads, opt.apply_gradients(grads, training, state)[0]
+
+    grads, moved = step(training, state)
     np.testing.assert_allclose(moved.layers[0].weight, training.layers[0].weight - 0.1 * grads.layers[0].weight,
                                rtol=0, atol=1e-7)
     # masked out: optax passes the update through untransformed (here the gradient itself)
@@ -706,10 +729,15 @@ def test_state_checks_keep_masked_complex_and_partial_states_working():
 def test_state_checks_keep_reduced_and_per_axis_moments_working(tx):
     # NovoGrad's nu is one scalar per parameter, SM3's mu one vector per axis: not the gradient's shape
     opt, model = fo.Optimizer(tx), _model()
-    state = opt.init(model)
-    grads = ft.gradient(lambda m: _loss(m, X, Y), at=model)
-    for _ in range(2):
-        updates, state = opt.update(grads, state, model)
+
+    @jax.jit  # one program (eager, each operation compiled on its own)
+    def two_updates(model, state):
+        grads = ft.gradient(lambda m: _loss(m, X, Y), at=model)
+        for _ in range(2):
+            updates, state = opt.update(grads, state, model)
+        return updates
+
+    updates = two_updates(model, opt.init(model))
     assert updates.weight.shape == model.weight.shape
 
 
@@ -772,14 +800,23 @@ def test_multisteps_passes_the_extra_arguments_to_the_transform_it_wraps():
     model, state = params, opt.init(params)
     tx = make()
     ref, ref_state = params, tx.init(params)
+
+    @jax.jit  # a step of each is one program (eager, each operation compiled on its own)
+    def step(model, state):
+        value, grads = jax.value_and_grad(loss)(model)
+        updates, state = opt.update(grads, state, model, value=value)
+        return optax.apply_updates(model, updates), state
+
+    @jax.jit
+    def ref_step(ref, ref_state):
+        ref_value, ref_grads = jax.value_and_grad(loss)(ref)
+        ref_updates, ref_state = tx.update(ref_grads, ref_state, ref, value=ref_value)
+        return optax.apply_updates(ref, ref_updates), ref_state
+
     with jax.numpy_dtype_promotion("standard"):  # optax's reduce_on_plateau mixes int32 and float32
         for _ in range(4):
-            value, grads = jax.value_and_grad(loss)(model)
-            updates, state = opt.update(grads, state, model, value=value)
-            model = optax.apply_updates(model, updates)
-            ref_value, ref_grads = jax.value_and_grad(loss)(ref)
-            ref_updates, ref_state = tx.update(ref_grads, ref_state, ref, value=ref_value)
-            ref = optax.apply_updates(ref, ref_updates)
+            model, state = step(model, state)
+            ref, ref_state = ref_step(ref, ref_state)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(ref), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -797,6 +834,7 @@ def test_a_gradient_of_another_kind_of_number_is_refused_naming_its_key_path(par
         opt.update({"head": {"w": grad}, "b": jnp.ones(2)}, opt.init(params), params)
 
 
+@needs_float16_conversions
 def test_floating_gradients_of_other_widths_keep_the_parameters_dtypes():
     # A float32 gradient for a bfloat16 weight: the float32 update is added and rounded once.
     opt = fo.Optimizer(fo.sgd(0.6))

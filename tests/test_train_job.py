@@ -603,10 +603,11 @@ def test_a_model_and_optimizer_checkpoint_is_no_job_for_a_trainer(tmp_path):
     opt = ft.optim.Optimizer(ft.optim.adam(1e-2))
     model = ft.nn.Dense(3, 2, key=jax.random.key(7))
     state = opt.init(model)
+    step = jax.jit(lambda m, s, b: opt.minimize(loss, m, s, b)[:2])  # one program (eager: one per operation)
     with ft.train.CheckpointManager(tmp_path / "plain") as manager:
         for epoch in (1, 2):
             for batch in batches:
-                model, state, _ = opt.minimize(loss, model, state, batch)
+                model, state = step(model, state, batch)
             manager.save(epoch, model, state)
     make = lambda: ft.train.Trainer(ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.optim.adam(1e-2), loss)  # noqa: E731
     with pytest.raises(ft.train.CheckpointError, match=r"(?s)step 2 is a checkpoint of a model .*no job position.*"

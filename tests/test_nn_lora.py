@@ -501,9 +501,13 @@ def test_an_optimizer_without_wrt_warns_that_the_adapted_weights_train_too(tmp_p
     ``save_lora`` writes the adapters alone, and PEFT's model (the untrained base plus them)
     is not the trained one. ``init`` warns, naming the base weights and both fixes; any
     ``wrt`` given (``"*"`` too: everything, deliberately) and a model without adapters do not."""
-    # built in one program (eagerly, each initializer compiled apart)
-    model, adapted = jax.jit(lambda: (lambda model: (model, ft.nn.lora(model, "layers.*", rank=2, alpha=4, key=jax.random.key(2))))(
-        ft.nn.Sequential(ft.nn.Dense(4, 4, jax.nn.relu, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1)))))()
+    @jax.jit  # one program (eagerly, each initializer compiled apart)
+    def built():
+        model = ft.nn.Sequential(ft.nn.Dense(4, 4, jax.nn.relu, key=jax.random.key(0)),
+                                 ft.nn.Dense(4, 2, key=jax.random.key(1)))
+        return model, ft.nn.lora(model, "layers.*", rank=2, alpha=4, key=jax.random.key(2))
+
+    model, adapted = built()
     with pytest.warns(ft.nn.LoraBaseWarning) as caught:
         state = ft.optim.Optimizer(ft.optim.sgd(0.1)).init(adapted)
     message = str(caught[0].message)

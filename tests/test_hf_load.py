@@ -1214,9 +1214,7 @@ def test_to_hf_state_dict_of_an_adapted_model_names_itself_and_the_merge():
 
 
 def test_from_config_builds_as_one_program_equal_to_op_by_op():
-    """from_hf(config, key): one program, equal to the build run op by op. Last in the file:
-    ``compiled()`` clears every cache, after which the tests below it traced and lowered
-    again the programs they share with the tests above (the jitted forward, the eager ops)."""
+    """from_hf(config, key): one program, equal to the build run op by op."""
     # One compile where op by op took 47 (each a GPU compile); the same draws, and the
     # layers' default draws that HF's initialization replaces are never made.
     from _compiles import compiled
@@ -1264,7 +1262,7 @@ def test_the_same_config_builds_again_without_a_trace_or_a_compile():
     config.num_hidden_layers = 1  # the user's config object, changed in place
     assert ft.nn.to_hf_state_dict(ft.nn.from_hf(config, key=jax.random.key(0)), numpy=True).keys() != \
         ft.nn.to_hf_state_dict(first, numpy=True).keys()
-    jax.clear_caches()
+    jax.clear_caches()  # traced again, as in a fresh process: the trace reads the equal config, not the changed one
     rebuilt = ft.nn.from_hf(INIT_CONFIGS["llama"](), key=jax.random.key(0))  # the two-layer program
     for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(first), strict=True):
         np.testing.assert_array_equal(a, b)

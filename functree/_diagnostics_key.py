@@ -15,6 +15,7 @@ Example:
   >>> import jax.numpy as jnp
   >>> from functree._diagnostics_key import cache_key
   >>> from functree._plan import Plan
+from functree._source import USER_FUNCTION
   >>> f = lambda x: x * 2.0
   >>> key = lambda x: cache_key("gradient", f, Plan("gradient", f, (x,), 0))
   >>> key(jnp.ones(3)) == key(jnp.zeros(3)), key(jnp.ones(3)) == key(jnp.ones(4))
@@ -36,6 +37,7 @@ import numpy as np
 
 from functree._module import Module
 from functree._plan import Plan
+from functree._source import USER_FUNCTION
 from functree._tree import WeakIdentity, bounded_put
 
 __all__ = ["cache_key"]
@@ -121,8 +123,13 @@ def _callable_key(f: Any, depth: int = 0) -> Any:
                 cells.append(None)
         # The function object itself, weakly held: a re-run cell's or a factory's new function
         # of the same code may read other values (a closure's zero mask, a changed global), so
-        # it is analysed (and warns) afresh; one kept and called again is analysed once.
-        return (WeakIdentity(f), f.__code__, _value_key((cells, f.__defaults__, f.__kwdefaults__), depth))
+        # it is analysed (and warns) afresh; one kept and called again is analysed once. A
+        # library's wrapper of the user's function (USER_FUNCTION: an optimizer's objective
+        # around the loss, made at each call) reads no globals of the user's, so its code and
+        # its closure (the user's function among its cells) are what it computes: keyed by
+        # them, an eager `minimize` loop is analysed once, not traced twice at every step.
+        who = None if getattr(f, USER_FUNCTION, None) is not None else WeakIdentity(f)
+        return (who, f.__code__, _value_key((cells, f.__defaults__, f.__kwdefaults__), depth))
     if isinstance(f, Module):
         return ("module", _value_key(f, depth))
     return _held(f) if _hashable(f) else ("id", id(f))

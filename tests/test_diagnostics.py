@@ -310,6 +310,40 @@ def test_every_operator_with_aux_analyses_the_result_only(operator):
         operator(lambda m: (jnp.sum(X3 * m.w * m.head), jnp.argmax(m.w)), _WithHead(jnp.ones(3), jnp.ones(3)))
 
 
+class _Calls:
+    n = 0
+
+
+def test_an_eager_minimize_loop_analyses_its_loss_once():
+    """An optimizer wraps the loss in a new objective at every call. The check is keyed by
+    the wrapper's code and closure (the loss among them), so an eager loop traces the loss
+    for the analysis once, not at every step; another loss is analysed, and warns, afresh."""
+    calls = _Calls()  # (a list in the closure would be part of the key: it grows)
+
+    def loss(m, x):
+        calls.n += 1
+        return jnp.sum(m.w * x)
+
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    model = _WithHead(jnp.ones(3), jnp.ones(3))
+    state = opt.init(model)
+    with pytest.warns(ft.UnusedParameterWarning, match="head"):
+        model, state, _ = opt.minimize(loss, model, state, X3)
+    assert calls.n == 2  # the check's trace, then the step's own run
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second analysis would warn again
+        for _ in range(3):
+            model, state, _ = opt.minimize(loss, model, state, X3)
+    assert calls.n == 5
+    np.testing.assert_allclose(model.w, 1.0 - 4 * 0.1 * np.asarray(X3), atol=1e-6)
+
+    def other(m, x):
+        return jnp.sum(m.w * x * 2.0)
+
+    with pytest.warns(ft.UnusedParameterWarning, match="head"):
+        opt.minimize(other, model, state, X3)
+
+
 def test_warnings_raised_in_the_loss_keep_their_module_for_filters(tmp_path, monkeypatch):
     """A pytest-style filter scoped to a module (``module="mylib"``) still matches a warning
     the check caught while tracing and emits again (the jitted step's replay)."""

@@ -80,7 +80,11 @@ def test_keys_keywords_and_a_symbolic_batch():
     raises_named(lambda: exported(model, X, key), ft.ExportError, _export.DIFFERENT_TREE, "at noise it has a value")
     raises_named(lambda: exported(model, X, jnp.zeros(2, jnp.uint32), noise=0.5), ft.ExportError,
                  _export.KEY_EXPECTED, "takes key as a PRNG key")
-    raises_named(lambda: exported(model, X), ft.ExportError, _export.BAD_CALL, "right:  exported(model, x, key, noise)")
+    # noise is keyword-only: the fix read "exported(model, x, key, noise)", itself a TypeError
+    raises_named(lambda: exported(model, X), ft.ExportError, _export.BAD_CALL,
+                 "(model, x, key, *, noise): missing a required argument: 'key'")
+    raises_named(lambda: exported(model, X), ft.ExportError, _export.BAD_CALL, "right:  exported(model, x, key, noise=noise)")
+    assert str(exported).startswith("Exported(fn(model, x, key, *, noise) -> 1 array")
 
 
 def test_a_python_number_is_traced_weakly_as_jit_traces_it():
@@ -122,6 +126,10 @@ def test_a_value_that_is_no_array_or_a_result_no_process_could_rebuild_is_refuse
                  "the result at 1 is a function")
     raises_named(lambda: ft.export(lambda x: Unregistered(x))(X), ft.ExportError, _export.RESULT_NOT_REBUILT,
                  "@ft.train.register on the class")
+    # collect_state's {KeyPath: value}: a CheckpointError ("Nothing was written", the fix {".layers_[1]_.x": v})
+    bn = ft.nn.training(ft.nn.Sequential(ft.nn.BatchNorm(3)))
+    raises_named(lambda: ft.export(lambda m, x: ft.nn.collect_state(lambda m: m(x), m))(bn, X), ft.ExportError,
+                 _export.RESULT_NOT_DESCRIBED, "the key KeyPath('.layers[0].running_mean'), a KeyPath; a dict's keys")
 
 
 def test_damaged_bytes_are_refused_before_anything_runs(exported_step):
@@ -149,6 +157,33 @@ def test_damaged_bytes_are_refused_before_anything_runs(exported_step):
     broken = with_header()
     broken = broken[:start] + b"x" + broken[start + 1:]
     raises_named(lambda: ft.Exported.deserialize(broken), ft.ExportError, _export.DAMAGED, "no JSON")
+
+
+def test_an_edited_header_is_refused_as_damage_not_run(exported_step):
+    """The digest covered the program alone: the header's key names place the arrays, so two
+    names swapped in out_keys swapped two results (in in_keys, two inputs of one shape) and a
+    result's static field edited (an activation relu -> gelu, 1e-05 -> 1e-01) came back as written, silently;
+    over every one-bit flip of a small export's header 7 of 1758 ran with other results.
+    The header's digest (with the program's) is checked, and an entry renamed is damage."""
+    data = exported_step.serialize()
+    start = len(_export.MAGIC) + 8
+    size = int.from_bytes(data[len(_export.MAGIC):start], "little")
+    header, raw = json.loads(data[start:start + size]), data[start:start + size]
+
+    def with_raw(raw):
+        return _export.MAGIC + len(raw).to_bytes(8, "little") + raw + data[start + size:]
+
+    keys = header["out_keys"]
+    swapped = json.dumps({**header, "out_keys": [keys[1], keys[0], *keys[2:]]}).encode()
+    relu = raw.rindex(b'"jax.nn.relu"')  # the result's Dense's activation (the argument's comes first)
+    for edited in (swapped, raw[:relu] + b'"jax.nn.gelu"' + raw[relu + len(b'"jax.nn.relu"'):]):
+        raises_named(lambda e=edited: ft.Exported.deserialize(with_raw(e)), ft.ExportError, _export.DAMAGED,
+                     "the header's SHA-256 digest differs")
+    raises_named(lambda: ft.Exported.deserialize(with_raw(raw.replace(b'"digest"', b'"digesu"'))), ft.ExportError,
+                 _export.DAMAGED, "entries no functree writes: ['digesu']")
+    assert ft.Exported.deserialize(with_raw(json.dumps(header, indent=1).encode())).name == "step"  # spaces: no damage
+    older = {k: v for k, v in header.items() if k != "digest"}  # written before the header's digest: read
+    assert ft.Exported.deserialize(with_raw(json.dumps(older).encode())).name == "step"
 
 
 def test_an_array_the_tree_does_not_flatten_is_refused_not_baked_in(monkeypatch):

@@ -511,3 +511,29 @@ def test_update_bn_is_torchs_swa_update_bn_and_keeps_the_rest_of_the_model():
                  "model = ft.nn.update_bn(model, batches)")
     raises_named(lambda: ft.nn.update_bn(stack, iter([])), ValueError, NO_BATCHES,
                  "ft.nn.update_bn(model, ft.train.batches((x, y), 64))")
+
+
+def test_batch_and_instance_norm_statistics_export_over_a_symbolic_size():
+    """ft.export of a training step with a symbolic batch ("b") crashed inside JAX at
+    BatchNorm's check of one value per feature ("Symbolic dimension comparison 'b' < '2' is
+    inconclusive"), as did an InstanceNorm over a symbolic length. A size that may be 1 is
+    refused by name with the constraint that declares it (SYMBOLIC_COUNT); declared, the
+    exported program records what jax.jit records (measured equal: atol 1e-6, values about 1)."""
+    b, = jax.export.symbolic_shape("b", constraints=("b >= 2",))
+    t, = jax.export.symbolic_shape("t", constraints=("t >= 2",))
+
+    def step(m, x):
+        y, updates = ft.nn.collect_state(lambda m: m(x), m)
+        return y, ft.nn.apply_state(m, updates)
+
+    bn = ft.nn.training(ft.nn.BatchNorm(3, momentum=None, unbiased_running_variance=True))
+    norm = ft.nn.training(ft.nn.InstanceNorm1D(3, track_running_stats=True))
+    x = np.random.default_rng(0).normal(size=(2, 5, 3)).astype(np.float32)
+    for model, shape, given in ((bn, (b, 3), x[0]), (norm, (2, t, 3), x)):
+        exported = ft.export(step)(model, jax.ShapeDtypeStruct(shape, jnp.float32))
+        for a, want in zip(jax.tree.leaves(exported(model, given)), jax.tree.leaves(jax.jit(step)(model, given))):
+            np.testing.assert_allclose(a, want, rtol=0, atol=1e-6)
+    plain = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, 3"), jnp.float32)
+    with pytest.raises(ValueError, match=r"(?s)ft\.nn\.BatchNorm takes its statistics over the b values per feature"
+                       r".*right:  jax\.export\.symbolic_shape\(\"b\", constraints=\(\"b >= 2\",\)\)"):
+        ft.export(step)(bn, plain)

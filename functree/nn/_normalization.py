@@ -48,6 +48,15 @@ axis {axis}{why} (torch raises "Expected more than 1 value per channel when trai
     right:  ft.nn.training(bn)(x_batch)    # several rows (or positions) per feature
        or:  ft.nn.inference(bn)(x)         # one example: the running statistics"""
 
+SYMBOLIC_COUNT = """\
+ft.nn.{cls} takes its statistics over the {count} values per {unit} of {given}, a symbolic \
+size that may be 1 (its variance is then 0, and torch raises "Expected more than 1 value per \
+channel when training"), so the program cannot be traced. Declare that dimension at least 2 \
+where it is made:
+
+    wrong:  jax.export.symbolic_shape("b")
+    right:  jax.export.symbolic_shape("b", constraints=("b >= 2",))"""
+
 BATCH_ONE_WHY = (": its batch variance is 0, so every output would be the offset and the input's gradient 0",
                  ", and the unbiased variance (unbiased_running_variance=True) divides by count - 1")
 
@@ -89,6 +98,16 @@ def _momentum(cls: str, momentum: Any, channels: Any) -> float:
     if momentum is None:
         raise TypeError(MOMENTUM_NONE.format(cls=cls, channels=channels))
     return float(momentum)
+
+
+def _fewer_than_two(count: Any, cls: str, unit: str, x: jax.Array) -> bool:
+    """Whether ``count`` values per ``unit`` are fewer than two; a symbolic count
+    (``jax.export``'s shape ``"b"``) that may be 1 is refused by name (:data:`SYMBOLIC_COUNT`:
+    JAX's comparison raised InconclusiveDimensionOperation, "'b' < '2' is inconclusive")."""
+    try:
+        return bool(count < 2)
+    except jax.errors.InconclusiveDimensionOperation:
+        raise ValueError(SYMBOLIC_COUNT.format(cls=cls, count=count, unit=unit, given=short_array(x))) from None
 
 
 def _normalized_shape(shape: Any) -> tuple[int, ...]:
@@ -401,8 +420,9 @@ class BatchNorm(Layer):
             mean = jnp.mean(xs, axis=reduce)
             var = jnp.mean(jnp.square(xs - mean.reshape(shape)), axis=reduce)
             count = x.size // features
-            if count < 2 and not (self.training and under_vmap()):  # torch's refusal: a batch variance
-                # of 0 (n - 1 = 0 for the unbiased one); a per-example vmap's is collect_state's error
+            # torch's refusal: a batch variance of 0 (n - 1 = 0 for the unbiased one); a
+            # per-example vmap's is collect_state's error
+            if _fewer_than_two(count, "BatchNorm", "feature", x) and not (self.training and under_vmap()):
                 raise ValueError(BATCH_ONE.format(given=short_array(x), count=count, axis=self.axis,
                                                   why=BATCH_ONE_WHY[self.unbiased_running_variance]))
             if self.training and self.running_mean is not None and self.running_variance is not None:
@@ -505,7 +525,7 @@ class _InstanceNorm(Layer):
         count = math.prod(x.shape[a] for a in axes)
         xs = x.astype(statistics_dtype(x.dtype))
         if self.training or not self.track_running_stats:
-            if count < 2:
+            if _fewer_than_two(count, cls, "channel of each instance", x):
                 raise LayerInputError(self, f"[..., {', '.join(spatial)}, {self.channels}] with 2 positions or more",
                                       short_array(x), INSTANCE_ONE.format(cls=cls, spatial=" x ".join(spatial),
                                                                           given=short_array(x), channels=self.channels))

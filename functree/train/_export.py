@@ -9,9 +9,9 @@ with its own earlier registration. ``ft.export`` exports the function of the arg
 (``functree/train/checkpoint/_treespec.py``: classes by name, static fields as data).
 So:
 
-* the bytes are data: a header of JSON and JAX's own serialized program, checked by a
-  SHA-256 digest; reading them imports nothing and builds only registered classes
-  (as ``ft.train.load`` does);
+* the bytes are data: a header of JSON and JAX's own serialized program, both checked by
+  SHA-256 digests (the header's too: its key names place the arrays); reading them imports
+  nothing and builds only registered classes (as ``ft.train.load`` does);
 * a call checks the arguments against the description before the program runs: another
   class, another static field (an activation, ``training``) or another shape is an
   :class:`ExportError` naming the key path, the exported value and the given one, never
@@ -107,7 +107,7 @@ BAD_CALL = """\
 The exported {name} takes the arguments ({parameters}): {error}.
 
     wrong:  exported({wrong})
-    right:  exported({parameters})"""
+    right:  exported({call})"""
 
 UNMATCHED = """\
 ft.export: the arrays at {paths} are described by the arguments' key paths but are no leaves \
@@ -124,6 +124,16 @@ return arrays:
 
     wrong:  return SomeUnregisteredState(w=w)
     right:  return {{"w": w}}        # or @ft.train.register on the class"""
+
+RESULT_NOT_DESCRIBED = """\
+ft.export({name}): its results cannot be described as data, as another process reads them: \
+{why}; a dict's keys are kept as text (str, int and bool keys). The layer state that \
+ft.nn.collect_state returns is keyed by KeyPath: return it applied to its model, or keyed by text:
+
+    wrong:  return ft.nn.collect_state(lambda m: m(x), model)
+    right:  y, updates = ft.nn.collect_state(lambda m: m(x), model)
+            return y, ft.nn.apply_state(model, updates)
+       or:  return y, {{str(path): value for path, value in updates.items()}}"""
 
 KEY_EXPECTED = """\
 The exported {name} takes {path} as {saved}; this call gives {given}. Pass what the \
@@ -212,7 +222,10 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
         bound = jax.tree.unflatten(treedef, full)
         call_args, call_kwargs = _call_arguments(signature, parameters, bound)
         result = fn(*call_args, **call_kwargs)
-        out_arrays, out["spec"] = encode(result)
+        try:
+            out_arrays, out["spec"] = encode(result)
+        except CheckpointError as e:  # its text is a checkpoint's ("Nothing was written"): said for results
+            raise ExportError(RESULT_NOT_DESCRIBED.format(name=name, why=str(e).split(":")[0])) from None
         out["keys"] = list(out_arrays)
         for key, x in out_arrays.items():
             if not isinstance(x, (jax.Array, np.ndarray)):
@@ -250,7 +263,24 @@ def _signature(parameters: Parameters) -> inspect.Signature:
 
 
 def _shown_parameters(parameters: Parameters) -> str:
-    return ", ".join(("*" if k == 2 else "**" if k == 4 else "") + n for n, k, _ in parameters)
+    """The parameters as a signature shows them: ``*`` before the keyword-only ones (without
+    it ``(model, x, scale)`` read as three positional arguments, and a call so written failed)."""
+    shown, starred = [], False
+    for n, k, _ in parameters:
+        if k == inspect.Parameter.KEYWORD_ONLY and not starred:
+            shown.append("*")
+        starred = starred or k in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.KEYWORD_ONLY)
+        shown.append(_STARS.get(k, "") + n)
+    return ", ".join(shown)
+
+
+_STARS = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+
+
+def _call_code(parameters: Parameters) -> str:
+    """A call of the function's parameters by name: the keyword-only ones as ``name=name``."""
+    return ", ".join(f"{n}={n}" if k == inspect.Parameter.KEYWORD_ONLY else _STARS.get(k, "") + n
+                     for n, k, _ in parameters)
 
 
 def _bind(signature: inspect.Signature, parameters: Parameters, args: tuple, kwargs: dict,
@@ -263,7 +293,7 @@ def _bind(signature: inspect.Signature, parameters: Parameters, args: tuple, kwa
         given = [positional[i] if i < len(positional) else "..." for i in range(len(args))]
         wrong = ", ".join([*given, *(f"{k}=..." for k in kwargs)])
         raise ExportError(BAD_CALL.format(name=name, parameters=_shown_parameters(parameters), error=e,
-                                          wrong=wrong)) from None
+                                          wrong=wrong, call=_call_code(parameters))) from None
     named = dict(arguments)  # the arguments given (a parameter left to its default is absent)
     for n, k, _ in parameters:
         if k == inspect.Parameter.VAR_POSITIONAL and n in named:
@@ -499,19 +529,21 @@ class Exported:
 
     def serialize(self) -> bytes:
         """The program as bytes: a JSON header (the arguments' and results' descriptions,
-        their names, a SHA-256 digest of the program) and JAX's serialized program."""
+        their names, SHA-256 digests of the program and of the header with it) and JAX's
+        serialized program."""
         try:
             program = bytes(self._exported.serialize())
         except ImportError as e:
             raise ImportError(NO_FLATBUFFERS) from e
         from functree import __version__
 
-        header = json.dumps({
+        fields = {
             "format": FORMAT, "functree": __version__, "jax": jax.__version__, "name": self.name,
             "parameters": self._parameters, "in": self._in_spec, "in_keys": self._in_keys,
             "out": self._out_spec, "out_keys": self._out_keys,
             "sha256": hashlib.sha256(program).hexdigest(),
-        }).encode()
+        }
+        header = json.dumps({**fields, "digest": _digest(fields, program)}).encode()
         return MAGIC + len(header).to_bytes(8, "little") + header + program
 
     @classmethod
@@ -530,6 +562,8 @@ class Exported:
         program = data[start + size:]
         if hashlib.sha256(program).hexdigest() != header["sha256"]:
             raise ExportError(DAMAGED.format(why="the program's SHA-256 digest differs from the header's"))
+        if "digest" in header and _digest(header, program) != header["digest"]:  # (files written before: none)
+            raise ExportError(DAMAGED.format(why="the header's SHA-256 digest differs from the one it holds"))
         try:
             exported = jax.export.deserialize(bytearray(program))
         except ImportError as e:
@@ -539,6 +573,20 @@ class Exported:
         parameters = [(str(n), int(k), bool(d)) for n, k, d in header["parameters"]]
         return cls(exported, header["name"], parameters, header["in"], header["in_keys"], header["out"],
                    header["out_keys"])
+
+
+# The header's entries: another is damage (a renamed "digest" would skip the header's check).
+_ENTRIES = frozenset({"format", "functree", "jax", "name", "parameters", "in", "in_keys", "out", "out_keys",
+                      "sha256", "digest"})
+
+
+def _digest(header: dict[str, Any], program: bytes) -> str:
+    """The SHA-256 digest of ``header`` (but its ``digest``) and ``program``: the program's
+    own digest leaves the header unchecked, whose key names place the arrays (two names
+    swapped swapped two results, or two inputs of one shape, silently) and whose results'
+    static fields are rebuilt as written. The JSON is written again sorted, as read."""
+    fields = json.loads(json.dumps({k: v for k, v in header.items() if k != "digest"}))
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode() + program).hexdigest()
 
 
 def _header(raw: bytes) -> dict[str, Any]:
@@ -551,6 +599,9 @@ def _header(raw: bytes) -> dict[str, Any]:
         raise ExportError(DAMAGED.format(why="its header is no JSON object"))
     if isinstance(header.get("format"), int) and header["format"] > FORMAT:
         raise ExportError(NEWER_FORMAT.format(format=header["format"], version=header.get("functree"), mine=FORMAT))
+    unknown = sorted(set(header) - _ENTRIES)
+    if unknown:
+        raise ExportError(DAMAGED.format(why=f"its header holds entries no functree writes: {unknown}"))
     types = {"format": int, "name": str, "parameters": list, "in": dict, "in_keys": list, "out": dict,
              "out_keys": list, "sha256": str}
     for entry, kind in types.items():

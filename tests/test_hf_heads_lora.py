@@ -234,6 +234,23 @@ def test_a_task_adapter_without_its_head_is_refused(ported, tmp_path):
     close(ours(ft.nn.load_lora(base, tmp_path)), ours(adapted.replace(classifier=base.classifier)))
 
 
+def test_a_task_adapter_loaded_into_the_causal_lm_is_refused_naming_with_head(ported, tmp_path):
+    """A SEQ_CLS adapter (its score saved whole) loaded into the family's causal LM was refused as
+    "not a PEFT LoRA adapter directory: an unexpected tensor ...score.weight" (PEFT loads it without
+    a word, the trained head dropped); now the head is named with the fix (ft.hf.with_head's task
+    model, which loads it: the adapter's score; checked apart, 1.4 s here)."""
+    hf, base = ported["LlamaForSequenceClassification"]
+    theirs_model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj"],
+                                                                          r=2))
+    theirs_model.save_pretrained(str(tmp_path))
+    causal = base.body.replace(lm_head=base.score.replace(weight=np.zeros((16, 24), np.float32)),
+                               hf_config=base.hf_config)  # the body as its causal LM
+    with pytest.raises(ValueError, match=r"holds 'score' whole .*task_type='SEQ_CLS'\), which this LlamaForCausalLM "
+                                         r"has not") as error:
+        ft.nn.load_lora(causal, tmp_path)
+    assert "ft.hf.with_head(ft.nn.from_hf(base_directory), 'ForSequenceClassification'" in str(error.value)
+
+
 def test_from_hf_of_a_peft_task_model_names_its_class(ported):
     hf, _ = ported["LlamaForSequenceClassification"]
     peft_model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(task_type="SEQ_CLS", target_modules=["q_proj"],

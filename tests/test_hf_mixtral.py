@@ -192,6 +192,15 @@ def scale_of(tree):
     return max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(tree))
 
 
+def test_aux_loss_without_ids_or_router_logits_is_refused_naming_both():
+    """``model.aux_loss(attention_mask=mask)`` (the router logits forgotten) failed inside the
+    forward with "'<' not supported between instances of 'NoneType' and 'int'"."""
+    model = ft.nn.from_hf({**SIZES, "model_type": "mixtral", "num_hidden_layers": 1}, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM.aux_loss\(\) was given neither") as error:
+        model.aux_loss(attention_mask=np.ones((1, 3), np.int32))
+    assert "router_logits=routed)" in str(error.value) and "model.aux_loss(ids, mask)" in str(error.value)
+
+
 def test_router_logits_with_a_cache_are_refused():
     model = ft.nn.from_hf(transformers.MixtralConfig(**SIZES), key=jax.random.key(0))
     ids, mask = batch()

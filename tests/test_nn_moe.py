@@ -220,6 +220,23 @@ def test_load_balancing_loss_and_its_gradient_are_hfs(masked):
     np.testing.assert_allclose(np.asarray(grad), lt.grad.numpy(), rtol=0, atol=1e-6 * np.abs(lt.grad.numpy()).max())
 
 
+def test_load_balancing_loss_of_misshapen_logits_or_mask_is_refused_naming_the_fix():
+    """One SparseMoE's ``[rows, experts]`` logits (its ``return_logits``), HF's tuple per layer and
+    a top_k past the experts failed deep inside (an unpacking error, 'tuple' has no dtype, JAX's
+    top_k); a mask of another batch or length than the logits' rows, inside an einsum."""
+    logits = jnp.zeros((2, 10, E))
+    for given, top_k, fix in [(logits[0], 2, "logits[None]"), (tuple(logits), 2, "jnp.stack(per_layer)"),
+                              (logits, E + 1, "top_k=2")]:
+        with pytest.raises(ValueError, match="router_logits are every layer's router logits stacked") as error:
+            ft.nn.load_balancing_loss(given, top_k=top_k)
+        assert fix in str(error.value) and "wrong:" in str(error.value)
+    for mask in [np.ones((2, 4)), np.ones((3, 5))]:
+        with pytest.raises(ValueError, match=r"the mask f32\[\d,\d\] has \d+ entries, one per row") as error:
+            ft.nn.load_balancing_loss(logits, 2, mask)
+        assert "router_logits=routed)   # the mask the forward took" in str(error.value)
+    assert float(ft.nn.load_balancing_loss(logits, 2, np.ones((2, 5)))) == 2.0  # the mask of the logits' rows
+
+
 @pytest.mark.parametrize("implementation", ["sorted", "dense", "gathered", "auto"])
 def test_no_rows_give_an_empty_output_and_zero_gradients(implementation):
     """An empty batch (``[0, d]``, ``[2, 0, d]``): the sorted form reshaped its ``0 * k`` pairs

@@ -51,7 +51,7 @@ from functree.nn._state import collect_intermediates
 __all__ = ["MixtralForCausalLM", "RoutedExperts", "ExpertNames", "MIXTRAL_EXPERTS", "QWEN_EXPERTS", "OLMOE_EXPERTS",
            "moe_options",
            "experts_per_token", "per_expert_names", "EXPERTS_PER_TOKEN", "MISSING_EXPERT", "EXPERT_SHAPE",
-           "JITTER_NOT_PORTED", "ROUTER_LOGITS_CACHED", "ROUTER_LOGITS_NOT_ONE"]
+           "JITTER_NOT_PORTED", "ROUTER_LOGITS_CACHED", "ROUTER_LOGITS_NOT_ONE", "AUX_LOSS_INPUTS"]
 
 EXPERTS_PER_TOKEN = """\
 ft.nn.from_hf: the {model_type} config has num_experts_per_tok={top_k} and {key}={experts}; \
@@ -110,6 +110,15 @@ them itself:
     wrong:  logits, routed = model(ids, mask, router_logits=True)
     right:  logits, sown = ft.nn.collect_intermediates(lambda m: m(ids, mask), model)
 """
+
+AUX_LOSS_INPUTS = """\
+{cls}.aux_loss() was given neither the router logits nor the input ids to compute them from.
+
+    wrong:  model.aux_loss(attention_mask=mask)
+    right:  model.aux_loss(attention_mask=mask, router_logits=routed)   # logits, routed = model(ids, mask, router_logits=True)
+       or:  model.aux_loss(ids, mask)                                   # a forward pass of its own
+"""
+
 
 class ExpertNames(NamedTuple):
     """A family's per-expert checkpoint names: ``{module}.experts.{e}.{gate|up|down}.weight``
@@ -268,6 +277,8 @@ class RoutedExperts(_Base):
                                                                                    router_logits=routed)
         """
         if router_logits is None:
+            if input_ids is None:  # (else a TypeError from deep inside the forward)
+                raise ValueError(AUX_LOSS_INPUTS.format(cls=type(self).__name__))
             router_logits = self.router_logits(input_ids, attention_mask, positions=positions, key=key)
         return load_balancing_loss(router_logits, self.sparse_moe().top_k, attention_mask)
 

@@ -387,6 +387,16 @@ then loads the head whole, the same logits), or adapt the layers without the hea
        or:  ft.hf.save_lora(model, directory, task_type=None)   # PEFT's plain LoRA on {head}; its own
                                                                  # weight is not written: the base model's"""
 
+SAVED_MODULE_NOT_HERE = """\
+ft.nn.load_lora: the adapter in {directory!r} holds {module!r} whole (its modules_to_save \
+{saved!r}, task_type={task_type!r}), which this {cls} has not: the adapter was trained on \
+{trained}, its head saved with it. PEFT's from_pretrained leaves that tensor unread without a \
+word (PEFT 0.21: the adapters on this model, the trained head dropped), which is not the model trained.
+
+    wrong:  ft.nn.load_lora(ft.nn.from_hf(base_directory), {directory!r})
+    right:  ft.nn.load_lora(ft.hf.with_head(ft.nn.from_hf(base_directory), {suffix!r}, num_labels=N, key=key),
+                            {directory!r})     # the head's weights are the adapter's"""
+
 HEAD_NOT_SAVED = """\
 ft.nn.load_lora: the adapter in {directory!r} has task_type={task_type!r}, under which PEFT \
 keeps the classifier {head!r} of a {hf_class} whole in modules_to_save, but the file holds no \
@@ -868,12 +878,14 @@ def _split_tensors(tensors: dict[str, np.ndarray], saved: set[str], directory: s
     return pairs, full, bases, others
 
 
-def _check_base_tensors(model: Any, given: dict[str, np.ndarray], directory: str) -> None:
+def _check_base_tensors(model: Any, given: dict[str, np.ndarray], directory: str,
+                        config: dict[str, Any] | None = None) -> None:
     """The base model's tensors PEFT's ``save_embedding_layers`` wrote whole beside the adapter
     (an embedding, a head not adapted: ``model.embed_tokens.weight``): PEFT loads them over the
     model's own, so they are read where they equal the model's (in its dtype) and refused where
     they differ (:data:`BASE_TENSOR`: the adapter was trained on that other base); a name the
-    model's state dict does not hold is :data:`NOT_PEFT`."""
+    model's state dict does not hold is :data:`NOT_PEFT`, or :data:`SAVED_MODULE_NOT_HERE` where
+    ``config``'s ``modules_to_save`` names it (a task adapter's head, loaded into the causal LM)."""
     if not given:
         return
     plain = unwrapped(model)
@@ -881,6 +893,16 @@ def _check_base_tensors(model: Any, given: dict[str, np.ndarray], directory: str
     for name, value in given.items():
         mine = own.get(name)
         if mine is None:
+            module = name.rpartition(".")[0]
+            saved = (config or {}).get("modules_to_save") or []
+            if any(saved_under(module, entry) for entry in saved):  # (not "not a PEFT adapter": another model's)
+                task_type = (config or {}).get("task_type")
+                suffix = {v: k for k, v in TASK_TYPES.items()}.get(task_type, "ForSequenceClassification")
+                trained = f"a {suffix[3:]} model ({suffix})" if task_type in TASK_TYPES.values() else \
+                    f"a model with a module {module!r}"
+                raise ValueError(SAVED_MODULE_NOT_HERE.format(directory=directory, module=module, saved=saved,
+                                                              task_type=task_type, cls=type(model).__name__,
+                                                              trained=trained, suffix=suffix))
             raise ValueError(NOT_PEFT.format(directory=directory, problem=f"an unexpected tensor {PREFIX + name!r}"))
         mine = np.asarray(mine)
         if value.shape == mine.shape and np.array_equal(value.astype(mine.dtype), mine):
@@ -1063,7 +1085,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
         raise ValueError(HEAD_NOT_SAVED.format(directory=directory, task_type=config["task_type"], head=head,
                                                hf_class=type(model).__name__))
     pairs, full, bases, others = _split_tensors(tensors, set(saved), directory)
-    _check_base_tensors(model, others, directory)
+    _check_base_tensors(model, others, directory, config)
     by_param: set[str] = set()
     experts: dict[Any, Any] = {}
     if config.get("target_parameters"):  # PEFT's ParamWrapper: the expert weights, a Linear's weight

@@ -42,6 +42,7 @@ both the router and the experts read the noisy input, as Hugging Face's block).
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 from functree._activations import silu
 from functree._module import field
 from functree._random import flat_key
+from functree._repr import short_array
 from functree.nn._abstract import initialized
 from functree.nn._check import check_input
 from functree.nn._linear import Dense
@@ -58,7 +60,8 @@ from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_intermediate
 
-__all__ = ["SparseMoE", "Experts", "load_balancing_loss", "TOP_K", "IMPLEMENTATION", "JITTER_KEY", "SORTED_VMAP"]
+__all__ = ["SparseMoE", "Experts", "load_balancing_loss", "TOP_K", "IMPLEMENTATION", "JITTER_KEY", "SORTED_VMAP",
+           "ROUTER_LOGITS_SHAPE", "ROUTER_MASK_SHAPE"]
 
 TOP_K = """\
 ft.nn.SparseMoE: top_k={top_k} of num_experts={experts}; each token is sent to top_k distinct \
@@ -96,6 +99,24 @@ rows by expert with jax.lax.ragged_dot, which has no batching rule for a batch o
     wrong:  jax.vmap(moe)(x)                                       # x [batch, T, d]
     right:  moe(x)                                                 # every example's rows sorted together
        or:  jax.vmap(moe.replace(implementation="gathered"))(x)    # or "dense": the same numbers
+"""
+
+ROUTER_LOGITS_SHAPE = """\
+ft.nn.load_balancing_loss: router_logits are every layer's router logits stacked, [layers, \
+rows, experts] (rows: batch * T), with 1 <= top_k <= experts; got {given} and top_k={top_k}.
+
+    wrong:  ft.nn.load_balancing_loss(logits, top_k={top_k})            # logits {given}: one SparseMoE's [rows, experts]
+    right:  ft.nn.load_balancing_loss(logits[None], top_k={fix})      # one layer
+       or:  ft.nn.load_balancing_loss(jnp.stack(per_layer), top_k={fix})   # HF's tuple of [rows, experts] per layer
+"""
+
+ROUTER_MASK_SHAPE = """\
+ft.nn.load_balancing_loss: the mask {mask} has {count} entries, one per row of the router \
+logits {logits} ({rows} rows: batch * T of the call that made them); a mask of another batch \
+or length would weigh other tokens (Hugging Face's load_balancing_loss_func fails on it).
+
+    wrong:  model.aux_loss(attention_mask=labels_mask[:, 1:], router_logits=routed)
+    right:  model.aux_loss(attention_mask=attention_mask, router_logits=routed)   # the mask the forward took
 """
 
 
@@ -279,6 +300,20 @@ def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: Any = None) 
       >>> float(ft.nn.load_balancing_loss(jnp.zeros((2, 6, 4)), top_k=2))  # uniform: each expert 1/4
       2.0
     """
+    # (one layer's [rows, experts], HF's tuple per layer, a mask of another call: named here,
+    # not an unpacking or einsum error deep inside)
+    shape = getattr(router_logits, "shape", None)
+    if shape is None or len(shape) != 3 or isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) \
+            or not 1 <= top_k <= shape[-1]:
+        given = short_array(router_logits) if shape is not None else \
+            f"a {type(router_logits).__name__} of {len(router_logits)}" if isinstance(router_logits, (tuple, list)) \
+            else type(router_logits).__name__
+        fix = top_k if isinstance(top_k, numbers.Integral) and shape is not None and 1 <= top_k <= shape[-1] else 2
+        raise ValueError(ROUTER_LOGITS_SHAPE.format(given=given, top_k=top_k, fix=fix))
+    count = math.prod(jnp.shape(mask)) if mask is not None else shape[1]
+    if count != shape[1]:
+        raise ValueError(ROUTER_MASK_SHAPE.format(mask=short_array(jnp.asarray(mask)), count=count,
+                                                  logits=short_array(router_logits), rows=shape[1]))
     wide = statistics_dtype(router_logits.dtype)
     num_layers, rows, num_experts = router_logits.shape
     probs = jax.nn.softmax(router_logits.astype(wide), axis=-1)

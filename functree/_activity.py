@@ -369,8 +369,11 @@ def _scan(eqn: Any, ins: list, scoped: bool) -> list:
         return outs[:ncarry]
 
     carry = _fixed_point(step, init)
-    step(carry)
-    return [*carry, *ys]
+    last = step(carry)
+    # The fixed point joins the initial carry in (a while loop may run no step); a scan of
+    # at least one step returns the body's carry: fori_loop(0, 2, lambda i, c:
+    # jnp.round(c), w) depends on w only through round, never actively as w itself.
+    return [*(last if p.get("length", 0) >= 1 else carry), *ys]
 
 
 def _custom(eqn: Any, ins: list, scoped: bool) -> list:

@@ -519,17 +519,20 @@ def _structure_problem(given: dict[str, Any], expected: dict[str, Any]) -> tuple
             g is None and path.startswith(q) and path[len(q):][:1] in ("[", ".") for q, g in given.items()
         )
 
+    def shown(paths: Any) -> str:  # the root's path is "": an array where a tuple was returned
+        return ", ".join(p or "<root>" for p in paths)
+
     missing = [p for p in expected if not covered(p)]
     extra = [q for q, g in given.items() if g is not None and q not in expected]
     if not missing and not extra:
         return None
     parts = []
     if missing:
-        parts.append(f"missing {', '.join(missing)}")
+        parts.append(f"missing {shown(missing)}")
     if extra:
-        parts.append(f"{', '.join(extra)} not in the argument")
-    wrong = ", ".join(given) or "no entries"
-    right = ", ".join(expected)
+        parts.append(f"{shown(extra)} not in the argument")
+    wrong = shown(given) or "no entries"
+    right = shown(expected)
     return "; ".join(parts), wrong, right
 
 

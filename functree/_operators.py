@@ -600,7 +600,8 @@ def value_with_differential(
 
     Returns ``(value, differential, aux)`` when ``has_aux=True``.
 
-    The tangent has the parameter view's structure. With ``wrt=`` patterns it holds ``None``
+    The tangent has the parameter view's structure (``None`` at a parameter is its zero,
+    as in a cotangent). With ``wrt=`` patterns it holds ``None``
     at every parameter they leave out (the structure ``ft.gradient(f, at=x, wrt=...)``
     returns), and zeros at the members of a stacked leaf they leave out (``wrt="h.2.*"``); a
     value there is an error naming its key path, as the direction would be cut to the
@@ -636,7 +637,8 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
         tangents = plan.split_input(tangent)
         for t, view, i in zip(tangents, plan.primals, plan.indices):
             check_tangent(f"ft.{op}", t, plan.args[i], view, advice=advice, structure=True)
-        tangents = tuple(matched_dtypes(f"ft.{op}", "tangent", t, view, "" if plan.single else f"[{k}]")
+        tangents = tuple(matched_dtypes(f"ft.{op}", "tangent", _zero_at_none(t, view), view,
+                                        "" if plan.single else f"[{k}]")
                          for k, (t, view) in enumerate(zip(tangents, plan.primals)))
         _refuse_unselected_members(op, plan, tangents[0])
         with _forward_mode(), _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here
@@ -645,6 +647,20 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
             return parameters(out[1](*tangents))
 
     return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
+
+
+def _zero_at_none(tangent: Any, view: Any) -> Any:
+    """The tangent JAX's linearized function takes: ``None`` at a differentiated parameter
+    is its zero, as in a cotangent (:func:`_result_cotangent`) and ``ft.move``; JAX's own
+    error ("expected PyTreeDef(...)") named no key path. Another structure is returned as
+    it is (the structure check has named its key path)."""
+    if jax.tree.structure(tangent) == jax.tree.structure(view):
+        return tangent
+    t_leaves, t_def = jax.tree.flatten(tangent, is_leaf=is_none)
+    v_leaves, v_def = jax.tree.flatten(view, is_leaf=is_none)
+    if t_def != v_def:
+        return tangent
+    return v_def.unflatten([_zeros_for(v) if t is None and v is not None else t for t, v in zip(t_leaves, v_leaves)])
 
 
 TANGENT_OUTSIDE_MEMBERS = """\
@@ -752,10 +768,11 @@ def jacobian(
     def impl(fn: Callable[..., Any], args: tuple) -> Any:
         plan = Plan("jacobian", fn, args, wrt)
         forward = mode == "forward"
-        # Reverse mode pulls back the result's parameter view: an integer leaf (no row) is
-        # None there, as forward mode's float0 columns become None below.
+        # Both modes differentiate the result's parameter view: an integer or bool leaf (no
+        # row) is None there. (Forward mode's float0 columns of a bool leaf crashed inside
+        # jax.jacfwd: "a bytes-like object is required, not 'int'".)
         paired = aux_pair("jacobian", fn, has_aux)
-        g = plan.wrap(paired) if forward else plan.wrap(lambda out: _result_view(has_aux)(paired(out)))
+        g = plan.wrap(lambda out: _result_view(has_aux)(paired(out)))
         with _forward_mode() if forward else contextlib.nullcontext():
             g = _diagnostics.check("pullback", fn, g, plan, has_aux)  # the check's trace, replayed where it can be
             if forward:

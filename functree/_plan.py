@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -110,6 +111,8 @@ This differential takes a tuple of {count} tangents (wrt={wrt}), one per argumen
 
 def fn_name(f: Callable[..., Any]) -> str:
     """The name an error message gives ``f``: its qualified name, else its ``repr``."""
+    while isinstance(f, functools.partial):  # a call's keywords bound (CallKeywords): not a repr of their arrays
+        f = f.func
     return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
 
 

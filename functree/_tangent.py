@@ -208,7 +208,10 @@ def check_tangent(
         _CHECKED,
         # Without is_leaf: None is then no leaf, so where the Nones are is part of the key.
         (jax.tree.structure(x), None if view is None else jax.tree.structure(view),
-         jax.tree.structure(tangent), allow_float0),
+         jax.tree.structure(tangent),
+         # where the float0 leaves are: one passes where a float value is refused (without
+         # it in the key, a pullback given float0 once took a float at an integer leaf)
+         allow_float0 and tuple(map(_is_float0, jax.tree.leaves(tangent)))),
     )
     if known and cache:
         return

@@ -1216,6 +1216,26 @@ def test_a_cotangent_of_another_dtype_shape_or_structure_is_an_error_naming_the_
     assert "ct with ['b'], ['w'], as `p`" in message
 
 
+def test_a_cotangent_structure_error_at_the_root_names_it():
+    # The root's key path is "": a pair for an array read "missing ; [0], [1] not in the
+    # argument" and "ct with , as `x`".
+    @ft.derivative(of=jnp.sin)
+    def paired(x):
+        return jnp.sin(x), lambda v: (v * jnp.cos(x), v)
+
+    @ft.derivative(of=lambda p: jnp.sin(p[0]) * p[1])
+    def flat(p):
+        return jnp.sin(p[0]) * p[1], lambda v: v * jnp.cos(p[0]) * p[1]
+
+    with pytest.raises(TypeError) as info:
+        ft.gradient(lambda x: paired(x).sum(), at=np.ones(2, np.float32))
+    message = str(info.value)
+    assert "whose structure is not the argument's: missing <root>; [0], [1] not in the argument." in message
+    assert "ct with <root>, as `x`" in message
+    with pytest.raises(TypeError, match=r"missing \[0\], \[1\]; <root> not in the argument\.(.|\n)*ct with <root>\n"):
+        ft.gradient(lambda p: flat(p).sum(), at=(np.ones(2, np.float32), np.ones(2, np.float32)))
+
+
 def test_cotangents_with_none_subtrees_python_scalars_and_low_precision_dtypes_are_accepted():
     def total(p, scale):
         return jnp.sum(p["w"]).astype(jnp.float32) * scale + jnp.sum(p["n"]["c"]).astype(jnp.float32)

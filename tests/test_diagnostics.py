@@ -73,6 +73,9 @@ CATALOGUE = [
     ("cond", lambda x: lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x).sum(), X3, None, "active"),
     ("scan", _scan_active, X3, None, "active"),
     ("fori", lambda x: lax.fori_loop(0, 3, lambda i, c: c * 2.0, x).sum(), X3, None, "active"),
+    # a scan of no step returns its initial carry: the body's round is never applied to it
+    ("scan_no_step", lambda x: lax.scan(lambda c, _: (jnp.round(c), None), x, None, length=0)[0].sum(), X3, None,
+     "active"),
     (
         "while",
         lambda x: lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (0, x))[1].sum(),
@@ -102,6 +105,12 @@ CATALOGUE = [
     ("seed_constant", lambda x: jnp.sqrt(3.0), 1.0, ft.ZeroDerivativeWarning, "unused"),
     ("times_zero", lambda x: x * 0.0, 1.0, ft.ZeroDerivativeWarning, "zero mask"),
     ("scan_inactive", _scan_inactive, X3, ft.NonDifferentiableWarning, "non-differentiable"),
+    # a scan of one step or more returns the body's carry, not the initial one (a fixed
+    # point joining the initial carry in kept x active through round and stop_gradient)
+    ("fori_round", lambda x: lax.fori_loop(0, 2, lambda i, c: jnp.round(c), x).sum(), X3,
+     ft.NonDifferentiableWarning, "non-differentiable"),
+    ("scan_stop_gradient_carry", lambda x: lax.scan(lambda c, _: (lax.stop_gradient(c), None), x, None, length=1)[0].sum(),
+     X3, ft.NonDifferentiableWarning, "non-differentiable"),
     (
         "int_roundtrip",
         lambda x: x.astype(jnp.int32).astype(jnp.float32),

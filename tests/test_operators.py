@@ -151,6 +151,21 @@ def test_gradient_passes_keyword_arguments_through():
     np.testing.assert_allclose(g1.weight, net_gradients_np(net, np.asarray(X)[:1])["weight"], rtol=1e-6)
 
 
+def test_errors_name_a_function_called_with_keywords_by_its_name():
+    # The call's keywords are bound to the function (a functools.partial): the errors showed
+    # its repr, "CallKeywords(<function loss at 0x...>, x=Array([[...]]))", for the name.
+    def scored(net: Net, weights: jax.Array, *, x: jax.Array) -> jax.Array:
+        return net(x) * weights
+
+    net = make_net()
+    with pytest.raises(TypeError, match=r"^ft.gradient needs a scalar result, but \S*\bscored returned shape \(3, 3\)"):
+        ft.gradient(scored)(net, jnp.ones(3), x=X)
+    with pytest.raises(TypeError, match=r"^Cannot differentiate with respect to argument 1 of \S*\bscored:"):
+        ft.gradient(scored, wrt=1)(net, jnp.ones(3, jnp.int32), x=X)
+    with pytest.raises(IndexError, match=r"wrt=2 names argument 2, but \S*\bscored was called with 2 arg"):
+        ft.gradient(scored, wrt=2)(net, jnp.ones(3), x=X)
+
+
 def test_has_aux():
     def with_aux(x: jax.Array) -> tuple[jax.Array, dict]:
         return f(x), {"norm": jnp.linalg.norm(x)}
@@ -493,6 +508,15 @@ def test_differential_names_a_tangent_value_at_a_non_parameter_and_the_fix():
         df(Body({"a": jnp.ones(2)}, None, None))  # type: ignore[arg-type]
 
 
+def test_differential_takes_none_at_a_parameter_as_its_zero():
+    # None at a parameter is its zero, as in a cotangent and ft.move; it was JAX's
+    # "expected PyTreeDef(...), got PyTreeDef(...)" from inside the linearized function.
+    body = Body(jnp.array([1.0, 2.0]), jnp.asarray(3.0))
+    df = ft.differential(lambda b, x: b.mass * jnp.sum(b.position**2) * x, wrt=(0, 1))(body, jnp.asarray(0.5))
+    np.testing.assert_allclose(df((Body(None, None, None), jnp.asarray(2.0))), 3.0 * 5.0 * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(df((Body(jnp.array([1.0, 0.0]), None, None), None)), 3.0 * 2.0 * 0.5, rtol=1e-6)
+
+
 def test_differential_names_a_tangent_value_at_a_parameter_outside_wrt():
     net = make_net()
     df = ft.differential(lambda n: n(X).sum(), at=net, wrt="weight")
@@ -605,6 +629,25 @@ def test_tangents_of_a_module_result_are_its_parameter_view():
     jac = ft.jacobian(lambda x: S(w=jnp.sin(x), n=10.0 * x), at=x)  # (jacrev takes no integer result)
     assert jac.n is None
     np.testing.assert_allclose(jac.w, np.diag(np.cos([0.5, 2.0])), rtol=0, atol=1e-6)
+
+
+def test_a_forward_jacobian_of_a_bool_result_is_none_there():
+    # jax.jacfwd's float0 column of a bool leaf crashed inside JAX ("a bytes-like object
+    # is required, not 'int'"); the reverse Jacobian gave None there already.
+    x = jnp.array([0.5, -2.0])
+    for mode in ("forward", "reverse"):
+        jac, positive, top = ft.jacobian(lambda x: (jnp.sin(x), x > 0, jnp.argmax(x)), at=x, mode=mode)
+        assert positive is None and top is None
+        np.testing.assert_allclose(jac, np.diag(np.cos([0.5, -2.0])), rtol=0, atol=1e-6)
+
+
+def test_a_float_cotangent_at_an_integer_result_leaf_is_refused_after_a_float0_one():
+    # The tangent check is cached per tree structure, which a float0 leaf and a float one
+    # share: after a float0 there, a float value at the integer leaf passed unchecked.
+    pb = ft.pullback(lambda x: (jnp.sin(x), jnp.argmax(x)), at=jnp.array([0.5, -2.0]))
+    np.testing.assert_allclose(pb((jnp.ones(2), np.zeros((), jax.dtypes.float0))), np.cos([0.5, -2.0]), atol=1e-6)
+    with pytest.raises(ValueError, match=r"the tangent has a value at \[1\], which is not floating \(int\d+\)"):
+        pb((jnp.ones(2), jnp.ones(())))
 
 
 def test_a_key_path_as_wrt_names_its_text():

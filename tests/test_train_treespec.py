@@ -588,6 +588,22 @@ def test_a_dict_key_no_checkpoint_reads_back_is_refused_at_save(tmp_path, key):
         encode({(0, 1): jnp.ones(2)})
 
 
+def test_layer_state_keyed_by_key_paths_is_refused_naming_apply_state(tmp_path):
+    """collect_state's updates ({KeyPath: value}): the fix offered the key ".layers_[0]_.running_mean"
+    (the path's entries joined by "_"); now ft.nn.apply_state, or the paths' text, which
+    KeyPath.parse reads back (that dict saves and loads)."""
+    model = ft.nn.training(ft.nn.Sequential([ft.nn.BatchNorm(3)]))
+    _, updates = ft.nn.collect_state(lambda m: m(jnp.ones((4, 3))), model)
+    with pytest.raises(ft.train.CheckpointError, match=r"(?s)has the key KeyPath\('\.layers\[0\]\.running_mean'\), "
+                                                        r"a KeyPath.*ft\.nn\.apply_state\(model, updates\)") as info:
+        ft.train.save(tmp_path / "c", updates)
+    assert '{".layers[0].running_mean": value}' in str(info.value) and not (tmp_path / "c").exists()
+    ft.train.save(tmp_path / "c", {str(k): v for k, v in updates.items()})
+    back = {ft.KeyPath.parse(k): v for k, v in ft.train.load(tmp_path / "c").items()}
+    assert back.keys() == updates.keys()
+    assert all(np.array_equal(back[k], updates[k]) for k in updates)
+
+
 @pytest.mark.parametrize("key", [True, np.int64(3), np.uint8(200), -4, "x"], ids=["bool", "int64", "uint8", "int", "str"])
 def test_bool_and_numpy_integer_dict_keys_round_trip_exactly(tmp_path, key):
     tree = Heads({key: jnp.ones(2)})

@@ -88,6 +88,17 @@ rebuilt. Nothing was written. Key the dict by text or integers (or hold the valu
     right:  {{"{key_text}": value}}"""
 
 
+KEY_PATH_KEY = """\
+The dict at {path} has the key {key!r}, a KeyPath: a checkpoint stores a dict's keys as text \
+and reads back str, int and bool keys (and NumPy integers) only. A dict keyed by key paths is \
+ft.nn.collect_state's layer state (or ft.recursively_all_key_paths'). Nothing was written. \
+Save the state applied to its model, or keyed by the paths' text (KeyPath.parse reads it back):
+
+    wrong:  ft.train.save(path, updates)
+    right:  ft.train.save(path, ft.nn.apply_state(model, updates))
+       or:  ft.train.save(path, {{str(k): v for k, v in updates.items()}})     # {{"{key_text}": value}}"""
+
+
 UNENCODABLE_KEY = """\
 The dict at {path} has the key {key!r}, text that is no Unicode (a lone surrogate, {char!r}: \
 bytes decoded with errors="surrogateescape", or half of a UTF-16 pair): a checkpoint names \
@@ -189,6 +200,8 @@ def _dict_key(key: Any, path: str) -> list[str]:
         return [type(key).__name__, str(key)]
     if isinstance(key, np.integer) and np.dtype(type(key)).name in NUMPY_INT_KEYS:
         return [np.dtype(type(key)).name, str(int(key))]
+    if isinstance(key, KeyPath):  # (its entries joined by "_" read ".layers_[0]_.running_mean")
+        raise CheckpointError(KEY_PATH_KEY.format(path=repr(path) if path else "the root", key=key, key_text=key))
     text = "_".join(map(str, key)) if isinstance(key, tuple) else str(key)
     raise CheckpointError(UNSUPPORTED_KEY.format(path=repr(path) if path else "the root", key=key,
                                                  type=type(key).__name__, key_text=text[:40]))

@@ -298,9 +298,12 @@ class MultiheadAttention(Layer):
     (by position in the sequence; with a cache, by slot): each query sees at most ``W`` keys.
     A query whose keys are all masked (its ``mask`` row all False, with the ``causal`` and
     ``window`` bands applied) is neither NaN nor zero: its logits are all the same large
-    negative (JAX's convention; Hugging Face's eager attention does the same, and ports match
-    it), so its weights are uniform and its output is ``W_o`` applied to the mean of *all* its
-    keys' values, which also get its gradients. torch's ``nn.MultiheadAttention`` gives the
+    negative (JAX's convention; Hugging Face's eager attention in float32 does the same, and
+    ports match it), so its weights are uniform and its output is ``W_o`` applied to the mean
+    of *all* its keys' values, which also get its gradients. (HF's own attentions disagree
+    there: its float64 eager gives NaN, its default ``sdpa`` other values; so a loss that reads
+    a left-padded row's pad positions, a first real label predicted from a pad, is HF eager's
+    float32 one.) torch's ``nn.MultiheadAttention`` gives the
     output bias there (NaN on its inference fast path). To zero such rows, with a ``mask``
     ``[batch, 1, queries, keys]`` shared by the heads (the bands applied to it first):
     ``y = jnp.where(mask.any(-1).swapaxes(-1, -2), y, 0.0)``; ``attn.output_projection.bias``

@@ -500,7 +500,8 @@ def test_other_names_right_calls_compute_torchs_numbers():
         call = ft.losses.OTHER_CALLS[name].split("  #")[0]
         with pytest.raises(AttributeError, match=re.escape(call)):
             getattr(ft.losses, name)
-        names = {"ft": ft, "jnp": jnp, "jax": jax, **{k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+        # jax.Arrays by device_put (jnp.asarray compiled a program per shape and dtype)
+        names = {"ft": ft, "jnp": jnp, "jax": jax, **{k: jax.device_put(v) if isinstance(v, np.ndarray) else v
                                                        for k, v in values.items()}}
         ours = float(eval(call, names))  # the library's own message, run as a user pastes it
         np.testing.assert_allclose(ours, float(reference), rtol=0, atol=1e-6 * max(1.0, abs(float(reference))),
@@ -897,11 +898,12 @@ def test_causal_lm_recipe_equals_hugging_faces_labels_loss():
 def test_weighted_losses_gradients_finite_differences():
     with jax.enable_x64(True):
         rng = np.random.default_rng(0)
-        logits = jnp.asarray(rng.normal(size=(3, 4, 5)))
+        # jax.Arrays by device_put (jnp.asarray compiled a program per shape)
+        logits = jax.device_put(rng.normal(size=(3, 4, 5)))
         labels = rng.integers(0, 5, (3, 4))
         labels[0, 0] = -100
-        weight = jnp.asarray(rng.uniform(0.5, 2, 5))
-        probs = jnp.asarray(_softmax(rng.normal(size=(3, 4, 5)), np.float64))
+        weight = jax.device_put(rng.uniform(0.5, 2, 5))
+        probs = jax.device_put(_softmax(rng.normal(size=(3, 4, 5)), np.float64))
         for loss in [lambda z: ft.losses.softmax_cross_entropy(z, labels, label_smoothing=0.1, weight=weight),
                      lambda z: ft.losses.softmax_cross_entropy(z, probs, label_smoothing=0.1, weight=weight),
                      lambda z: ft.losses.sigmoid_cross_entropy(z, probs, pos_weight=weight)]:

@@ -742,9 +742,11 @@ def test_the_logged_learning_rate_is_the_one_reduce_on_plateau_applied(grouped):
     history = trainer.fit(ft.train.batches((x,), 2, shuffle=False), epochs=1, progress=False)
     opt = ft.optim.Optimizer(tx)
     model, state, applied = {"w": jnp.ones((1, 1))}, opt.init({"w": jnp.ones((1, 1))}), []
+    # one program for the step (eager, each of its operations compiled apart)
+    by_hand = jax.jit(lambda m, s: opt.minimize(flat_loss, m, s, (x[:2],)))
     for _ in range(4):  # the same steps by hand: what each applied
-        new, state, _ = opt.minimize(flat_loss, model, state, (x[:2],))
-        applied.append(float(model["w"][0, 0] - new["w"][0, 0]))
+        new, state, _ = by_hand(model, state)
+        applied.append(float(np.asarray(model["w"])[0, 0] - np.asarray(new["w"])[0, 0]))  # (float32, as before)
         model = new
     np.testing.assert_allclose(applied, [0.1, 0.05, 0.025, 0.0125], rtol=0, atol=1e-7)
     assert [n for n in history.steps if "learning_rate" in n] == ["learning_rate"]  # (one group: its rate's name)

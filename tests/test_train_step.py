@@ -1,7 +1,6 @@
 """ft.train.train_step / eval_step: the jitted, donated step and its overridable stages."""
 
 import jax
-import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -38,7 +37,8 @@ def test_step_equals_optimizer_minimize_and_converges():
     # TrainStep (gated) vs jitted minimize, 200 Adam steps: the same math in other fusions,
     # measured 3.5e-8 on a bias that converges to ~0, so compared at the model's scale
     # (weights up to 2), not the bias's own
-    flat = [jax.flatten_util.ravel_pytree(ft.parameters(m))[0] for m in (m1, m2)]
+    # ravel_pytree's vector (its leaves in order), in NumPy: eagerly it compiled a program per operation
+    flat = [np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(ft.parameters(m))]) for m in (m1, m2)]
     assert_close_trained(flat[0], flat[1], spread=0)
     assert float(metrics["loss"]) < 1e-4
     ctx = ft.optim.context(s1)
@@ -223,7 +223,8 @@ def test_overriding_compute_loss():
     a, _, la = plain(model, state, batch)
     b, _, lb = penalised(model, state, batch)
     assert float(lb["loss"]) > float(la["loss"])
-    assert float(jnp.sum(b.weight**2)) < float(jnp.sum(a.weight**2))
+    # (in NumPy: no eager programs)
+    assert float(np.sum(np.asarray(b.weight) ** 2)) < float(np.sum(np.asarray(a.weight) ** 2))
 
 
 def test_eval_step_metrics():
@@ -375,7 +376,7 @@ def test_skip_and_ignore_do_not_halt_and_none_means_ignore():
     ignore = ft.train.train_step(mse, opt, on_nan=None, donate=False)
     assert ignore.on_nan == "ignore"
     broken, _, metrics = ignore(model, state, bad)
-    assert "nonfinite" not in metrics and not bool(jnp.all(jnp.isfinite(broken.weight)))
+    assert "nonfinite" not in metrics and not bool(np.all(np.isfinite(np.asarray(broken.weight))))
 
 
 class Halving(ft.optim.Optimizer):
@@ -397,7 +398,8 @@ def test_an_overridden_optimizer_step_and_hooks_are_honoured_with_and_without_a_
     for where in ({}, {"mesh": mesh}, {"mesh": mesh, "sharding": "fsdp"}):
         half, _, _ = ft.train.TrainStep(mse, halving, donate=False, **where)(model, state, batch)
         np.testing.assert_allclose(half.weight, (full.weight + model.weight) / 2, rtol=0, atol=1e-7)
-        assert float(jnp.max(jnp.abs(half.weight - model.weight))) <= 0.1 * 0.1 / 2 + 1e-7  # clipped
+        moved = np.abs(np.asarray(half.weight) - np.asarray(model.weight))  # (in NumPy: no eager programs)
+        assert float(np.max(moved)) <= 0.1 * 0.1 / 2 + 1e-7  # clipped
 
 
 def test_parallel_never_imports_train():
@@ -479,15 +481,16 @@ def test_bfloat16_compute_with_batch_norm_in_training_mode():
     (ref, ref_loss), (half, half_loss) = runs[None], runs[jnp.bfloat16]
     bn, bn_ref = half.layers[1], ref.layers[1]
     assert bn.running_mean.dtype == bn.running_variance.dtype == jnp.float32
-    assert float(jnp.max(jnp.abs(bn.running_mean - _bn_model().layers[1].running_mean))) > 0.05  # updated
+    start = np.asarray(_bn_model().layers[1].running_mean)  # (the checks below in NumPy: no eager programs)
+    assert float(np.max(np.abs(np.asarray(bn.running_mean) - start))) > 0.05  # updated
     # bfloat16 keeps 8 bits (relative rounding 2^-8) in the Dense layers feeding the statistics;
     # measured against float32: 0.0011 (mean, magnitude 1), 0.010 (variance, magnitude 8),
     # 1.3e-4 (loss, 0.22): the bounds are 3 roundings of the magnitude, about 10x those.
     def bf16_close(a, b, magnitude):
         np.testing.assert_allclose(a, b, rtol=0, atol=3 * 2.0**-8 * magnitude)
 
-    bf16_close(bn.running_mean, bn_ref.running_mean, float(jnp.max(jnp.abs(bn_ref.running_mean))))
-    bf16_close(bn.running_variance, bn_ref.running_variance, float(jnp.max(bn_ref.running_variance)))
+    bf16_close(bn.running_mean, bn_ref.running_mean, float(np.max(np.abs(np.asarray(bn_ref.running_mean)))))
+    bf16_close(bn.running_variance, bn_ref.running_variance, float(np.max(np.asarray(bn_ref.running_variance))))
     bf16_close(half_loss, ref_loss, float(ref_loss) * 1.5)
     trainer = ft.train.Trainer(_bn_model(), opt, loss, compute_dtype=jnp.bfloat16)
     trainer.fit([batch] * 3, progress=False)
@@ -760,8 +763,8 @@ def _plain_steps(model, opt, batch, n):
     step, state, losses = ft.train.train_step(mse, opt, donate=False), opt.init(model), []
     for _ in range(n):
         model, state, metrics = step(model, state, batch)
-        losses.append(metrics["loss"])
-    return model, state, jnp.stack(losses)
+        losses.append(np.asarray(metrics["loss"]))
+    return model, state, np.stack(losses)  # (NumPy: no program compiled for the stack)
 
 
 def _close(a, b, atol=1e-6):  # values of order 1 (weights, Adam moments, losses ~ 10)
@@ -791,7 +794,8 @@ def test_a_step_called_inside_jit_then_plainly_keeps_working_with_a_plain_call_s
 def test_a_vmapped_ensemble_loop_and_a_scan_of_steps_equal_plain_calls():
     _, batch = problem()
     members = [problem(seed)[0] for seed in (1, 2)]
-    ensemble = jax.tree.map(lambda *a: jnp.stack(a), *members)
+    # stacked in NumPy, put on the device (jnp.stack compiled a program per leaf shape)
+    ensemble = jax.tree.map(lambda *a: jax.device_put(np.stack([np.asarray(x) for x in a])), *members)
     opt = ft.optim.Optimizer(ft.optim.adam(0.1))
     step = ft.train.train_step(mse, opt, donate=False)
     ens, ens_state = ensemble, jax.vmap(opt.init)(ensemble)
@@ -799,8 +803,9 @@ def test_a_vmapped_ensemble_loop_and_a_scan_of_steps_equal_plain_calls():
         ens, ens_state, metrics = jax.vmap(lambda a, b: step(a, b, batch))(ens, ens_state)
     for i, member in enumerate(members):
         ref_m, ref_s, ref_losses = _plain_steps(member, opt, batch, 3)
-        _close(jax.tree.map(lambda a, i=i: a[i], (ens, ens_state)), (ref_m, ref_s))
-        _close(metrics["loss"][i], ref_losses[-1])
+        # member i read in NumPy (eager indexing compiled a program per leaf shape)
+        _close(jax.tree.map(lambda a, i=i: np.asarray(a)[i], (ens, ens_state)), (ref_m, ref_s))
+        _close(np.asarray(metrics["loss"])[i], ref_losses[-1])
 
     def body(carry, _):
         m, s, met = step(*carry, batch)

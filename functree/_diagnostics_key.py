@@ -15,7 +15,6 @@ Example:
   >>> import jax.numpy as jnp
   >>> from functree._diagnostics_key import cache_key
   >>> from functree._plan import Plan
-from functree._source import USER_FUNCTION
   >>> f = lambda x: x * 2.0
   >>> key = lambda x: cache_key("gradient", f, Plan("gradient", f, (x,), 0))
   >>> key(jnp.ones(3)) == key(jnp.zeros(3)), key(jnp.ones(3)) == key(jnp.ones(4))

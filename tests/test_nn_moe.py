@@ -225,11 +225,14 @@ def test_load_balancing_loss_of_misshapen_logits_or_mask_is_refused_naming_the_f
     a top_k past the experts failed deep inside (an unpacking error, 'tuple' has no dtype, JAX's
     top_k); a mask of another batch or length than the logits' rows, inside an einsum."""
     logits = jnp.zeros((2, 10, E))
-    for given, top_k, fix in [(logits[0], 2, "logits[None]"), (tuple(logits), 2, "jnp.stack(per_layer)"),
-                              (logits, E + 1, "top_k=2")]:
+    for given, fix in [(logits[0], "logits[None]"), (tuple(logits), "jnp.stack(per_layer)")]:
         with pytest.raises(ValueError, match="router_logits are every layer's router logits stacked") as error:
-            ft.nn.load_balancing_loss(given, top_k=top_k)
+            ft.nn.load_balancing_loss(given, top_k=2)
         assert fix in str(error.value) and "wrong:" in str(error.value)
+    for top_k in (0, E + 1, 2.0):
+        with pytest.raises(ValueError, match=rf"top_k={top_k}, where each token is routed to 1 to {E} of") as error:
+            ft.nn.load_balancing_loss(logits, top_k=top_k)
+        assert "top_k=model.sparse_moe().top_k" in str(error.value)
     for mask in [np.ones((2, 4)), np.ones((3, 5))]:
         with pytest.raises(ValueError, match=r"the mask f32\[\d,\d\] has \d+ entries, one per row") as error:
             ft.nn.load_balancing_loss(logits, 2, mask)

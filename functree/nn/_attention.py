@@ -299,8 +299,8 @@ class MultiheadAttention(Layer):
     A query whose keys are all masked (its ``mask`` row all False, with the ``causal`` and
     ``window`` bands applied) is neither NaN nor zero: its logits are all the same large
     negative (JAX's convention; Hugging Face's eager attention in float32 does the same, and
-    ports match it), so its weights are uniform and its output is ``W_o`` applied to the mean
-    of *all* its keys' values, which also get its gradients. (HF's own attentions disagree
+    ports match it), so its weights are uniform and its output is ``W_o`` applied to the
+    mean of *all* its keys' values, which also get its gradients. (HF's own attentions disagree
     there: its float64 eager gives NaN, its default ``sdpa`` other values; so a loss that reads
     a left-padded row's pad positions, a first real label predicted from a pad, is HF eager's
     float32 one.) torch's ``nn.MultiheadAttention`` gives the

@@ -61,7 +61,7 @@ from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_intermediate
 
 __all__ = ["SparseMoE", "Experts", "load_balancing_loss", "TOP_K", "IMPLEMENTATION", "JITTER_KEY", "SORTED_VMAP",
-           "ROUTER_LOGITS_SHAPE", "ROUTER_MASK_SHAPE"]
+           "ROUTER_LOGITS_SHAPE", "ROUTER_TOP_K", "ROUTER_MASK_SHAPE"]
 
 TOP_K = """\
 ft.nn.SparseMoE: top_k={top_k} of num_experts={experts}; each token is sent to top_k distinct \
@@ -103,11 +103,19 @@ rows by expert with jax.lax.ragged_dot, which has no batching rule for a batch o
 
 ROUTER_LOGITS_SHAPE = """\
 ft.nn.load_balancing_loss: router_logits are every layer's router logits stacked, [layers, \
-rows, experts] (rows: batch * T), with 1 <= top_k <= experts; got {given} and top_k={top_k}.
+rows, experts] (rows: batch * T); got {given}.
 
-    wrong:  ft.nn.load_balancing_loss(logits, top_k={top_k})            # logits {given}: one SparseMoE's [rows, experts]
-    right:  ft.nn.load_balancing_loss(logits[None], top_k={fix})      # one layer
-       or:  ft.nn.load_balancing_loss(jnp.stack(per_layer), top_k={fix})   # HF's tuple of [rows, experts] per layer
+    wrong:  ft.nn.load_balancing_loss(logits, top_k)            # logits {given}: one SparseMoE's [rows, experts]
+    right:  ft.nn.load_balancing_loss(logits[None], top_k)      # one layer
+       or:  ft.nn.load_balancing_loss(jnp.stack(per_layer), top_k)   # HF's tuple of [rows, experts] per layer
+"""
+
+ROUTER_TOP_K = """\
+ft.nn.load_balancing_loss: top_k={top_k}, where each token is routed to 1 to {experts} of the \
+router logits' {experts} experts (an int: the model's num_experts_per_tok).
+
+    wrong:  ft.nn.load_balancing_loss(logits, top_k={top_k})
+    right:  ft.nn.load_balancing_loss(logits, top_k=model.sparse_moe().top_k)
 """
 
 ROUTER_MASK_SHAPE = """\
@@ -303,13 +311,13 @@ def load_balancing_loss(router_logits: jax.Array, top_k: int, mask: Any = None) 
     # (one layer's [rows, experts], HF's tuple per layer, a mask of another call: named here,
     # not an unpacking or einsum error deep inside)
     shape = getattr(router_logits, "shape", None)
-    if shape is None or len(shape) != 3 or isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) \
-            or not 1 <= top_k <= shape[-1]:
+    if shape is None or len(shape) != 3:
         given = short_array(router_logits) if shape is not None else \
             f"a {type(router_logits).__name__} of {len(router_logits)}" if isinstance(router_logits, (tuple, list)) \
             else type(router_logits).__name__
-        fix = top_k if isinstance(top_k, numbers.Integral) and shape is not None and 1 <= top_k <= shape[-1] else 2
-        raise ValueError(ROUTER_LOGITS_SHAPE.format(given=given, top_k=top_k, fix=fix))
+        raise ValueError(ROUTER_LOGITS_SHAPE.format(given=given))
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= shape[-1]:
+        raise ValueError(ROUTER_TOP_K.format(top_k=top_k, experts=shape[-1]))
     count = math.prod(jnp.shape(mask)) if mask is not None else shape[1]
     if count != shape[1]:
         raise ValueError(ROUTER_MASK_SHAPE.format(mask=short_array(jnp.asarray(mask)), count=count,

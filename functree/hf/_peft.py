@@ -897,7 +897,8 @@ def _check_base_tensors(model: Any, given: dict[str, np.ndarray], directory: str
             saved = (config or {}).get("modules_to_save") or []
             if any(saved_under(module, entry) for entry in saved):  # (not "not a PEFT adapter": another model's)
                 task_type = (config or {}).get("task_type")
-                suffix = {v: k for k, v in TASK_TYPES.items()}.get(task_type, "ForSequenceClassification")
+                suffixes: dict[Any, str] = {v: k for k, v in TASK_TYPES.items()}
+                suffix = suffixes.get(task_type, "ForSequenceClassification")
                 trained = f"a {suffix[3:]} model ({suffix})" if task_type in TASK_TYPES.values() else \
                     f"a model with a module {module!r}"
                 raise ValueError(SAVED_MODULE_NOT_HERE.format(directory=directory, module=module, saved=saved,

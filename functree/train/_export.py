@@ -274,7 +274,7 @@ def _shown_parameters(parameters: Parameters) -> str:
     return ", ".join(shown)
 
 
-_STARS = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+_STARS: dict[Any, str] = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
 
 
 def _call_code(parameters: Parameters) -> str:

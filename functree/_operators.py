@@ -194,15 +194,25 @@ def _result_cotangent(what: str, value: Any, cotangent: Any) -> Any:
     (:func:`matched_dtypes`).
     """
     check_tangent(what, cotangent, value, advice=_PULLBACK, allow_float0=True)
-    if jax.tree.structure(cotangent) != jax.tree.structure(value):
-        c_leaves, c_def = jax.tree.flatten(cotangent, is_leaf=is_none)
-        y_leaves, y_def = jax.tree.flatten(value, is_leaf=is_none)
-        if c_def != y_def:
-            _refuse_structure(what, value, cotangent)
-        cotangent = y_def.unflatten([
-            None if y is None else _zeros_for(y) if c is None else c for c, y in zip(c_leaves, y_leaves)
-        ])
-    return matched_dtypes(what, "cotangent", cotangent, value)
+    filled = _zero_at_none(cotangent, value)
+    if filled is None:
+        _refuse_structure(what, value, cotangent)
+        filled = cotangent  # (JAX's own check then speaks)
+    return matched_dtypes(what, "cotangent", filled, value)
+
+
+def _zero_at_none(tangent: Any, like: Any) -> Any:
+    """``tangent`` as JAX's linearized or transposed function takes it: ``None`` at a leaf
+    of ``like`` (a result or a parameter view) is its zero, and stays ``None`` where ``like``
+    holds ``None`` (an empty subtree to JAX). ``None`` when the structures differ with
+    ``None`` counted as a leaf (the caller names the key path)."""
+    if jax.tree.structure(tangent) == jax.tree.structure(like):
+        return tangent
+    t_leaves, t_def = jax.tree.flatten(tangent, is_leaf=is_none)
+    l_leaves, l_def = jax.tree.flatten(like, is_leaf=is_none)
+    if t_def != l_def:
+        return None
+    return l_def.unflatten([None if y is None else _zeros_for(y) if t is None else t for t, y in zip(t_leaves, l_leaves)])
 
 
 def _refuse_structure(what: str, value: Any, cotangent: Any) -> None:
@@ -637,9 +647,12 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
         tangents = plan.split_input(tangent)
         for t, view, i in zip(tangents, plan.primals, plan.indices):
             check_tangent(f"ft.{op}", t, plan.args[i], view, advice=advice, structure=True)
-        tangents = tuple(matched_dtypes(f"ft.{op}", "tangent", _zero_at_none(t, view), view,
+        # None at a parameter is its zero, as in a cotangent (JAX's own error, "expected
+        # PyTreeDef(...)", named no key path); another structure, named above, goes on as it is
+        filled = [_zero_at_none(t, view) for t, view in zip(tangents, plan.primals)]
+        tangents = tuple(matched_dtypes(f"ft.{op}", "tangent", t if f is None else f, view,
                                         "" if plan.single else f"[{k}]")
-                         for k, (t, view) in enumerate(zip(tangents, plan.primals)))
+                         for k, (t, f, view) in enumerate(zip(tangents, filled, plan.primals)))
         _refuse_unselected_members(op, plan, tangents[0])
         with _forward_mode(), _explain_reverse_only(op, fn, g, plan.primals):  # JAX may fail here
             # The result's tangent in its parameter view (None at a no_derivative field, and
@@ -647,20 +660,6 @@ def _linearize(op: str, fn: Callable[..., Any], args: tuple, wrt: Any, has_aux: 
             return parameters(out[1](*tangents))
 
     return (out[0], differential_fn, *out[2:])  # out[2:] is (aux,) when has_aux
-
-
-def _zero_at_none(tangent: Any, view: Any) -> Any:
-    """The tangent JAX's linearized function takes: ``None`` at a differentiated parameter
-    is its zero, as in a cotangent (:func:`_result_cotangent`) and ``ft.move``; JAX's own
-    error ("expected PyTreeDef(...)") named no key path. Another structure is returned as
-    it is (the structure check has named its key path)."""
-    if jax.tree.structure(tangent) == jax.tree.structure(view):
-        return tangent
-    t_leaves, t_def = jax.tree.flatten(tangent, is_leaf=is_none)
-    v_leaves, v_def = jax.tree.flatten(view, is_leaf=is_none)
-    if t_def != v_def:
-        return tangent
-    return v_def.unflatten([_zeros_for(v) if t is None and v is not None else t for t, v in zip(t_leaves, v_leaves)])
 
 
 TANGENT_OUTSIDE_MEMBERS = """\

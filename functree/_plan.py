@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +40,7 @@ from functree._naming import (
     selection,
 )
 from functree._parameters import is_parameter_leaf, parameters, with_parameters
+from functree._source import unwrap
 from functree._tree import bounded_put, cached, is_none
 
 __all__ = ["Plan", "fn_name"]
@@ -111,8 +111,7 @@ This differential takes a tuple of {count} tangents (wrt={wrt}), one per argumen
 
 def fn_name(f: Callable[..., Any]) -> str:
     """The name an error message gives ``f``: its qualified name, else its ``repr``."""
-    while isinstance(f, functools.partial):  # a call's keywords bound (CallKeywords): not a repr of their arrays
-        f = f.func
+    f = unwrap(f)  # a call's keywords bound (CallKeywords, a partial): not a repr of their arrays
     return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or repr(f)
 
 

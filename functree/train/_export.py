@@ -575,9 +575,11 @@ class Exported:
                    header["out_keys"])
 
 
-# The header's entries: another is damage (a renamed "digest" would skip the header's check).
-_ENTRIES = frozenset({"format", "functree", "jax", "name", "parameters", "in", "in_keys", "out", "out_keys",
-                      "sha256", "digest"})
+# The header's checked entries and their types; with the versions and the header's digest, the
+# entries there are: another is damage (a renamed "digest" would skip the header's check).
+_TYPES = {"format": int, "name": str, "parameters": list, "in": dict, "in_keys": list, "out": dict,
+          "out_keys": list, "sha256": str}
+_ENTRIES = frozenset(_TYPES) | {"functree", "jax", "digest"}
 
 
 def _digest(header: dict[str, Any], program: bytes) -> str:
@@ -602,9 +604,7 @@ def _header(raw: bytes) -> dict[str, Any]:
     unknown = sorted(set(header) - _ENTRIES)
     if unknown:
         raise ExportError(DAMAGED.format(why=f"its header holds entries no functree writes: {unknown}"))
-    types = {"format": int, "name": str, "parameters": list, "in": dict, "in_keys": list, "out": dict,
-             "out_keys": list, "sha256": str}
-    for entry, kind in types.items():
+    for entry, kind in _TYPES.items():
         if not isinstance(header.get(entry), kind):
             raise ExportError(DAMAGED.format(why=f"its header's {entry!r} is no {kind.__name__}"))
     for entry in header["parameters"]:

@@ -23,6 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,6 +96,15 @@ wrt={wrt!r} names argument {index}, but {fn} was called with {count} argument(s)
     right:  ft.gradient(f, wrt=0)(x, y)        # argument indices count from 0
 """
 
+KEYWORDS_NOT_DIFFERENTIATED = """\
+{fn} gets {names} as keyword argument(s), and keyword arguments are never \
+differentiated (wrt= counts positional arguments, as jax.grad's argnums; its patterns name \
+parameters of the first argument). Pass the argument positionally:
+
+    wrong:  ft.{op}(f, wrt={wrt!r})(x, {keyword}=y)
+    right:  ft.{op}(f, wrt={right!r})(x, y)
+"""
+
 DUPLICATE_WRT = """\
 wrt={wrt!r} names argument {index} twice (negative indices count from the end: {count} \
 argument(s) here). Each argument is differentiated once; a second copy's derivative \
@@ -156,6 +168,35 @@ def _distinct(op: str, indices: tuple[int, ...], wrt: Any, count: int) -> tuple[
         op=op, wrt=wrt, index=twice, count=count, right=tuple(dict.fromkeys(indices))))
 
 
+def _keywords(f: Any) -> dict[str, Any]:
+    """The keyword arguments bound to ``f`` (the call's, bound by the operators, or a partial's)."""
+    return dict(f.keywords) if isinstance(f, functools.partial) else {}
+
+
+def _keyword_named(f: Any, pattern: str) -> str | None:
+    """The keyword argument a ``wrt=`` pattern names (``wrt="b"`` for ``f(x, b=y)``), if any."""
+    return next((k for k in _keywords(f) if fnmatch.fnmatchcase(k, pattern.lstrip("."))), None)
+
+
+def _position(f: Any, keyword: str, count: int) -> int:
+    """``keyword``'s positional index in ``f``'s signature (else after the ``count`` given)."""
+    try:
+        listed = list(inspect.signature(unwrap(f)).parameters)
+    except (TypeError, ValueError):
+        return count
+    return listed.index(keyword) if keyword in listed else count
+
+
+def _keywords_hint(op: str, f: Any, wrt: Any, right: Any) -> str:
+    """:data:`KEYWORDS_NOT_DIFFERENTIATED` where ``f`` was called with keywords, else ``""``."""
+    given = _keywords(f)
+    if not given:
+        return ""
+    first = next(iter(given))
+    return "\n" + KEYWORDS_NOT_DIFFERENTIATED.format(
+        fn=fn_name(f), names=", ".join(given), op=op, wrt=wrt, keyword=first, right=right)
+
+
 class Plan:
     """How to split the call's arguments into differentiated views and the rest."""
 
@@ -174,9 +215,9 @@ class Plan:
             raise TypeError(BAD_WRT.format(wrt=wrt) + key_path_hint(wrt))
         for i in self.indices:
             if not -len(args) <= i < len(args):
-                raise IndexError(
-                    WRT_OUT_OF_RANGE.format(wrt=wrt, index=i, fn=fn_name(f), count=len(args))
-                )
+                text = WRT_OUT_OF_RANGE.format(wrt=wrt, index=i, fn=fn_name(f), count=len(args))
+                hint = _keywords_hint(op, f, wrt, wrt)  # then not an off-by-one: the first line, and why
+                raise IndexError(text.split("\n")[0] + hint if hint else text)
         self.indices = _distinct(op, tuple(i % len(args) for i in self.indices), wrt, len(args))
         self.members: list[tuple[Any, ...]] = []  # per pattern-selected argument: member arrays
         self.primals = tuple(self._view(i) for i in self.indices)
@@ -231,6 +272,9 @@ class Plan:
             parameter_names = [n for n, ok in zip(names(x), usable) if ok]
             examples = list(dict.fromkeys(e.close + parameter_names[:3]))
             right = "" if e.suggestion is None else f"    right:  wrt={e.suggestion!r}\n"
+            keyword = _keyword_named(self.f, pattern)
+            if keyword is not None:
+                right = _keywords_hint(self.op, self.f, pattern, _position(self.f, keyword, len(self.args)))
             raise ValueError(PATTERN_SELECTS_NOTHING.format(
                 patterns=pattern, fn=fn_name(self.f), extra="", examples=examples, right=right)) from None
         if any(np.any(h) and ok for h, ok in zip(hits, usable)):

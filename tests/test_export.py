@@ -94,6 +94,14 @@ def test_a_python_number_is_traced_weakly_as_jit_traces_it():
     assert out.dtype == jnp.bfloat16 and float(out[0]) == 0.25
     scaled = roundtrip(ft.export(f)(X, np.float32(0.5)))  # a NumPy scalar: a float32 array, as jit takes it
     np.testing.assert_array_equal(scaled(X, np.float32(0.25)), X * np.float32(0.25))
+    np.testing.assert_array_equal(scaled(X, 3), X * np.float32(3))  # an int where a float was traced, as jit
+    counted = ft.export(f)(X, 2)  # int32: a float is no int, and NumPy would wrap 2**40 around to 0
+    np.testing.assert_array_equal(counted(X, -7), X * np.float32(-7))
+    raises_named(lambda: counted(X, 3.5), ft.ExportError, _export.DIFFERENT_ARRAY,
+                 "takes scale as int32[]; this call gives float32[]. Pass")
+    raises_named(lambda: counted(X, 3.5), ft.ExportError, _export.DIFFERENT_ARRAY, "wrong:  exported(..., 3.5, ...)")
+    raises_named(lambda: counted(X, 2**40), ft.ExportError, _export.INT_OUT_OF_RANGE,
+                 "the Python int 1099511627776 is outside int32's range [-2147483648, 2147483647]")
 
 
 def test_another_static_configuration_or_shape_is_refused_by_key_path(exported_step):
@@ -129,7 +137,12 @@ def test_a_value_that_is_no_array_or_a_result_no_process_could_rebuild_is_refuse
     # collect_state's {KeyPath: value}: a CheckpointError ("Nothing was written", the fix {".layers_[1]_.x": v})
     bn = ft.nn.training(ft.nn.Sequential(ft.nn.BatchNorm(3)))
     raises_named(lambda: ft.export(lambda m, x: ft.nn.collect_state(lambda m: m(x), m))(bn, X), ft.ExportError,
-                 _export.RESULT_NOT_DESCRIBED, "the key KeyPath('.layers[0].running_mean'), a KeyPath; a dict's keys")
+                 _export.RESULT_LAYER_STATE, "the key KeyPath('.layers[0].running_mean'), a KeyPath; a dict's keys")
+    # Any other key: a dict's fix, not the layer state's (which every such error offered)
+    raises_named(lambda: ft.export(lambda x: {(1, 2): x})(X), ft.ExportError, _export.RESULT_NOT_DESCRIBED,
+                 "the root has the key (1, 2), a tuple; a dict's keys are kept as text (str, int and bool keys). "
+                 "Key the dict by text or integers, or return its values in a list:\n\n"
+                 "    wrong:  return {(1, 2): y}\n    right:  return {\"1_2\": y}")
 
 
 def test_damaged_bytes_are_refused_before_anything_runs(exported_step):

@@ -610,6 +610,9 @@ def test_stacked_rnn_errors_name_the_fix():
         gru(x, jnp.zeros((2, 5, 3)))  # a 1-layer torch h_0
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)RNN at \.layers\[0\]\.backward expects inputs initial_state f32\[5,3\]"):
         gru(x, (jnp.zeros((5, 3)), jnp.zeros((5, 4))) + (jnp.zeros((5, 3)),) * 2)
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)GRU expects inputs initial_state of 4 cell states.*"
+                                                    r"got f32\[4,3\].*h0 \[4, \*batch, hidden\]"):
+        gru(jnp.ones((4, 5, 2)), jnp.zeros((4, 3)))  # one cell's [batch, hidden], its batch the state count
     lstm = _drawn(lambda: ft.nn.LSTM(2, 3, bidirectional=True, batch_first=True, key=key))
     h0 = jnp.zeros((2, 5, 3))  # torch's (h_0, c_0) as a plain pair: read as two directions' states, before
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)LSTM expects inputs initial_state of 2 cell states.*"

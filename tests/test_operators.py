@@ -16,6 +16,7 @@ from jax.test_util import check_grads
 from test_paths import nested_trees
 
 import functree as ft
+from functree import _plan
 
 
 class BatchNorm(ft.Module):
@@ -457,6 +458,20 @@ def test_bad_wrt_values():
     with pytest.raises(IndexError, match=r"wrt=2 names argument 2, but f was called with 1 arg") as e:
         ft.gradient(f, wrt=2)(jnp.ones(2))
     assert "right:  ft.gradient(f, wrt=0)(x, y)" in str(e.value)
+
+
+def test_wrt_naming_an_argument_passed_by_keyword_says_keywords_are_not_differentiated():
+    def loss(w, bias):
+        return jnp.sum(w * bias)
+
+    for wrt, right in ((1, "wrt=1"), ((0, 1), "wrt=(0, 1)"), ("bias", "wrt=1")):
+        with pytest.raises((IndexError, ValueError)) as e:
+            ft.gradient(loss, wrt=wrt)(jnp.ones(2), bias=jnp.ones(2))
+        text = str(e.value)
+        assert "loss gets bias as keyword argument(s), and keyword arguments are never differentiated" in text
+        assert f"wrong:  ft.gradient(f, wrt={wrt!r})(x, bias=y)" in text and f"right:  ft.gradient(f, {right})(x, y)" in text
+        assert "indices count from 0" not in text  # not an off-by-one
+    assert "keyword arguments are never" in _plan.KEYWORDS_NOT_DIFFERENTIATED
 
 
 @needs_float16_conversions  # the trees hold float16 arrays

@@ -217,8 +217,9 @@ class StackedRNN(Layer):
             flat = list(state)
         else:  # torch's form: every leaf stacked on a leading axis of num_layers * num_directions
             leaves = jax.tree.leaves(state)
-            if not leaves or type(state) in (tuple, list) or any(jnp.ndim(a) < 1 or jnp.shape(a)[0] != count
-                                                                  for a in leaves):
+            rank = jnp.ndim(xs) if _own_cells(self.layers) else None  # [count, *batch, hidden]: xs's rank
+            if not leaves or type(state) in (tuple, list) or any(
+                    jnp.ndim(a) < 1 or jnp.shape(a)[0] != count or rank not in (None, jnp.ndim(a)) for a in leaves):
                 raise LayerInputError(self, STATE_COUNT.format(count=count), _show(state),
                                       FIX_STATE_COUNT.format(count=count))
             flat = [jax.tree.map(lambda a, i=i: a[i], state) for i in range(count)]
@@ -234,6 +235,15 @@ def _lstm(layers: tuple[Any, ...]) -> bool:
     """Whether the first layer's cell is an LSTMCell (its state an LSTMState)."""
     first = layers[0].forward if layers and isinstance(layers[0], Bidirectional) else (layers[0] if layers else None)
     return isinstance(getattr(first, "cell", None), LSTMCell)
+
+
+def _own_cells(layers: tuple[Any, ...]) -> bool:
+    """Whether every cell is functree's, whose state is ``[*batch, hidden]``: one axis fewer than the
+    inputs ``[*batch, time, features]``, so a state stacked as torch's ``h_0`` has the inputs' rank
+    (a per-cell state whose batch happens to equal the state count does not pass for it)."""
+    rnns = [r for layer in layers for r in ((layer.forward, layer.backward) if isinstance(layer, Bidirectional)
+                                             else (layer,))]
+    return all(isinstance(getattr(r, "cell", None), (SimpleRNNCell, GRUCell, LSTMCell)) for r in rnns)
 
 
 def _directions(layer: Any) -> int:

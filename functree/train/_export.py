@@ -42,8 +42,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from functree._paths import KeyPath
 from functree._tree import child_name
 from functree.train.checkpoint._decode import decode_leaf, leaf_specs
 from functree.train.checkpoint._treespec import (
@@ -103,6 +105,14 @@ exported shape and dtype{symbolic}, or export again with this one as the example
     wrong:  exported(..., {given_short}, ...)
     right:  ft.export({name})(..., {given_short}, ...)"""
 
+INT_OUT_OF_RANGE = """\
+The exported {name} takes {path} as {dtype}[]; the Python int {value} is outside {dtype}'s range \
+[{low}, {high}] (JAX raises OverflowError for it; NumPy would wrap it around). Pass a value in \
+range, or export again with a wider integer (under jax_enable_x64):
+
+    wrong:  exported(..., {value}, ...)
+    right:  ft.export({name})(..., jnp.asarray({value}, jnp.int64), ...)"""
+
 BAD_CALL = """\
 The exported {name} takes the arguments ({parameters}): {error}.
 
@@ -126,6 +136,16 @@ return arrays:
     right:  return {{"w": w}}        # or @ft.train.register on the class"""
 
 RESULT_NOT_DESCRIBED = """\
+ft.export({name}): its results cannot be described as data, as another process reads them: \
+{why}; a dict's keys are kept as text (str, int and bool keys). Key the dict by text or \
+integers, or return its values in a list:
+
+    wrong:  return {{{key}: y}}
+    right:  return {{"{key_text}": y}}"""
+
+RESULT_NOT_DATA = "ft.export({name}): its results cannot be described as data, as another process reads them: {why}."
+
+RESULT_LAYER_STATE = """\
 ft.export({name}): its results cannot be described as data, as another process reads them: \
 {why}; a dict's keys are kept as text (str, int and bool keys). The layer state that \
 ft.nn.collect_state returns is keyed by KeyPath: return it applied to its model, or keyed by text:
@@ -225,7 +245,13 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
         try:
             out_arrays, out["spec"] = encode(result)
         except CheckpointError as e:  # its text is a checkpoint's ("Nothing was written"): said for results
-            raise ExportError(RESULT_NOT_DESCRIBED.format(name=name, why=str(e).split(":")[0])) from None
+            why, key = getattr(e, "why", str(e).split(":")[0]), getattr(e, "key", None)
+            if isinstance(key, KeyPath):  # collect_state's layer state
+                raise ExportError(RESULT_LAYER_STATE.format(name=name, why=why)) from None
+            if not hasattr(e, "key_text"):
+                raise ExportError(RESULT_NOT_DATA.format(name=name, why=why)) from None
+            raise ExportError(RESULT_NOT_DESCRIBED.format(name=name, why=why, key=repr(key),
+                                                          key_text=e.key_text)) from None  # type: ignore[attr-defined]
         out["keys"] = list(out_arrays)
         for key, x in out_arrays.items():
             if not isinstance(x, (jax.Array, np.ndarray)):
@@ -354,11 +380,31 @@ def _taken(leaves: list[Any], seen: tuple[Any, list[int], list[str | None], list
             codes = {"a PRNG key": "jax.random.key(0)", "an array": "jnp.zeros(...)"}
             raise ExportError(KEY_EXPECTED.format(name=name, path=key, saved=saved, given=given,
                                                   saved_code=codes[saved], given_code=codes[given]))
-        out.append(jax.random.key_data(x) if is_key else np.asarray(x) if isinstance(x, _SCALARS) else x)
+        out.append(jax.random.key_data(x) if is_key else np.asarray(x) if isinstance(x, np.generic) else x)
     return out
 
 
-_SCALARS = (bool, int, float, complex, np.generic)  # a Python or NumPy number: as an array
+# A Python number is weakly typed in JAX (jit traced at float32 takes 3 as 3.0): the exported
+# dtypes it may take, by its type (bool before int, its subclass); a NumPy number has its own
+# dtype, compared as an array's.
+_WEAK_KINDS = ((bool, (np.bool_,)), (int, (np.integer, np.inexact)), (float, (np.inexact,)),
+               (complex, (np.complexfloating,)))
+
+
+def _weak(x: Any, dtype: Any, key: str, name: str) -> Any:
+    """A Python number as an array of the exported ``dtype`` where JAX's weak typing would take
+    it so (an ``int`` for a float, never a ``float`` for an int), else as its own array (refused
+    as another dtype by the caller); an int outside an integer dtype's range is
+    :data:`INT_OUT_OF_RANGE` (JAX's ``OverflowError``, where NumPy would wrap it around)."""
+    kinds = next(kinds for cls, kinds in _WEAK_KINDS if isinstance(x, cls))
+    if not any(jnp.issubdtype(dtype, k) for k in kinds):
+        return np.asarray(x)
+    if isinstance(x, int) and not isinstance(x, bool) and jnp.issubdtype(dtype, np.integer):
+        info = jnp.iinfo(dtype)
+        if not info.min <= x <= info.max:
+            raise ExportError(INT_OUT_OF_RANGE.format(name=name, path=key, dtype=np.dtype(dtype).name, value=x,
+                                                      low=info.min, high=info.max))
+    return np.asarray(x, dtype)
 
 
 def _leaf_tags(spec: Any) -> dict[str, dict[str, Any]]:
@@ -512,7 +558,11 @@ class Exported:
 
     def _argument(self, key: str, x: Any, aval: Any) -> Any:
         """``x`` if it has the exported array's shape (a symbolic dimension: any size) and
-        dtype, else :data:`DIFFERENT_ARRAY` naming its key path."""
+        dtype (a Python number: one JAX's weak typing gives that dtype), else
+        :data:`DIFFERENT_ARRAY` naming its key path."""
+        given_short = None
+        if isinstance(x, (bool, int, float, complex)):  # a Python number: its code in a message is itself
+            given_short, x = repr(x), _weak(x, aval.dtype, key, self.name)
         if not isinstance(x, (jax.Array, np.ndarray)):
             raise ExportError(NOT_AN_ARRAY.format(path=key, type=type(x).__name__))
         shape = np.shape(x)
@@ -523,7 +573,8 @@ class Exported:
             symbolic = any(not isinstance(d, int) for d in aval.shape)
             raise ExportError(DIFFERENT_ARRAY.format(
                 name=self.name, path=key, saved=_array_text(aval.dtype, aval.shape),
-                given=_array_text(dtype, shape), given_short=f"jnp.zeros({tuple(shape)}, jnp.{dtype.name})",
+                given=_array_text(dtype, shape),
+                given_short=given_short or f"jnp.zeros({tuple(shape)}, jnp.{dtype.name})",
                 symbolic=" (a symbolic dimension takes any size)" if symbolic else ""))
         return x
 

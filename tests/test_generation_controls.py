@@ -141,7 +141,7 @@ def test_exponential_decay_record_equals_hf_processor():
         assert record is not None
         for t in range(8):  # new token t: HF's input_ids hold the prompt and t new tokens
             expected = hf(torch.zeros((4, prompt + t), dtype=torch.long), torch.from_numpy(logits.copy())).numpy()
-            ours = np.asarray(apply(record, jnp.asarray(logits), jnp.int32(t)))
+            ours = np.asarray(apply(record, jax.device_put(logits), jnp.int32(t)))  # (device_put: no `stage` program)
             np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
             kept = np.isfinite(expected)
             np.testing.assert_allclose(ours[kept], expected[kept], rtol=0, atol=2e-6 * np.abs(expected[kept]).max())
@@ -426,7 +426,7 @@ def test_warpers_compute_no_nan_after_removed_tokens(options):
     np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected))
     kept = np.isfinite(expected)
     np.testing.assert_allclose(ours[kept], expected[kept], rtol=0, atol=1e-6 * np.abs(expected[kept]).max())
-    _, _, entropy = _controls._distribution(jnp.asarray(expected))
+    _, _, entropy = _controls._distribution(jax.device_put(expected))  # (device_put: no `stage` program)
     p = torch.softmax(torch.from_numpy(expected), -1)
     hf_entropy = torch.distributions.Categorical(probs=p).entropy().numpy()
     np.testing.assert_allclose(np.asarray(entropy)[:, 0], hf_entropy, rtol=0, atol=1e-5 * hf_entropy.max())
@@ -445,7 +445,7 @@ def test_top_p_keeps_hf_tokens_at_ties():
     with np.errstate(divide="ignore"):
         rows = np.log(np.array([[0.5, 0.25, 0.25, 0.0], [0.25] * 4, [0.1, 0.3, 0.3, 0.3]])).astype(np.float32)
     for top_p in (0.3, 0.5, 0.6, 0.75, 0.9):
-        ours = np.asarray(_top_p(jnp.asarray(rows), 1.0, top_p=top_p))
+        ours = np.asarray(_top_p(jax.device_put(rows), 1.0, top_p=top_p))  # (device_put: no `stage` program)
         expected = TopPLogitsWarper(top_p)(None, torch.from_numpy(rows)).numpy()
         np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(expected), err_msg=f"top_p {top_p}")
     # 4 rows (each a row of its own: the rule is per row; 64, then 16 before) keep XLA's sort
@@ -453,7 +453,7 @@ def test_top_p_keeps_hf_tokens_at_ties():
     # at every top_p below (2, 7 and 11 of them), as the last assertion checks
     coarse = np.asarray(jax.random.normal(jax.random.key(3), (4, 32000)).astype(jnp.bfloat16).astype(jnp.float32)) * 4
     for top_p in (0.5, 0.9, 0.95):
-        ours = np.asarray(_top_p(jnp.asarray(coarse), 1.0, top_p=top_p))
+        ours = np.asarray(_top_p(jax.device_put(coarse), 1.0, top_p=top_p))
         expected = TopPLogitsWarper(top_p)(None, torch.from_numpy(coarse)).numpy()
         # torch.sort is not stable on a long row: which of the tied tokens at the cut HF keeps
         # is its sort's; how many, and so the kept mass, is the rule's

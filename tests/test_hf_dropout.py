@@ -616,9 +616,12 @@ class Adapted(ft.Module):
     def __call__(self, x):
         return self.a(x)
 
-adapted = ft.nn.lora(Adapted(ft.nn.Dense(32, 6, key=jax.random.key(0))), "a", rank=2, dropout=0.5,
-                     key=jax.random.key(1))  # masks of 32 inputs: 8 devices' or 16 microbatches' all differ
-adapted = ft.nn.training(ft.set(adapted, "a.lora_b", jnp.ones((2, 6))))
+def adapt():  # built as one program (eagerly, its initializers compiled 16; the same leaves bit for bit)
+    adapted = ft.nn.lora(Adapted(ft.nn.Dense(32, 6, key=jax.random.key(0))), "a", rank=2, dropout=0.5,
+                         key=jax.random.key(1))  # masks of 32 inputs: 8 devices' or 16 microbatches' all differ
+    return ft.set(adapted, "a.lora_b", jnp.ones((2, 6)))
+
+adapted = ft.nn.training(jax.jit(adapt)())
 
 def loss_fn(m, b):
     out = m(b[0])

@@ -293,8 +293,9 @@ def test_lora_experts_and_lora_parameter_built_by_hand_are_what_ft_nn_lora_build
     for a, b in zip(jax.tree.leaves(by_hand), jax.tree.leaves(by_lora)):
         np.testing.assert_array_equal(a, b)
     # lora_b is zero: the adapted experts compute what the plain ones do, in every form
-    first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731 (the Stack's first member)
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, moe.experts.gate_up_proj.shape[-2])), jnp.float32)
+    # (the Stack's first member, sliced in NumPy: eager a[0] compiled a slice and a squeeze a shape)
+    first = lambda tree: jax.tree.map(lambda a: jax.device_put(np.asarray(a)[0]), tree)  # noqa: E731
+    x = jax.device_put(np.random.default_rng(0).normal(size=(5, moe.experts.gate_up_proj.shape[-2])).astype(np.float32))
     np.testing.assert_array_equal(first(by_hand).every(x), first(moe.experts).every(x))
     with pytest.raises(TypeError, match=r"adapts an ft.nn.Experts .* got a SparseMoE"):
         ft.nn.LoraExperts(moe, key=key)

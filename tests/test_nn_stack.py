@@ -71,7 +71,12 @@ def unrolled(m):
 
 
 # Drawn by NumPy: jax.random.normal would compile at import here and in test_parallel_rules.
-X = jnp.asarray(np.random.default_rng(9).normal(size=(5, D)), jnp.float32)
+X = jax.device_put(np.random.default_rng(9).normal(size=(5, D)).astype(np.float32))  # device_put: no `stage` program
+
+
+def _amax(a):
+    """``max |a|`` as a float, on the host (eagerly, jnp.abs and jnp.max compiled a program per shape)."""
+    return float(np.max(np.abs(np.asarray(a))))
 
 
 def loss(m, x=X):
@@ -125,7 +130,7 @@ def test_output_and_gradient_equal_the_unrolled_model():
     # apart or in one program, the same): loss 0 to 1e-7, gradients 4.2e-7 to 6.3e-7 of max|b|.
     np.testing.assert_allclose(y, y_ref, atol=1e-6 * abs(float(y_ref)))
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(stacked_ref)):
-        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+        np.testing.assert_allclose(a, b, atol=1e-5 * _amax(b))
 
 
 def test_gradient_equals_the_unrolled_gradient_in_float64():
@@ -170,7 +175,7 @@ class Norms(ft.Module):
 
 
 def test_transformer_blocks_with_a_mask_keyword():
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, D)), jnp.float32)  # NumPy's: no eager programs
+    x = jax.device_put(np.random.default_rng(1).normal(size=(2, 5, D)).astype(np.float32))  # NumPy's: no eager programs
     mask = np.ones((5, 5), bool)
     mask[:, 0], mask[0, 0] = False, True
     mask = jnp.asarray(mask)
@@ -181,7 +186,7 @@ def test_transformer_blocks_with_a_mask_keyword():
         return stack(x, mask=mask), _apply(stack, x, mask)
 
     y, y_ref = stacked_and_applied(jax.random.key(0))
-    np.testing.assert_allclose(y, y_ref, atol=1e-5 * float(jnp.max(jnp.abs(y_ref))))
+    np.testing.assert_allclose(y, y_ref, atol=1e-5 * _amax(y_ref))
 
 
 def _apply(stack, x, mask):
@@ -208,7 +213,7 @@ noisy_stack = built_once(lambda: ft.nn.Stack(lambda k: Noisy(key=k), 3, key=jax.
 
 def test_dropout_gets_a_fresh_key_per_member_and_state_is_collected():
     stack = ft.nn.training(noisy_stack())
-    x, key = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3)), jax.random.key(5)
+    x, key = jax.device_put(np.arange(12.0, dtype=np.float32).reshape(4, 3)), jax.random.key(5)
     y, state = ft.nn.collect_state(lambda s: s(x, key=key), stack)
     # Sequential splits its key the same way among the members that take one.
     y_ref, state_ref = ft.nn.collect_state(lambda s: s(x, key=key), stack.unstack())
@@ -226,7 +231,7 @@ def test_dropout_gets_a_fresh_key_per_member_and_state_is_collected():
 
 def test_state_under_value_with_gradient_and_state_inside_a_model():
     m = ft.nn.training(ft.nn.Sequential(noisy_stack()))
-    x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3))
+    x = jax.device_put(np.arange(12.0, dtype=np.float32).reshape(4, 3))
     _, grads, state = ft.nn.value_with_gradient_and_state(
         lambda mm, xx: jnp.mean(mm(xx, key=jax.random.key(1)) ** 2), m, x)
     assert sorted(map(str, state)) == [".layers[0].layers.norm.running_mean",
@@ -242,7 +247,7 @@ def test_eager_steps_collecting_state_compile_the_scan_once():
     jax.jit (another program: float32 rounding apart)."""
     from _compiles import compiled
 
-    x = jnp.asarray(np.arange(12.0, dtype=np.float32).reshape(4, 3))
+    x = jax.device_put(np.arange(12.0, dtype=np.float32).reshape(4, 3))
 
     def loss(m, xx):
         return jnp.mean(m(xx, key=jax.random.key(1)) ** 2)
@@ -538,9 +543,9 @@ attention_stack = built_once(lambda: ft.nn.Stack(lambda k: AttentionBlock(key=k)
 
 def test_a_stack_carries_one_cache_per_member_and_unstack_takes_its_arguments():
     stack = attention_stack()
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, D)), jnp.float32)  # NumPy's: no eager programs
-    pos = jnp.asarray(np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5)))
-    am = jnp.asarray(np.ones((2, 5), np.int32))  # a slot mask: keyword arguments reach every member
+    x = jax.device_put(np.random.default_rng(1).normal(size=(2, 5, D)).astype(np.float32))  # NumPy's: no eager programs
+    pos = jax.device_put(np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5)))
+    am = jax.device_put(np.ones((2, 5), np.int32))  # a slot mask: keyword arguments reach every member
 
     @jax.jit
     def run(stack, x):
@@ -623,7 +628,7 @@ def ensemble(size, n=3):
     return jax.jit(lambda: jax.vmap(make)(jax.random.split(jax.random.key(0), size)))()
 
 
-X2 = jnp.asarray(np.random.default_rng(3).normal(size=(4, 2)), jnp.float32)
+X2 = jax.device_put(np.random.default_rng(3).normal(size=(4, 2)).astype(np.float32))
 
 
 def one_loss(m):
@@ -789,7 +794,7 @@ def test_an_eager_stack_compiles_its_scan_once_and_its_gradient_once():
     """main: the body was a fresh closure, so every eager call traced and compiled the scan
     again (1 compile per call; jax.grad 2). Now 0 after the first call, same values."""
     m = model()  # the shared build(N): an eager build would compile every initializer apart
-    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, D)), jnp.float32)  # NumPy's: no eager programs
+    x = jax.device_put(np.random.default_rng(3).normal(size=(2, D)).astype(np.float32))  # NumPy's: no eager programs
     loss = lambda mm: jnp.sum(mm(x) ** 2)  # noqa: E731
     first, grad = m(x), jax.grad(loss)(m)  # compiles
     with counting_compiles() as count:
@@ -810,8 +815,8 @@ def test_an_eager_stack_passes_its_arguments_in_and_keys_plain_values_by_type():
     closure would keep the first call's mask), and Python values are compiled in keyed by
     type and exact value (1.0, 1 and True; 0.0 and -0.0), as the unrolled members see them."""
     stack = ft.nn.Stack(lambda k: Gated(key=k), 3, key=jax.random.key(0))
-    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, D)), jnp.float32)  # NumPy's: no eager programs
-    masks = [jnp.asarray(np.arange(D) < 3), jnp.asarray(np.arange(D) >= 5)]
+    x = jax.device_put(np.random.default_rng(1).normal(size=(2, D)).astype(np.float32))  # NumPy's: no eager programs
+    masks = [jax.device_put(np.arange(D) < 3), jax.device_put(np.arange(D) >= 5)]
     unrolled = [stack.unstack()(x, mask) for mask in masks]
     stack(x, masks[0])  # compiles
     with counting_compiles() as count:
@@ -849,7 +854,7 @@ def test_an_eager_stack_with_a_function_argument_or_collected_state_takes_the_pl
     for name in ("running_mean", "running_variance"):
         members = [v for k, v in state_ref.items() if str(k).endswith(name)]
         (stacked,) = [v for k, v in state.items() if str(k).endswith(name)]
-        np.testing.assert_allclose(stacked, jnp.stack(members), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(stacked, np.stack([np.asarray(v) for v in members]), rtol=0, atol=1e-6)
 
 
 def notebook():
@@ -872,11 +877,11 @@ def _eager_matches_unrolled(ns):
     a stale program (0.575 off, its gradient 10.4 off) is far outside."""
     stack, x = ns["stack"], ns["x"]
     y, y_unrolled = stack(x), stack.unstack()(x)
-    scale = max(1.0, float(jnp.max(jnp.abs(y_unrolled))))
+    scale = max(1.0, _amax(y_unrolled))
     np.testing.assert_allclose(y, y_unrolled, rtol=0, atol=1e-5 * scale)
     grad = jax.grad(lambda s: jnp.sum(s(x) ** 2))(stack).layers.lin.weight
     unrolled = jax.grad(lambda s: jnp.sum(s.unstack()(x) ** 2))(stack).layers.lin.weight
-    grad_scale = max(float(jnp.max(jnp.abs(unrolled))), 2 * scale * float(jnp.max(jnp.abs(x))))
+    grad_scale = max(_amax(unrolled), 2 * scale * _amax(x))
     np.testing.assert_allclose(grad, unrolled, rtol=0, atol=2e-4 * grad_scale)
 
 

@@ -59,12 +59,12 @@ def _drawn():
         return jax.tree.map(np.asarray, draw())
 
 
-def arrays():
-    return {k: jnp.asarray(v) for k, v in _drawn()[0].items()}
+def arrays():  # (device_put: jnp.asarray compiles a `stage` program a shape; the same float64 arrays)
+    return {k: jax.device_put(v) for k, v in _drawn()[0].items()}
 
 
 def data():
-    return tuple(jnp.asarray(v) for v in _drawn()[1])
+    return tuple(jax.device_put(v) for v in _drawn()[1])
 
 
 def plain_loss(p, x, y):
@@ -76,7 +76,7 @@ def ft_loss(m, x, y):
 
 
 def model():
-    return MLP(**arrays(), seen=jnp.zeros((), jnp.int64))  # pyright: ignore[reportCallIssue]
+    return MLP(**arrays(), seen=jax.device_put(np.zeros((), np.int64)))  # pyright: ignore[reportCallIssue]
 
 
 def flat(tree):
@@ -294,7 +294,7 @@ def run_structural(m, loss, make, make_plain=None, steps=6, wrt=None):
     state = opt.init(m)
     trained = ft.select(m, *wrt) if wrt else None
     names = [k for k, v in ft.to_flat_dict(trained).items() if v] if wrt else list(flat(m))
-    pv = {k: jnp.asarray(v) for k, v in flat(m).items() if k in names}
+    pv = {k: jax.device_put(v) for k, v in flat(m).items() if k in names}  # (flat's NumPy arrays)
     tx = (make_plain or make)(pv)
     s = tx.init(pv)
 
@@ -466,12 +466,14 @@ def test_stack_members_trained_by_wrt_global_norm_as_a_plain_program():
 def test_complex_parameter_is_a_real_pair_to_optax_adam():
     """optax.adam inside the Optimizer trains z = x + iy as the real pair (x, y) (torch's
     numbers, docs/guides/training.md), not as plain optax on the complex array."""
-    a = jnp.array([1.5 + 2.0j, -0.3 + 0.1j], jnp.complex128)
-    weights = jnp.array([1.0, 30.0])
+    # the inputs put on the device from NumPy (the same complex128 / float64 arrays; jnp.array and
+    # jnp.zeros compiled a program each)
+    a = jax.device_put(np.array([1.5 + 2.0j, -0.3 + 0.1j], np.complex128))
+    weights = jax.device_put(np.array([1.0, 30.0]))
     opt = ft.optim.Optimizer(optax.adam(0.1))
-    z = {"z": jnp.zeros(2, jnp.complex128)}
+    z = {"z": jax.device_put(np.zeros(2, np.complex128))}
     state = opt.init(z)
-    pair = {"x": jnp.zeros(2), "y": jnp.zeros(2)}
+    pair = {"x": jax.device_put(np.zeros(2)), "y": jax.device_put(np.zeros(2))}
     tx = optax.adam(0.1)
     s = tx.init(pair)
 

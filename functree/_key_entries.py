@@ -3,7 +3,9 @@
 An entry is one step from a value to a child: an attribute (``.weight``), a sequence
 index (``[0]``) or a mapping key (``["w"]``). A key path prints as its entries one after
 the other (``.layers[0]['w']``) and :func:`parse_printed` reads that text back, whatever
-the mapping keys hold (quotes, escapes, ints, floats, tuples): the inverse of ``str(kp)``.
+the mapping keys hold (quotes, escapes, ints, floats, tuples; NumPy scalars print as their
+Python values, equal to them; a NaN key, equal to nothing, is the one exception): the inverse
+of ``str(kp)``.
 
 Example:
   >>> from functree._key_entries import parse_printed
@@ -19,6 +21,7 @@ import warnings
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from functree._tree import dotted_name
 
@@ -34,7 +37,10 @@ class Entry(NamedTuple):
     def __str__(self) -> str:
         if self.kind == ATTR:
             return f".{self.key}"
-        return f"[{self.key!r}]" if self.kind == KEY else f"[{self.key}]"
+        # a NumPy scalar key (np.str_ from np.unique) prints as its Python value, which reads
+        # back equal: its repr, np.str_('a'), is no literal
+        key = self.key.item() if isinstance(self.key, np.generic) else self.key
+        return f"[{key!r}]" if self.kind == KEY else f"[{key}]"
 
     @property
     def name(self) -> str:
@@ -51,8 +57,9 @@ class Entry(NamedTuple):
 
 
 def mapping_entry(key: Any) -> Entry:
-    """The entry of a mapping key: an ``int`` key is ``[0]``, like an index (and like JAX prints it)."""
-    return Entry(INDEX, key) if type(key) is int else Entry(KEY, key)
+    """The entry of a mapping key: an ``int`` key is ``[0]``, like an index (and like JAX prints it);
+    a NumPy integer too (it prints as ``[0]``, which reads back as an index)."""
+    return Entry(INDEX, key) if type(key) is int or isinstance(key, np.integer) else Entry(KEY, key)
 
 
 # An attribute (an identifier), an index, or a quoted string key in brackets (Python's repr).
@@ -63,7 +70,10 @@ _LITERAL_KEYS = (bool, int, float, complex, bytes, tuple, type(None))
 
 
 def _literal(text: str) -> Any:
-    """The Python literal ``text`` spells (``'a\\n'``, ``1.5``, ``(1, 'x')``); raises if none."""
+    """The Python literal ``text`` spells (``'a\\n'``, ``1.5``, ``(1, 'x')``; ``inf`` and ``-inf``,
+    as an infinite float key prints); raises if none."""
+    if text in ("inf", "-inf"):
+        return float(text)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an invalid escape is no key, not a warning
         return ast.literal_eval(text)

@@ -52,7 +52,9 @@ and what each ``*`` matched fills the replacement's ``*`` in order: ``transforme
 (:func:`rename_pattern`, :func:`fill_stars`).
 
 **Errors.** A pattern that selects nothing raises naming the closest names; a member
-index past a stack's end (``h.7.*`` for 4 members) raises naming the stack's length. A
+index past a stack's end (``h.7.*`` for 4 members; ``a.1.b.7.*`` for a Stack ``b`` inside
+the Stack ``a``) or counted from it (``h.-1.*``: member names count from 0) raises naming
+the stack's length. A
 tree whose names a pattern cannot tell apart (two leaves of one name, one leaf's name a
 dotted prefix of another's: dict keys containing ``.``) is refused (:data:`functree._collisions.NAMES_COLLIDE`).
 
@@ -1089,6 +1091,7 @@ def _replaced(parts: list[str], known: set[str]) -> Iterator[list[str]]:
 
 
 _INDEX = re.compile(r"[0-9]+")
+_SIGNED_INDEX = re.compile(r"-?[0-9]+")  # a member index in a pattern, or one counted from the end
 # An index written as Python's (layers[0], h[1-2]) after a name: a character class to fnmatch,
 # which matches "layers0", never the dotted name's "layers.0".
 _INDEXED = re.compile(r"([^.\[\]*?])\[([0-9]+(?:-[0-9]+)?)\]")
@@ -1104,16 +1107,23 @@ def _out_of_range(pattern: str, infos: Sequence[LeafInfo], what: str) -> str | N
     """The error for a pattern naming a member past a stack's end, or None."""
     parts = pattern.lstrip(".").split(".")
     for info in infos:
+        outer: list[int] = []  # where each outer stack's member index sits in the names
         for stack_name, n in zip(_stack_prefixes(info), info.sizes):
             k = len(stack_name.split(".")) if stack_name else 0
-            if len(parts) <= k or not _INDEX.fullmatch(parts[k]):
+            given, own = parts[:k], stack_name.split(".")[:k]
+            # an inner stack's prefix holds member 0 of each outer stack: any member the pattern
+            # names there is the inner stack's too (a.1.b.4.* for a 4-member b inside a)
+            fits = all((i in outer and (_INDEX.fullmatch(g) or _GLOB.search(g))) or fnmatch.fnmatchcase(g, o)
+                       for i, (g, o) in enumerate(zip(given, own)))
+            outer.append(k)
+            if len(parts) <= k or not _SIGNED_INDEX.fullmatch(parts[k]) or not fits:
                 continue
-            if k and not fnmatch.fnmatchcase(".".join(parts[:k]), stack_name):
-                continue
-            if int(parts[k]) >= n:
-                right = ".".join(parts[:k] + [str(n - 1)] + parts[k + 1:])
-                return MEMBER_OUT_OF_RANGE.format(what=what, pattern=pattern, index=int(parts[k]),
-                                                  stack=stack_name or "<root>", n=n, last=n - 1, right=right)
+            index = int(parts[k])
+            if not 0 <= index < n:  # past the end, or counted from it (h.-1.*: a key path's, no member name)
+                right = ".".join(parts[:k] + [str(n - 1 if index >= n else max(n + index, 0))] + parts[k + 1:])
+                stack = ".".join(given) if len(outer) > 1 else stack_name
+                return MEMBER_OUT_OF_RANGE.format(what=what, pattern=pattern, index=index,
+                                                  stack=stack or "<root>", n=n, last=n - 1, right=right)
     return None
 
 

@@ -295,6 +295,7 @@ CONFIG_VALUES = st.one_of(VALUES, PATTERNS, st.lists(PATTERNS, max_size=2), st.d
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=FIXTURES)
 @given(changes=st.lists(st.tuples(st.sampled_from(OPTIONS), CONFIG_VALUES), min_size=1, max_size=2),
        which=st.sampled_from(["plain", "recorded"]))
+@example(changes=[("lora_alpha", 6.805647135594673e+38)], which="plain")  # finite, but its scale alpha / r is no float32
 def test_a_mutated_adapter_config_loads_or_is_refused_naming_it(adapter, tmp_path, changes, which):
     """adapter_config.json's options replaced by other JSON values (regular expressions that
     do not compile among them): load_lora loads the adapter or raises a ValueError of its
@@ -446,16 +447,26 @@ def test_a_mutated_config_json_reads_or_is_refused_naming_the_key(config):
         _refused_by_name(e)
 
 
+class _Weights(dict):
+    """A fixture's dict of weights, printed short: hypothesis prints a failing draw's arguments,
+    and the weights' 232 kB repr was a HypothesisWarning (an error) in place of the failure."""
+
+    def __repr__(self) -> str:
+        return f"<weights of {sorted(self)}>"
+
+
 @pytest.fixture(scope="module")
 def small_weights():
     """Each tiny config's weights (HF's initialization), per model type."""
-    return {t: ft.nn.to_hf_state_dict(ft.nn.from_hf(_small(t), key=jax.random.key(0)), numpy=True)
-            for t in ("llama", "gpt2")}
+    return _Weights({t: ft.nn.to_hf_state_dict(ft.nn.from_hf(_small(t), key=jax.random.key(0)), numpy=True)
+                     for t in ("llama", "gpt2")})
 
 
 @settings(max_examples=examples(8), deadline=None, suppress_health_check=FIXTURES)
 @given(config=configs(["llama", "gpt2"]))
 @example(config={k: v for k, v in _small("gpt2").items() if k != "n_head"})  # HF's 12 heads do not divide 16
+@example(config={**_small("llama"), "rope_theta": 0})  # 1 / 0 ** (2i / d): NaNs from every layer
+@example(config={**_small("llama"), "rope_theta": 5e-324})  # frequencies 1 / 5e-324 ** (2i / d): past float32
 def test_a_mutated_config_json_builds_from_its_weights_or_is_refused_by_name(small_weights, config):
     """Beyond reading: the config read and the model built from the tiny model's weights
     (``"rope_theta": []`` read, then a bare TypeError in the build; a negative size one from
@@ -490,6 +501,20 @@ def test_a_rope_value_of_the_wrong_type_is_refused_naming_it(changes, key, expec
         Config.of({**_small("llama"), **changes})
     assert Config.of({**_small("llama"), "rope_parameters": {"rope_type": "yarn", "factor": 2.0,
                                                              "original_max_position_embeddings": 4096.0}})
+
+
+@pytest.mark.parametrize("model_type, changes", [("llama", {"rope_theta": 0}), ("llama", {"rope_theta": -10000.0}),
+                                                  ("gpt_neox", {"rotary_emb_base": 0.0}), ("llama", {"rope_theta": 1e-300})])
+def test_a_rope_theta_of_zero_or_below_is_refused_naming_it(model_type, changes):
+    """A rotary base of 0 made infinite frequencies (1 / 0 ** (2i / d)), a negative one NaN
+    powers, 1e-300 frequencies past float32 (an overflow in the cast): the model built computed
+    NaNs from every layer (found by the explore profile)."""
+    from functree.hf._files import Config
+
+    value = next(iter(changes.values()))
+    with pytest.raises(ValueError, match=rf"(?s)^ft.nn.from_hf: the {model_type} config's rope_parameters\['rope_theta'\] "
+                                         rf".* is {value}; the rotary base is a positive number.*right:  \"rope_theta\": "):
+        Config.of({**_small(model_type), **changes})
 
 
 @pytest.mark.parametrize("value", [[1], "linear"])

@@ -114,11 +114,34 @@ def check(model_type, values, seed, dtype_name):
         f"{error:.3g} (largest); HF's own {hf_rms:.3g}, {hf_error:.3g}\n{values}")
 
 
+# The margins hold where the attention logits are at most MEASURED_GAIN times Llama's (Granite's
+# attention_multiplier 1 with a head of 32: 5.7, the draws above). The fuzz also draws Granites
+# of attention_multiplier 12 (59 times Llama's for a head of 24: the softmax all but an argmax,
+# which one rounding of q or k flips). Those in bfloat16 (an 8-bit mantissa) measured, over 13
+# seeds of the explore profile's draw (GRANITE_AMPLIFIED), err(FT16) / err(HF16) geometric mean
+# 1.20 and rms ratio 1.08 (functree the closer on 8 of 13), yet worst 9.87 and 5.06 (seed 398)
+# and 3.65 and 2.18 (seed 5): one draw's ratio is a coin toss there, no measure of functree's
+# rounding; in float16 the same model measured 0.90 and 0.87, worst 1.53 and 1.07 (10 seeds),
+# and multiplier 1 in bfloat16 1.30 and 1.06, worst 3.05 and 1.42 (11 seeds): both kept.
+MEASURED_GAIN = 6.0
+
+
+def attention_gain(model_type, values):
+    """A Granite's attention logits in units of Llama's: its attention_multiplier times
+    sqrt(head_dim) (Llama scales by 1 / sqrt(head_dim)); 1 for the other families."""
+    if model_type != "granite":
+        return 1.0
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    return abs(values.get("attention_multiplier", 1.0)) * head_dim ** 0.5
+
+
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), model_type=st.sampled_from(sorted(STRATEGIES)), seed=st.integers(0, 2**16),
        dtype=st.sampled_from(sorted(DTYPES)))
 def test_16_bit_logits_within_hf_own_16_bit_error(data, model_type, seed, dtype):
-    check(model_type, data.draw(STRATEGIES[model_type](), label=model_type), seed, dtype)
+    values = data.draw(STRATEGIES[model_type](), label=model_type)
+    assume(dtype != "bfloat16" or attention_gain(model_type, values) <= MEASURED_GAIN)  # (MEASURED_GAIN)
+    check(model_type, values, seed, dtype)
 
 
 # The explore profile's draw (seed 184, float16) on which HF's extra roundings cancel: err(FT16)
@@ -128,6 +151,16 @@ GRANITE_ONES = {"vocab_size": 48, "hidden_size": 32, "intermediate_size": 8, "nu
                 "max_position_embeddings": 4, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
                 "pad_token_id": None, "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
                 "attention_multiplier": 1.0, "logits_scaling": 1.0}
+
+
+# The explore profile's draw (seed 398, bfloat16) of err(FT16) 9.87 and rms(FT16) 5.06 times HF's
+# own: its attention 59 times Llama's, past MEASURED_GAIN.
+GRANITE_AMPLIFIED = {**GRANITE_ONES, "hidden_size": 24, "intermediate_size": 20, "rms_norm_eps": 1e-06,
+                     "attention_multiplier": 12.0}
+
+
+def test_the_bfloat16_fuzz_compares_within_the_measured_attention_gain():
+    assert attention_gain("granite", GRANITE_ONES) <= MEASURED_GAIN < attention_gain("granite", GRANITE_AMPLIFIED)
 
 
 def test_a_granite_draw_where_hf_rounds_luckier():

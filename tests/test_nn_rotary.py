@@ -7,6 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import functree as ft
+from functree.nn import _rotary
 
 
 def _direct(x, positions, base=10000.0):
@@ -76,6 +77,23 @@ def test_errors():
         ft.nn.RotaryEmbedding(4)(jnp.ones((5, 6)))
     with pytest.raises(ft.nn.LayerInputError, match=r"RotaryEmbedding expects inputs \[\.\.\., T, _, 4\] \(float\), got f32\[5,4\]"):
         ft.nn.RotaryEmbedding(4, seq_axis=-3)(jnp.ones((5, 4)))
+
+
+def test_a_rotary_base_of_zero_or_below_is_refused_where_it_is_given():
+    """base 0 made infinite frequencies (1 / 0 ** (2i / d)), a negative base NaN powers, 1e-300
+    frequencies past float32: every rotated feature NaN, silently (found with from_hf's check)."""
+    x = jax.device_put(np.ones((3, 4), np.float32))
+    assert bool(jnp.isnan(ft.nn.apply_rotary(x, np.arange(3), base=1.0)).any()) is False  # 1: no rotation, fine
+    for base in (0.0, -10000.0, 1e-300, 0):
+        with pytest.raises(ValueError, match=rf"(?s)^apply_rotary: base={base!r}; the rotary base is a positive "
+                                             r"number, at least 2.94e-39.*right:  ft.nn.apply_rotary\(x, positions, base=10000.0\)"):
+            ft.nn.apply_rotary(x, np.arange(3), base=base)
+    for make, where in ((lambda: ft.nn.RopeScaling("linear", base=0.0, factor=2.0), "ft.nn.RopeScaling"),
+                        (lambda: ft.nn.RotaryEmbedding(4, base=-1.0), "ft.nn.RotaryEmbedding"),
+                        (lambda: ft.nn.MultiheadAttention(8, 2, rotary=0.0, key=jax.random.key(0)), "ft.nn.MultiheadAttention")):
+        with pytest.raises(ValueError, match=rf"^{where}: base=-?[0-9.]+; the rotary base is a positive number"):
+            make()
+    assert "theta_i = base^(-2i/d)" in _rotary.ROPE_BASE
 
 
 def test_partial_rotary_turns_the_first_fraction_only():

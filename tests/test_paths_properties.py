@@ -20,7 +20,7 @@ from test_paths import Carry, Pair, _quietly, arrays, assert_same_tree
 
 import functree as ft
 from functree import _paths, _state_dict
-from functree._key_entries import ATTR, INDEX, KEY, Entry
+from functree._key_entries import ATTR, INDEX, KEY, Entry, mapping_entry
 from functree._tree import dotted_name
 
 SETTINGS = settings(max_examples=examples(50), deadline=None)
@@ -39,6 +39,7 @@ def trees() -> st.SearchStrategy:
         return st.one_of(
             st.dictionaries(STR_KEYS, children, min_size=1, max_size=3),
             st.dictionaries(INT_KEYS, children, min_size=1, max_size=2),
+            st.dictionaries(INT_KEYS.map(np.int64), children, min_size=1, max_size=2),  # np.unique's keys
             st.lists(children, min_size=1, max_size=3),
             st.lists(children, min_size=1, max_size=2).map(tuple),
             st.builds(_quietly(Pair), children, children, st.sampled_from(["p", "q"])),
@@ -81,11 +82,17 @@ entries = st.one_of(
     st.text().map(lambda k: Entry(KEY, k)),
     st.one_of(st.booleans(), st.floats(allow_nan=False, allow_infinity=False), st.none(), st.tuples(st.integers(), st.text(max_size=3)))
     .map(lambda k: Entry(KEY, k)),
+    # keys as NumPy gives them (np.unique's) and infinite floats: entries of their dicts (mapping_entry)
+    st.one_of(st.integers(-(10**6), 10**6).map(np.int64), st.text(max_size=3).map(np.str_),
+              st.floats(allow_nan=False, width=32).map(np.float32), st.booleans().map(np.bool_),
+              st.sampled_from([float("inf"), float("-inf")])).map(mapping_entry),
 )
 
 
 @settings(max_examples=examples(200), deadline=None)
 @given(st.lists(entries, max_size=5))
+# printed as np.int64(3), np.str_('a'), inf: no literal, so KeyPath.parse refused what str(kp) printed
+@example([mapping_entry(np.int64(3)), mapping_entry(np.str_("a")), mapping_entry(float("inf"))])
 def test_printed_key_paths_parse_back_exactly(path_entries: list[Entry]):
     kp = ft.KeyPath(path_entries)
     assert ft.KeyPath.parse(str(kp)) == kp

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from _jaxpr import equations
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,7 +28,7 @@ DRAWS = {
 }
 
 
-@settings(max_examples=12)  # each example compiles its draws
+@settings(max_examples=examples(12))  # each example compiles its draws
 @given(shape=st.lists(st.integers(1, 4), max_size=4).map(tuple), seed=st.integers(0, 2**31 - 1),
        draw=st.sampled_from(sorted(DRAWS)))
 def test_a_flat_keys_draws_are_the_keys_own(shape, seed, draw):

@@ -161,6 +161,18 @@ as 4096), so no model was built.
     right:  "{name}": {right}        # {why}
 """
 
+ROPE_THETA = """\
+ft.nn.from_hf: the {model_type} config's {key} (at its top level or in rope_parameters / \
+rope_scaling{where}) is {value!r}; the rotary base is a positive number, at least \
+{smallest:.3g} (its frequencies theta_i = rope_theta ** (-2i / d) are float32 numbers, at most \
+1 / rope_theta). From {value!r} they are infinite or NaN: the model built from it computes \
+NaNs (transformers reads the file and computes them silently), and no checkpoint was trained \
+with it.
+
+    wrong:  "rope_theta": {given}
+    right:  "rope_theta": 10000.0        # the checkpoint's own (Hugging Face's default: leave the key out)
+"""
+
 NO_DEFAULTS = """\
 ft.nn.from_hf: the {model_type} config has no {name!r}, and functree/hf/_files.py's \
 DEFAULTS has no {model_type!r} row (Hugging Face's defaults of the fields a config.json \
@@ -1097,7 +1109,9 @@ def _rope_typed(value: Any, expected: str) -> bool:
 def _check_rope_types(model_type: str, params: Any) -> None:
     """Each key of ``rope_parameters`` (standardized: a file's older keys gathered) the rotary
     embedding reads of its JSON type (:data:`ROPE_TYPES_OF`), null left to the rope's own checks:
-    ``"rope_theta": []`` was a bare TypeError, ``"factor": true`` a factor of 1. Gemma 3's
+    ``"rope_theta": []`` was a bare TypeError, ``"factor": true`` a factor of 1; a
+    ``rope_theta`` of 0 or below, or too small for float32's frequencies (:data:`ROPE_THETA`),
+    NaNs from every layer. Gemma 3's
     dicts per layer type are each checked."""
     if not isinstance(params, Mapping):
         return
@@ -1105,6 +1119,14 @@ def _check_rope_types(model_type: str, params: Any) -> None:
     for where, entry in nested or [("", params)]:
         for key, expected in ROPE_TYPES_OF.items():
             value = entry.get(key)
+            if key == "rope_theta" and value is not None and _rope_typed(value, expected) and not value >= _SMALLEST_THETA:
+                # 0 ** (-2i / d) is infinite, a negative base's power NaN, 1e-300's past float32:
+                # NaNs from every layer
+                raise ValueError(ROPE_THETA.format(
+                    model_type=model_type, key=f"rope_parameters{where}[{key!r}]", value=value,
+                    smallest=_SMALLEST_THETA,
+                    where=", GPT-NeoX's rotary_emb_base / rotary_pct" if model_type == "gpt_neox" else "",
+                    given=json.dumps(value)))
             if value is None or _rope_typed(value, expected):
                 continue
             meant = _meant(value, expected)
@@ -1115,6 +1137,9 @@ def _check_rope_types(model_type: str, params: Any) -> None:
                 where=", GPT-NeoX's rotary_emb_base / rotary_pct" if model_type == "gpt_neox" else "",
                 expected=expected, name=key, given=json.dumps(value, default=str), right=json.dumps(right), why=why))
 
+
+# The smallest rotary base whose frequencies (at most 1 / base) float32 holds: 1 / its largest number.
+_SMALLEST_THETA = 1 / 3.4028234663852886e38
 
 _ROPE_EXAMPLES = {"rope_theta": 10000.0, "original_max_position_embeddings": 4096, "short_factor": [1.0, 1.0],
                   "long_factor": [1.0, 1.0], "truncate": True, "rope_type": "default", "type": "default"}

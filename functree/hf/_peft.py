@@ -442,6 +442,7 @@ MUTATING_INITS = {"pissa": "W - scale * B0 A0 of W's principal singular vectors"
 # (Any other value is refused as another kind of adapter: "mica", say, freezes lora_B to W's
 # minor singular vectors, computed again at load.)
 PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha default
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest alpha whose scale (alpha / r) float32 holds
 # Every field PEFT 0.21's LoraConfig writes to adapter_config.json (dataclasses.fields): a file
 # setting another one comes from a newer PEFT (or was edited), and is refused (UNKNOWN_OPTION).
 KNOWN_FIELDS = frozenset((
@@ -1162,8 +1163,12 @@ def _check_config(config: dict[str, Any], directory: str) -> None:
     alphas = {"lora_alpha": config.get("lora_alpha", PEFT_DEFAULT_ALPHA),
               **{f"alpha_pattern[{k!r}]": v for k, v in (config.get("alpha_pattern") or {}).items()}}
     for option, alpha in alphas.items():
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _finite(alpha):
-            raise bad(option, alpha, "the adapters' scale is alpha / r, a finite number", '"lora_alpha": 16')
+        # the scale alpha / r (r >= 1) multiplies float32 activations: an alpha past float32's
+        # largest number (6.8e38, finite in Python) made an infinite scale, NaNs from every layer
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _finite(alpha) \
+                or abs(alpha) > FLOAT32_MAX:
+            raise bad(option, alpha, "the adapters' scale is alpha / r, a finite number (a float32: "
+                      f"at most {FLOAT32_MAX:.7g})", '"lora_alpha": 16')
     dropout = config.get("lora_dropout") or 0.0
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise bad("lora_dropout", dropout, "a dropout probability is in [0, 1)", '"lora_dropout": 0.05')

@@ -27,7 +27,7 @@ from functree.nn._check import LayerInputError, check_input, concrete
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
-from functree.nn._rotary import RopeScaling, apply_rotary
+from functree.nn._rotary import RopeScaling, apply_rotary, check_base
 from functree.nn._window import is_int
 
 __all__ = ["MultiheadAttention", "KVCache"]
@@ -466,6 +466,8 @@ class MultiheadAttention(Layer):
         self.rotary = 10000.0 if rotary is True else (None if rotary is None or rotary is False else
                                                       tuple(rotary) if isinstance(rotary, (tuple, list)) else
                                                       rotary if isinstance(rotary, RopeScaling) else float(rotary))
+        check_base(self.rotary, "ft.nn.MultiheadAttention", f"ft.nn.MultiheadAttention(..., rotary={rotary!r})",
+                   "ft.nn.MultiheadAttention(..., rotary=10000.0)   # or rotary=True")
         self.causal, self.dropout = bool(causal), float(dropout)
         self.implementation = check_implementation(implementation)
         self.training = training

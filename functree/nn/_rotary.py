@@ -80,6 +80,24 @@ ft.nn.RopeScaling({kind!r}) needs {needs}; given {given}.
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
+ROPE_BASE = """\
+{where}: base={given!r}; the rotary base is a positive number, at least {smallest:.3g}: the \
+frequencies theta_i = base^(-2i/d) are float32 numbers (at most 1 / base), and from this base \
+they are infinite or NaN, every rotated feature NaN.
+
+    wrong:  {wrong}
+    right:  {right}
+"""
+
+SMALLEST_BASE = 1 / float(np.finfo(np.float32).max)  # the smallest base whose frequencies float32 holds
+
+
+def check_base(base: Any, where: str, wrong: str, right: str) -> None:
+    """:data:`ROPE_BASE` for a Python or NumPy number below :data:`SMALLEST_BASE` (0, a negative
+    base, 1e-300: NaNs from every layer); a traced base is the caller's."""
+    if isinstance(base, (int, float, np.integer, np.floating)) and not base >= SMALLEST_BASE:
+        raise ValueError(ROPE_BASE.format(where=where, given=base, smallest=SMALLEST_BASE, wrong=wrong, right=right))
+
 ROPE_CHOICE = """\
 apply_rotary: base={given} is a tuple of rotary embeddings (one per layer type: Gemma 3's local \
 and global layers), so choice= must pick one ({why}); each is an ft.nn.RopeScaling, all \
@@ -164,6 +182,8 @@ class RopeScaling:
                                                example="partial=0.25"))
         if self.kind not in ROPE_TYPES:
             raise ValueError(UNKNOWN_ROPE.format(kind=self.kind, known=", ".join(ROPE_TYPES)))
+        check_base(self.base, "ft.nn.RopeScaling", f"ft.nn.RopeScaling({self.kind!r}, base={self.base!r}, ...)",
+                   f"ft.nn.RopeScaling({self.kind!r}, base=10000.0, ...)   # the checkpoint's own (Llama 3: 500000.0)")
         if self.kind == "longrope" and (self.short_factor is None or self.long_factor is None):
             raise ValueError(ROPE_NEEDS.format(kind=self.kind, needs="short_factor and long_factor (one per pair)",
                                                given=f"short_factor={self.short_factor!r}, long_factor={self.long_factor!r}",
@@ -279,6 +299,8 @@ def apply_rotary(x: Any, positions: Any, *, base: float | RopeScaling | tuple[Ro
         raise ValueError(BAD_POSITIONS.format(given=short_array(positions), lead=list(x.shape[:-1]))) from None
     if isinstance(base, (tuple, list)):
         base = _choices(base, choice)
+    check_base(base, "apply_rotary", f"ft.nn.apply_rotary(x, positions, base={base!r})",
+               "ft.nn.apply_rotary(x, positions, base=10000.0)")
     partial = base[0].partial if isinstance(base, tuple) else base.partial if isinstance(base, RopeScaling) else 1.0
     if int(size * partial) < size:  # the first features only
         rotated = int(size * partial)
@@ -370,6 +392,8 @@ class RotaryEmbedding(Layer):
             raise ValueError(ODD_LAYER_SIZE.format(size=size, even=max(size - 1, 2)))
         if seq_axis > -2:
             raise ValueError(BAD_SEQ_AXIS.format(axis=seq_axis, size=size))
+        check_base(base, "ft.nn.RotaryEmbedding", f"ft.nn.RotaryEmbedding({size}, base={base!r})",
+                   f"ft.nn.RotaryEmbedding({size}, base=10000.0)")
         self.size, self.base, self.seq_axis = size, float(base), seq_axis
 
     def __call__(self, x: jax.Array, positions: Any = None) -> jax.Array:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _errors import raises_named
 
 import functree as ft
 from functree.train import CheckpointError, CheckpointManager
@@ -788,6 +789,21 @@ def test_narrow_dtypes_round_trip_bit_for_bit_and_uint4_is_refused_naming_the_le
     np.testing.assert_array_equal(np.asarray(widened).view(np.uint8), np.asarray(codes).view(np.uint8))
     ft.train.save(tmp_path / "empty", {"codes": jnp.zeros((0, 3), jnp.uint4)})  # no array file: its shape
     assert ft.train.load(tmp_path / "empty")["codes"].dtype == jnp.uint4
+
+
+def test_python_ints_of_64_bits_round_trip_and_a_larger_one_is_refused_naming_it(tmp_path):
+    """int64's and uint64's ranges come back as the ints they were; past them NumPy holds an
+    object, refused as "not text or objects" with a fix about text (now BIG_INT, with a split)."""
+    from functree.train.checkpoint import _treespec
+
+    tree = {"run": {"low": -(2**63), "high": 2**64 - 1, "flag": True}}
+    ft.train.save(tmp_path / "ok", tree)
+    back = ft.train.load(tmp_path / "ok")
+    assert back == tree and type(back["run"]["high"]) is int and type(back["run"]["flag"]) is bool
+    for seed in (2**64 + 5, -(2**63) - 1):
+        raises_named(lambda seed=seed: ft.train.save(tmp_path / "big", {"run": {"seed": seed}}), CheckpointError,
+                     _treespec.BIG_INT, f"The leaf 'run.seed' is the Python int {seed}, beyond 64 bits")
+    assert "[seed >> 64, seed & (2**64 - 1)]" in _treespec.BIG_INT and not (tmp_path / "big").exists()
 
 
 # --- functions at leaves (Equinox models: activations, pooling operations, jax.nn.relu in a list) ---

@@ -99,6 +99,14 @@ Save the state applied to its model, or keyed by the paths' text (KeyPath.parse 
        or:  ft.train.save(path, {{str(k): v for k, v in updates.items()}})     # {{"{key_text}": value}}"""
 
 
+BIG_INT = """\
+The leaf {key!r} is the Python int {value}, beyond 64 bits: a checkpoint holds a number as \
+an array (a Python int as int64, or uint64 up to 2**64 - 1, read back as the int it was). \
+Nothing was written. Split it into 64-bit parts, or keep it as text in a manager's config= (JSON):
+
+    wrong:  ft.train.save(path, {{"seed": seed}})                                  # seed >= 2**64
+    right:  ft.train.save(path, {{"seed": [seed >> 64, seed & (2**64 - 1)]}})       # back: (hi << 64) | lo"""
+
 UNENCODABLE_KEY = """\
 The dict at {path} has the key {key!r}, text that is no Unicode (a lone surrogate, {char!r}: \
 bytes decoded with errors="surrogateescape", or half of a UTF-16 pair): a checkpoint names \
@@ -248,6 +256,8 @@ class _Encoder:
         spec: dict[str, Any] = {"kind": "leaf", "key": name}
         if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
             spec["python"] = type(x).__name__
+            if isinstance(x, int) and not -(2**63) <= x < 2**64:  # NumPy would hold it as an object
+                raise CheckpointError(BIG_INT.format(key=name, value=x))
             x = np.asarray(x)
         elif isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             spec["prng"] = str(jax.random.key_impl(x))

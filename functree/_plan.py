@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from functree._naming import (
     NothingSelected,
     broadcast,
     key_path_hint,
+    matches,
     names,
     refuse_batched_selection,
     selection,
@@ -175,7 +175,7 @@ def _keywords(f: Any) -> dict[str, Any]:
 
 def _keyword_named(f: Any, pattern: str) -> str | None:
     """The keyword argument a ``wrt=`` pattern names (``wrt="b"`` for ``f(x, b=y)``), if any."""
-    return next((k for k in _keywords(f) if fnmatch.fnmatchcase(k, pattern.lstrip("."))), None)
+    return next((k for k in _keywords(f) if matches(k, pattern)), None)
 
 
 def _position(f: Any, keyword: str, count: int) -> int:

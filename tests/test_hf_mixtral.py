@@ -201,6 +201,15 @@ def test_aux_loss_without_ids_or_router_logits_is_refused_naming_both():
     assert "router_logits=routed)" in str(error.value) and "model.aux_loss(ids, mask)" in str(error.value)
 
 
+def same_pass(actual, expected):
+    """Two programs' results of one pass (logits with and without ``router_logits=True``):
+    jax 0.12's XLA fuses the two programs differently, 6e-8 apart at values up to 0.5 (jax 0.10:
+    bit for bit); 1e-6 of the largest value is 8x that, and a thousandth of the distance to
+    another pass (a dropout-free one: 1e-3 apart, asserted below)."""
+    expected = np.asarray(expected)
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=0, atol=1e-6 * float(np.abs(expected).max()))
+
+
 def test_router_logits_with_a_cache_are_refused():
     model = ft.nn.from_hf(transformers.MixtralConfig(**SIZES), key=jax.random.key(0))
     ids, mask = batch()
@@ -208,8 +217,8 @@ def test_router_logits_with_a_cache_are_refused():
         model(ids, mask, cache=model.init_cache(ids.shape[0], 16), router_logits=True)
     assert "logits, routed = model(ids, mask, router_logits=True)" in str(error.value)
     logits, routed = model(ids, mask, router_logits=True)
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(ids, mask)))
-    np.testing.assert_array_equal(np.asarray(routed), np.asarray(model.router_logits(ids, mask)))
+    same_pass(logits, model(ids, mask))
+    same_pass(routed, model.router_logits(ids, mask))
 
 
 def per_expert(state, names=_mixtral.MIXTRAL_EXPERTS):
@@ -414,20 +423,20 @@ def test_router_logits_of_a_dropping_port_are_the_dropping_pass():
     ids, mask = batch()
     key = jax.random.key(1)
     logits, routed = model(ids, mask, router_logits=True, key=key)
-    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(ids, mask, key=key)))
+    same_pass(logits, model(ids, mask, key=key))
     still = ft.nn.inference(model).router_logits(ids, mask)
     assert routed.shape == still.shape
     assert float(jnp.max(jnp.abs(routed - still))) > 1e-3 * float(jnp.max(jnp.abs(still)))  # attention dropped
-    np.testing.assert_array_equal(np.asarray(model.router_logits(ids, mask, key=key)), np.asarray(routed))
+    same_pass(model.router_logits(ids, mask, key=key), routed)
 
     (one, routed2), state = ft.nn.collect_state(lambda m: m(ids, mask, router_logits=True), model)
     plain, plain_state = ft.nn.collect_state(lambda m: m(ids, mask), model)
     assert sorted(map(str, state)) == sorted(map(str, plain_state)) and state
-    np.testing.assert_array_equal(np.asarray(one), np.asarray(plain))
+    same_pass(one, plain)
     for path in state:
-        np.testing.assert_array_equal(np.asarray(state[path]), np.asarray(plain_state[path]))
+        np.testing.assert_array_equal(np.asarray(state[path]), np.asarray(plain_state[path]))  # keys: exact
     again, _ = ft.nn.collect_state(lambda m: m.router_logits(ids, mask), model)  # the stored key's masks again
-    np.testing.assert_array_equal(np.asarray(routed2), np.asarray(again))
+    same_pass(routed2, again)
 
 
 def test_router_logits_read_from_one_stack_or_refused():

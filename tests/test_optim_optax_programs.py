@@ -24,6 +24,12 @@ from tests._errors import raises_named
 
 STEPS = 6  # (functree's steps run eagerly, op by op; a change "at i == 5" is the last step)
 ATOL = 1e-13  # float64 rounding, scaled by max(1, |values|)
+# optax's warmup schedule (schedule_free_adamw's) computes the rate in float32 even under x64
+# (its count is int32), and XLA rounds the jitted plain program's schedule another way than
+# functree's eager operations on jax 0.12 (the rate at step 1: 0.0033333336 against
+# 0.0033333339, one float32 ulp): trajectories 1.66e-10 apart there (0 on jax 0.10), a rounding
+# of optax's own rate, not functree's tree. Measured 1.66e-10 over 6 steps: 6x margin.
+SCHEDULE_ATOL = 1e-9
 
 
 @pytest.fixture(autouse=True)
@@ -115,12 +121,12 @@ def run_ft(tx, steps=STEPS, between=None):
     return out, m, s
 
 
-def assert_same(actual, expected):
+def assert_same(actual, expected, atol=ATOL):
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         assert a.keys() == e.keys()
         for k in e:
-            np.testing.assert_allclose(a[k], e[k], rtol=0, atol=ATOL * max(1.0, np.abs(e[k]).max()), err_msg=k)
+            np.testing.assert_allclose(a[k], e[k], rtol=0, atol=atol * max(1.0, np.abs(e[k]).max()), err_msg=k)
 
 
 def decays(p):
@@ -144,6 +150,10 @@ def two(labels_):
     return optax.multi_transform({"adam": optax.adam(0.01), "sgd": optax.sgd(0.1)}, labels_)
 
 
+def warmed_schedule_free():  # (a transform maker, as the lambdas below)
+    return optax.contrib.schedule_free_adamw(0.01, warmup_steps=3)
+
+
 # (name, the plain program's transform, functree's (None: the same))
 PROGRAMS = [
     ("clip_by_global_norm + adamw", lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(0.01, weight_decay=0.1)), None),
@@ -155,7 +165,7 @@ PROGRAMS = [
     ("multi_transform label function", lambda: two(labels), None),
     ("MultiSteps", lambda: optax.MultiSteps(optax.adam(0.01), 3), None),
     ("apply_if_finite", lambda: optax.apply_if_finite(optax.adam(0.01), 3), None),
-    ("schedule_free_adamw", lambda: optax.contrib.schedule_free_adamw(0.01, warmup_steps=3), None),
+    ("schedule_free_adamw", warmed_schedule_free, None),
     ("ema", lambda: optax.chain(optax.sgd(0.1), optax.ema(0.9)), None),
     ("noisy_sgd", lambda: optax.noisy_sgd(0.01, key=0), None),
     ("sam", lambda: optax.contrib.sam(optax.sgd(0.1), optax.sgd(0.05), sync_period=2, opaque_mode=False), None),
@@ -166,7 +176,7 @@ PROGRAMS = [
 def test_trajectory_as_plain_optax(plain, functree):
     expected, _, _ = run_plain(plain())
     actual, _, _ = run_ft((functree or plain)())
-    assert_same(actual, expected)
+    assert_same(actual, expected, SCHEDULE_ATOL if plain is warmed_schedule_free else ATOL)
 
 
 LBFGS_STEPS = 3  # each eager step compiles the line search's while and scans anew
@@ -236,12 +246,11 @@ def test_state_reads_by_name_as_optax():
 
 
 def test_schedule_free_eval_params_as_optax():
-    make = lambda: optax.contrib.schedule_free_adamw(0.01, warmup_steps=3)  # noqa: E731
-    _, p, s_plain = run_plain(make())
-    _, m, s_ft = run_ft(make())
+    _, p, s_plain = run_plain(warmed_schedule_free())
+    _, m, s_ft = run_ft(warmed_schedule_free())
     params = optax.contrib.schedule_free_eval_params(s_ft.inner, cast(Any, ft.parameters(m)))
     evaluated = ft.with_parameters(m, params)
-    assert_same([flat(evaluated)], [flat(optax.contrib.schedule_free_eval_params(s_plain, p))])
+    assert_same([flat(evaluated)], [flat(optax.contrib.schedule_free_eval_params(s_plain, p))], SCHEDULE_ATOL)
     assert evaluated.seen.dtype == jnp.int64  # the no-derivative leaf kept
 
 

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _hypothesis import examples
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -117,7 +118,7 @@ after log points, epochs of 2, 3 or 4 steps on and off them."""
                  "kind": "reiterable", "epochs": 3, "min_delta": 0.05}, kill=0.7)
 @example(config={"every_steps": 3, "log_every": LOG, "steps_per_call": 1, "accumulate": 1, "n_batches": 3,
                  "kind": "list", "epochs": 3, "min_delta": 0.0}, kill=1.0)
-@settings(max_examples=2, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+@settings(max_examples=examples(2), deadline=None, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(config=CONFIGS, kill=st.floats(0, 1))
 def test_kill_anywhere_then_resume_equals_the_uninterrupted_job(tmp_path_factory, straight_job, config, kill):

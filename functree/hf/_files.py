@@ -37,6 +37,7 @@ from functree.interop._safetensors import (
     load_checkpoint,
     read_header,
 )
+from functree.nn._rotary import SMALLEST_BASE
 
 BAD_CONFIG = """\
 ft.nn.from_hf: the first argument is a Hugging Face model (torch) or config, a dict with \
@@ -1119,12 +1120,12 @@ def _check_rope_types(model_type: str, params: Any) -> None:
     for where, entry in nested or [("", params)]:
         for key, expected in ROPE_TYPES_OF.items():
             value = entry.get(key)
-            if key == "rope_theta" and value is not None and _rope_typed(value, expected) and not value >= _SMALLEST_THETA:
+            if key == "rope_theta" and value is not None and _rope_typed(value, expected) and not value >= SMALLEST_BASE:
                 # 0 ** (-2i / d) is infinite, a negative base's power NaN, 1e-300's past float32:
                 # NaNs from every layer
                 raise ValueError(ROPE_THETA.format(
                     model_type=model_type, key=f"rope_parameters{where}[{key!r}]", value=value,
-                    smallest=_SMALLEST_THETA,
+                    smallest=SMALLEST_BASE,
                     where=", GPT-NeoX's rotary_emb_base / rotary_pct" if model_type == "gpt_neox" else "",
                     given=json.dumps(value)))
             if value is None or _rope_typed(value, expected):
@@ -1137,9 +1138,6 @@ def _check_rope_types(model_type: str, params: Any) -> None:
                 where=", GPT-NeoX's rotary_emb_base / rotary_pct" if model_type == "gpt_neox" else "",
                 expected=expected, name=key, given=json.dumps(value, default=str), right=json.dumps(right), why=why))
 
-
-# The smallest rotary base whose frequencies (at most 1 / base) float32 holds: 1 / its largest number.
-_SMALLEST_THETA = 1 / 3.4028234663852886e38
 
 _ROPE_EXAMPLES = {"rope_theta": 10000.0, "original_max_position_embeddings": 4096, "short_factor": [1.0, 1.0],
                   "long_factor": [1.0, 1.0], "truncate": True, "rope_type": "default", "type": "default"}

@@ -48,6 +48,7 @@ import numpy as np
 from functree._paths import KeyPath
 from functree._tree import child_name
 from functree.train.checkpoint._decode import decode_leaf, leaf_specs
+from functree.train.checkpoint._errors import UnsavableKeyError
 from functree.train.checkpoint._treespec import (
     CheckpointError,
     SpecError,
@@ -245,13 +246,12 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
         try:
             out_arrays, out["spec"] = encode(result)
         except CheckpointError as e:  # its text is a checkpoint's ("Nothing was written"): said for results
-            why, key = getattr(e, "why", str(e).split(":")[0]), getattr(e, "key", None)
-            if isinstance(key, KeyPath):  # collect_state's layer state
-                raise ExportError(RESULT_LAYER_STATE.format(name=name, why=why)) from None
-            if not hasattr(e, "key_text"):
-                raise ExportError(RESULT_NOT_DATA.format(name=name, why=why)) from None
-            raise ExportError(RESULT_NOT_DESCRIBED.format(name=name, why=why, key=repr(key),
-                                                          key_text=e.key_text)) from None  # type: ignore[attr-defined]
+            if not isinstance(e, UnsavableKeyError):
+                raise ExportError(RESULT_NOT_DATA.format(name=name, why=str(e).split(":")[0])) from None
+            if isinstance(e.key, KeyPath):  # collect_state's layer state
+                raise ExportError(RESULT_LAYER_STATE.format(name=name, why=e.why)) from None
+            raise ExportError(RESULT_NOT_DESCRIBED.format(name=name, why=e.why, key=repr(e.key),
+                                                          key_text=e.key_text)) from None
         out["keys"] = list(out_arrays)
         for key, x in out_arrays.items():
             if not isinstance(x, (jax.Array, np.ndarray)):

@@ -36,6 +36,16 @@ class CheckpointError(ValueError):
     __module__ = _SHOWN_IN
 
 
+class UnsavableKeyError(CheckpointError):
+    """A dict key no file can hold (a tuple, a float, a KeyPath, a lone surrogate), with what
+    is wrong (``why``), the key and a text for it: ``ft.export`` words its fix for a
+    function's results from them, a checkpoint's for a save."""
+
+    def __init__(self, message: str, why: str, key: object, key_text: str):
+        super().__init__(message)
+        self.why, self.key, self.key_text = why, key, key_text
+
+
 class SpecError(CheckpointError):
     """A stored tree cannot be rebuilt from its description alone."""
 

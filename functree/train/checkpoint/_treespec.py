@@ -54,7 +54,12 @@ from functree.train.checkpoint._decode import (
     numpy_scalar,
     safe_dtype,
 )
-from functree.train.checkpoint._errors import MALFORMED, CheckpointError, SpecError
+from functree.train.checkpoint._errors import (
+    MALFORMED,
+    CheckpointError,
+    SpecError,
+    UnsavableKeyError,
+)
 from functree.train.checkpoint._function_code import same_function, shown, with_code
 from functree.train.checkpoint._registry import (
     default_name,
@@ -204,7 +209,7 @@ def _dict_key(key: Any, path: str) -> list[str]:
         bad = next((c for c in key if 0xD800 <= ord(c) <= 0xDFFF), None)
         if bad is not None:  # orbax's writer crashed in a thread: "Unable to cast Python instance of type str"
             fixed = key.encode("utf-8", "replace").decode()
-            raise _key_error(UNENCODABLE_KEY.format(path=where, key=key, char=bad, fixed=fixed),
+            raise UnsavableKeyError(UNENCODABLE_KEY.format(path=where, key=key, char=bad, fixed=fixed),
                              f"The dict at {where} has the key {key!r}, text that is no Unicode", key, fixed)
     if type(key) in (str, int, bool):
         return [type(key).__name__, str(key)]
@@ -212,19 +217,10 @@ def _dict_key(key: Any, path: str) -> list[str]:
         return [np.dtype(type(key)).name, str(int(key))]
     why = f"The dict at {where} has the key {key!r}, a {type(key).__name__}"
     if isinstance(key, KeyPath):  # (its entries joined by "_" read ".layers_[0]_.running_mean")
-        raise _key_error(KEY_PATH_KEY.format(path=where, key=key, key_text=key), why, key, str(key))
+        raise UnsavableKeyError(KEY_PATH_KEY.format(path=where, key=key, key_text=key), why, key, str(key))
     text = ("_".join(map(str, key)) if isinstance(key, tuple) else str(key))[:40]
-    raise _key_error(UNSUPPORTED_KEY.format(path=where, key=key, type=type(key).__name__, key_text=text),
+    raise UnsavableKeyError(UNSUPPORTED_KEY.format(path=where, key=key, type=type(key).__name__, key_text=text),
                      why, key, text)
-
-
-def _key_error(message: str, why: str, key: Any, text: str) -> CheckpointError:
-    """The error for a dict key no file can hold, with what is wrong (``why``), the key and a
-    text for it as attributes: ``ft.export`` words its fix for results from them (a function's
-    return, not a save)."""
-    error = CheckpointError(message)
-    error.why, error.key, error.key_text = why, key, text  # type: ignore[attr-defined]
-    return error
 
 
 def _is_static_record(value: Any) -> bool:

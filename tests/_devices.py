@@ -7,6 +7,7 @@ subprocess. The snippet calls ``report(obj)`` to hand back a JSON-serialisable o
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -16,14 +17,19 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import conftest
+
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "@@REPORT@@"
 
+# The suite's settings (conftest.py): strict promotion, and an MLIR context per ten lowerings.
 PRELUDE = f"""\
 import json, jax
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 def report(obj):
     print({MARK!r} + json.dumps(obj), flush=True)
+{inspect.getsource(conftest.reuse_mlir_contexts)}
+reuse_mlir_contexts()
 """
 
 

@@ -129,3 +129,37 @@ def test_the_runs_processes_share_one_compilation_cache():
     assert done.returncode == 0, done.stderr[-3000:]
     loaded, compiled, numbers = done.stdout.split(maxsplit=2)
     assert int(loaded) >= 1 and compiled == "0" and numbers == f"{here['y'].tolist()}\n", done.stdout
+
+
+def _programs_lowered() -> list[str]:
+    """The text of twelve programs lowered one after another (more than one context's ten):
+    eager operations, a model's gradient through a scan, a LAPACK custom call; with their
+    source locations."""
+    import jax
+    import jax.numpy as jnp
+
+    import functree as ft
+
+    stack = ft.nn.Stack(lambda k: ft.nn.Dense(3, 3, jnp.tanh, key=k), 2, key=jax.random.key(0))
+    x = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
+    programs = [(lambda x, i=i: jnp.sin(x) * (i + 0.5)) for i in range(9)] + [
+        lambda x: ft.gradient(lambda m: jnp.sum(m(x) ** 2), at=stack).layers.weight,
+        lambda x: jnp.linalg.eigh(x.T @ x)[0],
+        lambda x: jax.lax.cumsum(x, axis=1),
+    ]
+    return [jax.jit(f).lower(x).as_text(debug_info=True) for f in programs]
+
+
+def test_a_reused_mlir_context_lowers_the_text_a_fresh_one_does(monkeypatch):
+    """conftest.py lowers ten programs per MLIR context where JAX made one per program (before
+    0.11; JAX reuses them itself from there on): the programs' text is the same as each
+    lowered in a context of its own."""
+    from jax._src.interpreters import mlir
+
+    assert not conftest.reuse_mlir_contexts()  # patched once, or JAX's own reuse
+    fresh = getattr(mlir.make_ir_context, "fresh", None) or mlir._create_ir_context
+    texts = []
+    for make in (mlir.make_ir_context, fresh):  # (one call site: the same source locations)
+        monkeypatch.setattr(mlir, "make_ir_context", make)
+        texts.append(_programs_lowered())
+    assert texts[0] == texts[1]

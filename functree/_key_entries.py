@@ -69,14 +69,24 @@ _TOKEN = re.compile(
 _LITERAL_KEYS = (bool, int, float, complex, bytes, tuple, type(None))
 
 
+# What repr prints for an infinite float or imaginary part: names, not literals.
+_INFINITIES = {"inf": float("inf"), "infj": complex(0, float("inf"))}
+
+
+class _Infinities(ast.NodeTransformer):
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id in _INFINITIES:
+            return ast.copy_location(ast.Constant(_INFINITIES[node.id]), node)
+        return node
+
+
 def _literal(text: str) -> Any:
-    """The Python literal ``text`` spells (``'a\\n'``, ``1.5``, ``(1, 'x')``; ``inf`` and ``-inf``,
-    as an infinite float key prints); raises if none."""
-    if text in ("inf", "-inf"):
-        return float(text)
+    """The Python literal ``text`` spells (``'a\\n'``, ``1.5``, ``(1, 'x')``); infinities as repr
+    prints them, anywhere in it (``inf``, ``-inf``, ``(inf, 1)``, ``(1-infj)``); raises if none."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an invalid escape is no key, not a warning
-        return ast.literal_eval(text)
+        tree = ast.parse(text.lstrip(" \t"), mode="eval")
+    return ast.literal_eval(_Infinities().visit(tree))
 
 
 def parse_printed(text: str) -> tuple[Entry, ...] | None:

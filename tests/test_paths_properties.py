@@ -86,6 +86,8 @@ entries = st.one_of(
     st.one_of(st.integers(-(10**6), 10**6).map(np.int64), st.text(max_size=3).map(np.str_),
               st.floats(allow_nan=False, width=32).map(np.float32), st.booleans().map(np.bool_),
               st.sampled_from([float("inf"), float("-inf")])).map(mapping_entry),
+    # infinities inside a key: a tuple's float, a complex number's part (repr prints names)
+    st.one_of(st.tuples(st.floats(allow_nan=False), st.integers()), st.complex_numbers(allow_nan=False)).map(mapping_entry),
 )
 
 
@@ -93,6 +95,8 @@ entries = st.one_of(
 @given(st.lists(entries, max_size=5))
 # printed as np.int64(3), np.str_('a'), inf: no literal, so KeyPath.parse refused what str(kp) printed
 @example([mapping_entry(np.int64(3)), mapping_entry(np.str_("a")), mapping_entry(float("inf"))])
+# printed as (inf, 1) and (1-infj): no literal inside the brackets, refused
+@example([mapping_entry((float("inf"), 1)), mapping_entry(complex(1, float("-inf"))), mapping_entry(complex(float("-inf"), 0))])
 def test_printed_key_paths_parse_back_exactly(path_entries: list[Entry]):
     kp = ft.KeyPath(path_entries)
     assert ft.KeyPath.parse(str(kp)) == kp

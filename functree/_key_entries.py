@@ -37,9 +37,7 @@ class Entry(NamedTuple):
     def __str__(self) -> str:
         if self.kind == ATTR:
             return f".{self.key}"
-        # a NumPy scalar key (np.str_ from np.unique) prints as its Python value, which reads
-        # back equal: its repr, np.str_('a'), is no literal
-        key = self.key.item() if isinstance(self.key, np.generic) else self.key
+        key = _python_key(self.key) if isinstance(self.key, np.generic) else self.key
         return f"[{key!r}]" if self.kind == KEY else f"[{key}]"
 
     @property
@@ -54,6 +52,18 @@ class Entry(NamedTuple):
         if self.kind == INDEX and isinstance(self.key, int):
             return jax.tree_util.SequenceKey(self.key)
         return jax.tree_util.DictKey(self.key)  # also any other node's key: its name is str(key)
+
+
+def _python_key(key: np.generic) -> Any:
+    """The Python value a NumPy scalar key equals, printed by :class:`Entry` (its repr,
+    ``np.str_('a')``, is no literal). Text by its characters: ``.item()`` and ``str()`` drop
+    an ``np.str_``'s or ``np.bytes_``'s trailing NULs, and ``np.str_('a\\x00')`` is the key
+    ``'a\\x00'`` of its dict, not ``'a'`` (printed ``['a']``, the path read back another key)."""
+    if isinstance(key, str):
+        return str.__str__(key)
+    if isinstance(key, bytes):
+        return bytes(key)
+    return key.item()
 
 
 def mapping_entry(key: Any) -> Entry:

@@ -524,6 +524,17 @@ def test_printed_key_paths_round_trip_quotes_backslashes_control_characters_and_
     assert ft.get(tree, "['line\\nbreak\\ttab\\x00nul'][0]") is tree["line\nbreak\ttab\x00nul"][0]
 
 
+def test_a_numpy_text_key_with_trailing_nuls_prints_them_and_reads_back_its_own_value():
+    # np.str_('a\x00') is the dict key 'a\x00' (equal, same hash), but its .item() and str()
+    # drop the NUL: its path printed ['a'] and read back the other key's value
+    tree = {np.str_("a\x00"): jnp.ones(2), "a": jnp.zeros(2), np.bytes_(b"b\x00"): jnp.ones(1), b"b": jnp.zeros(1)}
+    paths = ft.recursively_all_key_paths(tree)
+    assert [str(p) for p in paths] == ["['a\\x00']", "['a']", "[b'b\\x00']", "[b'b']"]
+    for kp in paths:
+        assert ft.KeyPath.parse(str(kp)) == kp
+        assert ft.get(tree, str(kp)) is kp.get(tree)
+
+
 def test_int_and_other_literal_dict_keys_round_trip():
     tree = {0: jnp.ones(1), -2: jnp.ones(2)}
     paths = ft.recursively_all_key_paths(tree)

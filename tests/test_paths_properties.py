@@ -84,6 +84,7 @@ entries = st.one_of(
     .map(lambda k: Entry(KEY, k)),
     # keys as NumPy gives them (np.unique's) and infinite floats: entries of their dicts (mapping_entry)
     st.one_of(st.integers(-(10**6), 10**6).map(np.int64), st.text(max_size=3).map(np.str_),
+              st.binary(max_size=3).map(np.bytes_),
               st.floats(allow_nan=False, width=32).map(np.float32), st.booleans().map(np.bool_),
               st.sampled_from([float("inf"), float("-inf")])).map(mapping_entry),
     # infinities inside a key: a tuple's float, a complex number's part (repr prints names)
@@ -97,6 +98,8 @@ entries = st.one_of(
 @example([mapping_entry(np.int64(3)), mapping_entry(np.str_("a")), mapping_entry(float("inf"))])
 # printed as (inf, 1) and (1-infj): no literal inside the brackets, refused
 @example([mapping_entry((float("inf"), 1)), mapping_entry(complex(1, float("-inf"))), mapping_entry(complex(float("-inf"), 0))])
+# NumPy text keys with trailing NULs: .item() dropped them, printed ['a'] and [b''] for other keys
+@example([mapping_entry(np.str_("a\x00")), mapping_entry(np.str_("\x00")), mapping_entry(np.bytes_(b"\x00"))])
 def test_printed_key_paths_parse_back_exactly(path_entries: list[Entry]):
     kp = ft.KeyPath(path_entries)
     assert ft.KeyPath.parse(str(kp)) == kp

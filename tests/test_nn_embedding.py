@@ -48,21 +48,47 @@ def test_padding_index_is_torchs_padding_idx(key):
         ft.nn.Embedding(7, 3, key=key, padding_index=7)
 
 
-def test_indices_clipped_onto_the_padding_row_pass_it_no_gradient(key):
-    """Out-of-range indices read the clipped row (jnp.take's "clip"); where that is the
-    padding row it got their gradient ([2, 2] from indices 5 and 7 onto row 4), though the
-    padding row gets none."""
-    for padding, indices in ((4, [5, 7, 1]), (0, [-1, 2])):
-        layer = ft.nn.Embedding(5, 2, key=key, padding_index=padding)
-        ids = jnp.array(indices)
-        grad = ft.gradient(lambda e, ids=ids: e(ids).sum(), at=layer).embeddings
-        np.testing.assert_array_equal(grad[padding], [0.0, 0.0])
-        expected = np.zeros((5, 2), np.float32)
-        for i in indices:
-            row = min(max(i, 0), 4)
-            if row != padding:
-                expected[row] += 1.0
-        np.testing.assert_array_equal(grad, expected)
+def test_an_index_outside_the_table_is_refused_naming_it_and_its_fix(key):
+    """torch raises for an index outside the table; JAX's gather clamped it onto the last (or
+    first) row: another token's embedding, silently. Concrete indices are checked."""
+    layer = ft.nn.Embedding(5, 2, key=key)
+    with pytest.raises(ft.nn.LayerInputError, match=(
+            r"(?s)Embedding expects inputs indices in \[0, 5\) \(int\), got 7 at indices\[1, 0\]\..*"
+            r"JAX's gather would read row 4.*wrong:  ft\.nn\.Embedding\(5, 2, key=key\)\(indices\)\s+# indices up to 9\n"
+            r"\s+right:  ft\.nn\.Embedding\(10, 2, key=key\)\(indices\)\s+# vocabulary_size > every index")):
+        layer(jnp.array([[0, 4], [7, 9]]))
+    with pytest.raises(ft.nn.LayerInputError, match=(
+            r"(?s)got -1 at indices\[1\].*read row 0.*# indices down to -1\n"
+            r"\s+right:  ft\.nn\.Embedding\(5, 2, key=key\)\(jnp\.where\(indices < 0, 0, indices\)\)")):
+        layer(np.array([2, -1]))
+    with pytest.raises(ft.nn.LayerInputError, match=r"got 5 at indices\[0\]"):
+        layer.renormalized(jnp.array([5]), 1.0)
+    model = ft.nn.Sequential([layer, ft.nn.Dense(2, 1, key=key)])
+    with pytest.raises(ft.nn.LayerInputError, match=r"Embedding at \.layers\[0\] expects inputs indices in \[0, 5\)"):
+        model(jnp.array([3, 5]))
+
+
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+def test_a_traced_index_outside_the_table_reads_a_nan_row_and_passes_no_gradient(key, scale_grad_by_freq):
+    """Under jax.jit the values are not seen: an index outside [0, 5) (5, 7, -1) reads a NaN
+    row, never another row; the rows inside are exact, and the gradient reaches only them
+    (the padding row none; with scale_grad_by_freq, counted among the indices inside only)."""
+    layer = ft.nn.Embedding(5, 2, key=key, padding_index=4, scale_grad_by_freq=scale_grad_by_freq)
+    ids = jnp.array([5, 1, 7, 1, -1, 4, 2])
+    rows = jax.jit(lambda e, i: e(i))(layer, ids)
+    inside = np.array([False, True, False, True, False, True, True])
+    assert np.isnan(np.asarray(rows)[~inside]).all()
+    np.testing.assert_array_equal(np.asarray(rows)[inside], np.asarray(layer.embeddings)[np.array([1, 1, 4, 2])])
+    weights = jnp.arange(1.0, 8.0)[:, None]  # a cotangent per lookup
+
+    @jax.jit
+    def grad(e, i):
+        return ft.gradient(lambda e: jnp.where(inside[:, None], e(i) * weights, 0.0).sum(), at=e).embeddings
+
+    expected = np.zeros((5, 2), np.float32)
+    expected[1] = (2.0 + 4.0) / (2 if scale_grad_by_freq else 1)
+    expected[2] = 7.0  # row 4 is the padding row: no gradient
+    np.testing.assert_array_equal(grad(layer, ids), expected)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0])
@@ -102,9 +128,14 @@ def test_renormalized_before_each_step_is_torchs_max_norm_training(key, norm_typ
 
 def test_renormalized_rescales_the_rows_looked_up_once(key):
     emb = ft.nn.Embedding(5, 2, key=key, initializer=lambda k, shape, dtype: jnp.full(shape, 3.0, dtype))
-    out = emb.renormalized(jnp.array([[1, 1], [7, 1]]), 2.0)  # 7 reads row 4 (clipped); row 1 twice: once
+    out = emb.renormalized(jnp.array([[1, 1], [4, 1]]), 2.0)  # row 1 twice: rescaled once
     norms = np.linalg.norm(np.asarray(out.embeddings), axis=-1)
     np.testing.assert_allclose(norms, [np.hypot(3, 3), 2.0, np.hypot(3, 3), np.hypot(3, 3), 2.0], rtol=0, atol=1e-6)
+    # traced, an index outside the table (7, -1: never seen) rescales no row (clamped, 7 rescaled row 4)
+    out = jax.jit(lambda e, i: e.renormalized(i, 2.0))(emb, jnp.array([[1, 1], [7, -1]]))
+    norms = np.linalg.norm(np.asarray(out.embeddings), axis=-1)
+    np.testing.assert_allclose(norms, [np.hypot(3, 3), 2.0, np.hypot(3, 3), np.hypot(3, 3), np.hypot(3, 3)],
+                               rtol=0, atol=1e-6)
 
 
 def test_max_norm_is_refused_with_the_functional_step(key):

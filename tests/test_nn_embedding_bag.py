@@ -168,6 +168,21 @@ def test_scale_grad_by_freq_divides_each_rows_gradient_by_its_count(mode, paddin
     assert str(e.value) == MAX_FREQUENCY
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_an_index_outside_the_table_is_refused_or_reads_nan_never_another_row(mode):
+    """torch raises for an index outside the table; JAX's gather clamped it onto the last row.
+    Concrete indices: refused, naming it; traced: the bag holding it is NaN, the others exact."""
+    bag = ft.nn.EmbeddingBag(5, 3, mode, key=jax.random.key(0))
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)EmbeddingBag expects inputs indices in \[0, 5\) \(int\), "
+                       r"got 6 at indices\[2\].*right:  ft\.nn\.EmbeddingBag\(7, 3, key=key\)\(indices\)"):
+        bag(jnp.array([1, 2, 6, 0]), jnp.array([0, 2]))
+    with pytest.raises(ft.nn.LayerInputError, match=r"got -1 at indices\[0, 1\]"):
+        bag.renormalized(jnp.array([[1, -1]]), 1.0)
+    out = jax.jit(lambda b, i, o: b(i, o))(bag, jnp.array([1, 2, 6, 0]), jnp.array([0, 2]))
+    assert np.isnan(np.asarray(out[1])).all()
+    np.testing.assert_array_equal(out[0], bag(jnp.array([1, 2, 6, 0])[:2], jnp.array([0]))[0])
+
+
 def test_narrow_offsets_bag_every_index():
     """uint8 offsets: the positions 0..n-1 were jnp.arange(n, uint8), which wraps at 256, so
     indices 256 and up were summed into bag 0 (5.6 off), silently."""

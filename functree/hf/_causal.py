@@ -39,7 +39,7 @@ from functree.hf._family import HFModel
 from functree.losses._linear_cross_entropy import linear_cross_entropy
 from functree.nn._attention import KVCache, MultiheadAttention, check_cache_positions
 from functree.nn._check import concrete
-from functree.nn._embedding import Embedding, without_padding_gradient
+from functree.nn._embedding import Embedding, table_rows, without_padding_gradient
 from functree.nn._linear import Dense, add_bias
 from functree.nn._rotary import RopeScaling
 from functree.nn._stack import Stack, member_ranks
@@ -158,9 +158,7 @@ def lookup_rows(embedding: Embedding, indices: jax.Array, padding: int | None = 
     could not read: the wrong row shows as NaN logits, never as another token's row).
     ``padding``: the row HF's embedding has as ``padding_idx`` (:func:`padding_row`): its
     lookups pass no gradient back, as torch's (a tied head still trains it)."""
-    table = embedding.embeddings
-    inside = jnp.where(indices < 0, table.shape[0], indices)
-    return without_padding_gradient(jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan), indices, padding)
+    return without_padding_gradient(table_rows(embedding.embeddings, indices), indices, padding)
 
 
 def padding_row(model: Any, vocab: int) -> int | None:

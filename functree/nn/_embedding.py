@@ -7,10 +7,11 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import field
 from functree.nn._abstract import initialized
-from functree.nn._check import check_input
+from functree.nn._check import LayerInputError, check_input, concrete
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
 
@@ -34,13 +35,22 @@ PADDING_INDEX = """\
 ft.nn.Embedding: padding_index={index} is outside the vocabulary of {size} rows.
     right:  ft.nn.Embedding({size}, d, key=key, padding_index=0)"""
 
+OUTSIDE_TABLE = """\
+An index outside the table has no row: torch raises here, JAX's gather would read row {clamped} in \
+its place (another token's row, silently), and under jax.jit, where the values are not seen, the \
+lookup reads a NaN row. Build the table with a row for every index, or map the indices into it:
+    wrong:  {wrong}
+    right:  {right}"""
+
 
 class Embedding(Layer):
     """``y[..., :] = embeddings[indices[...], :]``: ``[...] int -> [..., embedding_size]``.
 
     ``embeddings`` is ``[vocabulary_size, embedding_size]``, standard normal by default.
-    Out-of-range indices are clamped (JAX's gather semantics). The gradient is
-    a scatter-add into the looked-up rows.
+    An index outside ``[0, vocabulary_size)`` is refused where the indices are concrete
+    (:data:`OUTSIDE_TABLE`, as torch raises) and reads a NaN row under ``jax.jit`` (never
+    another index's row, which JAX's gather would clamp to); it passes no gradient back. The
+    gradient is a scatter-add into the looked-up rows.
 
     ``padding_index=p`` is torch's ``padding_idx``: row ``p`` starts at zeros and gets no
     gradient (it is looked up as stored). A torch state dict does not carry it: give it
@@ -93,11 +103,11 @@ class Embedding(Layer):
 
     def __call__(self, indices: jax.Array) -> jax.Array:
         check_input(self, indices, (), kind="int")
-        read = jnp.clip(indices, 0, self.embeddings.shape[0] - 1)  # the rows jnp.take's "clip" reads
-        rows = jnp.take(self.embeddings, read, axis=0)
+        check_rows(self, indices)
+        rows = table_rows(self.embeddings, indices)
         if self.scale_grad_by_freq:
-            rows = frequency_scaled(rows, read, self.embeddings.shape[0])
-        return without_padding_gradient(rows, read, self.padding_index)
+            rows = frequency_scaled(rows, indices, self.embeddings.shape[0])
+        return without_padding_gradient(rows, indices, self.padding_index)
 
     def renormalized(self, indices: jax.Array, max_norm: float, norm_type: float = 2.0) -> Embedding:
         """This layer with torch's ``max_norm`` renormalization of the rows ``indices`` look up
@@ -122,16 +132,63 @@ class Embedding(Layer):
           Array([4.2426, 1.    , 1.    , 4.2426], dtype=float32)
         """
         check_input(self, indices, (), kind="int")
+        check_rows(self, indices)
         return self.replace(embeddings=renormalized_rows(self.embeddings, indices, max_norm, norm_type))
 
 
+def check_rows(layer: Any, indices: Any) -> None:
+    """Raise :class:`LayerInputError` (:data:`OUTSIDE_TABLE`) if concrete ``indices`` hold one
+    outside ``[0, rows)`` of ``layer.embeddings``; traced ones are not seen (:func:`table_rows`
+    reads NaN rows for them)."""
+    ids = concrete(indices)
+    rows, width = layer.embeddings.shape
+    if ids is None or ids.size == 0:
+        return
+    bad = (ids < 0) | (ids >= rows)
+    if not bad.any():
+        return
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    value = int(ids[where])
+    name = f"ft.nn.{type(layer).__name__}"
+    wrong = f"{name}({rows}, {width}, key=key)(indices)"
+    if value < 0:  # torch refuses a negative index too: no count from the end
+        codes = ((wrong, f"indices down to {int(ids.min())}"),
+                 (f"{name}({rows}, {width}, key=key)(jnp.where(indices < 0, 0, indices))", "the row you mean (0 here)"))
+    else:
+        codes = ((wrong, f"indices up to {int(ids.max())}"),
+                 (f"{name}({int(ids.max()) + 1}, {width}, key=key)(indices)", "vocabulary_size > every index"))
+    pad = max(len(code) for code, _ in codes) + 3
+    wrong, right = (f"{code:<{pad}}# {note}" for code, note in codes)
+    fix = OUTSIDE_TABLE.format(clamped=min(max(value, 0), rows - 1), wrong=wrong, right=right)
+    raise LayerInputError(layer, f"indices in [0, {rows}) (int)", f"{value} at indices{list(where)}", fix)
+
+
+def table_rows(table: jax.Array, indices: jax.Array) -> jax.Array:
+    """``table[indices]`` along its first axis; a NaN row for an index outside it (where a
+    traced call could not be checked: the wrong index shows as NaN, never as another
+    row), which passes no gradient back.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functree.nn._embedding import table_rows
+      >>> table_rows(jnp.arange(4.0).reshape(2, 2), jnp.array([1, 2, -1]))
+      Array([[ 2.,  3.],
+             [nan, nan],
+             [nan, nan]], dtype=float32)
+    """
+    inside = jnp.where(indices < 0, table.shape[0], indices)  # no count from the end (take's fill wraps)
+    return jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan)
+
+
 def renormalized_rows(w: jax.Array, indices: jax.Array, max_norm: float, norm_type: float) -> jax.Array:
-    """``w`` with torch's ``embedding_renorm_`` of the rows ``indices`` look up (clamped as a
-    lookup reads them): each distinct one of ``p``-norm above ``max_norm`` scaled to
-    ``max_norm / (norm + 1e-7)`` of itself; the gradient passed through unscaled (torch's
-    ``no_grad``). ``Embedding.renormalized`` and ``EmbeddingBag.renormalized``."""
-    read = jnp.clip(_wide(indices), 0, w.shape[0] - 1).ravel()  # the rows a lookup reads
-    looked = jnp.zeros(w.shape[0], bool).at[read].set(True)
+    """``w`` with torch's ``embedding_renorm_`` of the rows ``indices`` look up (an index
+    outside the table, seen only where traced, rescales none): each distinct one of ``p``-norm
+    above ``max_norm`` scaled to ``max_norm / (norm + 1e-7)`` of itself; the gradient passed
+    through unscaled (torch's ``no_grad``). ``Embedding.renormalized`` and
+    ``EmbeddingBag.renormalized``."""
+    read = _wide(indices).ravel()
+    read = jnp.where(read < 0, w.shape[0], read)  # dropped by the scatter (it would count from the end)
+    looked = jnp.zeros(w.shape[0], bool).at[read].set(True, mode="drop")
     norms = jnp.linalg.norm(w, ord=norm_type, axis=-1)
     scale = jnp.where(looked & (norms > max_norm), max_norm / (norms + 1e-7), 1.0).astype(w.dtype)
     rescaled = w * scale[:, None]
@@ -162,11 +219,14 @@ def _wide(indices: jax.Array) -> jax.Array:
 
 
 def frequency_scaled(rows: jax.Array, read: jax.Array, vocabulary_size: int) -> jax.Array:
-    """``rows [..., d]`` (looked up at ``read [...]``, in range) as they are, the cotangent of
-    each divided by its index's count in ``read`` (torch's ``scale_grad_by_freq``)."""
+    """``rows [..., d]`` (looked up at ``read [...]``) as they are, the cotangent of each
+    divided by its index's count in ``read`` (torch's ``scale_grad_by_freq``); an index
+    outside the table (a NaN row, no gradient) counts for none."""
     read = _wide(read)
-    counts = jnp.zeros((vocabulary_size,), jnp.int32).at[read.ravel()].add(1)
-    return _tangent_scaled(rows, (1 / counts[read].astype(rows.dtype))[..., None])
+    read = jnp.where(read < 0, vocabulary_size, read)  # outside: dropped, not counted from the end
+    counts = jnp.zeros((vocabulary_size,), jnp.int32).at[read.ravel()].add(1, mode="drop")
+    seen = jnp.take(counts, read, mode="fill", fill_value=1)
+    return _tangent_scaled(rows, (1 / seen.astype(rows.dtype))[..., None])
 
 
 @jax.custom_jvp

@@ -11,7 +11,13 @@ import numpy as np
 from functree._module import field
 from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input, concrete
-from functree.nn._embedding import embedding_table, frequency_scaled, renormalized_rows
+from functree.nn._embedding import (
+    check_rows,
+    embedding_table,
+    frequency_scaled,
+    renormalized_rows,
+    table_rows,
+)
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
 
@@ -76,8 +82,10 @@ class EmbeddingBag(Layer):
     gets its gradient (torch's; a NaN propagates). ``per_sample_weights`` (the indices' shape;
     ``"sum"`` only) weighs each row. ``padding_index=p`` (torch's ``padding_idx``): row ``p`` starts at zeros, and its
     entries are left out of their bags (not counted by the mean, never the max) and get no
-    gradient. ``embeddings`` is torch's ``weight``. As ``ft.nn.Embedding``, out-of-range indices
-    are clamped; offsets are checked eagerly (under ``jax.jit`` their values are unknown).
+    gradient. ``embeddings`` is torch's ``weight``. As ``ft.nn.Embedding``, an index outside the
+    table is refused where the indices are concrete and reads a NaN row under ``jax.jit``
+    (never another index's row); offsets are checked eagerly (under ``jax.jit`` their values
+    are unknown).
     torch's ``max_norm=m`` (an in-place change of the weight at each forward) is
     :meth:`renormalized`, called before each step; ``max_norm=`` here is refused
     (:data:`MAX_NORM`). ``scale_grad_by_freq=True`` (torch's) divides the gradient each entry
@@ -130,6 +138,7 @@ class EmbeddingBag(Layer):
         if indices.ndim not in (1, 2):
             raise LayerInputError(self, "indices [B, N] or [n] with offsets (int)", short_array(indices),
                                   BAGS.format(why=NEEDS_OFFSETS))
+        check_rows(self, indices)
         weights = self._weights(indices, per_sample_weights)
         if indices.ndim == 2:  # each row a bag
             bags, n = jnp.broadcast_to(jnp.arange(indices.shape[0])[:, None], indices.shape), indices.shape[0]
@@ -158,6 +167,7 @@ class EmbeddingBag(Layer):
         """
         indices = jnp.asarray(indices)
         check_input(self, indices, (), kind="int")
+        check_rows(self, indices)
         return self.replace(embeddings=renormalized_rows(self.embeddings, indices, max_norm, norm_type))
 
     def _weights(self, indices: jax.Array, weights: Any) -> jax.Array | None:
@@ -192,10 +202,9 @@ class EmbeddingBag(Layer):
 
     def _reduce(self, indices: jax.Array, bags: jax.Array, n: int, weights: jax.Array | None) -> jax.Array:
         w = self.embeddings
-        read = jnp.clip(indices, 0, w.shape[0] - 1)
-        rows = jnp.take(w, read, axis=0)
+        rows = table_rows(w, indices)  # NaN for an index outside (traced: check_rows could not see it)
         if self.scale_grad_by_freq:
-            rows = frequency_scaled(rows, read, w.shape[0])
+            rows = frequency_scaled(rows, indices, w.shape[0])
         kept = jnp.ones(indices.shape, bool) if self.padding_index is None else indices != self.padding_index
         if self.mode == "max":  # torch's: each feature's first maximum in the bag, where the gradient goes
             # (segment_max's split it between equal maxima); a NaN propagates (the first NaN picked)

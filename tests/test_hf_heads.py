@@ -421,7 +421,7 @@ def test_labels_that_do_not_fit_the_problem_are_refused(ported):
     single = model.replace(hf_config=HFConfig({**model.hf_config, "problem_type": "single_label_classification"}))
     with pytest.raises(ValueError, match=r"single_label_classification are integer class ids \[batch\]"):
         single.loss(logits, np.eye(3, dtype=np.float32)[[1, 2]])
-    with pytest.raises(ValueError, match=r"class ids in \[0, 3\) or -100"):
+    with pytest.raises(ValueError, match=r"label 3 at labels\[0\] is not a class of logits f32\[2,3\]"):
         single.loss(logits, np.array([3, 0]))
     regression = model.replace(hf_config=HFConfig({**model.hf_config, "problem_type": "regression"}))
     with pytest.raises(ValueError, match=r"regression are floating targets \(HF's MSELoss regresses integer ones"):
@@ -438,6 +438,27 @@ def test_labels_that_do_not_fit_the_problem_are_refused(ported):
     _, decoder = ported["LlamaForTokenClassification"]
     with pytest.raises(TypeError, match="token_type_ids are BERT's segment ids"):
         decoder(IDS, MASK, np.zeros_like(IDS))
+
+
+def test_a_label_outside_the_classes_is_refused_and_nan_under_jit_never_another_class(ported):
+    """torch raises IndexError for a label outside [0, num_labels) other than -100; a gather
+    read -1 as the last class: under jax.jit the loss of labels [-1, 0] was that of [2, 0]."""
+    _, model = ported["LlamaForSequenceClassification"]
+    logits = model(IDS, MASK)
+    for labels in ([-1, 0], [3, 0]):
+        with pytest.raises(ValueError, match=rf"(?s)label {labels[0]} at labels\[0\] is not a class.*"
+                                             rf"right:  model.loss\(logits, jnp.where\(labels == {labels[0]}, -100"):
+            model.loss(logits, np.array(labels))
+        assert np.isnan(float(jax.jit(model.loss)(logits, np.array(labels))))
+    _, token = ported["LlamaForTokenClassification"]
+    token_logits = token(IDS, MASK)
+    labels = np.where(MASK == 1, 0, -100)
+    labels[1, 4] = -1
+    with pytest.raises(ValueError, match=r"label -1 at labels\[1, 4\] is not a class"):
+        token.loss(token_logits, labels)
+    assert np.isnan(float(jax.jit(token.loss)(token_logits, labels)))
+    labels[1, 4] = -100  # the message's fix: ignored
+    assert np.isfinite(float(jax.jit(token.loss)(token_logits, labels)))
 
 
 def test_a_directory_of_an_uncovered_head_is_still_refused_naming_its_body(tmp_path):

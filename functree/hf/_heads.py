@@ -124,6 +124,17 @@ BAD_LABELS = """\
     right:  {right}
 """
 
+LABEL_OUTSIDE_CLASSES = """\
+{model}.loss: label {label} at labels{where} is not a class of logits {logits} (classes 0 to \
+{last}) nor the ignored label ({ignore}). torch's cross_entropy raises here (IndexError: Target \
+{label} is out of bounds); a gather would read another class in its place (-1 the last), and \
+under jax.jit, where the labels are not seen, the loss is NaN.
+
+    wrong:  model.loss(logits, labels)                                     # labels hold {label}
+    right:  model.loss(logits, jnp.where(labels == {label}, {ignore}, labels))   # to skip those positions
+       or:  labels in 0 .. {last}, the {classes} classes of the logits' last axis (num_labels, or the choices)
+"""
+
 NOT_A_TASK_MODEL = """\
 ft.hf.task_loss takes a task model of ft.nn.from_hf ({covered}), got {given}. A causal LM's \
 loss is the next token's cross-entropy:
@@ -851,7 +862,9 @@ def task_loss(model: Any, logits: Any, labels: Any) -> jax.Array:
     Token classification and masked LM: softmax cross-entropy at every token in float32,
     the mean over labels not ``-100`` (torch's ``ignore_index``: padding, the unmasked
     tokens). ``model.loss(logits, labels)`` is the same. (HF records the inferred problem
-    type on its config at the first call; this infers it at each call.)
+    type on its config at the first call; this infers it at each call.) A class label
+    outside ``0 .. classes - 1`` and not ``-100`` raises :data:`LABEL_OUTSIDE_CLASSES` (as
+    torch's IndexError); under ``jax.jit`` it makes the loss NaN, never another class's.
 
     Question answering: ``logits`` the model's :class:`SpanLogits` (start, end), ``labels``
     the pair ``(start_positions, end_positions)``, int ``[batch]`` each; each position
@@ -924,7 +937,7 @@ def _sequence_loss(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Arra
             raise _bad(model, problem, f"integer class ids [batch] (-100: ignored), one per row of {list(logits.shape)}",
                        labels, logits, "model.loss(logits, jax.nn.one_hot(classes, num_labels))",
                        "model.loss(logits, classes)      # int [batch]")
-        return _cross_entropy(model, logits.reshape(-1, count), flat)
+        return _cross_entropy(model, logits.reshape(-1, count), flat, shape=labels.shape)
     if labels.shape != logits.shape or not jnp.issubdtype(labels.dtype, jnp.floating):
         raise _bad(model, problem, f"floating 0/1 targets shaped like the logits {list(logits.shape)}", labels, logits,
                    "model.loss(logits, classes)", "model.loss(logits, targets.astype(jnp.float32))   # [batch, num_labels]")
@@ -938,7 +951,7 @@ def _token_loss(model: Any, logits: jax.Array, labels: jax.Array) -> jax.Array:
         raise _bad(model, "token classification", f"integer ids {list(logits.shape[:-1])} (-100: ignored)", labels,
                    logits, "model.loss(logits, labels[:, 1:])   # shifted, as a causal LM's",
                    "model.loss(logits, labels)           # one label per token")
-    return _cross_entropy(model, logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return _cross_entropy(model, logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), shape=labels.shape)
 
 
 def _wide(dtype: Any) -> Any:
@@ -947,22 +960,30 @@ def _wide(dtype: Any) -> Any:
     return dtype if jnp.dtype(dtype).itemsize >= 4 else jnp.dtype(jnp.float32)
 
 
-def _cross_entropy(model: Any, logits: jax.Array, labels: jax.Array, ignore: int = IGNORE_INDEX) -> jax.Array:
+def _cross_entropy(model: Any, logits: jax.Array, labels: jax.Array, ignore: int = IGNORE_INDEX,
+                   shape: tuple[int, ...] | None = None) -> jax.Array:
     """torch's ``cross_entropy(logits, labels, ignore_index=ignore)`` in float32 (or wider):
-    the mean over the labels kept (NaN where none is, as torch)."""
+    the mean over the labels kept (NaN where none is, as torch). A concrete label outside
+    ``[0, classes)`` other than ``ignore`` raises :data:`LABEL_OUTSIDE_CLASSES` (torch's
+    IndexError; ``shape``: the labels' own before they were flattened); a traced one makes
+    the loss NaN, never another class's cross-entropy (a gather would wrap -1 to the last)."""
     count = logits.shape[-1]
     values = concrete(labels)
     if values is not None:
         outside = (values != ignore) & ((values < 0) | (values >= count))
         if outside.any():
             at = int(np.argwhere(outside)[0][0])
-            raise _bad(model, "cross-entropy", f"class ids in [0, {count}) or -100 (ignored)", labels, logits,
-                       f"labels holding {int(values[at])}", "labels in range (torch raises on the others)")
+            value = int(values[at])
+            where = [int(i) for i in np.unravel_index(at, shape or values.shape)]
+            raise ValueError(LABEL_OUTSIDE_CLASSES.format(
+                model=type(model).__name__, label=value, where=where, classes=count, last=count - 1,
+                logits=short_array(logits), ignore=ignore))
     wide = _wide(logits.dtype)
     x = logits.astype(wide)
     kept = labels != ignore
-    picked = jnp.take_along_axis(x, jnp.where(kept, labels, 0)[:, None], axis=-1)[:, 0]
-    nll = jax.nn.logsumexp(x, axis=-1) - picked
+    outside = kept & ((labels < 0) | (labels >= count))  # traced: not seen above
+    picked = jnp.take_along_axis(x, jnp.where(kept & ~outside, labels, 0)[:, None], axis=-1)[:, 0]
+    nll = jnp.where(outside, jnp.nan, jax.nn.logsumexp(x, axis=-1) - picked)
     return jnp.sum(jnp.where(kept, nll, 0)) / jnp.sum(kept).astype(wide)
 
 

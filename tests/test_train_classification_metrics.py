@@ -166,6 +166,24 @@ def test_top_k_accuracy_label_forms_and_ties():
     assert float(ft.train.top_k_accuracy.of(logits, jnp.full((_N, _T), -100), k=2)) == 0.0  # nothing counted
 
 
+def test_a_top_k_label_outside_the_classes_is_refused_and_nan_under_jit():
+    """A class id outside [0, C) not ignore_index: sklearn's top_k_accuracy_score raises; the
+    gather read -1 as the last class (a hit where it ranked in the top k: 0.5 here, not 0)."""
+    logits = jnp.array([[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    with pytest.raises(ValueError, match="labels not in"):
+        skm.top_k_accuracy_score([-1, -1], np.asarray(logits), k=2, labels=np.arange(4))
+    raises_named(lambda: ft.train.top_k_accuracy.of(logits, jnp.array([-1, -1]), k=2), ValueError,
+                 cm.TOP_K_LABEL_OUTSIDE, "right:  ft.train.top_k_accuracy.of(logits, labels, k=2, ignore_index=-1)")
+    out = StepOutput(jnp.zeros(()), logits, (None, jnp.array([0, 4])), None)
+    raises_named(lambda: ft.train.top_k_accuracy(2)(out), ValueError, cm.TOP_K_LABEL_OUTSIDE,
+                 "label 4 at labels[1]")
+    traced = jax.jit(lambda logits, labels: ft.train.top_k_accuracy.of(logits, labels, k=2))
+    assert np.isnan(float(traced(logits, jnp.array([-1, -1]))))
+    assert np.isnan(float(traced(logits, jnp.array([0, 4]))))
+    assert float(traced(logits, jnp.array([-100, 3]))) == 1.0  # ignore_index still left out
+    assert float(ft.train.top_k_accuracy.of(logits, jnp.array([-1, 3]), k=2, ignore_index=-1)) == 1.0  # the fix
+
+
 def test_labels_of_the_logits_shape_are_multi_label_micro_averages():
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(8, 5)).astype(np.float32)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree.nn._check import concrete
 from functree.train._metrics import (
     IGNORE_INDEX,
     StepOutput,
@@ -93,6 +94,17 @@ TOP_K_SHAPES = """\
 ft.train.top_k_accuracy: logits of shape {logits} do not fit labels of shape {labels}. It \
 takes logits [..., C] (C >= 2) with class ids of shape logits.shape[:-1] or one-hot labels of \
 shape logits.shape; binary logits (one per label) have no top k."""
+
+TOP_K_LABEL_OUTSIDE = """\
+ft.train.top_k_accuracy: label {label} at labels{where} is not a class of logits of shape {logits} \
+(classes 0 to {last}) nor ignore_index ({ignore}). scikit-learn's top_k_accuracy_score raises \
+here; the gather of the label's logit would read another class's in its place (-1: the last \
+class's, a hit wherever that class ranks high), and under jax.jit, where the labels are not \
+seen, the metric is NaN. Leave those labels out, or map them into the classes:
+
+    wrong:  {wrong}
+    right:  {right}
+       or:  labels in 0 .. {last}"""
 
 
 def _is_int(x: Any) -> bool:
@@ -316,10 +328,13 @@ recall.__ft_counts__ = _recall_counts  # type: ignore[attr-defined]
 f1.__ft_counts__ = _f1_counts  # type: ignore[attr-defined]
 
 
-def _top_k_counts(logits: Any, labels: Any, k: int, ignore_index: int | None) -> tuple[jax.Array, jax.Array]:
+def _top_k_counts(logits: Any, labels: Any, k: int, ignore_index: int | None,
+                  of: bool = False) -> tuple[jax.Array, jax.Array]:
     """``(hits, counted)``: the scored labels among the top ``k`` logits (Keras's
     ``in_top_k``: rank ``1 + #(logits > the label's)`` at most ``k``, ties in; a NaN logit at
-    the label ranks last), and the labels scored (``ignore_index`` left out)."""
+    the label ranks last), and the labels scored (``ignore_index`` left out). A scored class
+    id outside ``[0, C)`` raises :data:`TOP_K_LABEL_OUTSIDE` where concrete (``of``: the
+    ``.of`` call named in it) and makes ``hits`` NaN where traced."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     shape = logits.shape
     ids_shape = len(shape) >= 1 and labels.shape == shape[:-1]
@@ -330,10 +345,32 @@ def _top_k_counts(logits: Any, labels: Any, k: int, ignore_index: int | None) ->
         raise ValueError(K_NOT_BELOW_CLASSES.format(k=k, classes=shape[-1], logits=shape, right=max(1, shape[-1] - 1)))
     ids = _class_ids("top_k_accuracy", logits, labels, f", k={k}")
     kept = _kept(ids, ignore_index) if labels.shape != shape else jnp.ones(ids.shape, bool)
-    at_label = jnp.take_along_axis(logits, jnp.where(kept, ids, 0)[..., None], axis=-1)
+    outside = kept & ((ids < 0) | (ids >= shape[-1]))  # (one-hot labels' argmax: never)
+    _check_top_k_labels(ids, outside, shape, k, ignore_index, of)
+    at_label = jnp.take_along_axis(logits, jnp.where(kept & ~outside, ids, 0)[..., None], axis=-1)
     at_label = jnp.where(jnp.isnan(at_label), -jnp.inf, at_label)
     hits = (jnp.sum(logits > at_label, axis=-1) < k) & kept
+    hits = jnp.where(outside, jnp.nan, hits.astype(jnp.float32))  # traced: NaN, never another class's rank
     return jnp.sum(hits, dtype=jnp.float32), jnp.sum(kept, dtype=jnp.float32)
+
+
+def _check_top_k_labels(ids: jax.Array, outside: jax.Array, shape: tuple[int, ...], k: int,
+                        ignore_index: int | None, of: bool) -> None:
+    """:data:`TOP_K_LABEL_OUTSIDE` where the concrete ``outside`` holds a label."""
+    bad = concrete(outside)
+    if bad is None or not bad.any():
+        return
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    label = int(np.asarray(ids)[where])
+    if of:
+        wrong = f"ft.train.top_k_accuracy.of(logits, labels, k={k})"
+        right = f"ft.train.top_k_accuracy.of(logits, labels, k={k}, ignore_index={label})"
+    else:
+        wrong, right = f"ft.train.top_k_accuracy({k})", f"ft.train.top_k_accuracy({k}, ignore_index={label})"
+    pad = len(right) + 3
+    raise ValueError(TOP_K_LABEL_OUTSIDE.format(
+        label=label, where=list(where), logits=shape, last=shape[-1] - 1, ignore=ignore_index,
+        wrong=f"{wrong:<{pad}}# labels hold {label}", right=f"{right:<{pad}}# left out"))
 
 
 def _check_k(k: Any) -> int:
@@ -357,6 +394,9 @@ def top_k_accuracy(k: int = 5, *, ignore_index: int | None = IGNORE_INDEX) -> An
     counting metric: over minibatches it is Σ hits / Σ counted, the whole epoch's.
     ``ft.train.top_k_accuracy.of(logits, labels, k=5)`` is the same from logits and labels
     you name. ``k`` must be below the number of classes (else every label is in the top k).
+    A class id outside ``0 .. C - 1`` (and not ``ignore_index``) raises
+    :data:`TOP_K_LABEL_OUTSIDE` where the labels are concrete (scikit-learn raises) and
+    makes the metric NaN under ``jax.jit``, never another class's rank.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -393,7 +433,7 @@ def _top_k_accuracy_of(logits: Any, labels: Any, *, k: int = 5, ignore_index: in
       0.5
     """
     k, ignore = _check_k(k), _check_ignore_index("top_k_accuracy", ignore_index)
-    return _ratio(*_top_k_counts(logits, labels, k, ignore))
+    return _ratio(*_top_k_counts(logits, labels, k, ignore, of=True))
 
 
 top_k_accuracy.of = _top_k_accuracy_of  # type: ignore[attr-defined]

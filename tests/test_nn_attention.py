@@ -339,8 +339,8 @@ def test_cache_errors(key):
         mha(x, cache=cache, positions=dev(posn + 6 + np.arange(3, dtype=np.int32)))
     with pytest.raises(ValueError, match=r"(?s)run from -1 to 1, but the cache has 8 slots.*counted from 0"):
         mha(x, cache=cache, positions=dev(np.broadcast_to(np.arange(3, dtype=np.int32) - 1, (2, 3))))
-    out, _ = jax.jit(lambda p: mha(x, cache=cache, positions=p))(dev(posn + 6 + np.arange(3, dtype=np.int32)))  # traced: not checked (generate sizes it)
-    assert out.shape == (2, 3, 8)
+    out, _ = jax.jit(lambda p: mha(x, cache=cache, positions=p))(dev(posn + 6 + np.arange(3, dtype=np.int32)))  # traced: NaN past the end
+    assert out.shape == (2, 3, 8) and np.isnan(np.asarray(out[:, 2])).all() and not np.isnan(np.asarray(out[:, :2])).any()
 
 
 # ----------------------------------------------------------------------------- the kernel choice
@@ -604,6 +604,25 @@ def test_narrow_cache_positions_attend_as_int32_ones():
         for dtype in (jnp.int32, jnp.uint8, jnp.int8):
             cached = attn(x, cache=attn.init_cache(1, slots), positions=jnp.arange(4, dtype=dtype)[None])[0]
             np.testing.assert_allclose(np.asarray(cached), uncached, rtol=0, atol=1e-6, err_msg=f"{window} {dtype}")
+
+
+def test_traced_positions_outside_the_cache_give_nan_and_write_nothing():
+    """Under jax.jit (positions unseen) a slot past the cache's end was dropped by the scatter
+    and the query attended the cache without its own token: a finite output (a jitted decode
+    step one token past max_length read the same values as the step before); a negative slot
+    wrapped onto the last slot and overwrote it. Now such a query's output is NaN and its key
+    and value are written nowhere; the tokens inside the cache are unchanged."""
+    attn = ft.nn.MultiheadAttention(8, 2, key=jax.random.key(0))
+    x = _normal(0, (1, 2, 8))
+    step = jax.jit(lambda c, p: attn(x, cache=c, positions=p))
+    filled = step(attn.init_cache(1, 4), jnp.array([[0, 1]]))[1]
+    expected = np.asarray(step(filled, jnp.array([[2, 3]]))[0])
+    for bad in ([[2, 4]], [[2, -1]]):  # the second token past the end, or counted from it
+        out, cache = step(filled, jnp.array(bad))
+        out = np.asarray(out)
+        assert np.isnan(out[0, 1]).all(), bad
+        np.testing.assert_allclose(out[0, 0], expected[0, 0], rtol=0, atol=1e-6 * np.abs(expected).max())
+        assert not np.asarray(cache.keys[0, 3]).any() and not np.asarray(cache.values[0, 3]).any(), bad
 
 
 def test_bfloat16_attention_differentiates_under_strict_promotion():

@@ -208,7 +208,8 @@ def check_cache_positions(who: str, positions: jax.Array, length: int) -> None:
     """Refuse cache slots ``positions [batch, T]`` outside ``0 .. length - 1``
     (:data:`POSITIONS_OUTSIDE_CACHE`): the cache's scatter drops a write past its end and
     wraps a negative slot, silently. Concrete positions only: under a trace the values are
-    unknown (``generate`` sizes its cache from the prompt and ``max_new_tokens``)."""
+    unknown (``generate`` sizes its cache from the prompt and ``max_new_tokens``), and
+    ``MultiheadAttention`` gives such a token a NaN output instead (:func:`_inside_cache`)."""
     given = concrete(positions)  # (NumPy's min: under another function's trace jnp's would be traced)
     if given is None or given.size == 0:
         return
@@ -341,6 +342,10 @@ class MultiheadAttention(Layer):
     slots ``pos``, and each query attends the cache's slots ``s <= p`` (its own position
     ``p``; causal whatever ``causal`` says), restricted by ``mask`` (bool or 0/1 integers
     ``[batch, max_length]`` over slots, True where a slot holds a real token: left padding).
+    A position outside the cache's slots ``0 .. max_length - 1`` is refused where it is
+    concrete (:data:`POSITIONS_OUTSIDE_CACHE`); under ``jax.jit`` its query's output is NaN
+    and its key and value are written nowhere (never an output over a cache that lacks its
+    token, nor a write into another slot).
     ``rotary_positions=`` (with a cache) rotates by other positions than the slots (Hugging
     Face's ``cumsum(mask) - 1`` of a left-padded row: what dynamic NTK rope needs to equal it).
     ``attn.init_cache(batch_size, max_length)`` makes an empty cache (a worked example:
@@ -609,7 +614,9 @@ class MultiheadAttention(Layer):
         if self.rotary is not None:
             at = positions if rotary_positions is None else self._positions(rotary_positions, (batch, t))
             q, k = self._rotated(q, k, at, per_slot=True)
-        cache = KVCache(_write(cache.keys, k, positions), _write(cache.values, v, positions))
+        inside = _inside_cache(positions, length)
+        slots = positions if inside is None else jnp.where(inside, positions, length)  # outside: dropped, never wrapped
+        cache = KVCache(_write(cache.keys, k, slots), _write(cache.values, v, slots))
         allowed = jnp.arange(length, dtype=positions.dtype) <= positions[..., None]  # [batch, T, slots]
         if self.member_window is not None:  # a window held as data (a Stack member's own)
             allowed = allowed & _band(jnp.arange(length, dtype=positions.dtype), positions[..., None], self.member_window)
@@ -618,7 +625,10 @@ class MultiheadAttention(Layer):
         if mask is not None:
             allowed = allowed & self._slot_mask(mask, batch, length)[:, None, :]
         ck, cv = (a.astype(q.dtype) for a in (cache.keys, cache.values))
-        return self._attend(q, ck, cv, allowed[:, None], False, key)[0], cache
+        out = self._attend(q, ck, cv, allowed[:, None], False, key)[0]
+        if inside is not None:  # a traced position outside the cache: NaN, never a valid-looking output
+            out = jnp.where(inside[..., None], out, jnp.asarray(jnp.nan, out.dtype))
+        return out, cache
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> KVCache:
         """An empty :class:`KVCache` for ``batch_size`` sequences of up to ``max_length``
@@ -732,6 +742,17 @@ def _band(keys: jax.Array, queries: jax.Array, window: Any) -> jax.Array:
     slide)."""
     window = jnp.asarray(window, queries.dtype)
     return (keys > queries - window) | (window < 1)
+
+
+def _inside_cache(positions: jax.Array, length: int) -> jax.Array | None:
+    """``[batch, T]``: whether each traced position is a slot of a cache of ``length``; None
+    for concrete ones (:func:`check_cache_positions` refused any outside). Under ``jax.jit``
+    the scatter would drop a write past the end (the query then attends a cache without its
+    own token) and wrap a negative slot onto the last ones, both silently: such a query's
+    output is made NaN and its write dropped instead."""
+    if not isinstance(positions, jax.core.Tracer):
+        return None
+    return (positions >= 0) & (positions < length)
 
 
 def _write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:

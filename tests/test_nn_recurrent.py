@@ -901,6 +901,28 @@ def test_lengths_are_checked_and_a_recording_cell_is_refused():
         ft.nn.collect_state(lambda m: m(xs, lengths=jnp.array([5, 2])), normed)
 
 
+def test_traced_lengths_outside_the_time_axis_read_nan():
+    """Under jax.jit (lengths unseen) a length above the time axis ran the whole sequence and
+    a negative one none of it (outputs 0, the initial state): valid-looking numbers where torch's
+    packed GRU raises (a crop of xs left lengths measured before it). Now that sequence's
+    outputs and final state are NaN; the others' are unchanged (Bidirectional, StackedRNN too)."""
+    key = jax.random.key(0)
+    xs = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 2)), jnp.float32)
+    for model in (ft.nn.RNN(ft.nn.LSTMCell(2, 3, key=key)), ft.nn.Bidirectional(ft.nn.RNN(ft.nn.GRUCell(2, 3, key=key)),
+                                                                           ft.nn.RNN(ft.nn.GRUCell(2, 3, key=key), reverse=True))):
+        run = jax.jit(lambda m, x, n: m(x, lengths=n, return_state=True))
+        expected, _ = run(model, xs, jnp.array([4, 2, 3]))
+        ys, final = run(model, xs, jnp.array([5, 2, -1]))
+        ys, expected = np.asarray(ys), np.asarray(expected)
+        assert np.isnan(ys[0]).all() and np.isnan(ys[2]).all(), type(model)
+        np.testing.assert_allclose(ys[1], expected[1], rtol=0, atol=1e-6 * np.abs(expected).max())
+        for leaf in jax.tree.leaves(final):
+            leaf = np.asarray(leaf)
+            assert np.isnan(leaf[..., 0, :]).all() and np.isnan(leaf[..., 2, :]).all() and not np.isnan(leaf[..., 1, :]).any()
+    with pytest.raises(ft.nn.LayerInputError, match=r"(?s)from -1 to 5.*right:  rnn\(xs\[:, :T\], lengths=jnp.minimum"):
+        model(xs, lengths=np.array([5, 2, -1]))  # concrete: refused, with the fix
+
+
 def test_lengths_under_collect_state_with_a_cell_that_records_nothing(key):
     """ft.nn.RNN(lengths=) raised "a cell that records layer state" under collect_state for
     any cell: value_with_gradient_and_state on an LSTM over padded sequences, and

@@ -63,6 +63,15 @@ Pass one length per sequence, as torch's pack_padded_sequence(xs, lengths) and F
 seq_lengths take them: the real steps of each, the rest of its time axis padding:
     right:  rnn(xs, lengths=jnp.array([7, 3, 5]))   # xs [3, 7, features]: batch 3, 7 steps at most"""
 
+LENGTHS_OUTSIDE = """\
+A length above the time axis (or below 0) has no steps to run: torch's packed GRU raises on it \
+(a length of 0 too), and JAX's comparison of steps with lengths would run the whole sequence \
+(or none of it) silently. Where the lengths are concrete they are refused; under jax.jit, where \
+their values are not seen, that sequence's outputs and final state are NaN. Clip the lengths \
+to the steps kept, or pad xs to the longest:
+    wrong:  rnn(xs[:, :T], lengths=lengths)                      # lengths measured before the crop
+    right:  rnn(xs[:, :T], lengths=jnp.minimum(lengths, T))"""
+
 LENGTHS_COLLECTING = """\
 ft.nn.RNN: lengths= with a cell that records layer state (a BatchNorm in training mode, a \
 recorded intermediate): its records would hold the padded steps too. Run it in inference \
@@ -368,6 +377,24 @@ class LSTMCell(_Cell):
         return LSTMState(h, c), h
 
 
+def _nan_outside(lengths: jax.Array, time: int, ys: Any, final: Any) -> tuple[Any, Any]:
+    """``ys`` (time first, then the batch axes) and ``final`` (batch axes first) with the
+    floating leaves of each sequence whose traced length lies outside ``[0, time]`` NaN
+    (:data:`LENGTHS_OUTSIDE`): the step mask ``t < length`` ran all ``time`` steps for a longer
+    one and none for a negative one, a valid-looking result."""
+    wide = jnp.dtype(jnp.int32) if lengths.dtype.itemsize < 4 else lengths.dtype  # uint8 cannot hold 300
+    bad = (lengths.astype(wide) < 0) | (lengths.astype(wide) > time)
+
+    def nan(leaf: Any, lead: int) -> Any:
+        leaf = jnp.asarray(leaf)
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact) or leaf.ndim < lead + bad.ndim:
+            return leaf
+        at = bad.reshape((1,) * lead + bad.shape + (1,) * (leaf.ndim - lead - bad.ndim))
+        return jnp.where(at, jnp.asarray(jnp.nan, leaf.dtype), leaf)
+
+    return jax.tree.map(lambda a: nan(a, 1), ys), jax.tree.map(lambda a: nan(a, 0), final)
+
+
 class RNN(Layer):
     """Run a cell over a sequence with ``jax.lax.scan``: ``[..., time, features] -> [..., time, hidden]``.
 
@@ -399,7 +426,10 @@ class RNN(Layer):
     padded steps and their outputs are 0, as torch's ``pad_packed_sequence`` pads them, so
     the final state is each sequence's own last step's; ``reverse=True`` starts each at its
     own last real step (torch's packed backward direction). Without it every step is read,
-    padding included: a padded batch's final states are the padding's.
+    padding included: a padded batch's final states are the padding's. A length outside
+    ``[0, T]`` is refused where the lengths are concrete (:data:`FIX_LENGTHS`); under
+    ``jax.jit`` that sequence's outputs and final state are NaN (:data:`LENGTHS_OUTSIDE`),
+    never the whole sequence's or none of it.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
@@ -440,6 +470,8 @@ class RNN(Layer):
                 final, ys, paths, values = self._scan(state, steps, keys, real, widen=False)
         except LayerInputError as e:
             raise e.within(self.cell, (Entry(ATTR, "cell"),)) from None
+        if isinstance(lengths, Tracer):  # traced lengths, unchecked: a sequence's outside [0, T] reads NaN
+            ys, final = _nan_outside(lengths, steps.shape[0], ys, final)
         if paths and steps.shape[0]:  # the last step run: time T - 1, or 0 scanning backwards
             last = 0 if self.reverse else -1
             # layer state: the last step's; a recorded intermediate: every step's, time on axis 0
@@ -503,8 +535,9 @@ class RNN(Layer):
             return jnp.arange(time, dtype=wide).reshape(index) < given.astype(wide)
         known = np.asarray(given)  # known values: checked and compared on the host, no program compiled
         if not (ok and ((known >= 0) & (known <= time)).all()):
+            fix = f"{FIX_LENGTHS}\n{LENGTHS_OUTSIDE}" if ok else FIX_LENGTHS  # the values outside [0, T]
             raise LayerInputError(self, LENGTHS_EXPECTED.format(batch=batch, time=time, xs=short_array(xs)),
-                                  f"{short_array(given)} {_values(given)}", FIX_LENGTHS)
+                                  f"{short_array(given)} {_values(given)}", fix)
         return np.arange(time).reshape(index) < known
 
     def _checked(self, state: Any, batch: tuple[int, ...], xs: jax.Array) -> Any:

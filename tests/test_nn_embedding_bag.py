@@ -193,3 +193,20 @@ def test_narrow_offsets_bag_every_index():
     for dtype in (jnp.int32, jnp.uint8, jnp.int16):
         out = np.asarray(bag(indices, offsets=jnp.array([0, 100], dtype)))
         np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5, err_msg=str(dtype))  # 200 float32 terms of ~1
+
+
+@pytest.mark.parametrize("include_last_offset", [False, True])
+def test_traced_offsets_that_are_not_bags_read_nan(include_last_offset):
+    """torch raises for offsets not starting at 0 or past len(indices); eagerly they were refused,
+    but under jax.jit the entries before offsets[0] were dropped from every bag ([1, 2] summed
+    indices[1:2] and indices[2:]: finite, wrong) and an offset past the end left an empty bag.
+    Traced offsets that are not bags now make the output NaN; good ones are unchanged."""
+    bag = ft.nn.EmbeddingBag(10, 3, "sum", key=jax.random.key(0), include_last_offset=include_last_offset)
+    indices, end = jnp.array([1, 2, 3, 4]), [4] if include_last_offset else []
+    run = jax.jit(lambda b, i, o: b(i, o))
+    good = np.asarray(run(bag, indices, jnp.array([0, 2, *end])))
+    np.testing.assert_allclose(good, np.asarray(bag(indices, jnp.array([0, 2, *end]))), rtol=0, atol=1e-6)
+    for bad in ([1, 2, *end], [0, 9, *end], [0, 3, 1, *end]):
+        with pytest.raises(ValueError, match=r"offsets must be 1-D integers starting at 0"):
+            bag(indices, jnp.array(bad))
+        assert np.isnan(np.asarray(run(bag, indices, jnp.array(bad)))).all(), bad

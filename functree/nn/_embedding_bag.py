@@ -49,6 +49,14 @@ OFFSETS_WITH_2D = "offsets= is for 1-D indices; the rows of a 2-D [B, N] array a
 BAD_OFFSETS = ("offsets must be 1-D integers starting at 0, nondecreasing, at most len(indices) = {n} "
                "(with include_last_offset=True: at least two, B + 1 for B bags), got {given}.")
 
+TRACED_OFFSETS = """\
+Offsets that do not start at 0, decrease, or pass len(indices) do not cut the indices into bags: \
+torch raises ("offsets[0] has to be 0", "offsets[-1] can not be greater than input's length"), and \
+JAX's segment sums would drop the entries before offsets[0] and shift the bags silently. Under \
+jax.jit, where the values are not seen, the output is NaN; make offsets the bags' starts:
+    wrong:  bag(indices, jnp.array([1, 3]))      # indices [0] belongs to no bag
+    right:  bag(indices, jnp.array([0, 1, 3]))   # bag 0 is indices[0:1]"""
+
 SUM_ONLY = """\
 ft.nn.EmbeddingBag: per_sample_weights= weighs each index's row in a sum; mode={mode!r} takes none \
 (torch's rule).
@@ -70,6 +78,13 @@ table. Make the change explicit, before each step (as ft.nn.Embedding's):
             loss, grads = ...(bag, indices, offsets)     # then the step, from the renormalized table"""
 
 
+def _broken(offsets: jax.Array, n: int) -> jax.Array:
+    """Whether traced ``offsets`` (1-D integers, checked) fail :data:`BAD_OFFSETS`: a first
+    entry other than 0, a decrease, or an entry past ``n`` (:data:`TRACED_OFFSETS`)."""
+    wide = offsets.astype(jnp.int32) if offsets.dtype.itemsize < 4 else offsets  # uint8 cannot hold 300
+    return (wide[0] != 0) | jnp.any(jnp.diff(wide) < 0) | (wide[-1] > n)
+
+
 class EmbeddingBag(Layer):
     """Each bag of indices as the ``"sum"``, ``"mean"`` (the default) or ``"max"`` of its rows.
 
@@ -84,8 +99,10 @@ class EmbeddingBag(Layer):
     entries are left out of their bags (not counted by the mean, never the max) and get no
     gradient. ``embeddings`` is torch's ``weight``. As ``ft.nn.Embedding``, an index outside the
     table is refused where the indices are concrete and reads a NaN row under ``jax.jit``
-    (never another index's row); offsets are checked eagerly (under ``jax.jit`` their values
-    are unknown).
+    (never another index's row); offsets are checked eagerly (:data:`BAD_OFFSETS`), and under
+    ``jax.jit`` (their values unknown) offsets that do not start at 0, decrease or pass
+    ``len(indices)`` make the whole output NaN (:data:`TRACED_OFFSETS`: never bags that
+    silently drop or shift entries).
     torch's ``max_norm=m`` (an in-place change of the weight at each forward) is
     :meth:`renormalized`, called before each step; ``max_norm=`` here is refused
     (:data:`MAX_NORM`). ``scale_grad_by_freq=True`` (torch's) divides the gradient each entry
@@ -144,7 +161,10 @@ class EmbeddingBag(Layer):
             bags, n = jnp.broadcast_to(jnp.arange(indices.shape[0])[:, None], indices.shape), indices.shape[0]
         else:
             bags, n = self._bags(indices, offsets)
-        return self._reduce(indices.ravel(), bags.ravel(), n, None if weights is None else weights.ravel())
+        out = self._reduce(indices.ravel(), bags.ravel(), n, None if weights is None else weights.ravel())
+        if offsets is not None and concrete(offsets) is None:  # traced offsets, unchecked: NaN if they are not bags
+            out = jnp.where(_broken(jnp.asarray(offsets), indices.shape[0]), jnp.asarray(jnp.nan, out.dtype), out)
+        return out
 
     def renormalized(self, indices: Any, max_norm: float, norm_type: float = 2.0) -> EmbeddingBag:
         """This layer with torch's ``max_norm`` renormalization of the rows ``indices`` look up

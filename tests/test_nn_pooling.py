@@ -310,7 +310,7 @@ def test_unpool_and_divisor_errors_name_the_fix():
                                          r"MaxUnpool2D\(3, 2, 1\)\(y, indices, output_size=x.shape\[-3:-1\]\)"):
         unpool(y, i)  # torch's default size, (3 - 1) 2 + 3 - 2 = 5 by 5: too small for indices of 5 x 6
     np.testing.assert_array_equal(unpool(y, i, output_size=(5, 6))[0, 4, 5], 29.0)
-    assert jax.jit(lambda y, i: unpool(y, i))(y, i).shape == (1, 5, 5, 1)  # traced: such an index writes nothing
+    assert jax.jit(lambda y, i: unpool(y, i))(y, i).shape == (1, 5, 5, 1)  # traced: its plane NaN
     with pytest.raises(ValueError, match=r"output_size=\(8, 6\) does not fit: .* are \(5, 5\) .* 4\.\.6, 4\.\.6"):
         unpool(y, i, output_size=(8, 6))
     with pytest.raises(ft.nn.LayerInputError, match=r"indices f32\[1,3,3,1\]; they are the indices"):
@@ -343,3 +343,19 @@ def test_max_unpool_of_an_empty_batch():
     out = unpool(y, indices)
     assert out.shape == (0, 4, 4, 2) and tuple(expected.shape) == (0, 2, 4, 4)
     assert jax.grad(lambda y: unpool(y, indices).sum())(y).shape == y.shape
+
+
+def test_traced_unpool_index_outside_the_plane_reads_nan():
+    """Eagerly an index outside the unpooled plane is refused (torch raises); under jax.jit the
+    scatter dropped it (a negative one too, sent past the end): the value vanished and its plane
+    read zeros there, a valid-looking output. Now that channel's plane is NaN; the others exact."""
+    unpool = ft.nn.MaxUnpool1D(2)
+    x = jnp.array([[[1.0, 5.0], [2.0, 6.0]]])  # [1, 2, 2 channels]
+    run = jax.jit(unpool)
+    for bad in (9, -1):
+        indices = jnp.array([[[1, 0], [bad, 3]]])  # channel 0's second index outside the 4 positions
+        with pytest.raises(ValueError, match=rf"index {bad} \(at \[0, 1, 0\]\) is outside the unpooled plane"):
+            unpool(x, indices)
+        y = np.asarray(run(x, indices))
+        assert np.isnan(y[0, :, 0]).all(), bad
+        np.testing.assert_array_equal(y[0, :, 1], [5.0, 0.0, 0.0, 6.0])

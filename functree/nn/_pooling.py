@@ -469,13 +469,17 @@ class _MaxUnpool(Layer):
         lead = x.ndim - n - 1
         out = self._output_size(x.shape[lead:-1], output_size)
         size = math.prod(out)
-        self._check_range(indices, size, out)
+        traced = not self._check_range(indices, size, out)
         rows, channels = math.prod(x.shape[:lead]), x.shape[-1]
         cells = math.prod(x.shape[lead:-1])  # not -1: the leading axes may be empty
         values = x.reshape((rows, cells, channels))
         at = jnp.asarray(indices).reshape((rows, cells, channels))
+        outside = (at < 0) | (at >= size)  # traced indices only (_check_range refused concrete ones)
         at = jnp.where(at < 0, size, at)  # past the end, dropped (a negative index would wrap)
-        return _unpooled(values, at, size).reshape((*x.shape[:lead], *out, channels))
+        y = _unpooled(values, at, size)
+        if traced:  # an index outside the plane: the plane NaN, never zeros in its place
+            y = jnp.where(outside.any(axis=1, keepdims=True), jnp.asarray(jnp.nan, y.dtype), y)
+        return y.reshape((*x.shape[:lead], *out, channels))
 
     def _output_size(self, lengths: tuple[int, ...], output_size: Sequence[int] | None) -> tuple[int, ...]:
         n = self._rank
@@ -495,18 +499,19 @@ class _MaxUnpool(Layer):
                 ranges=ranges, settings=settings, right=default))
         return tuple(int(v) for v in given)
 
-    def _check_range(self, indices: jax.Array, size: int, out: tuple[int, ...]) -> None:
-        """:data:`UNPOOL_INDEX_RANGE` for an index outside ``[0, size)``, eagerly (traced:
-        such an index writes nothing)."""
+    def _check_range(self, indices: jax.Array, size: int, out: tuple[int, ...]) -> bool:
+        """:data:`UNPOOL_INDEX_RANGE` for an index outside ``[0, size)``, eagerly; whether the
+        indices were seen (traced ones are not: such an index makes its channel's plane NaN)."""
         held = concrete(indices)
         if held is None or held.size == 0:
-            return
+            return held is not None
         bad = np.argwhere((held < 0) | (held >= size))
         if len(bad):
             where = tuple(int(i) for i in bad[0])
             raise ValueError(UNPOOL_INDEX_RANGE.format(
                 cls=type(self).__name__, index=int(held[where]), where=list(where), size=size, shape=out,
                 settings=self._settings(), n1=self._rank + 1))
+        return True
 
     def _settings(self) -> str:
         return f"{_show(self.pool_size)}, {_show(self.strides)}, {_show(self.padding)}"
@@ -531,7 +536,9 @@ _UNPOOL_DOC = """The inverse of ``MaxPool{n}D(..., return_indices=True)`` (torch
     input's spatial shape, between that minus and plus the strides, as torch's).
 
     Each value goes to its flat index in its channel's plane; a gradient of an input is the
-    output's gradient at its index. Args: ``pool_size``, ``strides=pool_size``,
+    output's gradient at its index. An index outside the plane is refused where the indices
+    are concrete (torch raises) and, under ``jax.jit``, makes its channel's plane NaN (never
+    a value dropped silently). Args: ``pool_size``, ``strides=pool_size``,
     ``padding=0`` (torch's ``padding=p``: an int or one per axis).
 
     Example:

@@ -148,3 +148,18 @@ def test_an_odd_rotary_layer_size_gets_a_fix_for_the_constructor(size, even):
     x = jax.random.normal(jax.random.key(0), (2, 3, max(size, even)))
     rope = ft.nn.RotaryEmbedding(even)  # the fix, run: the first pairs rotated by positions 0 .. T-1
     np.testing.assert_allclose(rope(x[..., :even]), _direct(x[..., :even], np.arange(3)), rtol=0, atol=1e-5)
+
+
+def test_a_rope_choice_outside_the_tuple_is_refused_or_nan_never_another_entry():
+    """Indexing a tuple ``base`` by ``choice`` clamped 2 onto the last entry and counted -1
+    from the end: another layer type's rotation, silently. Concrete: refused, naming the
+    entries; traced: NaN. An entry inside is exactly that entry's rotation."""
+    x, at = jnp.ones((3, 8)), jnp.arange(3)
+    ropes = (ft.nn.RopeScaling(base=100.0), ft.nn.RopeScaling("linear", factor=2.0))
+    for choice in (2, -1, jnp.int32(5)):
+        with pytest.raises(ValueError, match=r"choice -?\d+ is no entry of it: 0 to 1") as info:
+            ft.nn.apply_rotary(x, at, base=ropes, choice=choice)
+        assert "right:" in str(info.value)
+    rotate = jax.jit(lambda c: ft.nn.apply_rotary(x, at, base=ropes, choice=c))
+    assert np.isnan(np.asarray(rotate(jnp.int32(2)))).all() and np.isnan(np.asarray(rotate(jnp.int32(-1)))).all()
+    np.testing.assert_array_equal(rotate(jnp.int32(1)), ft.nn.apply_rotary(x, at, base=ropes[1]))

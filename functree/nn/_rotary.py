@@ -26,7 +26,7 @@ import numpy as np
 from functree._module import field
 from functree._repr import short_array
 from functree._traces import staged
-from functree.nn._check import check_input
+from functree.nn._check import check_input, concrete
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
 from functree.nn._window import is_int
@@ -326,6 +326,11 @@ def _choices(base: Any, choice: Any) -> tuple[RopeScaling, ...]:
         why = f"partials {[b.partial for b in base]} differ"
     elif choice is not None and not jnp.issubdtype(jnp.asarray(choice).dtype, jnp.integer):
         why = f"choice {short_array(jnp.asarray(choice))} is not an integer"
+    elif choice is not None:
+        given = concrete(choice)  # traced: _rotated makes an entry outside NaN
+        if given is not None and ((given < 0) | (given >= len(base))).any():
+            # (indexing would clamp it onto the last entry, or count a negative one from the end)
+            why = f"choice {given.tolist()} is no entry of it: 0 to {len(base) - 1}"
     if why:
         raise ValueError(ROPE_CHOICE.format(given=f"a tuple of {len(base)}", why=why))
     return tuple(base)
@@ -347,9 +352,12 @@ def _rotated(x: jax.Array, positions: jax.Array, base: Any, choice: Any = None) 
     half = size // 2
     scale = None
     if isinstance(base, tuple):  # one rope per Stack member: every entry's theta, the member's picked
-        theta = jnp.stack([b.inverse_frequencies(size, positions).astype(dtype) for b in base])[choice]
+        # a traced choice outside the tuple: NaN (indexing would clamp it, or wrap a negative one)
+        picked = jnp.where(jnp.asarray(choice) < 0, len(base), choice)
+        stacked = jnp.stack([b.inverse_frequencies(size, positions).astype(dtype) for b in base])
+        theta = jnp.take(stacked, picked, axis=0, mode="fill", fill_value=jnp.nan)
         if any(b.scale != 1.0 for b in base):
-            scale = jnp.asarray([b.scale for b in base], dtype)[choice]
+            scale = jnp.take(jnp.asarray([b.scale for b in base], dtype), picked, mode="fill", fill_value=jnp.nan)
     elif isinstance(base, RopeScaling):
         theta = base.inverse_frequencies(size, positions).astype(dtype)
         scale = None if base.scale == 1.0 else jnp.asarray(base.scale, dtype)

@@ -59,6 +59,16 @@ loading converts floating tensors to the model's floating dtypes and integer ten
 integer dtypes where they hold the values; these are of another kind (an integer tensor for a \
 floating leaf, or the reverse) or out of range: convert them before loading: {names}"""
 
+FLOAT_RANGE_HINT = """\
+{names}: values beyond the largest finite value of the leaf's floating dtype (float16's is \
+65504), which the cast would turn into inf (NaN in a float8 without inf): a silently \
+different model, so they were not loaded. Load into a wider dtype and cast what fits after, \
+or clip them yourself where that is meant:
+
+    wrong:  ft.nn.load_torch_state_dict(float16_model, state_dict)   # float32 values beyond 65504
+    right:  ft.nn.load_torch_state_dict(float32_model, state_dict)
+       or:  {{k: v.clamp(-65504, 65504) for k, v in state_dict.items()}}   # clipped on purpose"""
+
 META_TENSORS = """\
 {caller}: {names} are torch tensors on the "meta" device: shapes without values (a module \
 built under torch.device("meta"), or by init_empty_weights), nothing to load{strict}. Give \
@@ -79,7 +89,7 @@ once, which gives them their shapes, then save or load its state dict:
             {caller}({target}, lazy_module.state_dict(){options})"""
 
 
-_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}
+_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT, "range": FLOAT_RANGE_HINT}
 
 
 def _spec(x: Any) -> tuple[tuple[int, ...], str]:
@@ -415,15 +425,35 @@ def _cast(old: Any, new: Any) -> Any:
 
 def castable(dtype: np.dtype, value: np.ndarray) -> bool:
     """Whether ``value`` converts to ``dtype`` without changing kind or wrapping: the same
-    dtype, both floating (bfloat16 too), or both integers with every value held (torch's
-    int64 step count of 3 into an int32 leaf; 2**40 is refused, never wrapped)."""
+    dtype, both floating (bfloat16 too) with every finite value finite after the cast
+    (float32's 7e4 into float16 is refused, never made inf), or both integers with every
+    value held (torch's int64 step count of 3 into an int32 leaf; 2**40 is refused, never
+    wrapped)."""
     given = np.dtype(value.dtype)
-    if given == dtype or _both_floating(given, dtype):
+    if given == dtype:
         return True
+    if _both_floating(given, dtype):
+        return not overflows(dtype, value)
     if given.kind not in "iu" or dtype.kind not in "iu":
         return False
     info = np.iinfo(dtype)
     return value.size == 0 or bool(value.min() >= info.min and value.max() <= info.max)
+
+
+def overflows(dtype: Any, value: np.ndarray) -> bool:
+    """Whether casting the floating ``value`` to the floating ``dtype`` turns a finite entry
+    into inf or NaN (a float32 running variance of 7e4 into float16: inf). Read only for a
+    narrower range than the value's: its least and greatest entries, cast (rounding is
+    monotone), or, where those are not finite, each finite entry."""
+    given = np.dtype(value.dtype)
+    if value.size == 0 or float(jnp.finfo(dtype).max) >= float(jnp.finfo(given).max):
+        return False
+    ends = np.array([value.min(), value.max()], given)
+    with np.errstate(over="ignore", invalid="ignore"):  # the overflow is the answer, not a warning
+        if np.isfinite(ends).all():
+            return not bool(np.isfinite(ends.astype(dtype)).all())
+        finite = value[np.isfinite(value)]
+        return not bool(np.isfinite(finite.astype(dtype)).all())
 
 
 def _like(old: Any, value: np.ndarray) -> Any:
@@ -443,7 +473,9 @@ def _hint_kind(old: Any, new: Any, cast: bool) -> str | None:
     if cast:
         value, dtype = to_numpy(new), _template_dtype(old)
         fits = value is not None and dtype is not None and value.shape == shape
-        return None if value is None or (fits and _both_floating(value.dtype, dtype)) else "cast"
+        if value is None or not (fits and _both_floating(value.dtype, dtype)):
+            return None if value is None else "cast"
+        return "range" if overflows(dtype, value) else None
     if _is_torch_like(new):
         return "torch"
     given, dtype = getattr(new, "dtype", None), _template_dtype(old)

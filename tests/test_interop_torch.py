@@ -277,6 +277,33 @@ def test_num_batches_tracked_dropped_and_float64_cast():
     assert loaded.running_variance.dtype == jnp.float32
 
 
+@needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them
+def test_float_values_past_a_narrower_dtype_s_range_are_refused_not_made_inf():
+    """A float32 running variance of 7e4 into a float16 BatchNorm (float16's largest is
+    65504) was cast to inf, silently (the layer's outputs then 0 in that channel); a Stack
+    member's alike. It is refused under torch's name with the fix; values that fit, and the
+    source's own inf and NaN, load as before."""
+    bn = nn.BatchNorm1d(3)
+    bn.running_var.copy_(torch.tensor([1.0, 7e4, 2.0]))
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(ft.nn.BatchNorm(3, dtype=jnp.float16), bn.state_dict())
+    message = str(info.value)
+    assert "running_var: expected shape (3,) dtype float16, given shape (3,) dtype float32" in message
+    assert "running_var: values beyond the largest finite value" in message and "right:" in message
+    assert "conv1d" not in message
+    _, report = ft.nn.load_torch_state_dict(ft.nn.BatchNorm(3, dtype=jnp.float16), bn.state_dict(), strict=False)
+    assert [name for name, _, _ in report.mismatched] == ["running_var"]
+    stack = {"h": ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k, dtype=jnp.float16), 2, key=K[0])}
+    sd = {f"h.{i}.{n}": torch.ones((2, 2) if n == "weight" else (2,)) for i in range(2) for n in ("weight", "bias")}
+    sd["h.1.weight"][0, 1] = -1e6
+    with pytest.raises(ValueError, match=r"h\.1\.weight: values beyond the largest finite value"):
+        ft.nn.load_torch_state_dict(stack, sd)
+    weight = torch.tensor([[float("inf"), float("nan")], [65504.0, -3.0]])
+    loaded = ft.nn.load_torch_state_dict(ft.nn.Dense(2, 2, key=K[0], dtype=jnp.float16),
+                                         {"weight": weight, "bias": torch.zeros(2)})
+    np.testing.assert_array_equal(np.asarray(loaded.weight, np.float32), weight.numpy().T)
+
+
 def test_integer_tensors_lists_and_kind_mismatches():
     """torch's int64 buffers go into int32 leaves where they hold the values; a float for an
     integer leaf or an int64 past int32 is refused under torch's name with a hint that names

@@ -335,7 +335,7 @@ def _dense_layouts_hint(rules: Sequence[Any], attentions: Sequence[str], report:
              and r.torch[0].rsplit(".", 1)[-1] == "weight" == r.ft[0].rsplit(".", 1)[-1]}
     layers = [name.rsplit(".", 1)[0] if "." in name else "" for name, want, given in report.mismatched
               if name in dense and not any(name.startswith(a + ".") for a in attentions)
-              and len(_shape(want)) == 2 and _shape(given) == _shape(want)[::-1]]
+              and len(_shape(want)) == 2 and _shape(given) == _shape(want)[::-1] != _shape(want)]
     patterns = list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in layer.split(".")) for layer in layers))
     if not patterns:
         return ""

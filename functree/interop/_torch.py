@@ -98,6 +98,7 @@ from functree._module import Module
 from functree._naming import fill_stars, rename_pattern
 from functree._stacked import is_stacked
 from functree._state_dict import (
+    FLOAT_RANGE_HINT,
     TORCH_CAST_HINT,
     FlatDictReport,
     castable,
@@ -862,8 +863,12 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     torch_names = {stored: name for leaf, name in members.items()
                    for stored in [plan.leaves[leaf].stored] if stored is not None}
     refused = tuple((torch_names.get(str(n), str(n)), str(want), str(got)) for n, want, got in fitted.mismatched)
-    wrong_dtypes = [(members.get(n, n), want, got) for n, want, got in wrong_dtypes]
-    hints = (TORCH_CAST_HINT.format(names=", ".join(n for n, _, _ in refused)),) if fitted.hints else ()
+    ranged = {torch_names.get(str(n), str(n)) for kind, names in fitted.hinted if kind == "range" for n in names}
+    ranged |= {members.get(n, n) for n, _, _, kind in wrong_dtypes if kind == "range"}
+    wrong_dtypes = [(members.get(n, n), want, got) for n, want, got, _ in wrong_dtypes]
+    cast = [n for n, _, _ in refused if n not in ranged]
+    hints = ((TORCH_CAST_HINT.format(names=", ".join(cast)),) if cast and fitted.hints else ()) + (
+        (FLOAT_RANGE_HINT.format(names=", ".join(sorted(ranged))),) if ranged else ())
     report = merged(ported, FlatDictReport(
         tuple(missing), tuple(k for k in given if k not in claimed), (*mismatched, *wrong_dtypes, *refused), hints,
     ))
@@ -1068,10 +1073,12 @@ def _torch_names(plan: _Plan, ft: str) -> list[str]:
 
 
 def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str, Any]
-            ) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+            ) -> tuple[dict[str, Any], list[tuple[str, str, str, str]]]:
     """The stored leaves (``to_flat_dict`` names) with the given values put in (a Stack member's
     into its slice): fresh aligned host arrays (:mod:`functree.interop._host`) written by one
-    parallel pass over the files' bytes, cast as copied, put on the device as they are."""
+    parallel pass over the files' bytes, cast as copied, put on the device as they are. The
+    Stack members' values that do not cast: ``(name, expected, given, kind)``, ``kind``
+    "range" for floating values beyond the leaf dtype's range, else "cast"."""
     members: dict[str, list[tuple[tuple[int, ...], np.ndarray, str]]] = {}
     for name, leaf in plan.leaves.items():
         if leaf.stored is not None and name in values:
@@ -1079,7 +1086,7 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
     flat: dict[str, Any] = {}
     filled: dict[str, np.ndarray] = {}  # ours: put on the device after the copies
     copies: list[tuple[np.ndarray, np.ndarray]] = []
-    wrong: list[tuple[str, str, str]] = []
+    wrong: list[tuple[str, str, str, str]] = []
     for stored, items in members.items():
         old = template[stored]
         if items[0][0] == ():
@@ -1099,7 +1106,8 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
             if _castable(array, value):
                 copies.append((array[index], value))
             else:
-                wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}"))
+                kind = "range" if _both_floating(array.dtype, value.dtype) else "cast"
+                wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}", kind))
                 if abstract:
                     array[index] = 0  # reported; never uninitialized memory
         filled[stored] = array
@@ -1109,6 +1117,10 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
     flat.update((stored, jax.device_put(array, committed_sharding(template[stored]), may_alias=True))
                 for stored, array in filled.items())
     return flat, wrong
+
+
+def _both_floating(a: Any, b: Any) -> bool:
+    return bool(jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating))
 
 
 def _castable(old: Any, value: np.ndarray) -> bool:

@@ -176,8 +176,15 @@ def table_rows(table: jax.Array, indices: jax.Array) -> jax.Array:
              [nan, nan],
              [nan, nan]], dtype=float32)
     """
-    inside = jnp.where(indices < 0, table.shape[0], indices)  # no count from the end (take's fill wraps)
-    return jnp.take(table, inside, axis=0, mode="fill", fill_value=jnp.nan)
+    return jnp.take(table, unwrapped(indices, table.shape[0]), axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def unwrapped(indices: jax.Array, size: int) -> jax.Array:
+    """``indices`` with each negative one replaced by ``size``, outside the table: JAX's
+    gathers and scatters count a negative index from the end (``take``'s fill mode too),
+    torch refuses it; past the end, a fill-mode gather reads its fill value and a
+    drop-mode scatter writes nothing."""
+    return jnp.where(indices < 0, size, indices)
 
 
 def renormalized_rows(w: jax.Array, indices: jax.Array, max_norm: float, norm_type: float) -> jax.Array:
@@ -186,8 +193,7 @@ def renormalized_rows(w: jax.Array, indices: jax.Array, max_norm: float, norm_ty
     above ``max_norm`` scaled to ``max_norm / (norm + 1e-7)`` of itself; the gradient passed
     through unscaled (torch's ``no_grad``). ``Embedding.renormalized`` and
     ``EmbeddingBag.renormalized``."""
-    read = _wide(indices).ravel()
-    read = jnp.where(read < 0, w.shape[0], read)  # dropped by the scatter (it would count from the end)
+    read = unwrapped(_wide(indices).ravel(), w.shape[0])
     looked = jnp.zeros(w.shape[0], bool).at[read].set(True, mode="drop")
     norms = jnp.linalg.norm(w, ord=norm_type, axis=-1)
     scale = jnp.where(looked & (norms > max_norm), max_norm / (norms + 1e-7), 1.0).astype(w.dtype)
@@ -222,8 +228,7 @@ def frequency_scaled(rows: jax.Array, read: jax.Array, vocabulary_size: int) -> 
     """``rows [..., d]`` (looked up at ``read [...]``) as they are, the cotangent of each
     divided by its index's count in ``read`` (torch's ``scale_grad_by_freq``); an index
     outside the table (a NaN row, no gradient) counts for none."""
-    read = _wide(read)
-    read = jnp.where(read < 0, vocabulary_size, read)  # outside: dropped, not counted from the end
+    read = unwrapped(_wide(read), vocabulary_size)
     counts = jnp.zeros((vocabulary_size,), jnp.int32).at[read.ravel()].add(1, mode="drop")
     seen = jnp.take(counts, read, mode="fill", fill_value=1)
     return _tangent_scaled(rows, (1 / seen.astype(rows.dtype))[..., None])

@@ -27,6 +27,7 @@ from functree._module import field
 from functree._repr import short_array
 from functree._traces import staged
 from functree.nn._check import check_input, concrete
+from functree.nn._embedding import table_rows
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
 from functree.nn._window import is_int
@@ -353,11 +354,9 @@ def _rotated(x: jax.Array, positions: jax.Array, base: Any, choice: Any = None) 
     scale = None
     if isinstance(base, tuple):  # one rope per Stack member: every entry's theta, the member's picked
         # a traced choice outside the tuple: NaN (indexing would clamp it, or wrap a negative one)
-        picked = jnp.where(jnp.asarray(choice) < 0, len(base), choice)
-        stacked = jnp.stack([b.inverse_frequencies(size, positions).astype(dtype) for b in base])
-        theta = jnp.take(stacked, picked, axis=0, mode="fill", fill_value=jnp.nan)
+        theta = table_rows(jnp.stack([b.inverse_frequencies(size, positions).astype(dtype) for b in base]), choice)
         if any(b.scale != 1.0 for b in base):
-            scale = jnp.take(jnp.asarray([b.scale for b in base], dtype), picked, mode="fill", fill_value=jnp.nan)
+            scale = table_rows(jnp.asarray([b.scale for b in base], dtype), choice)
     elif isinstance(base, RopeScaling):
         theta = base.inverse_frequencies(size, positions).astype(dtype)
         scale = None if base.scale == 1.0 else jnp.asarray(base.scale, dtype)

@@ -756,9 +756,10 @@ def _inside_cache(positions: jax.Array, length: int) -> jax.Array | None:
 
 
 def _write(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-    """``buffer [batch, slots, ...]`` with ``new [batch, T, ...]`` written at slots ``positions``."""
+    """``buffer [batch, slots, ...]`` with ``new [batch, T, ...]`` written at slots ``positions``
+    (a slot past the end: written nowhere, which :func:`_inside_cache` relies on)."""
     rows = jnp.arange(buffer.shape[0])[:, None]
-    return buffer.at[rows, positions].set(new.astype(buffer.dtype))
+    return buffer.at[rows, positions].set(new.astype(buffer.dtype), mode="drop")
 
 
 def _fused_attention(

@@ -59,6 +59,7 @@ from functree.hf._causal import CausalLM, _run, check_ids
 from functree.hf._config import HFConfig
 from functree.hf._dropout import NO_DROPOUT_KEY, _dropping, drop, dropout_attention
 from functree.hf._family import FAMILIES, TASKS, HFModel
+from functree.losses._classification import softmax_cross_entropy
 from functree.nn._check import concrete
 from functree.nn._linear import Dense
 from functree.nn._normalization import LayerNorm
@@ -979,12 +980,10 @@ def _cross_entropy(model: Any, logits: jax.Array, labels: jax.Array, ignore: int
                 model=type(model).__name__, label=value, where=where, classes=count, last=count - 1,
                 logits=short_array(logits), ignore=ignore))
     wide = _wide(logits.dtype)
-    x = logits.astype(wide)
-    kept = labels != ignore
-    outside = kept & ((labels < 0) | (labels >= count))  # traced: not seen above
-    picked = jnp.take_along_axis(x, jnp.where(kept & ~outside, labels, 0)[:, None], axis=-1)[:, 0]
-    nll = jnp.where(outside, jnp.nan, jax.nn.logsumexp(x, axis=-1) - picked)
-    return jnp.sum(jnp.where(kept, nll, 0)) / jnp.sum(kept).astype(wide)
+    # ft.losses' cross-entropy (a traced label outside the classes: NaN); torch's mean over
+    # the labels kept, 0 / 0 = NaN where none is (the loss's own "mean" gives 0 there)
+    total = softmax_cross_entropy(logits.astype(wide), labels, ignore_index=ignore, reduction="sum")
+    return total / jnp.sum(labels != ignore).astype(wide)
 
 
 def check_head_tensors(family: type[HFModel], config: Any, unexpected: Any,

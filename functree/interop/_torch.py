@@ -101,6 +101,7 @@ from functree._state_dict import (
     FLOAT_RANGE_HINT,
     TORCH_CAST_HINT,
     FlatDictReport,
+    _both_floating,
     castable,
     check_no_meta,
     from_flat_dict,
@@ -1117,10 +1118,6 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
     flat.update((stored, jax.device_put(array, committed_sharding(template[stored]), may_alias=True))
                 for stored, array in filled.items())
     return flat, wrong
-
-
-def _both_floating(a: Any, b: Any) -> bool:
-    return bool(jnp.issubdtype(a, jnp.floating) and jnp.issubdtype(b, jnp.floating))
 
 
 def _castable(old: Any, value: np.ndarray) -> bool:

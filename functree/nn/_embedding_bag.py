@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from functree._module import field
 from functree._repr import short_array
@@ -162,7 +163,7 @@ class EmbeddingBag(Layer):
         else:
             bags, n = self._bags(indices, offsets)
         out = self._reduce(indices.ravel(), bags.ravel(), n, None if weights is None else weights.ravel())
-        if offsets is not None and concrete(offsets) is None:  # traced offsets, unchecked: NaN if they are not bags
+        if isinstance(offsets, Tracer):  # traced offsets, unchecked (_bags): NaN if they are not bags
             out = jnp.where(_broken(jnp.asarray(offsets), indices.shape[0]), jnp.asarray(jnp.nan, out.dtype), out)
         return out
 

@@ -111,3 +111,18 @@ def test_a_parameter_of_another_float_dtype_is_still_refused(tmp_path):
             wide.restore(tmp_path / "job")
     assert "expected shape (3, 4) dtype float64, given shape (3, 4) dtype float32" in str(e.value)
     assert "context.loss" not in str(e.value)
+
+
+def test_an_older_jobs_four_counters_read_as_todays_five_with_and_without_a_template(tmp_path):
+    # The fixture's learning context holds four int32 counters (before samples_seen took two
+    # words, high · 2^31 + low): both readers widen it, the high word 0, and the job's counts
+    # read as written (the trainer's own template holds five: a plain read refused it).
+    shutil.copytree(FIXTURE / "job", tmp_path / "job")
+    on_file = ft.train.CheckpointManager(tmp_path / "job").restore(3).opt_state
+    trainer = make.trainer().restore(tmp_path / "job")
+    for state in (on_file, trainer.opt_state):
+        ctx = ft.optim.context(state)
+        assert ctx.counters.shape == (5,) and int(ctx.counters[4]) == 0
+        assert (int(ctx.step), int(ctx.samples_seen)) == (3, 3 * int(ctx.minibatch_size)) and int(ctx.minibatch_size) > 0
+    trainer.fit(make.data(), steps=4, progress=False, log_every=1)
+    assert int(ft.optim.context(trainer.opt_state).step) == 4

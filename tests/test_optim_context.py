@@ -44,7 +44,7 @@ def test_next_sweep_equals_a_walk_of_the_state_and_finds_the_contexts_once_per_s
     from functree.optim._context import LearningContext, contexts
 
     def walked(state):  # every context's sweep + 1, by a walk of the whole state
-        return jax.tree.map(lambda x: LearningContext(x.counters + jnp.array([0, 1, 0, 0], jnp.int32), x.loss)
+        return jax.tree.map(lambda x: LearningContext(x.counters + jnp.array([0, 1, 0, 0, 0], jnp.int32), x.loss)
                             if isinstance(x, LearningContext) else x, state,
                             is_leaf=lambda x: isinstance(x, LearningContext))
 
@@ -290,3 +290,83 @@ def test_the_loss_keeps_float64_under_x64_and_a_scanned_step_carries_one_dtype(x
         assert jax.tree.map(lambda a: a.dtype, state) == jax.tree.map(lambda a: a.dtype, final)
         np.testing.assert_array_equal(np.asarray(seen), losses.astype(dtype))
         assert float(fo.context(final).replace(loss=np.float64(0.1)).loss) == float(np.float64(0.1).astype(dtype))
+
+
+BIG = 2**31  # past int32: one word of samples_seen wrapped negative here
+
+
+@pytest.mark.parametrize("start", [BIG - 3, 5 * BIG - 1, 2**31 - 8], ids=["carry", "carry_again", "to_the_edge"])
+def test_samples_seen_counts_past_two_to_the_31_exactly(start):
+    # main held samples_seen in one int32: a job past 2^31 - 1 examples (1600 epochs of
+    # ImageNet) read -2147483643 and a schedule in samples started over, silently. Two words
+    # (high · 2^31 + low) count on, exact on the host; the jitted step carries them.
+    tx = fo.sgd(0.1)
+    state = tx.init(_params())
+    state = jax.tree.map(lambda x: x.replace(samples_seen=start) if isinstance(x, fo.LearningContext) else x, state,
+                         is_leaf=lambda x: isinstance(x, fo.LearningContext))
+    assert int(fo.context(state).samples_seen) == start
+
+    @jax.jit
+    def step(s, size):
+        return tx.update(ONE, s, minibatch_size=size)[1]
+
+    seen = start
+    for size in (8, 2**31 - 1, 5):
+        state = step(state, size)
+        seen += size
+        ctx = fo.context(state)
+        assert int(ctx.samples_seen) == seen and type(int(ctx.samples_seen)) is int
+        low, high = (int(w) for w in np.asarray(ctx.counters)[[2, 4]])
+        assert 0 <= low < BIG and high * BIG + low == seen
+    assert f"samples_seen={seen}," in repr(ctx)
+    state = tx.update(ONE, state)[1]  # the minibatch size kept: 5 more
+    assert int(fo.context(state).samples_seen) == seen + 5
+
+
+def test_samples_seen_replace_splits_host_and_traced_counts():
+    ctx = fo.initial_context()
+    for n in (0, 7, BIG - 1, BIG, 2**40 + 12345, -1):
+        assert int(ctx.replace(samples_seen=n).samples_seen) == n
+        assert int(ctx.replace(samples_seen=np.int64(n)).samples_seen) == n
+    traced = jax.jit(lambda n: ctx.replace(samples_seen=n).counters)(jnp.int32(BIG - 1))
+    assert int(fo.LearningContext(traced, ctx.loss).samples_seen) == BIG - 1
+    # Traced without x64 it is float32 (JAX has no int64 there): the value, to 7 digits
+    inside = jax.jit(lambda c: c.samples_seen)(ctx.replace(samples_seen=3 * BIG + 5))
+    assert inside.dtype == jnp.float32 and float(inside) == float(np.float32(3 * BIG + 5))
+    stacked = jax.vmap(lambda n: fo.initial_context().replace(samples_seen=n))(jnp.arange(3))
+    np.testing.assert_array_equal(stacked.counters.shape, (3, 5))
+    wide = stacked.replace(samples_seen=BIG + 1)
+    assert np.asarray(wide.samples_seen).tolist() == [BIG + 1] * 3 and np.asarray(wide.samples_seen).dtype == np.int64
+
+
+def test_samples_seen_is_int64_under_x64_traced_too():
+    from functree.optim._context import advance
+
+    with jax.enable_x64(True):
+        ctx = fo.initial_context().replace(samples_seen=3 * BIG + 5)
+        assert ctx.samples_seen.dtype == jnp.int64 and int(ctx.samples_seen) == 3 * BIG + 5
+        inside = jax.jit(lambda c: c.samples_seen)(ctx)
+        assert inside.dtype == jnp.int64 and int(inside) == 3 * BIG + 5
+        after = jax.jit(lambda c: advance(c, 2**31 - 1))(ctx)
+        assert int(after.samples_seen) == 4 * BIG + 4
+
+
+def test_counters_written_with_four_words_read_in_todays_layout():
+    from functree.optim._context import widen_counters
+
+    old = jnp.asarray([[3, 1, 24, 8], [4, 1, 32, 8]], jnp.int32)  # two stacked members, before the high word
+    ctx = fo.LearningContext(widen_counters(old), jnp.zeros(2))
+    assert np.asarray(ctx.samples_seen).tolist() == [24, 32] and np.asarray(ctx.minibatch_size).tolist() == [8, 8]
+    assert widen_counters(ctx.counters) is ctx.counters  # today's five words: as they are
+
+
+def test_a_state_of_four_counters_kept_another_way_is_named_and_upgraded():
+    from functree.optim._context import LearningContext
+
+    opt, w = fo.Optimizer(fo.sgd(0.1, momentum=0.9)), {"w": jnp.ones(2)}
+    new = opt.init(w)
+    old = new.replace(context=LearningContext(jnp.asarray([7, 1, 56, 8], jnp.int32), new.context.loss))
+    with pytest.raises(ValueError, match=r"(?s)shape \(4,\).*before samples_seen took two words.*upgrade_state"):
+        fo.context(old)
+    ctx = fo.context(fo.upgrade_state(old, opt, w))
+    assert (int(ctx.step), int(ctx.sweep), int(ctx.samples_seen), int(ctx.minibatch_size)) == (7, 1, 56, 8)

@@ -227,7 +227,7 @@ def test_states_stacked_along_a_later_axis_are_an_error_naming_the_fix():
     states = jax.tree.map(lambda *x: jnp.stack(x, axis=-1), *members)
     with pytest.raises(ValueError, match=r"(?s)packed in an array of shape \(4, 3\).*jnp.stack\(x\)"):
         fo.hyperparameters(states)
-    with pytest.raises(ValueError, match=r"(?s)counters have shape \(4, 3\).*member axes first"):
+    with pytest.raises(ValueError, match=r"(?s)counters have shape \(5, 3\).*member axes first"):
         fo.context(states)
 
 

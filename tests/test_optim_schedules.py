@@ -124,3 +124,56 @@ def test_degenerate_schedule_arguments_are_refused(make, message):
     # an infinite then negative rate (inverse_time_decay, decay < 0).
     with pytest.raises(ValueError, match=message):
         make()
+
+
+BIG = 2**31  # samples_seen's low word holds 31 bits; one int32 wrapped negative here
+
+
+def _at(samples):
+    return fo.initial_context().replace(samples_seen=samples)
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_schedules_in_samples_go_on_past_two_to_the_31(jitted):
+    # main read samples_seen as one int32: at 2^31 samples it wrapped to -2^31 and every
+    # schedule in samples started over (a warmup back to 0, a decay back to its peak),
+    # silently. Below 2^31 the count is the exact int32 as before; past it float32 (7 digits).
+    import jax
+    import numpy as np
+
+    call = jax.jit(lambda f, c: f(c), static_argnums=0) if jitted else (lambda f, c: f(c))
+    piece = fo.piecewise([(BIG + 10, 1.0), (2 * BIG, 0.5), (1, 0.25)], unit="samples")
+    got = [float(call(piece, _at(n))) for n in (BIG - 1, BIG + 9, BIG + 10, 3 * BIG + 9, 3 * BIG + 10)]
+    assert got == [1.0, 1.0, 0.5, 0.5, 0.25]  # the switches at the exact sample, both words compared
+    warm = fo.linear_warmup(1.0, 3 * 10**9, unit="samples")
+    for n in (BIG - 1, BIG, 25 * 10**8, 4 * 10**9):
+        np.testing.assert_allclose(float(call(warm, _at(n))), min(n / 3e9, 1.0), rtol=0, atol=1e-6)
+    cosine = fo.warmup_cosine_decay(0.0, 1.0, warmup_steps=10**9, decay_steps=5 * 10**9, unit="samples")
+    want = (1 + np.cos(np.pi * (3e9 - 1e9) / 4e9)) / 2
+    np.testing.assert_allclose(float(call(cosine, _at(3 * 10**9))), want, rtol=0, atol=1e-6)
+    decay = fo.schedule(optax.linear_schedule(1.0, 0.0, 4e9), unit="samples")  # a user's (a float: JAX's int is int32)
+    np.testing.assert_allclose(float(call(decay, _at(3 * 10**9))), 0.25, rtol=0, atol=1e-6)
+    inverse = fo.inverse_time_decay(1.0, 1e-9, unit="samples")
+    np.testing.assert_allclose(float(call(inverse, _at(5 * 10**9))), 1 / 6, rtol=0, atol=1e-6)
+    # periodic ones keep their place: torch's CosineAnnealingWarmRestarts(T_0=2^30, T_mult=2)
+    # restarts at 2^30, 3·2^30, 7·2^30, lengths doubling (past int32: its list of restarts went to 2^31 only)
+    restarts = fo.cosine_warm_restarts(1.0, 2**30, period_mult=2, unit="samples")
+    # (float32 past 2^31: a sample within 2^7 of a restart may round onto it; 2^10 before it cannot)
+    for n, since, length in ((3 * 2**30 - 2**10, 2**31 - 2**10, 2**31), (7 * 2**30 + 2**29, 2**29, 2**33)):
+        want = (1 + np.cos(np.pi * since / length)) / 2
+        np.testing.assert_allclose(float(call(restarts, _at(n))), want, rtol=0, atol=1e-6)
+    cyc = fo.cyclic(0.0, 1.0, step_size_up=2**28, unit="samples")  # triangular, period 2^29
+    for n in (BIG - 2**27, 5 * BIG + 2**27):
+        x = (n % 2**29) / 2**28
+        np.testing.assert_allclose(float(call(cyc, _at(n))), x if x <= 1 else 2 - x, rtol=0, atol=1e-6)
+
+
+def test_schedules_in_samples_are_exact_int64_under_x64():
+    import jax
+
+    with jax.enable_x64(True):
+        piece = fo.piecewise([(3 * BIG + 1, 1.0), (1, 0.5)], unit="samples")
+        assert [float(jax.jit(piece)(_at(n))) for n in (3 * BIG, 3 * BIG + 1)] == [1.0, 0.5]
+        seen = []
+        fo.schedule(lambda c: seen.append(c.dtype) or c * 0.0, unit="samples")(_at(3 * BIG))
+        assert seen == [jnp.int64]

@@ -10,11 +10,14 @@ an optax transformation keeps a context of its own.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from functree._tree import bounded_put, cached, register_record
 
@@ -32,12 +35,25 @@ Build the state with a functree optimizer, which adds one to any optax transform
 
 COUNTERS = ("step", "sweep", "samples_seen", "minibatch_size")
 
+# The counters array's last axis: step, sweep, samples_seen's low 31 bits, minibatch size,
+# samples_seen's high word (samples_seen = high · 2³¹ + low). Four int32 words held every
+# count but samples_seen, which a long job passes 2³¹ − 1 in (1600 epochs of ImageNet): one
+# int32 wrapped negative there and a schedule in samples started over, silently. The high
+# word goes last so that files written with four counters read by appending a 0
+# (:func:`widen_counters`).
+SLOTS = 5
+LOW_BITS = 31
+
 STACKED_ALONG_ANOTHER_AXIS = """\
 This learning context's counters have shape {shape}; the counts are packed along the last \
-axis (size 4), so stacked optimizer states must put their member axes first:
+axis (size 5), so stacked optimizer states must put their member axes first:
 
     wrong:  states = jax.tree.map(lambda *x: jnp.stack(x, axis=-1), *member_states)
     right:  states = jax.tree.map(lambda *x: jnp.stack(x), *member_states)   # or jax.vmap(opt.init)
+
+(A last axis of 4 is also a context saved before samples_seen took two words: ft.train's \
+checkpoint readers widen it; a state kept another way reads with \
+ft.optim.upgrade_state(old_state, optimizer, model).)
 """
 
 
@@ -48,19 +64,22 @@ class LearningContext:
     Attributes:
       step: optimizer steps taken (updates applied).
       sweep: passes over the data set (epochs), advanced by :func:`next_sweep`.
-      samples_seen: examples consumed by the steps taken.
+      samples_seen: examples consumed by the steps taken (exact to 2⁶² − 1, see below).
       minibatch_size: size of the latest minibatch (1 until one is given).
       loss: the latest loss given to ``update(..., loss=)`` (NaN until one is given).
 
-    The four counts are packed along the last axis of one int32 array (``counters``) and
+    The counts are packed along the last axis of one int32 array (``counters``) and
     the loss is a scalar of JAX's default float when the context was made (float32;
     float64 under ``jax_enable_x64``, where a float32 loss would round a float64 one to 7
     digits), and every loss written into it is cast to that dtype, so a carried state's
     dtypes never change between steps: two leaves, so the context adds almost nothing to a jitted
-    step's dispatch. Being int32 (JAX without x64), ``samples_seen`` holds up to 2³¹ − 1
-    examples (2.1 billion): a job past that wraps negative, and a schedule in samples then
-    starts over; give such a schedule in steps or sweeps. Stacked states (a vmapped ensemble or learning-rate sweep) add leading
-    axes: ``counters`` is ``(..., 4)`` and every field reads one value per member.
+    step's dispatch. ``samples_seen`` takes two of its int32 words (``high · 2³¹ + low``), so
+    a job past 2³¹ − 1 examples (2.1 billion: 1600 epochs of ImageNet) counts on: read on
+    the host it is exact (a NumPy int64 without ``jax_enable_x64``, JAX's int64 with it);
+    traced inside a jitted step without x64 it is float32 (exact to 2²⁴, then to 7
+    significant digits: what a schedule needs; :func:`ft.optim.piecewise` compares both
+    words, exactly). Stacked states (a vmapped ensemble or learning-rate sweep) add leading
+    axes: ``counters`` is ``(..., 5)`` and every field reads one value per member.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -79,6 +98,10 @@ class LearningContext:
     # A checkpoint's loss is a running value, not a parameter: a float32 one restores into a
     # float64 context under jax_enable_x64 and back (functree.train's checkpoint reader).
     __ft_cast_on_restore__ = ("loss",)
+    # A file written before samples_seen took two words (four counters) reads with its
+    # high word 0 (functree.train's checkpoint reader, with a template or without).
+    __ft_upgrade_on_restore__: ClassVar[Mapping[str, Callable[[Any], Any]]] = MappingProxyType(
+        {"counters": lambda saved: widen_counters(saved)})
 
     @property
     def step(self) -> jax.Array:
@@ -89,8 +112,8 @@ class LearningContext:
         return self.counters[..., 1]
 
     @property
-    def samples_seen(self) -> jax.Array:
-        return self.counters[..., 2]
+    def samples_seen(self) -> Any:
+        return samples(self.counters)
 
     @property
     def minibatch_size(self) -> jax.Array:
@@ -105,18 +128,20 @@ class LearningContext:
         counters = self.counters
         batch = counters.shape[:-1]  # stacked contexts (vmapped ensembles, sweeps): leading axes
         if changes:
-            counters = jnp.stack([
-                jnp.broadcast_to(jnp.asarray(changes[n]).astype(jnp.int32), batch) if n in changes
-                else self.counters[..., i]
-                for i, n in enumerate(COUNTERS)
-            ], axis=-1)
+            columns = [counters[..., i] for i in range(SLOTS)]
+            for i, n in enumerate(COUNTERS):
+                if n in changes and n != "samples_seen":
+                    columns[i] = jnp.broadcast_to(jnp.asarray(changes[n]).astype(jnp.int32), batch)
+            if "samples_seen" in changes:
+                columns[2], columns[4] = (jnp.broadcast_to(w, batch) for w in _words(changes["samples_seen"]))
+            counters = jnp.stack(columns, axis=-1)
         return LearningContext(counters, jnp.broadcast_to(jnp.asarray(loss).astype(self.loss.dtype), batch))
 
     _replace = replace
 
     def __repr__(self) -> str:
         try:  # stacked contexts show one list per field, a member per entry
-            values = [np.asarray(self.counters[..., i]).tolist() for i in range(len(COUNTERS))]
+            values = [np.asarray(getattr(self, n)).tolist() for n in COUNTERS]
             values.append(np.asarray(self.loss).tolist())
         except (TypeError, jax.errors.ConcretizationTypeError):
             return f"LearningContext(counters={self.counters!r}, loss={self.loss!r})"
@@ -140,7 +165,7 @@ def initial_context() -> LearningContext:
     # Host values put on the device: no program is compiled for them (on a GPU each eager
     # operation is a compile of its own before the first step).
     loss = np.array(np.nan, jnp.result_type(float))  # float32, or float64 under x64
-    return LearningContext(jax.device_put(np.array([0, 0, 0, 1], np.int32)), jax.device_put(loss))
+    return LearningContext(jax.device_put(np.array([0, 0, 0, 1, 0], np.int32)), jax.device_put(loss))
 
 
 def current(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) -> LearningContext:
@@ -155,8 +180,13 @@ def advance(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) 
     """The context after a step on a minibatch of ``minibatch_size`` examples (the last
     step's size when None)."""
     counters = ctx.counters
-    size = counters[..., 3:] if minibatch_size is None else _size(minibatch_size)
+    size = counters[..., 3:4] if minibatch_size is None else _size(minibatch_size)
     counters = counters + size * _SAMPLES + _STEP  # one step and its m samples
+    # samples_seen's low word holds 31 bits: low + m (both below 2³¹) passes 2³¹ − 1 exactly
+    # when the int32 sum wraps negative; then the high word takes the carry and the low word
+    # keeps its 31 bits. Elementwise with a slice: the same one fusion as before.
+    carry = (counters[..., 2:3] < 0).astype(jnp.int32)
+    counters = (counters + carry * _HIGH) & _KEEP
     if minibatch_size is not None:
         counters = _with_size(counters, size)
     return LearningContext(counters, _loss(ctx, loss))
@@ -182,6 +212,36 @@ def _loss(ctx: LearningContext, loss: Any) -> jax.Array:
     return ctx.loss if loss is None else jnp.asarray(loss).astype(ctx.loss.dtype)
 
 
+def samples(counters: Any) -> Any:
+    """samples_seen, ``high · 2³¹ + low``: exact on the host (NumPy int64; JAX's int64 under
+    ``jax_enable_x64``, traced too); traced without x64, float32 (JAX has no int64 there)."""
+    low, high = counters[..., 2], counters[..., 4]
+    if jax.config.read("jax_enable_x64"):
+        return (jnp.asarray(high).astype(jnp.int64) << LOW_BITS) | jnp.asarray(low).astype(jnp.int64)
+    if isinstance(counters, Tracer):
+        return high.astype(jnp.float32) * float(2**LOW_BITS) + low.astype(jnp.float32)
+    return (np.asarray(high).astype(np.int64) << LOW_BITS) | np.asarray(low).astype(np.int64)
+
+
+def _words(value: Any) -> tuple[Any, Any]:
+    """A samples_seen count as its (low, high) int32 words: split on the host in int64 when
+    concrete (a count past 2³¹ − 1 too), in JAX's default int when traced."""
+    if isinstance(value, Tracer):
+        v = jnp.asarray(value).astype(jax.dtypes.canonicalize_dtype(jnp.int64))
+        return (v & (2**LOW_BITS - 1)).astype(jnp.int32), (v >> LOW_BITS).astype(jnp.int32)
+    v = np.asarray(value).astype(np.int64)
+    return jnp.asarray((v & (2**LOW_BITS - 1)).astype(np.int32)), jnp.asarray((v >> LOW_BITS).astype(np.int32))
+
+
+def widen_counters(saved: Any) -> Any:
+    """Counters written with four words (samples_seen one int32, before it took two) in
+    today's layout: the high word 0 appended; five are returned as they are."""
+    shape = getattr(saved, "shape", None)  # an array (a reader's placeholder passes through)
+    if shape is None or tuple(shape)[-1:] != (4,):
+        return saved
+    return jnp.concatenate([saved, jnp.zeros_like(saved[..., :1])], axis=-1)
+
+
 def _is_context(x: Any) -> bool:
     return isinstance(x, LearningContext)
 
@@ -190,7 +250,7 @@ def contexts(state: Any) -> list[LearningContext]:
     """Every learning context in an optimizer state, in flatten order (stacked: members first)."""
     found = [x for x in jax.tree.leaves(state, is_leaf=_is_context) if _is_context(x)]
     for ctx in found:
-        if jnp.shape(ctx.counters)[-1:] != (len(COUNTERS),):
+        if jnp.shape(ctx.counters)[-1:] != (SLOTS,):
             raise ValueError(STACKED_ALONG_ANOTHER_AXIS.format(shape=jnp.shape(ctx.counters)))
     return found
 
@@ -222,10 +282,12 @@ def context(state: Any) -> LearningContext:
     return found[0]
 
 
-_SWEEP = np.array([0, 1, 0, 0], np.int32)
-_STEP = np.array([1, 0, 0, 0], np.int32)
-_SAMPLES = np.array([0, 0, 1, 0], np.int32)
-_MINIBATCH_SLOT = np.array([False, False, False, True])
+_SWEEP = np.array([0, 1, 0, 0, 0], np.int32)
+_STEP = np.array([1, 0, 0, 0, 0], np.int32)
+_SAMPLES = np.array([0, 0, 1, 0, 0], np.int32)
+_HIGH = np.array([0, 0, 0, 0, 1], np.int32)
+_KEEP = np.array([-1, -1, 2**LOW_BITS - 1, -1, -1], np.int32)  # -1: every bit; the low word: 31
+_MINIBATCH_SLOT = np.array([False, False, False, True, False])
 
 
 _COUNTERS_AT: dict[Any, tuple[int, ...]] = {}  # state tree definition -> its contexts' counters leaves
@@ -263,7 +325,7 @@ def next_sweep(state: Any) -> Any:
     if not where:
         raise ValueError(NO_CONTEXT)
     for i in where:
-        if jnp.shape(leaves[i])[-1:] != (len(COUNTERS),):
+        if jnp.shape(leaves[i])[-1:] != (SLOTS,):
             raise ValueError(STACKED_ALONG_ANOTHER_AXIS.format(shape=jnp.shape(leaves[i])))
         leaves[i] = _plus_sweep(leaves[i])
     return treedef.unflatten(leaves)

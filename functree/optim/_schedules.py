@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from functree.optim._arguments import check_argument
-from functree.optim._context import LearningContext
+from functree.optim._context import LOW_BITS, LearningContext
 
 __all__ = [
     "schedule",
@@ -80,12 +80,43 @@ def _count(pairs: list[Any], index: int, unit: str) -> int:
 
 
 def counter(ctx: LearningContext, unit: str) -> jax.Array:
-    """The context's count in ``unit``."""
+    """The context's int32 count in ``unit``; samples_seen's low word for ``"samples"`` (its
+    count below 2³¹; :func:`by_count` reads past it)."""
     if unit == "steps":
         return ctx.step
-    if unit == "samples":
-        return ctx.samples_seen
-    return ctx.sweep
+    if unit == "sweeps":
+        return ctx.sweep
+    return ctx.counters[..., 2]
+
+
+def by_count(ctx: LearningContext, unit: str, f: Callable[[jax.Array], Any]) -> Any:
+    """``f`` of the context's count in ``unit``, exact in integers as far as the context keeps it.
+
+    Steps and sweeps are int32. samples_seen is two int32 words (``high · 2³¹ + low``): under
+    ``jax_enable_x64`` ``f`` takes it as int64; without x64 ``f`` takes the int32 low word
+    while the high word is 0 (every job below 2³¹ samples: exact, as a count in steps) and
+    the float32 ``high · 2³¹ + low`` past it (to 7 digits: the schedule goes on, where an
+    int32 count wrapped negative and started the schedule over). Both are traced; a select
+    takes one."""
+    if unit != "samples":
+        return f(counter(ctx, unit))
+    low, high = ctx.counters[..., 2], ctx.counters[..., 4]
+    if _int() == jnp.int64:
+        return f((high.astype(jnp.int64) << LOW_BITS) | low.astype(jnp.int64))
+    exact = jnp.asarray(f(low))
+    beyond = jnp.asarray(f(high.astype(jnp.float32) * float(2**LOW_BITS) + low.astype(jnp.float32)))
+    return jnp.where(high == 0, exact, beyond.astype(exact.dtype))
+
+
+def _length(count: int) -> Any:  # optax annotates its lengths int; it computes in floats too
+    """A schedule's length for optax: as given, or a float past int32 (a warmup of 3e9
+    samples), which JAX refuses as an int without x64 (optax then computes in floats)."""
+    return count if abs(count) <= np.iinfo(np.int32).max else float(count)
+
+
+def _int() -> Any:
+    """JAX's default int: int64 under ``jax_enable_x64``, else int32."""
+    return jax.dtypes.canonicalize_dtype(jnp.int64)
 
 
 def _float() -> Any:
@@ -149,10 +180,10 @@ def schedule(fn: Callable[[Any], Any], unit: str = "steps") -> Callable[[Learnin
 
     def at(ctx: LearningContext) -> Any:
         # JAX's default int (int64 under x64): optax divides the count by Python numbers,
-        # in float32 from an int32 count, in float64 from an int64 one.
-        count = counter(ctx, unit).astype(jax.dtypes.canonicalize_dtype(jnp.int64))
+        # in float32 from an int32 count, in float64 from an int64 one. Samples past 2³¹ − 1
+        # come as float32 without x64 (by_count): optax's schedules are float arithmetic.
         with jax.numpy_dtype_promotion("standard"):  # optax schedules mix int counts and floats
-            return fn(count)
+            return by_count(ctx, unit, lambda count: fn(count if count.dtype == jnp.float32 else count.astype(_int())))
 
     at.__qualname__ = f"schedule({getattr(fn, '__name__', 'fn')}, unit={unit!r})"
     return at
@@ -188,12 +219,22 @@ def piecewise(pairs: Sequence[tuple[int, float]], unit: str = "steps") -> Callab
     if not pairs or any(not isinstance(p, (tuple, list)) or len(p) != 2 for p in pairs):
         raise ValueError(BAD_PIECEWISE.format(pairs=pairs))
     counts = [_count(pairs, i, unit) for i in range(len(pairs))]
-    ends = jnp.asarray(np.cumsum(counts)[:-1], jnp.int32)
+    ends = np.cumsum(np.asarray(counts, np.int64))[:-1]
     values = np.asarray([float(v) for _, v in pairs], np.float64)
+    # Compared exactly, as the context keeps them: samples_seen in its two words (past 2³¹ − 1
+    # a float32 count would switch up to 2⁸ samples early), steps and sweeps in int32 (an
+    # end past 2³¹ − 1 is one they never reach: held at the largest int32).
+    low_ends = (ends & (2**LOW_BITS - 1)).astype(np.int32)
+    high_ends = (ends >> LOW_BITS).astype(np.int32)
+    int_ends = np.minimum(ends, np.iinfo(np.int32).max).astype(np.int32)
 
     def at(ctx: LearningContext) -> jax.Array:
-        index = jnp.sum(counter(ctx, unit) >= ends)
-        return jnp.asarray(values, _float())[index]
+        if unit == "samples":
+            low, high = ctx.counters[..., 2:3], ctx.counters[..., 4:5]
+            reached = (high > high_ends) | ((high == high_ends) & (low >= low_ends))
+        else:
+            reached = counter(ctx, unit)[..., None] >= int_ends
+        return jnp.asarray(values, _float())[jnp.sum(reached, axis=-1)]
 
     return _recorded(at, [v for _, v in pairs], lambda w: "ft.optim.piecewise([" + ", ".join(
         f"({c!r}, {w(v)})" for c, v in pairs) + f"]{_unit(unit)})")
@@ -225,7 +266,8 @@ def exponential_decay(
                    "first, silently) and its whole powers alternate in sign (staircase=True: a rate that "
                    "climbs the loss every other transition)", "0.5", f"{init_value!r}, {transition_steps!r}, ")
     at = schedule(
-        optax.exponential_decay(init_value, transition_steps, decay_rate, staircase=staircase, end_value=end_value),
+        optax.exponential_decay(init_value, _length(transition_steps), decay_rate, staircase=staircase,
+                                end_value=end_value),
         unit,
     )
     ends = (init_value,) if end_value is None else (init_value, end_value)
@@ -252,7 +294,7 @@ def cosine_decay(
       >>> [round(float(lr(ctx.replace(step=s))), 4) for s in (0, 50, 100, 150)]
       [1.0, 0.55, 0.1, 0.1]
     """
-    at = schedule(optax.cosine_decay_schedule(init_value, decay_steps, alpha), unit)
+    at = schedule(optax.cosine_decay_schedule(init_value, _length(decay_steps), alpha), unit)
     return _recorded(at, (init_value,), lambda w: (
         f"ft.optim.cosine_decay({w(init_value)}, {decay_steps!r}" + (f", alpha={alpha!r}" if alpha else "")
         + f"{_unit(unit)})"))
@@ -280,7 +322,7 @@ def linear_warmup(
     if warmup_steps == 0:
         at = schedule(optax.constant_schedule(peak_value), unit)
     else:
-        at = schedule(optax.linear_schedule(init_value, peak_value, warmup_steps), unit)
+        at = schedule(optax.linear_schedule(init_value, peak_value, _length(warmup_steps)), unit)
     return _recorded(at, (init_value, peak_value), lambda w: (
         f"ft.optim.linear_warmup({w(peak_value)}, {warmup_steps!r}"
         + (f", init_value={w(init_value)}" if init_value else "") + f"{_unit(unit)})"))
@@ -299,7 +341,8 @@ def warmup_cosine_decay(
       1.0
     """
     at = schedule(
-        optax.warmup_cosine_decay_schedule(init_value, peak_value, warmup_steps, decay_steps, end_value),
+        optax.warmup_cosine_decay_schedule(init_value, peak_value, _length(warmup_steps), _length(decay_steps),
+                                           end_value),
         unit,
     )
     return _recorded(at, (init_value, peak_value, end_value), lambda w: (
@@ -331,7 +374,7 @@ def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") 
     ahead = 1.0 if unit == "steps" else 0.0
 
     def rate(ctx: LearningContext) -> jax.Array:
-        return init_value / (1.0 + decay * (counter(ctx, unit).astype(_float()) + ahead))
+        return by_count(ctx, unit, lambda count: init_value / (1.0 + decay * (count.astype(_float()) + ahead)))
 
     return _recorded(rate, (init_value,), lambda w: f"ft.optim.inverse_time_decay({w(init_value)}, {decay!r}{_unit(unit)})")
 
@@ -386,7 +429,10 @@ def _phased(ends: list[float], starts: list[Any], stops: list[Any], anneal_strat
     dtype = _float()
 
     def at(ctx: LearningContext) -> jax.Array:
-        step = jnp.minimum(counter(ctx, unit), total_steps - 1).astype(dtype)
+        return by_count(ctx, unit, value)
+
+    def value(count: jax.Array) -> jax.Array:
+        step = jnp.minimum(count.astype(dtype), total_steps - 1)
         last = jnp.asarray(ends, dtype)
         index = jnp.argmax(jnp.append(step <= last[:-1], True))
         first = jnp.asarray([0.0, *ends[:-1]], dtype)[index]
@@ -505,7 +551,9 @@ def _cycled(low: float, high: float, step_size_up: float, step_size_down: float 
     whole = total.is_integer()  # whole step sizes (torch's ints): the cycle and its position in integers
 
     def at(ctx: LearningContext) -> jax.Array:
-        raw = counter(ctx, unit)
+        return by_count(ctx, unit, value)
+
+    def value(raw: jax.Array) -> jax.Array:
         count = raw.astype(dtype)
         if whole:
             # count / total in float32 lost the position in a cycle once count passed 2**24
@@ -636,17 +684,23 @@ def cosine_warm_restarts(
         def position(count: jax.Array) -> tuple[jax.Array, jax.Array]:
             return count % period, jnp.asarray(period, dtype)
     else:
-        starts, lengths = [0], [period]  # every restart that an int32 count reaches
-        while starts[-1] + lengths[-1] < 2**31:
+        starts, lengths = [0], [period]  # every restart that a count reaches (samples: 2⁶²)
+        while starts[-1] + lengths[-1] < 2**62:
             starts.append(starts[-1] + lengths[-1])
             lengths.append(lengths[-1] * period_mult)
 
         def position(count: jax.Array) -> tuple[jax.Array, jax.Array]:
-            index = jnp.sum(count >= jnp.asarray(starts[1:], count.dtype))
-            return count - jnp.asarray(starts, count.dtype)[index], jnp.asarray(lengths, dtype)[index]
+            # the restarts an int32 count reaches, in its dtype; every one for int64 or float32
+            bound = 2**31 if count.dtype == jnp.int32 else 2**62
+            reached = [s for s in starts if s < bound]
+            index = jnp.sum(count >= jnp.asarray(reached[1:], count.dtype))
+            return count - jnp.asarray(reached, count.dtype)[index], jnp.asarray(lengths, dtype)[index]
 
     def at(ctx: LearningContext) -> jax.Array:
-        since, length = position(counter(ctx, unit))
+        return by_count(ctx, unit, value)
+
+    def value(count: jax.Array) -> jax.Array:
+        since, length = position(count)
         ratio = since.astype(dtype) / length
         return end_value + (init_value - end_value) * (1 + jnp.cos(jnp.pi * ratio)) / 2
 

@@ -26,7 +26,7 @@ import jax
 from functree._flat import PENDING
 from functree._tree import register_record
 from functree.optim._checks import release_contexts
-from functree.optim._context import LearningContext
+from functree.optim._context import LearningContext, widen_counters
 from functree.optim._skip import SkipState
 
 __all__ = ["OptimizerState", "release_contexts", "upgrade_state", "OPTAX_STATE_FIELD"]
@@ -134,6 +134,7 @@ def upgrade_state(old_state: Any, optimizer: Any, model: Any) -> Any:
     optax transforms in a ``ContextState``). The new state keeps the first of those
     contexts once; every other value (hyperparameters, moments, counts, loss scale) is
     carried over in order, checked against ``optimizer.init(model)``'s shapes and dtypes.
+    A context of four counters (saved before samples_seen took two int32 words) is widened.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -168,5 +169,7 @@ def upgrade_state(old_state: Any, optimizer: Any, model: Any) -> Any:
                        f"{jax.numpy.shape(n)} {jax.numpy.result_type(n)}"))
     rebuilt = treedef.unflatten([jax.numpy.asarray(o) for o in old_leaves])
     ctx = contexts[0]
+    counters = widen_counters(ctx.counters)  # four counters: saved before samples_seen's high word
+    ctx = ctx if counters is ctx.counters else LearningContext(counters, ctx.loss)
     return jax.tree.map(lambda x: x.replace(context=ctx) if isinstance(x, OptimizerState) else x, rebuilt,
                         is_leaf=lambda x: isinstance(x, OptimizerState))

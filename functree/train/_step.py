@@ -364,8 +364,8 @@ class TrainStep:
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> sharded = ft.train.TrainStep(loss_fn, opt, mesh=mesh, sharding="fsdp")
       >>> model, state, metrics = sharded(model, state, batch)
-      >>> ft.optim.context(state).samples_seen
-      Array(404, dtype=int32)
+      >>> int(ft.optim.context(state).samples_seen)
+      404
 
     Sixteen steps per call, on sixteen minibatches stacked along a new leading axis:
 

@@ -439,6 +439,12 @@ def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str, edit
     return out
 
 
+# A type's opt-in: ``{field: function}``, each function taking the leaf as an older release
+# saved it and giving it in today's layout (the learning context's counters, four words
+# before samples_seen took two). Read with a template or without.
+UPGRADE_ON_RESTORE = "__ft_upgrade_on_restore__"
+
+
 def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str, edited: EditedReader | None) -> Any:
     cls = _class(spec, path, "dataclass")
     static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
@@ -446,8 +452,10 @@ def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str, e
     out = object.__new__(cls)
     for n, c in static.items():
         object.__setattr__(out, n, _decode_static(c, child_name(path, n)))
+    upgrade = getattr(cls, UPGRADE_ON_RESTORE, {})
     for n, s in fields.items():
-        object.__setattr__(out, n, _decode(s, arrays, child_name(path, n), edited))
+        value = _decode(s, arrays, child_name(path, n), edited)
+        object.__setattr__(out, n, upgrade[n](value) if n in upgrade else value)
     return out
 
 

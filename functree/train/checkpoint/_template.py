@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict, to_flat_dict
 from functree.nn._lora import ADDED_FIELDS
-from functree.train.checkpoint._decode import decode, decode_leaf, leaf_specs
+from functree.train.checkpoint._decode import UPGRADE_ON_RESTORE, decode, decode_leaf, leaf_specs
 from functree.train.checkpoint._errors import CheckpointError
 from functree.train.checkpoint._treespec import layer_differences, static_differences
 
@@ -101,11 +101,33 @@ def with_template(spec: dict[str, Any], arrays: dict[str, Any], template: Any, p
     """``from_flat_dict(template, the saved leaves under part)``: the tree and its report,
     the running values of :data:`CAST_ON_RESTORE` in the template's floating dtypes."""
     flat = {name: decode_leaf(s, arrays, s["key"]) for name, s in _template_names(spec, part).items()}
-    return from_flat_dict(template, _running_values_cast(flat, template), strict=False)
+    return from_flat_dict(template, _running_values_cast(_upgraded(flat, template), template), strict=False)
 
 
 def _opted_in(node: Any) -> bool:
     return bool(getattr(type(node), CAST_ON_RESTORE, ()))
+
+
+def _upgrading(node: Any) -> bool:
+    return bool(getattr(type(node), UPGRADE_ON_RESTORE, {}))
+
+
+def _upgraded(flat: dict[str, Any], template: Any) -> dict[str, Any]:
+    """``flat`` with each leaf that its template node's type upgrades (:data:`UPGRADE_ON_RESTORE`:
+    a layout an older release saved) in today's layout; from_flat_dict checks the result."""
+    nodes = jax.tree_util.tree_flatten_with_path(template, is_leaf=_upgrading)[0]
+    upgrades = {tuple(path): getattr(type(node), UPGRADE_ON_RESTORE) for path, node in nodes if _upgrading(node)}
+    if not upgrades:
+        return flat
+    out = dict(flat)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
+    for name, path in zip(to_flat_dict(template), paths, strict=True):
+        for k in range(len(path)):
+            field = getattr(path[k], "name", None)
+            upgrade = upgrades.get(tuple(path[:k]), {}).get(field)
+            if upgrade is not None and out.get(name) is not None:
+                out[name] = upgrade(out[name])
+    return out
 
 
 def _running_values_cast(flat: dict[str, Any], template: Any) -> dict[str, Any]:

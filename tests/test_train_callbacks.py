@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import types
 
 import jax
@@ -751,3 +752,37 @@ def test_the_logged_learning_rate_is_the_one_reduce_on_plateau_applied(grouped):
     np.testing.assert_allclose(applied, [0.1, 0.05, 0.025, 0.0125], rtol=0, atol=1e-7)
     assert [n for n in history.steps if "learning_rate" in n] == ["learning_rate"]  # (one group: its rate's name)
     np.testing.assert_allclose(history.steps["learning_rate"], applied, rtol=0, atol=1e-7)  # (was 0.1 four times)
+
+
+@pytest.mark.parametrize(("name", "right", "says"), [
+    ("on_step_end", "on_log(self, trainer, context)", "another library's hook; on_log does its job here.*log_every=1"),
+    ("on_train_batch_end", "on_log(self, trainer, context)", "another library's hook"),
+    ("on_evaluate", "on_epoch_end(self, trainer, context)", "after the epoch's validation"),
+    ("on_fit_start", "on_train_begin(self, trainer)", "another library's hook"),
+    ("on_epoch_ends", "on_epoch_end(self, trainer, context)", "never calls it"),
+])
+def test_a_method_named_as_a_hook_that_is_none_is_refused_before_training(name, right, says):
+    """A callback ported from Hugging Face (`on_step_end`), Keras (`on_train_batch_end`) or
+    Lightning (`on_fit_start`), or with a misspelt hook, ran a whole fit without the Trainer
+    ever calling it, silently: the user's logging or stopping never happened."""
+    calls = []
+    Ported = type("Ported", (ft.train.Callback,), {name: lambda self, *a: calls.append(a)})
+    trainer = make()
+    with pytest.raises(TypeError, match=rf"Ported.{name} is no hook of ft.train.Callback") as info:
+        trainer.fit(data(), epochs=1, progress=False, log_every=1, callbacks=[Ported()])
+    assert re.search(says, str(info.value), re.S) and f"right:  def {right}" in str(info.value)
+    assert trainer.steps_run == 0 and calls == []
+
+    class Helper(ft.train.Callback):  # a method of its own, without the prefix: accepted
+        def __init__(self):
+            self.seen = []
+
+        def record(self, step):
+            self.seen.append(step)
+
+        def on_log(self, trainer, context):
+            self.record(context.step)
+
+    helper = Helper()
+    trainer.fit(data(), epochs=1, progress=False, log_every=1, callbacks=[helper])
+    assert helper.seen == [1, 2, 3]

@@ -142,6 +142,31 @@ BAD_HOOK = """\
     right:  def {hook}(self, {args}): ...
 """
 
+UNKNOWN_HOOK = """\
+{who}.{name} is no hook of ft.train.Callback: the Trainer never calls it, so the callback \
+would do nothing there, silently. The hooks: on_train_begin(trainer), on_log(trainer, \
+context), on_epoch_end(trainer, context), on_train_end(trainer, context).{why}
+
+    wrong:  def {name}(self, ...): ...
+    right:  def {right}(self, {args}): ...{note}
+
+(A method of the callback's own, not a hook, is named without the on_ prefix.)"""
+
+# Other libraries' hooks, by the hook that does their job here (Hugging Face's TrainerCallback,
+# Keras's and PyTorch Lightning's callbacks): (functree's hook, a note on its right line).
+_EVERY_STEP = "   # at each log interval: fit(..., log_every=1) for every step"
+FOREIGN_HOOKS = {
+    **dict.fromkeys(("on_step_end", "on_step_begin", "on_substep_end", "on_batch_end", "on_batch_begin",
+                     "on_train_batch_end", "on_train_batch_begin", "on_optimizer_step"), ("on_log", _EVERY_STEP)),
+    **dict.fromkeys(("on_evaluate", "on_validation_end", "on_validation_epoch_end", "on_train_epoch_end",
+                     "on_test_end", "on_epoch_begin", "on_train_epoch_start", "on_epoch_start"),
+                    ("on_epoch_end", "   # after the epoch's validation: context.metrics holds it")),
+    **dict.fromkeys(("on_train_start", "on_fit_start", "on_init_end"), ("on_train_begin", "")),
+    **dict.fromkeys(("on_fit_end",), ("on_train_end", "")),
+    **dict.fromkeys(("on_save", "on_save_checkpoint"),
+                    ("on_epoch_end", "   # the Trainer saves through fit(..., checkpoint=manager)")),
+}
+
 NOT_A_CALLBACK = """\
 A callback is a ft.train.Callback or a function of the TrainingContext, got {given}.
     right:  callbacks=[ft.train.EarlyStopping(patience=3), lambda ctx: print(ctx.step)]"""
@@ -343,6 +368,7 @@ def as_callback(cb: Any) -> Callback:
 
 
 def _check_hooks(cb: Callback) -> None:
+    _check_names(cb)
     for hook, args in _HOOKS.items():
         method = getattr(cb, hook, None)
         if getattr(type(cb), hook, None) is getattr(Callback, hook) or not callable(method):
@@ -358,6 +384,21 @@ def _check_hooks(cb: Callback) -> None:
             given = "(" + ", ".join(parameters) + ")"
             raise TypeError(BAD_HOOK.format(who=type(cb).__name__, hook=hook, given=given, args=args,
                                             wrong_args=", ".join(parameters))) from None
+
+
+def _check_names(cb: Callback) -> None:
+    """:data:`UNKNOWN_HOOK` for a method named ``on_...`` that is no hook (another library's
+    ``on_step_end``, a misspelt ``on_epoch_ends``): the Trainer would never call it."""
+    for name in dir(type(cb)):
+        if not name.startswith("on_") or name in _HOOKS or not callable(getattr(type(cb), name, None)):
+            continue
+        right, note = FOREIGN_HOOKS.get(name, (None, ""))
+        why = f" {name} is another library's hook; {right} does its job here." if right else ""
+        if right is None:
+            close = difflib.get_close_matches(name, list(_HOOKS), n=1, cutoff=0.6)
+            right = close[0] if close else "on_log"
+        raise TypeError(UNKNOWN_HOOK.format(who=type(cb).__name__, name=name, why=why, right=right,
+                                            args=_HOOKS[right], note=note))
 
 
 class _Monitor:

@@ -145,6 +145,33 @@ def test_probabilities_are_scored_at_the_threshold_given_to_binary_accuracy_of()
             ft.train.binary_accuracy.of(probs, labels, threshold=bad)
 
 
+def test_binary_labels_of_minus_100_are_left_out():
+    """HF pads per-token binary tags with -100, which precision leaves out: binary_accuracy
+    (and accuracy of one logit per label) read -100 as a negative (0.6 for 2/3 here: the
+    padded token of logit -2 a hit, of logit 3 a miss), in a Trainer's jitted step too."""
+    logits = np.array([2.0, -1.0, 0.5, 3.0, -2.0], np.float32)
+    labels = np.array([1, 0, 0, -100, -100], np.int32)
+    want = float(np.mean((logits[:3] > 0) == (labels[:3] == 1)))
+    assert want == pytest.approx(2 / 3)
+    assert float(ft.train.binary_accuracy.of(logits, labels)) == pytest.approx(want)
+    assert float(ft.train.binary_accuracy(out(logits, (None, labels)))) == pytest.approx(want)
+    assert float(ft.train.accuracy.of(logits[:, None], labels)) == pytest.approx(want)
+    assert float(jax.jit(lambda z, y: ft.train.binary_accuracy.of(z, y))(logits, labels)) == pytest.approx(want)
+    marked = np.where(labels == -100, 255, labels).astype(np.uint8)  # another ignore label, named
+    assert float(ft.train.binary_accuracy.of(logits, marked, ignore_index=255)) == pytest.approx(want)
+    assert float(ft.train.accuracy.of(logits[:, None], marked, ignore_index=255)) == pytest.approx(want)
+    assert float(ft.train.binary_accuracy.of(logits, jnp.full(5, -100))) == 0.0  # nothing counted
+    t = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), _token_loss(logits, np.ones(5, np.float32)),
+                         metrics=[ft.train.binary_accuracy])
+    idx = np.arange(5, dtype=np.int32)
+    data = [(idx[:2], labels[:2]), (idx[2:], labels[2:])]
+    t.fit(data, epochs=1, progress=False)
+    np.testing.assert_allclose(t.history.epochs["binary_accuracy"][0], want, rtol=0, atol=2e-7)
+    for bad in ("255", 255.0, True):
+        with pytest.raises(TypeError, match=r"(?s)ignore_index must be a Python int.*right:  ft\.train\.binary_accuracy\.of"):
+            ft.train.binary_accuracy.of(logits, labels, ignore_index=bad)
+
+
 def test_labels_that_are_not_an_array_and_duplicate_metric_names():
     with pytest.raises(ValueError, match=r'could not find the labels.*\["target"\]'):
         ft.train.accuracy(out(LOGITS, {"target": {"class": jnp.zeros(4, jnp.int32)}}))

@@ -32,6 +32,7 @@ from functree.train._metrics import (
     _find_labels,
     _find_logits,
     _float_class_ids,
+    _kept,
     _logits_source,
     _noted,
 )
@@ -123,13 +124,6 @@ def _check_threshold(who: str, threshold: Any) -> float:
         raise TypeError(BAD_OPTION.format(who=who, option="threshold", given=threshold, right=0.5,
                                           expected="a Python number (a logit's, 0 by default, or a probability's, 0.5)"))
     return float(threshold)
-
-
-def _kept(labels: jax.Array, ignore_index: int | None) -> jax.Array:
-    """Per label: whether it is scored (not ``ignore_index``; None: every one)."""
-    if ignore_index is None or labels.dtype == jnp.bool_:
-        return jnp.ones(labels.shape, bool)
-    return labels.astype(jnp.float32 if jnp.issubdtype(labels.dtype, jnp.floating) else jnp.int32) != ignore_index
 
 
 def _class_ids(who: str, logits: jax.Array, labels: jax.Array, extra: str) -> jax.Array:

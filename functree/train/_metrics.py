@@ -375,18 +375,26 @@ def _accuracy_counts(logits: Any, labels: Any, where: str | None = None, source:
     elif labels.shape == logits.shape and logits.ndim >= 2 and logits.shape[-1] > 1:  # one-hot / probabilities
         hits = jnp.argmax(logits, axis=-1) == jnp.argmax(labels, axis=-1)
     elif labels.shape == logits.shape or logits.shape == (*labels.shape, 1):  # binary: one logit each
-        hits = _binary_hits(logits, labels)
+        return _binary_counts(logits, labels, 0.0, ignore_index)
     else:
         raise ValueError(SHAPES.format(logits=logits.shape, labels=labels.shape))
     return jnp.sum(hits, dtype=jnp.float32), jnp.float32(hits.size)
 
 
 BAD_IGNORE_INDEX = """\
-ft.train.accuracy.of: ignore_index must be a Python int (the label of the positions left \
+ft.train.{who}.of: ignore_index must be a Python int (the label of the positions left \
 out, as the loss's ignore_index) or None (every label scored), got {given!r}.
 
-    wrong:  ft.train.accuracy.of(logits, labels, ignore_index={given!r})
-    right:  ft.train.accuracy.of(logits, labels, ignore_index=255)   # e.g. a segmentation mask's void label"""
+    wrong:  ft.train.{who}.of(logits, labels, ignore_index={given!r})
+    right:  ft.train.{who}.of(logits, labels, ignore_index=255)   # e.g. a segmentation mask's void label"""
+
+
+def _ignore_index(who: str, ignore_index: Any) -> int | None:
+    """``ignore_index`` as an int or None, else :data:`BAD_IGNORE_INDEX`."""
+    if ignore_index is not None and (isinstance(ignore_index, (bool, np.bool_))
+                                     or not isinstance(ignore_index, (int, np.integer))):
+        raise TypeError(BAD_IGNORE_INDEX.format(who=who, given=ignore_index))
+    return None if ignore_index is None else int(ignore_index)
 
 
 def _accuracy_of(logits: Any, labels: Any, *, ignore_index: int | None = IGNORE_INDEX) -> jax.Array:
@@ -404,10 +412,7 @@ def _accuracy_of(logits: Any, labels: Any, *, ignore_index: int | None = IGNORE_
       >>> ft.train.accuracy.of(logits, jnp.array([0, 0, 255]), ignore_index=255)  # left out
       Array(0.5, dtype=float32)
     """
-    if ignore_index is not None and (isinstance(ignore_index, (bool, np.bool_))
-                                     or not isinstance(ignore_index, (int, np.integer))):
-        raise TypeError(BAD_IGNORE_INDEX.format(given=ignore_index))
-    hits, counted = _accuracy_counts(logits, labels, ignore_index=None if ignore_index is None else int(ignore_index))
+    hits, counted = _accuracy_counts(logits, labels, ignore_index=_ignore_index("accuracy", ignore_index))
     return _noted(hits / jnp.maximum(counted, 1.0), hits, counted)  # its parts too: exact means
 
 
@@ -439,7 +444,8 @@ def accuracy(out: StepOutput) -> jax.Array:
       probabilities: ``argmax`` of both. A multi-label target (several 1s a row) is
       scored as its first 1: use ``ft.train.binary_accuracy`` for it;
     - one logit per example (logits ``[N]`` or ``[N, 1]`` with labels ``[N]``): binary,
-      ``logits > 0`` against ``labels > 0.5``.
+      ``logits > 0`` against ``labels > 0.5``, labels equal to -100 left out (as
+      ``binary_accuracy``'s).
 
     ``ft.train.accuracy.of(logits, labels)`` is the same from logits and labels you name;
     in a step, its value (or an affine function of it, ``100 * acc``) still has its
@@ -471,12 +477,23 @@ def _binary_fits(logits: tuple, labels: tuple) -> bool:
     return logits == labels or logits == (*labels, 1)
 
 
-def _binary_counts(logits: Any, labels: Any, threshold: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """``(hits, labels)`` of :func:`binary_accuracy`, as float32 counts."""
+def _kept(labels: jax.Array, ignore_index: int | None) -> jax.Array:
+    """Per label: whether it is scored (not ``ignore_index``; None: every one)."""
+    if ignore_index is None or labels.dtype == jnp.bool_:
+        return jnp.ones(labels.shape, bool)
+    return labels.astype(jnp.float32 if jnp.issubdtype(labels.dtype, jnp.floating) else jnp.int32) != ignore_index
+
+
+def _binary_counts(logits: Any, labels: Any, threshold: float = 0.0,
+                   ignore_index: int | None = IGNORE_INDEX) -> tuple[jax.Array, jax.Array]:
+    """``(hits, counted)`` of :func:`binary_accuracy`, as float32 counts: labels equal to
+    ``ignore_index`` (-100, HF's padding of token labels; None: none) left out."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if not _binary_fits(logits.shape, labels.shape):
         raise ValueError(BINARY_SHAPES.format(logits=logits.shape, labels=labels.shape))
-    return jnp.sum(_binary_hits(logits, labels, threshold), dtype=jnp.float32), jnp.float32(labels.size)
+    kept = _kept(labels, ignore_index)
+    hits = _binary_hits(logits, labels, threshold) & kept
+    return jnp.sum(hits, dtype=jnp.float32), jnp.sum(kept, dtype=jnp.float32)
 
 
 BAD_THRESHOLD = """\
@@ -487,13 +504,15 @@ probability's, 0.5), got {given!r}.
     right:  ft.train.binary_accuracy.of(probabilities, labels, threshold=0.5)"""
 
 
-def _binary_accuracy_of(logits: Any, labels: Any, *, threshold: float = 0.0) -> jax.Array:
+def _binary_accuracy_of(logits: Any, labels: Any, *, threshold: float = 0.0,
+                        ignore_index: int | None = IGNORE_INDEX) -> jax.Array:
     """Fraction of 0/1 labels whose output is on their side of ``threshold``: ``logit > 0``
     by default (a sigmoid's logit, ``ft.losses.sigmoid_cross_entropy``'s input); a model
     that outputs probabilities (a sigmoid last, as for ``ft.losses.binary_cross_entropy``
     or torch's ``BCELoss``) needs ``threshold=0.5`` (Keras's ``BinaryAccuracy`` default).
     The step cannot tell probabilities from logits: at the default, every probability
-    above 0 counts as a 1.
+    above 0 counts as a 1. Labels equal to ``ignore_index`` (-100 by default, HF's padding
+    of token labels, as :func:`accuracy` and ``precision.of``; None: none) are left out.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -505,7 +524,7 @@ def _binary_accuracy_of(logits: Any, labels: Any, *, threshold: float = 0.0) -> 
     """
     if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.integer, np.floating)):
         raise TypeError(BAD_THRESHOLD.format(given=threshold))
-    hits, counted = _binary_counts(logits, labels, float(threshold))
+    hits, counted = _binary_counts(logits, labels, float(threshold), _ignore_index("binary_accuracy", ignore_index))
     return _noted(hits / jnp.maximum(counted, 1.0), hits, counted)
 
 
@@ -519,7 +538,10 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
     """The fraction of 0/1 targets whose logit has their sign (``logit > 0`` against
     ``label > 0.5``), over every element: multi-label heads and per-token binary tags, with
     logits of the labels' shape (``ft.losses.sigmoid_cross_entropy``'s layout), where
-    :func:`accuracy` reads labels of the logits' shape as one-hot. A model that outputs
+    :func:`accuracy` reads labels of the logits' shape as one-hot. Labels of -100 (HF's
+    padding of token labels) are left out, as :func:`accuracy` and :func:`precision` leave
+    them (they were scored as negatives: a padded token with a negative logit a hit); another
+    through ``binary_accuracy.of(..., ignore_index=255)``. A model that outputs
     probabilities (a sigmoid last) is scored with ``threshold=0.5``:
     ``lambda out: ft.train.binary_accuracy.of(out.aux, out.batch[-1], threshold=0.5)``.
 

@@ -16,6 +16,8 @@ from sklearn.exceptions import UndefinedMetricWarning
 import functree as ft
 from functree.train import _classification_metrics as cm
 from functree.train._metrics import (
+    BINARY_LABEL_SIGNS,
+    BINARY_LABEL_VALUE,
     FLOAT_CLASS_IDS,
     KERAS_METRIC_NAME,
     KERAS_NOT_PROVIDED,
@@ -182,6 +184,68 @@ def test_a_top_k_label_outside_the_classes_is_refused_and_nan_under_jit():
     assert np.isnan(float(traced(logits, jnp.array([0, 4]))))
     assert float(traced(logits, jnp.array([-100, 3]))) == 1.0  # ignore_index still left out
     assert float(ft.train.top_k_accuracy.of(logits, jnp.array([-1, 3]), k=2, ignore_index=-1)) == 1.0  # the fix
+
+
+BINARY_LOGITS = np.array([2.0, -1.0, 0.5, 3.0, -2.0], np.float32)
+BINARY = np.array([1, 0, 0, 1, 0], np.int32)
+NO_BINARY = [  # (labels, constant, what the error names): read as label > 0.5 before, with no error
+    (np.array([2, 0, 1, 2, 0], np.int32), BINARY_LABEL_VALUE, ("label 2 at labels[0]", "of(logits, labels == 2)")),  # 3 classes: 1.0
+    (np.array([0.7, 0.2, 0.6, 0.9, 0.4], np.float32), BINARY_LABEL_VALUE, ("label 0.7 at labels[0]", "of(logits, labels > 0.5)")),
+    (np.array([255, 0, 0, 255, 0], np.uint8), BINARY_LABEL_VALUE, ("label 255 at labels[0]", "of(logits, labels, ignore_index=255)")),
+    (np.array([1, 0, -1, 1, 0], np.int32), BINARY_LABEL_SIGNS, ("0 (at labels[1]) and -1 (at labels[2])",
+                                                                "of(logits, labels, ignore_index=0)")),
+    (np.array([1.0, np.nan, 0.0, 1.0, 0.0], np.float32), BINARY_LABEL_VALUE, ("label nan at labels[1]", "of(logits, labels > 0.5)")),
+    (np.array([1.0, 2.0, 0.0, 1.0, 0.0], np.float32), BINARY_LABEL_VALUE, ("label 2 at labels[1]", "of(logits, labels, ignore_index=2)")),
+]
+
+
+@pytest.mark.parametrize("name", list(SKLEARN))
+def test_labels_that_are_no_binary_labels_are_refused_and_nan_under_jit(name):
+    """Binary labels were read as ``label > 0.5``: 3-class labels [2, 0, 1, 2, 0] gave
+    precision, recall and F1 1.0 (2 and 1 positive), soft labels were thresholded, a mask's
+    255 counted positive, -1/0/1 labels read -1 and 0 alike. 0/1 (int, bool, float) and -1/1
+    are binary; another scored label raises naming it and the fix, and is NaN under jit."""
+    fn, want = getattr(ft.train, name), SKLEARN[name](BINARY, BINARY_LOGITS > 0)
+    traced = jax.jit(lambda z, y: fn.of(z, y))
+    signed = 2 * BINARY - 1
+    assert SKLEARN[name](signed, np.where(BINARY_LOGITS > 0, 1, -1)) == want  # sklearn's pos_label=1 reads -1/1 alike
+    padded = np.where(np.arange(5) < 3, BINARY, -100)  # -100 no binary label, but left out
+    for labels in (BINARY, BINARY.astype(bool), BINARY.astype(np.float32), BINARY.astype(np.uint8), signed):
+        np.testing.assert_allclose(fn.of(BINARY_LOGITS, labels), want, rtol=0, atol=1e-6, err_msg=str(labels))
+        np.testing.assert_allclose(traced(BINARY_LOGITS, labels), want, rtol=0, atol=1e-6, err_msg=str(labels))
+    np.testing.assert_allclose(traced(BINARY_LOGITS, padded), SKLEARN[name](BINARY[:3], BINARY_LOGITS[:3] > 0),
+                               rtol=0, atol=1e-6)
+    for labels, constant, (named, fix) in NO_BINARY:
+        raises_named(lambda labels=labels: fn.of(BINARY_LOGITS, labels), ValueError, constant, named)
+        raises_named(lambda labels=labels: fn.of(BINARY_LOGITS, labels), ValueError, constant, f"ft.train.{name}.{fix}")
+        assert np.isnan(float(traced(BINARY_LOGITS, labels))), labels
+    out = StepOutput(jnp.zeros(()), {"logits": BINARY_LOGITS}, {"labels": NO_BINARY[0][0]}, None)
+    raises_named(lambda: fn(out), ValueError, BINARY_LABEL_VALUE,
+                 f'metrics={{"{name}": lambda out: ft.train.{name}.of(out.aux["logits"], out.batch["labels"] == 2)}}')
+    # the fixes run: one class against the others, -1/1 with 0 left out
+    three = NO_BINARY[0][0]
+    np.testing.assert_allclose(fn.of(BINARY_LOGITS, three == 2), SKLEARN[name](three == 2, BINARY_LOGITS > 0), rtol=0, atol=1e-6)
+    signs = NO_BINARY[3][0]
+    np.testing.assert_allclose(fn.of(BINARY_LOGITS, signs, ignore_index=0), want, rtol=0, atol=1e-6)
+
+
+def test_a_trainer_shows_no_binary_labels_as_nan():
+    """The jitted step cannot read its labels: 3-class labels give NaN precision, recall and F1
+    for the epoch and evaluate (1.0 / 0.x before), where -1/1 labels give sklearn's numbers."""
+    logits, labels = _binary_data()
+    metrics = [ft.train.precision, ft.train.recall, ft.train.f1]
+    _, epoch, evaluated = _fit(logits, np.where(labels == -100, -100, 2 * labels - 1), metrics)
+    kept = labels != -100
+    for name, score in SKLEARN.items():
+        want = score(labels[kept], (logits[kept] > 0).astype(np.int32))
+        np.testing.assert_allclose(epoch[name], want, rtol=0, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(evaluated[name], want, rtol=0, atol=1e-6, err_msg=name)
+    three = labels.copy()
+    three[0, 0] = 2  # one label of another class, in the first minibatch
+    t, epoch, evaluated = _fit(logits, three, metrics)
+    for name in SKLEARN:
+        assert np.isnan(epoch[name]) and np.isnan(evaluated[name]), name
+    assert np.isnan(t.history.steps["precision"][0]) and not np.isnan(t.history.steps["precision"][1])
 
 
 def test_labels_of_the_logits_shape_are_multi_label_micro_averages():

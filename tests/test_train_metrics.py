@@ -172,6 +172,58 @@ def test_binary_labels_of_minus_100_are_left_out():
             ft.train.binary_accuracy.of(logits, labels, ignore_index=bad)
 
 
+def test_binary_accuracy_refuses_labels_that_are_no_binary_labels_and_is_nan_under_jit():
+    """binary_accuracy (and accuracy of one logit per label) read labels as ``label > 0.5``:
+    3-class labels [2, 0, 1, 2, 0] and soft labels [0.7, 0.2, 0.6, 0.9, 0.4] both scored 1.0,
+    a 0/255 mask 0.8. 0/1 (int, bool, float) and -1/1 labels are binary; another raises naming
+    the first and the fix, and a Trainer's jitted step shows NaN (not a plausible number)."""
+    from functree.train._metrics import BINARY_LABEL_SIGNS, BINARY_LABEL_VALUE
+    from tests._errors import raises_named
+
+    logits = np.array([2.0, -1.0, 0.5, 3.0, -2.0], np.float32)
+    binary = np.array([1, 0, 0, 1, 0], np.int32)
+    want = float(np.mean((logits > 0) == (binary == 1)))
+    traced = jax.jit(lambda z, y: ft.train.binary_accuracy.of(z, y))
+    for labels in (binary, binary.astype(bool), binary.astype(np.float32), binary.astype(np.uint8), 2 * binary - 1):
+        assert float(ft.train.binary_accuracy.of(logits, labels)) == pytest.approx(want)
+        assert float(ft.train.accuracy.of(logits[:, None], labels)) == pytest.approx(want)
+        assert float(traced(logits, labels)) == pytest.approx(want)
+    three = np.array([2, 0, 1, 2, 0], np.int32)
+    soft = np.array([0.7, 0.2, 0.6, 0.9, 0.4], np.float32)
+    mask = np.array([255, 0, 0, 255, 0], np.uint8)
+    signs = np.array([1, 0, -1, 1, 0], np.int32)
+    raises_named(lambda: ft.train.binary_accuracy.of(logits, three), ValueError, BINARY_LABEL_VALUE,
+                 "ft.train.binary_accuracy.of(logits, labels == 2)")
+    raises_named(lambda: ft.train.binary_accuracy.of(logits, soft), ValueError, BINARY_LABEL_VALUE,
+                 "ft.train.binary_accuracy.of(logits, labels > 0.5)")
+    raises_named(lambda: ft.train.binary_accuracy.of(logits, mask), ValueError, BINARY_LABEL_VALUE,
+                 "label 255 at labels[0]")
+    raises_named(lambda: ft.train.binary_accuracy.of(logits, signs), ValueError, BINARY_LABEL_SIGNS,
+                 "ft.train.binary_accuracy.of(logits, labels, ignore_index=0)")
+    raises_named(lambda: ft.train.accuracy.of(logits[:, None], three), ValueError, BINARY_LABEL_VALUE,
+                 "ft.train.accuracy.of(logits, labels == 2)")
+    raises_named(lambda: ft.train.binary_accuracy(out(logits, (None, soft))), ValueError, BINARY_LABEL_VALUE,
+                 'metrics={"binary_accuracy": lambda out: ft.train.binary_accuracy.of(out.aux, out.batch[1] > 0.5)}')
+    raises_named(lambda: ft.train.accuracy(out(logits, (None, three))), ValueError, BINARY_LABEL_VALUE,
+                 'metrics={"accuracy": lambda out: ft.train.accuracy.of(out.aux, out.batch[1] == 2)}')
+    for labels in (three, soft, mask, signs):
+        assert np.isnan(float(traced(logits, labels)))
+        assert np.isnan(float(jax.jit(lambda z, y: ft.train.accuracy.of(z[:, None], y))(logits, labels)))
+    assert float(ft.train.binary_accuracy.of(logits, signs, ignore_index=0)) == pytest.approx(2 / 3)  # the fix
+    assert float(ft.train.binary_accuracy.of(logits, soft > 0.5)) == 1.0
+    # a Trainer: the labels inside the jitted step are traced
+    metrics = [ft.train.binary_accuracy, ft.train.accuracy]
+    idx = np.arange(5, dtype=np.int32)
+    for labels, expected in ((2 * binary - 1, want), (three, None), (soft, None)):
+        t = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), _token_loss(logits, np.ones(5, np.float32)),
+                             metrics=metrics)
+        data = [(idx[:3], labels[:3]), (idx[3:], labels[3:])]
+        t.fit(data, epochs=1, progress=False)
+        for name in ("binary_accuracy", "accuracy"):
+            got = t.history.epochs[name][0]
+            assert (np.isnan(got) if expected is None else got == pytest.approx(expected, abs=2e-7)), (name, labels)
+
+
 def test_labels_that_are_not_an_array_and_duplicate_metric_names():
     with pytest.raises(ValueError, match=r'could not find the labels.*\["target"\]'):
         ft.train.accuracy(out(LOGITS, {"target": {"class": jnp.zeros(4, jnp.int32)}}))

@@ -27,7 +27,9 @@ from functree.train._metrics import (
     IGNORE_INDEX,
     StepOutput,
     _accuracy_fits,
+    _binary_actual,
     _binary_fits,
+    _check_binary_labels,
     _describe,
     _find_labels,
     _find_logits,
@@ -136,10 +138,11 @@ def _class_ids(who: str, logits: jax.Array, labels: jax.Array, extra: str) -> ja
     return labels.astype(jnp.int32)
 
 
-def _binary(who: str, logits: jax.Array, labels: jax.Array, threshold: float,
-            ignore_index: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(predicted, actual, kept)`` per label for binary labels: ``logit > threshold``,
-    ``label > 0.5``, ``label != ignore_index``."""
+def _binary(who: str, logits: jax.Array, labels: jax.Array, threshold: float, ignore_index: int | None,
+            where: str | None, source: str) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(predicted, actual, kept, bad)`` per label for binary labels: ``logit > threshold``,
+    ``label == 1``, ``label != ignore_index``, and a scored label that is no binary label
+    (``_metrics._binary_actual``: raised where concrete, ``where`` its path in ``out.batch``)."""
     if not _binary_fits(logits.shape, labels.shape):
         if len(logits.shape) >= 1 and logits.shape[-1] > 1 and labels.shape == logits.shape[:-1]:
             last = logits.shape[-1] - 1
@@ -147,7 +150,9 @@ def _binary(who: str, logits: jax.Array, labels: jax.Array, threshold: float,
                                                    labels=_describe(labels), last=last))
         raise ValueError(BINARY_SHAPES.format(who=who, logits=logits.shape, labels=labels.shape))
     kept = _kept(labels, ignore_index)
-    return logits.reshape(labels.shape) > threshold, labels.astype(jnp.float32) > 0.5, kept
+    actual, bad = _binary_actual(labels, kept)
+    _check_binary_labels(who, labels, kept, bad, ignore_index, where, source)
+    return logits.reshape(labels.shape) > threshold, actual, kept, bad
 
 
 def _one_class(who: str, logits: jax.Array, labels: jax.Array, positive: Any,
@@ -167,13 +172,16 @@ def _one_class(who: str, logits: jax.Array, labels: jax.Array, positive: Any,
 
 
 def _confusion(who: str, logits: Any, labels: Any, positive: Any = None, threshold: Any = 0.0,
-               ignore_index: Any = IGNORE_INDEX) -> tuple[jax.Array, jax.Array, jax.Array]:
+               ignore_index: Any = IGNORE_INDEX, where: str | None = None,
+               source: str = "out.aux") -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(TP, TP + FP, TP + FN)``: the true positives, the predicted positives and the
-    positive labels among the scored labels, as float32 counts."""
+    positive labels among the scored labels, as float32 counts; TP NaN where a traced label
+    is no binary label (``positive=None``; concrete: raised), so every ratio of them is."""
     threshold, ignore_index = _check_threshold(who, threshold), _check_ignore_index(who, ignore_index)
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
+    bad = None
     if positive is None:
-        predicted, actual, kept = _binary(who, logits, labels, threshold, ignore_index)
+        predicted, actual, kept, bad = _binary(who, logits, labels, threshold, ignore_index, where, source)
     else:
         if threshold != 0.0:  # a class is predicted by argmax: no threshold applies
             raise TypeError(BAD_OPTION.format(who=who, option="threshold", given=threshold, right=0.0,
@@ -181,7 +189,10 @@ def _confusion(who: str, logits: Any, labels: Any, positive: Any = None, thresho
         predicted, actual, kept = _one_class(who, logits, labels, positive, ignore_index)
     predicted, actual = predicted & kept, actual & kept
     count = lambda x: jnp.sum(x, dtype=jnp.float32)  # noqa: E731
-    return count(predicted & actual), count(predicted), count(actual)
+    tp = predicted & actual
+    if bad is not None:  # traced: NaN, never a label read as another
+        tp = jnp.where(bad, jnp.nan, tp.astype(jnp.float32))
+    return count(tp), count(predicted), count(actual)
 
 
 def _ratio(hits: jax.Array, counted: jax.Array) -> jax.Array:
@@ -205,8 +216,8 @@ def _out_confusion(who: str, out: StepOutput) -> tuple[jax.Array, jax.Array, jax
     """The confusion counts of ``out.aux`` (the logits) against the batch's labels (found as
     :func:`functree.train.binary_accuracy` finds them)."""
     logits, source = _find_logits(out.aux), _logits_source(out.aux)
-    _, labels = _find_labels(out.batch, logits, _binary_fits, who, source=source)
-    return _confusion(who, logits, labels)
+    where, labels = _find_labels(out.batch, logits, _binary_fits, who, source=source)
+    return _confusion(who, logits, labels, where=where, source=source)
 
 
 def _of(parts: Any, name: str) -> Any:
@@ -232,9 +243,12 @@ def _out_counts(parts: Any, name: str) -> Any:
 OF_VALUES = {"precision": "0.5", "recall": "1.0", "f1": "0.6666666865348816"}  # TP 1, FP 1, FN 0
 OF_DOC = """``ft.train.{name}`` of logits and labels you name:
 
-- ``positive=None`` (default): binary 0/1 labels (``label > 0.5``), one logit each (logits
-  of the labels' shape or it + ``(1,)``), predicted positive where ``logit > threshold``
-  (``threshold=0.5`` for a model that outputs probabilities, Keras's default);
+- ``positive=None`` (default): binary labels, 0/1 (int, bool or float) or -1/1 (-1 the
+  negative), one logit each (logits of the labels' shape or it + ``(1,)``), predicted
+  positive where ``logit > threshold`` (``threshold=0.5`` for a model that outputs
+  probabilities, Keras's default). Another label (a class id 2, a soft 0.7, a 0/255 mask's
+  255, -1 beside 0) raises ``BINARY_LABEL_VALUE`` where concrete and makes the value NaN
+  under ``jax.jit``;
 - ``positive=c``: class ``c`` of logits ``[..., C]`` against class ids (``logits.shape[:-1]``)
   or one-hot labels (``logits.shape``), predicted where ``argmax(logits) == c``.
 
@@ -252,8 +266,13 @@ def precision(out: StepOutput) -> jax.Array:
     """The fraction of predicted positives that are positive, ``TP / (TP + FP)``.
 
     Labels are the batch's (``batch[-1]`` of a tuple, ``batch["label"]`` of a dict; logits
-    the aux or ``aux["logits"]``), binary 0/1 (``label > 0.5``) with one logit each,
-    predicted positive where ``logit > 0`` (a sigmoid's logit). Labels of the logits' shape
+    the aux or ``aux["logits"]``), binary with one logit each, predicted positive where
+    ``logit > 0`` (a sigmoid's logit). Binary labels are 0/1 (int, bool or float) or -1/1
+    (-1 the negative); any other (a class id 2 of three classes, a soft label 0.7, a 0/255
+    mask's 255, -1 beside 0) raises :data:`functree.train._metrics.BINARY_LABEL_VALUE`
+    naming the first and the fix where the labels are concrete, and makes the metric NaN
+    under ``jax.jit`` (a Trainer's step): read as ``label > 0.5``, they were counted with
+    no error. Labels of the logits' shape
     ``[N, C]`` are multi-label and every element counts (the micro average, as Keras's
     ``Precision``). Labels of -100 are left out. Class ``c`` of a multiclass output, a
     probability threshold or another ignore label:

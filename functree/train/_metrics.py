@@ -38,10 +38,11 @@ from jax.core import Tracer
 from functree import _compat as compat
 from functree._warnings import user_stacklevel
 from functree.losses._weighted import WeightedMean, ratio
+from functree.nn._check import concrete
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
-           "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "UNRECORDED_AUX", "UnrecordedAuxWarning",
+           "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "BINARY_LABEL_VALUE", "BINARY_LABEL_SIGNS", "UNRECORDED_AUX", "UnrecordedAuxWarning",
            "warn_unrecorded_aux"]
 
 NO_LOGITS = """\
@@ -375,7 +376,7 @@ def _accuracy_counts(logits: Any, labels: Any, where: str | None = None, source:
     elif labels.shape == logits.shape and logits.ndim >= 2 and logits.shape[-1] > 1:  # one-hot / probabilities
         hits = jnp.argmax(logits, axis=-1) == jnp.argmax(labels, axis=-1)
     elif labels.shape == logits.shape or logits.shape == (*labels.shape, 1):  # binary: one logit each
-        return _binary_counts(logits, labels, 0.0, ignore_index)
+        return _binary_counts(logits, labels, 0.0, ignore_index, who="accuracy", where=where, source=source)
     else:
         raise ValueError(SHAPES.format(logits=logits.shape, labels=labels.shape))
     return jnp.sum(hits, dtype=jnp.float32), jnp.float32(hits.size)
@@ -444,8 +445,9 @@ def accuracy(out: StepOutput) -> jax.Array:
       probabilities: ``argmax`` of both. A multi-label target (several 1s a row) is
       scored as its first 1: use ``ft.train.binary_accuracy`` for it;
     - one logit per example (logits ``[N]`` or ``[N, 1]`` with labels ``[N]``): binary,
-      ``logits > 0`` against ``labels > 0.5``, labels equal to -100 left out (as
-      ``binary_accuracy``'s).
+      ``logits > 0`` against labels 0/1 or -1/1, labels equal to -100 left out (as
+      :func:`binary_accuracy` reads them: another label raises :data:`BINARY_LABEL_VALUE`,
+      NaN under ``jax.jit``).
 
     ``ft.train.accuracy.of(logits, labels)`` is the same from logits and labels you name;
     in a step, its value (or an affine function of it, ``100 * acc``) still has its
@@ -466,10 +468,82 @@ accuracy.of = _accuracy_of  # type: ignore[attr-defined]
 accuracy.__ft_counts__ = _accuracy_out_counts  # type: ignore[attr-defined]  # marks it counting (counting_names)
 
 
-def _binary_hits(logits: jax.Array, labels: jax.Array, threshold: float = 0.0) -> jax.Array:
+BINARY_LABEL_VALUE = """\
+ft.train.{who}: label {value} at labels{index} is no binary label. Binary labels are 0/1 \
+(int, bool or float) or -1/1 (-1 the negative, as the hinge losses'), and labels equal to \
+ignore_index ({ignore}) are left out. Read as label > 0.5, a class id 2 of three classes, a \
+soft label 0.7 or a mask's 255 counted as positive with no error; under jax.jit, where the \
+labels are not seen, the metric is NaN. Map them to 0/1, or name the label to leave out:
+
+    wrong:  {wrong}
+    right:  {right}"""
+
+BINARY_LABEL_SIGNS = """\
+ft.train.{who}: the labels hold both 0 (at labels{zero}) and -1 (at labels{minus}): three \
+values, no binary labels. Binary labels are 0/1 or -1/1; read as label > 0.5, -1/0/1 labels \
+(three classes: negative, neutral, positive) counted -1 and 0 alike as negative with no error; \
+under jax.jit, where the labels are not seen, the metric is NaN. Score one class against the \
+others, or name the label to leave out:
+
+    wrong:  {wrong}
+    right:  {right}"""
+
+
+def _binary_actual(labels: jax.Array, kept: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(positive, bad)`` per label: whether it is 1 (True), and whether it is scored
+    (``kept``) and no binary label: neither 0, 1 nor -1, or a -1 where a 0 is scored too
+    (-1/0/1: three values). Bool labels are all binary."""
+    if labels.dtype == jnp.bool_:
+        return labels, jnp.zeros(labels.shape, bool)
+    one, zero = labels == 1, labels == 0
+    if jnp.issubdtype(labels.dtype, jnp.unsignedinteger):  # no -1 to read
+        return one, kept & ~(one | zero)
+    minus = labels == -1
+    other = ~(one | zero | minus)
+    return one, kept & (other | (minus & jnp.any(kept & zero)))
+
+
+def _check_binary_labels(who: str, labels: jax.Array, kept: jax.Array, bad: jax.Array, ignore_index: int | None,
+                         where: str | None, source: str) -> None:
+    """:data:`BINARY_LABEL_VALUE` (or :data:`BINARY_LABEL_SIGNS`) where the concrete ``bad``
+    holds a label (traced: the caller's NaN)."""
+    flags = concrete(bad)
+    if flags is None or not flags.any():
+        return
+    given, scored = np.asarray(labels), np.asarray(kept)
+    first = tuple(int(i) for i in np.argwhere(flags)[0])
+    value = given[first].item()
+    name, shown = ("labels" if where is None else where), (f"{value:g}" if isinstance(value, float) else str(value))
+
+    def call(y: str, extra: str = "") -> str:
+        if where is None:
+            return f"ft.train.{who}.of(logits, {y}{extra})"
+        return f'metrics={{"{who}": lambda out: ft.train.{who}.of({source}, {y}{extra})}}'
+
+    wrong = f"ft.train.{who}.of(logits, labels)" if where is None else f"metrics=[ft.train.{who}]"
+    if value == -1:  # a -1 beside a scored 0
+        zero = tuple(int(i) for i in np.argwhere((given == 0) & scored)[0])
+        rights = [(call(f"{name} == 1"), "class 1 against -1 and 0"),
+                  (call(name, ", ignore_index=0"), "0 left out: -1/1 labels")]
+        message, fields = BINARY_LABEL_SIGNS, {"zero": list(zero), "minus": list(first)}
+    else:
+        rights = []
+        if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+            c = int(value)  # (a float label 2.0 too: ignore_index compares it as 2)
+            rights += [(call(f"{name} == {c}"), f"class {c} against the others"),
+                       (call(name, f", ignore_index={c}"), f"{c} marks the labels left out")]
+        rights.append((call(f"{name} > 0.5"), "soft labels, probabilities, a 0/255 mask: thresholded"))
+        message, fields = BINARY_LABEL_VALUE, {"value": shown, "index": list(first), "ignore": ignore_index}
+    pad = max(len(wrong), *(len(r) for r, _ in rights)) + 3
+    lines = [f"{r:<{pad}}# {why}" for r, why in rights]
+    right = "\n       or:  ".join(lines)
+    raise ValueError(message.format(who=who, wrong=f"{wrong:<{pad}}# labels hold {shown}", right=right, **fields))
+
+
+def _binary_hits(logits: jax.Array, positive: jax.Array, threshold: float = 0.0) -> jax.Array:
     """Per label: whether its one output is on its side of ``threshold`` (``logit > 0``
-    against ``label > 0.5`` by default)."""
-    return (logits.reshape(labels.shape) > threshold) == (labels.astype(jnp.float32) > 0.5)
+    against ``positive``, the labels that are 1, by default)."""
+    return (logits.reshape(positive.shape) > threshold) == positive
 
 
 def _binary_fits(logits: tuple, labels: tuple) -> bool:
@@ -484,15 +558,21 @@ def _kept(labels: jax.Array, ignore_index: int | None) -> jax.Array:
     return labels.astype(jnp.float32 if jnp.issubdtype(labels.dtype, jnp.floating) else jnp.int32) != ignore_index
 
 
-def _binary_counts(logits: Any, labels: Any, threshold: float = 0.0,
-                   ignore_index: int | None = IGNORE_INDEX) -> tuple[jax.Array, jax.Array]:
+def _binary_counts(logits: Any, labels: Any, threshold: float = 0.0, ignore_index: int | None = IGNORE_INDEX, *,
+                   who: str = "binary_accuracy", where: str | None = None,
+                   source: str = "out.aux") -> tuple[jax.Array, jax.Array]:
     """``(hits, counted)`` of :func:`binary_accuracy`, as float32 counts: labels equal to
-    ``ignore_index`` (-100, HF's padding of token labels; None: none) left out."""
+    ``ignore_index`` (-100, HF's padding of token labels; None: none) left out. A scored label
+    that is no binary label (:func:`_binary_actual`) raises :data:`BINARY_LABEL_VALUE` where
+    concrete (``where``: its path in ``out.batch``; None: ``<who>.of``) and makes ``hits``
+    NaN where traced."""
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
     if not _binary_fits(logits.shape, labels.shape):
         raise ValueError(BINARY_SHAPES.format(logits=logits.shape, labels=labels.shape))
     kept = _kept(labels, ignore_index)
-    hits = _binary_hits(logits, labels, threshold) & kept
+    positive, bad = _binary_actual(labels, kept)
+    _check_binary_labels(who, labels, kept, bad, ignore_index, where, source)
+    hits = jnp.where(bad, jnp.nan, (_binary_hits(logits, positive, threshold) & kept).astype(jnp.float32))
     return jnp.sum(hits, dtype=jnp.float32), jnp.sum(kept, dtype=jnp.float32)
 
 
@@ -513,6 +593,8 @@ def _binary_accuracy_of(logits: Any, labels: Any, *, threshold: float = 0.0,
     The step cannot tell probabilities from logits: at the default, every probability
     above 0 counts as a 1. Labels equal to ``ignore_index`` (-100 by default, HF's padding
     of token labels, as :func:`accuracy` and ``precision.of``; None: none) are left out.
+    Labels are 0/1 or -1/1, as :func:`binary_accuracy` reads them (another raises
+    :data:`BINARY_LABEL_VALUE`; NaN under ``jax.jit``).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -529,19 +611,27 @@ def _binary_accuracy_of(logits: Any, labels: Any, *, threshold: float = 0.0,
 
 
 def _binary_out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
-    logits = _find_logits(out.aux)
-    return _binary_counts(logits, _find_labels(out.batch, logits, _binary_fits, "binary_accuracy",
-                                               source=_logits_source(out.aux))[1])
+    logits, source = _find_logits(out.aux), _logits_source(out.aux)
+    where, labels = _find_labels(out.batch, logits, _binary_fits, "binary_accuracy", source=source)
+    return _binary_counts(logits, labels, where=where, source=source)
 
 
 def binary_accuracy(out: StepOutput) -> jax.Array:
     """The fraction of 0/1 targets whose logit has their sign (``logit > 0`` against
-    ``label > 0.5``), over every element: multi-label heads and per-token binary tags, with
+    ``label == 1``), over every element: multi-label heads and per-token binary tags, with
     logits of the labels' shape (``ft.losses.sigmoid_cross_entropy``'s layout), where
     :func:`accuracy` reads labels of the logits' shape as one-hot. Labels of -100 (HF's
     padding of token labels) are left out, as :func:`accuracy` and :func:`precision` leave
     them (they were scored as negatives: a padded token with a negative logit a hit); another
-    through ``binary_accuracy.of(..., ignore_index=255)``. A model that outputs
+    through ``binary_accuracy.of(..., ignore_index=255)``.
+
+    Binary labels are 0/1 (int, bool or float) or -1/1 (-1 the negative: the hinge losses'
+    labels). Any other scored label (a class id 2 of three classes, a soft label 0.7, a
+    0/255 mask's 255, NaN, or -1 beside 0: -1/0/1 labels) raises :data:`BINARY_LABEL_VALUE`
+    (:data:`BINARY_LABEL_SIGNS`) naming the first and the fix (``labels == c``,
+    ``labels > 0.5``, ``ignore_index=``) where the labels are concrete, and makes the metric
+    NaN under ``jax.jit`` (a Trainer's step): read as ``label > 0.5`` they were counted
+    positive or negative with no error. A model that outputs
     probabilities (a sigmoid last) is scored with ``threshold=0.5``:
     ``lambda out: ft.train.binary_accuracy.of(out.aux, out.batch[-1], threshold=0.5)``.
 

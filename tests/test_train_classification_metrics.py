@@ -21,6 +21,7 @@ from functree.train._metrics import (
     FLOAT_CLASS_IDS,
     KERAS_METRIC_NAME,
     KERAS_NOT_PROVIDED,
+    ONE_HOT_ROW,
     StepOutput,
     resolve_metrics,
 )
@@ -246,6 +247,40 @@ def test_a_trainer_shows_no_binary_labels_as_nan():
     for name in SKLEARN:
         assert np.isnan(epoch[name]) and np.isnan(evaluated[name]), name
     assert np.isnan(t.history.steps["precision"][0]) and not np.isnan(t.history.steps["precision"][1])
+
+
+def test_one_hot_rows_that_hold_no_class_are_refused_and_nan_under_jit():
+    """One-hot labels were read by argmax alone: jax.nn.one_hot of a -100 (a row of 0s) counted
+    as class 0 (top-1 accuracy 0.75, recall of class 0 2/3, where the class ids with -100 give
+    1.0), int rows of class ids broadcast to the logits' shape too. Such a row raises where
+    concrete, naming the fix (class ids, -100 left out), and is NaN under jit."""
+    logits = jnp.array([[3.0, 0.0, 0.0], [0.0, 2.0, 0.0], [2.0, 0.0, 1.0], [0.0, 0.0, 2.0]])
+    ids = jnp.array([0, 1, -100, -100])
+    padded = jax.nn.one_hot(ids, 3)  # the -100 rows are all 0
+    fixed = jnp.where(padded.max(-1) > 0, padded.argmax(-1), -100)
+    assert float(ft.train.top_k_accuracy.of(logits, ids, k=1)) == float(ft.train.recall.of(logits, ids, positive=0)) == 1.0
+    raises_named(lambda: ft.train.top_k_accuracy.of(logits, padded, k=1), ValueError, ONE_HOT_ROW,
+                 "right:  ft.train.top_k_accuracy.of(logits, jnp.where(labels.max(-1) > 0, labels.argmax(-1), -100), k=1)")
+    raises_named(lambda: ft.train.recall.of(logits, padded, positive=0), ValueError, ONE_HOT_ROW,
+                 "the row at labels[2] is [0., 0., 0.]")
+    out = StepOutput(jnp.zeros(()), logits, {"label": padded}, None)
+    raises_named(lambda: ft.train.top_k_accuracy(2)(out), ValueError, ONE_HOT_ROW,
+                 "wrong:  metrics=[ft.train.top_k_accuracy(2)]")
+    raises_named(lambda: ft.train.top_k_accuracy(2)(out), ValueError, ONE_HOT_ROW,
+                 'jnp.where(out.batch["label"].max(-1) > 0, out.batch["label"].argmax(-1), -100), k=2)}')
+    assert float(ft.train.top_k_accuracy.of(logits, fixed, k=1)) == float(ft.train.recall.of(logits, fixed, positive=0)) == 1.0
+    top_k = jax.jit(lambda z, y: ft.train.top_k_accuracy.of(z, y, k=1))
+    for fn in (ft.train.precision, ft.train.recall, ft.train.f1):
+        assert np.isnan(float(jax.jit(lambda z, y, fn=fn: fn.of(z, y, positive=0))(logits, padded)))
+    assert np.isnan(float(top_k(logits, padded)))
+    assert float(top_k(logits, jax.nn.one_hot(jnp.array([0, 1, 0, 2]), 3))) == 1.0  # one-hot rows as before
+    assert float(top_k(logits, jax.nn.softmax(logits))) == 1.0  # probabilities as before
+    # a Trainer: one-hot labels with a row of 0s in its first minibatch
+    one_hot = np.eye(_C, dtype=np.float32)[np.where(_class_data()[1] == -100, 0, _class_data()[1])]
+    one_hot[1, 2] = 0.0
+    t, epoch, evaluated = _fit(_class_data()[0], one_hot, [ft.train.top_k_accuracy(3)])
+    assert np.isnan(epoch["top_3_accuracy"]) and np.isnan(evaluated["top_3_accuracy"])
+    assert np.isnan(t.history.steps["top_3_accuracy"][0]) and not np.isnan(t.history.steps["top_3_accuracy"][1])
 
 
 def test_labels_of_the_logits_shape_are_multi_label_micro_averages():

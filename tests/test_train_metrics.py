@@ -224,6 +224,42 @@ def test_binary_accuracy_refuses_labels_that_are_no_binary_labels_and_is_nan_und
             assert (np.isnan(got) if expected is None else got == pytest.approx(expected, abs=2e-7)), (name, labels)
 
 
+def test_accuracy_refuses_one_hot_rows_that_hold_no_class():
+    """accuracy read labels of the logits' shape by argmax alone: jax.nn.one_hot of a -100 (a
+    row of 0s) was class 0 (0.75 for 1.0), int class ids broadcast to the logits' shape [0, 0,
+    0] and [2, 2, 2] class 0 (0.5 for 0.75). Such a row raises naming it and the fix where
+    concrete, and is NaN under jit (a Trainer); so does a negative entry (log-probabilities,
+    which softmax_cross_entropy refuses as labels too: jax.nn.softmax of them is the fix)."""
+    from functree.train._metrics import ONE_HOT_ROW
+    from tests._errors import raises_named
+
+    logits = jnp.array([[3.0, 0.0, 0.0], [0.0, 2.0, 0.0], [2.0, 0.0, 1.0], [0.0, 0.0, 2.0]])
+    padded = jax.nn.one_hot(jnp.array([0, 1, -100, -100]), 3)
+    broadcast = np.broadcast_to(np.array([0, 1, 2, 2])[:, None], (4, 3)).astype(np.int32)
+    log_probs = np.log(np.asarray(jax.nn.one_hot(jnp.array([0, 1, 0, 2]), 3)) * 0.9 + 0.05)
+    raises_named(lambda: ft.train.accuracy.of(logits, padded), ValueError, ONE_HOT_ROW,
+                 "right:  ft.train.accuracy.of(logits, jnp.where(labels.max(-1) > 0, labels.argmax(-1), -100))")
+    raises_named(lambda: ft.train.accuracy.of(logits, broadcast + 1), ValueError, ONE_HOT_ROW,
+                 "ft.train.accuracy.of(logits, labels[..., 0])")
+    raises_named(lambda: ft.train.accuracy(out(logits, (None, log_probs))), ValueError, ONE_HOT_ROW,
+                 'metrics={"accuracy": lambda out: ft.train.accuracy.of(out.aux, jax.nn.softmax(out.batch[1]))}')
+    assert float(ft.train.accuracy.of(logits, jnp.where(padded.max(-1) > 0, padded.argmax(-1), -100))) == 1.0
+    assert float(ft.train.accuracy.of(logits, broadcast[..., 0])) == 0.75
+    assert float(ft.train.accuracy.of(logits, jax.nn.softmax(jnp.asarray(log_probs)))) == 1.0
+    traced = jax.jit(lambda z, y: ft.train.accuracy.of(z, y))
+    for labels in (padded, broadcast, log_probs, np.where(np.arange(3) == 1, np.nan, padded)):
+        assert np.isnan(float(traced(logits, labels)))
+    for labels in (np.asarray(padded)[:2], np.eye(3, dtype=np.int32)[:2], np.eye(3, dtype=bool)[:2],
+                   np.array([[0.2, 0.7, 0.1], [0.0, 1.0, 1.0]], np.float32)):  # one-hot, probabilities, multi-label
+        assert float(traced(logits[:2], labels)) == float(ft.train.accuracy.of(logits[:2], labels))
+    t = ft.train.Trainer({"w": jnp.zeros(())}, ft.optim.sgd(0.0), _token_loss(np.asarray(logits), np.ones(4, np.float32)),
+                         metrics=[ft.train.accuracy])
+    idx = np.arange(4, dtype=np.int32)
+    t.fit([(idx[:2], np.asarray(padded)[:2]), (idx[2:], np.asarray(padded)[2:])], epochs=1, progress=False)
+    assert t.history.steps["accuracy"][0] == 1.0 and np.isnan(t.history.steps["accuracy"][1])
+    assert np.isnan(t.history.epochs["accuracy"][0])
+
+
 def test_labels_that_are_not_an_array_and_duplicate_metric_names():
     with pytest.raises(ValueError, match=r'could not find the labels.*\["target"\]'):
         ft.train.accuracy(out(LOGITS, {"target": {"class": jnp.zeros(4, jnp.int32)}}))

@@ -37,6 +37,7 @@ from functree.train._metrics import (
     _kept,
     _logits_source,
     _noted,
+    _one_hot_ids,
 )
 
 __all__ = ["precision", "recall", "f1", "top_k_accuracy"]
@@ -128,14 +129,17 @@ def _check_threshold(who: str, threshold: Any) -> float:
     return float(threshold)
 
 
-def _class_ids(who: str, logits: jax.Array, labels: jax.Array, extra: str) -> jax.Array:
-    """``labels`` as int32 class ids (float ones refused: ``_metrics.FLOAT_CLASS_IDS``), or the
-    argmax of one-hot / probability labels of the logits' shape."""
+def _class_ids(who: str, logits: jax.Array, labels: jax.Array, extra: str, where: str | None = None,
+               source: str = "out.aux") -> tuple[jax.Array, jax.Array]:
+    """``(ids, bad)``: ``labels`` as int32 class ids (float ones refused:
+    ``_metrics.FLOAT_CLASS_IDS``), or the argmax of one-hot / probability labels of the
+    logits' shape, and the rows of those that hold no class (``_metrics.ONE_HOT_ROW``: raised
+    where concrete; all False for class ids)."""
     if labels.shape == logits.shape:
-        return jnp.argmax(labels, axis=-1).astype(jnp.int32)
+        return _one_hot_ids(who, labels, where, source, extra)
     if jnp.issubdtype(labels.dtype, jnp.floating):
         raise ValueError(_float_class_ids(logits, labels, None, who=who, extra=extra, name="float_ids"))
-    return labels.astype(jnp.int32)
+    return labels.astype(jnp.int32), jnp.zeros(labels.shape, bool)
 
 
 def _binary(who: str, logits: jax.Array, labels: jax.Array, threshold: float, ignore_index: int | None,
@@ -156,9 +160,10 @@ def _binary(who: str, logits: jax.Array, labels: jax.Array, threshold: float, ig
 
 
 def _one_class(who: str, logits: jax.Array, labels: jax.Array, positive: Any,
-               ignore_index: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(predicted, actual, kept)`` per label for class ``positive`` of logits ``[..., C]``:
-    ``argmax(logits) == positive``, ``label == positive``, ``label != ignore_index``."""
+               ignore_index: int | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(predicted, actual, kept, bad)`` per label for class ``positive`` of logits ``[..., C]``:
+    ``argmax(logits) == positive``, ``label == positive``, ``label != ignore_index``, and a
+    one-hot row that holds no class (``_class_ids``)."""
     shape = logits.shape
     if not (len(shape) >= 1 and shape[-1] > 1 and (labels.shape == shape[:-1] or
                                                    (labels.shape == shape and len(shape) >= 2))):
@@ -166,9 +171,9 @@ def _one_class(who: str, logits: jax.Array, labels: jax.Array, positive: Any,
     if not _is_int(positive) or not 0 <= int(positive) < shape[-1]:
         raise (ValueError if _is_int(positive) else TypeError)(BAD_POSITIVE.format(
             who=who, classes=shape[-1], given=positive))
-    ids = _class_ids(who, logits, labels, f", positive={positive}")
+    ids, bad = _class_ids(who, logits, labels, f", positive={positive}")
     kept = _kept(ids, ignore_index) if labels.shape != shape else jnp.ones(ids.shape, bool)
-    return jnp.argmax(logits, axis=-1) == int(positive), ids == int(positive), kept
+    return jnp.argmax(logits, axis=-1) == int(positive), ids == int(positive), kept, bad
 
 
 def _confusion(who: str, logits: Any, labels: Any, positive: Any = None, threshold: Any = 0.0,
@@ -179,19 +184,16 @@ def _confusion(who: str, logits: Any, labels: Any, positive: Any = None, thresho
     is no binary label (``positive=None``; concrete: raised), so every ratio of them is."""
     threshold, ignore_index = _check_threshold(who, threshold), _check_ignore_index(who, ignore_index)
     logits, labels = jnp.asarray(logits), jnp.asarray(labels)
-    bad = None
     if positive is None:
         predicted, actual, kept, bad = _binary(who, logits, labels, threshold, ignore_index, where, source)
     else:
         if threshold != 0.0:  # a class is predicted by argmax: no threshold applies
             raise TypeError(BAD_OPTION.format(who=who, option="threshold", given=threshold, right=0.0,
                                               expected="0 with positive=c (a class is predicted by argmax)"))
-        predicted, actual, kept = _one_class(who, logits, labels, positive, ignore_index)
+        predicted, actual, kept, bad = _one_class(who, logits, labels, positive, ignore_index)
     predicted, actual = predicted & kept, actual & kept
     count = lambda x: jnp.sum(x, dtype=jnp.float32)  # noqa: E731
-    tp = predicted & actual
-    if bad is not None:  # traced: NaN, never a label read as another
-        tp = jnp.where(bad, jnp.nan, tp.astype(jnp.float32))
+    tp = jnp.where(bad, jnp.nan, (predicted & actual).astype(jnp.float32))  # traced: NaN, never a label misread
     return count(tp), count(predicted), count(actual)
 
 
@@ -250,7 +252,9 @@ OF_DOC = """``ft.train.{name}`` of logits and labels you name:
   255, -1 beside 0) raises ``BINARY_LABEL_VALUE`` where concrete and makes the value NaN
   under ``jax.jit``;
 - ``positive=c``: class ``c`` of logits ``[..., C]`` against class ids (``logits.shape[:-1]``)
-  or one-hot labels (``logits.shape``), predicted where ``argmax(logits) == c``.
+  or one-hot labels (``logits.shape``), predicted where ``argmax(logits) == c``; a one-hot
+  row that holds no class (``jax.nn.one_hot`` of a -100) raises ``ONE_HOT_ROW`` where
+  concrete, NaN under ``jax.jit``.
 
 Labels equal to ``ignore_index`` (-100 by default; None: none) are left out. In a step its
 means over minibatches are the ratio of the summed counts, as ``ft.train.accuracy``'s.
@@ -341,8 +345,8 @@ recall.__ft_counts__ = _recall_counts  # type: ignore[attr-defined]
 f1.__ft_counts__ = _f1_counts  # type: ignore[attr-defined]
 
 
-def _top_k_counts(logits: Any, labels: Any, k: int, ignore_index: int | None,
-                  of: bool = False) -> tuple[jax.Array, jax.Array]:
+def _top_k_counts(logits: Any, labels: Any, k: int, ignore_index: int | None, of: bool = False,
+                  where: str | None = None, source: str = "out.aux") -> tuple[jax.Array, jax.Array]:
     """``(hits, counted)``: the scored labels among the top ``k`` logits (Keras's
     ``in_top_k``: rank ``1 + #(logits > the label's)`` at most ``k``, ties in; a NaN logit at
     the label ranks last), and the labels scored (``ignore_index`` left out). A scored class
@@ -356,14 +360,14 @@ def _top_k_counts(logits: Any, labels: Any, k: int, ignore_index: int | None,
         raise ValueError(TOP_K_SHAPES.format(logits=shape, labels=labels.shape))
     if k >= shape[-1]:
         raise ValueError(K_NOT_BELOW_CLASSES.format(k=k, classes=shape[-1], logits=shape, right=max(1, shape[-1] - 1)))
-    ids = _class_ids("top_k_accuracy", logits, labels, f", k={k}")
+    ids, bad = _class_ids("top_k_accuracy", logits, labels, f", k={k}", None if of else where, source)
     kept = _kept(ids, ignore_index) if labels.shape != shape else jnp.ones(ids.shape, bool)
     outside = kept & ((ids < 0) | (ids >= shape[-1]))  # (one-hot labels' argmax: never)
     _check_top_k_labels(ids, outside, shape, k, ignore_index, of)
     at_label = jnp.take_along_axis(logits, jnp.where(kept & ~outside, ids, 0)[..., None], axis=-1)
     at_label = jnp.where(jnp.isnan(at_label), -jnp.inf, at_label)
     hits = (jnp.sum(logits > at_label, axis=-1) < k) & kept
-    hits = jnp.where(outside, jnp.nan, hits.astype(jnp.float32))  # traced: NaN, never another class's rank
+    hits = jnp.where(outside | bad, jnp.nan, hits.astype(jnp.float32))  # traced: NaN, never another class's rank
     return jnp.sum(hits, dtype=jnp.float32), jnp.sum(kept, dtype=jnp.float32)
 
 
@@ -409,7 +413,9 @@ def top_k_accuracy(k: int = 5, *, ignore_index: int | None = IGNORE_INDEX) -> An
     you name. ``k`` must be below the number of classes (else every label is in the top k).
     A class id outside ``0 .. C - 1`` (and not ``ignore_index``) raises
     :data:`TOP_K_LABEL_OUTSIDE` where the labels are concrete (scikit-learn raises) and
-    makes the metric NaN under ``jax.jit``, never another class's rank.
+    makes the metric NaN under ``jax.jit``, never another class's rank; so does a one-hot
+    row that holds no class (``jax.nn.one_hot`` of a -100: read as class 0 by its argmax),
+    :data:`functree.train._metrics.ONE_HOT_ROW`.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -425,8 +431,8 @@ def top_k_accuracy(k: int = 5, *, ignore_index: int | None = IGNORE_INDEX) -> An
 
     def out_counts(out: StepOutput) -> tuple[jax.Array, jax.Array]:
         logits, source = _find_logits(out.aux), _logits_source(out.aux)
-        _, labels = _find_labels(out.batch, logits, _accuracy_fits, "top_k_accuracy", class_ids=True, source=source)
-        return _top_k_counts(logits, labels, k, ignore)
+        where, labels = _find_labels(out.batch, logits, _accuracy_fits, "top_k_accuracy", class_ids=True, source=source)
+        return _top_k_counts(logits, labels, k, ignore, where=where, source=source)
 
     def metric(out: StepOutput) -> jax.Array:
         return _ratio(*out_counts(out))

@@ -42,7 +42,8 @@ from functree.nn._check import concrete
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
-           "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "BINARY_LABEL_VALUE", "BINARY_LABEL_SIGNS", "UNRECORDED_AUX", "UnrecordedAuxWarning",
+           "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "BINARY_LABEL_VALUE", "BINARY_LABEL_SIGNS",
+           "ONE_HOT_ROW", "UNRECORDED_AUX", "UnrecordedAuxWarning",
            "warn_unrecorded_aux"]
 
 NO_LOGITS = """\
@@ -374,12 +375,94 @@ def _accuracy_counts(logits: Any, labels: Any, where: str | None = None, source:
             counted = wide != ignore_index
             return jnp.sum(hits & counted, dtype=jnp.float32), jnp.sum(counted, dtype=jnp.float32)
     elif labels.shape == logits.shape and logits.ndim >= 2 and logits.shape[-1] > 1:  # one-hot / probabilities
-        hits = jnp.argmax(logits, axis=-1) == jnp.argmax(labels, axis=-1)
+        ids, bad = _one_hot_ids("accuracy", labels, where, source)
+        hits = jnp.where(bad, jnp.nan, (jnp.argmax(logits, axis=-1).astype(jnp.int32) == ids).astype(jnp.float32))
     elif labels.shape == logits.shape or logits.shape == (*labels.shape, 1):  # binary: one logit each
         return _binary_counts(logits, labels, 0.0, ignore_index, who="accuracy", where=where, source=source)
     else:
         raise ValueError(SHAPES.format(logits=logits.shape, labels=labels.shape))
     return jnp.sum(hits, dtype=jnp.float32), jnp.float32(hits.size)
+
+
+ONE_HOT_ROW = """\
+ft.train.{who}: labels of the logits' shape ({labels}) are one-hot rows or probabilities, \
+their argmax the class, but the row at labels{index} is {row}: {why}. Its argmax read it as \
+class {argmax} with no error; under jax.jit, where the labels are not seen, the metric is NaN. \
+{fix_why}:
+
+    wrong:  {wrong}
+    right:  {right}"""
+"""A row of one-hot / probability labels that holds no class (``jax.nn.one_hot`` of an
+ignored -100 is all 0), a negative or NaN entry, or an integer one other than 0 and 1.
+
+Example:
+  >>> import functree as ft, jax, jax.numpy as jnp
+  >>> logits = jnp.array([[3.0, 0.0], [0.0, 2.0]])
+  >>> try:
+  ...     ft.train.accuracy.of(logits, jax.nn.one_hot(jnp.array([0, -100]), 2))
+  ... except ValueError as e:
+  ...     print(str(e).splitlines()[-1].strip())
+  right:  ft.train.accuracy.of(logits, jnp.where(labels.max(-1) > 0, labels.argmax(-1), -100))   # class ids, -100 left out
+"""
+
+
+def _fix_call(who: str, where: str | None, source: str, labels: str, extra: str = "") -> str:
+    """The call of ``<who>.of`` on ``labels`` (code) for an error's fix line: on ``logits``
+    (``where`` None: a ``.of`` call), or in ``metrics=`` on ``source`` (a metric's)."""
+    if where is None:
+        return f"ft.train.{who}.of(logits, {labels}{extra})"
+    return f'metrics={{"{who}": lambda out: ft.train.{who}.of({source}, {labels}{extra})}}'
+
+
+def _fix_lines(wrong: str, rights: list[tuple[str, str]], shown: str) -> dict[str, str]:
+    """``wrong`` and ``right`` of an error: the calls aligned, each with its comment."""
+    pad = max(len(wrong), *(len(r) for r, _ in rights)) + 3
+    right = "\n       or:  ".join(f"{r:<{pad}}# {why}" for r, why in rights)
+    return {"wrong": f"{wrong:<{pad}}# labels hold {shown}", "right": right}
+
+
+def _one_hot_bad(labels: jax.Array) -> jax.Array:
+    """Per row of one-hot / probability labels: whether it holds no class (no entry above 0),
+    an entry below 0 or NaN, or (integer labels) an entry other than 0 and 1."""
+    if labels.dtype == jnp.bool_:
+        return ~jnp.any(labels, axis=-1)
+    if jnp.issubdtype(labels.dtype, jnp.floating):
+        return jnp.any((labels < 0) | jnp.isnan(labels), axis=-1) | ~jnp.any(labels > 0, axis=-1)
+    return jnp.any((labels != 0) & (labels != 1), axis=-1) | ~jnp.any(labels == 1, axis=-1)
+
+
+def _one_hot_ids(who: str, labels: jax.Array, where: str | None = None, source: str = "out.aux",
+                 extra: str = "") -> tuple[jax.Array, jax.Array]:
+    """``(ids, bad)``: the class of each row of one-hot / probability labels (its argmax, as
+    int32), and the rows that hold none (:func:`_one_hot_bad`): :data:`ONE_HOT_ROW` where
+    the labels are concrete (``where``: their path in ``out.batch``; ``extra``: the call's
+    other arguments), the caller's NaN where traced."""
+    ids, bad = jnp.argmax(labels, axis=-1).astype(jnp.int32), _one_hot_bad(labels)
+    flags = concrete(bad)
+    if flags is None or not flags.any():
+        return ids, bad
+    first = tuple(int(i) for i in np.argwhere(flags)[0])
+    row = np.asarray(labels)[first]
+    shown = np.array2string(row[:8], separator=", ", threshold=8)[:-1] + (", ...]" if row.size > 8 else "]")
+    name = "labels" if where is None else where
+    wrong = f"ft.train.{who}.of(logits, labels{extra})" if where is None else f"metrics=[ft.train.{who}]"
+    if where is not None and extra.startswith(", k="):  # top_k_accuracy(k), the metric built
+        wrong = f"metrics=[ft.train.{who}({extra[len(', k='):]})]"
+    if np.issubdtype(row.dtype, np.floating) and ((row < 0) | np.isnan(row)).any():
+        why, fix_why = "an entry below 0 or NaN (probabilities are not negative)", "Give probabilities"
+        rights = [(_fix_call(who, where, source, f"jax.nn.softmax({name})", extra), "logits or log-probabilities")]
+    elif not np.issubdtype(row.dtype, np.floating) and row.dtype != np.bool_ and ((row != 0) & (row != 1)).any():
+        why, fix_why = "an integer other than 0 and 1 (one-hot rows are 0/1)", "Give class ids, or counts as floats"
+        rights = [(_fix_call(who, where, source, f"{name}[..., 0]", extra), "class ids broadcast to the logits' shape"),
+                  (_fix_call(who, where, source, f"{name}.astype(jnp.float32)", extra), "counts, read as probabilities")]
+    else:
+        why = "no entry above 0, no class (jax.nn.one_hot of an ignored -100 is all 0)"
+        fix_why = "Give class ids, -100 where a row has no class (left out, as accuracy leaves -100 out)"
+        ids_code = f"jnp.where({name}.max(-1) > 0, {name}.argmax(-1), -100)"
+        rights = [(_fix_call(who, where, source, ids_code, extra), "class ids, -100 left out")]
+    raise ValueError(ONE_HOT_ROW.format(who=who, labels=_describe(labels), index=list(first), row=shown, why=why,
+                                        argmax=int(np.argmax(row)), fix_why=fix_why,
+                                        **_fix_lines(wrong, rights, shown)))
 
 
 BAD_IGNORE_INDEX = """\
@@ -443,7 +526,11 @@ def accuracy(out: StepOutput) -> jax.Array:
       that shape are weights or a mask more often), naming the cast ``.astype(jnp.int32)``;
     - labels of the logits' shape ``[..., C]`` (two axes or more) are one-hot or
       probabilities: ``argmax`` of both. A multi-label target (several 1s a row) is
-      scored as its first 1: use ``ft.train.binary_accuracy`` for it;
+      scored as its first 1: use ``ft.train.binary_accuracy`` for it. A row that holds no
+      class (no entry above 0: ``jax.nn.one_hot`` of a -100), a negative or NaN entry, or
+      an integer one other than 0 and 1 (class ids broadcast to the logits' shape) raises
+      :data:`ONE_HOT_ROW` where concrete (its argmax read it as class 0) and makes the
+      metric NaN under ``jax.jit``;
     - one logit per example (logits ``[N]`` or ``[N, 1]`` with labels ``[N]``): binary,
       ``logits > 0`` against labels 0/1 or -1/1, labels equal to -100 left out (as
       :func:`binary_accuracy` reads them: another label raises :data:`BINARY_LABEL_VALUE`,
@@ -514,12 +601,7 @@ def _check_binary_labels(who: str, labels: jax.Array, kept: jax.Array, bad: jax.
     first = tuple(int(i) for i in np.argwhere(flags)[0])
     value = given[first].item()
     name, shown = ("labels" if where is None else where), (f"{value:g}" if isinstance(value, float) else str(value))
-
-    def call(y: str, extra: str = "") -> str:
-        if where is None:
-            return f"ft.train.{who}.of(logits, {y}{extra})"
-        return f'metrics={{"{who}": lambda out: ft.train.{who}.of({source}, {y}{extra})}}'
-
+    call = functools.partial(_fix_call, who, where, source)
     wrong = f"ft.train.{who}.of(logits, labels)" if where is None else f"metrics=[ft.train.{who}]"
     if value == -1:  # a -1 beside a scored 0
         zero = tuple(int(i) for i in np.argwhere((given == 0) & scored)[0])
@@ -534,10 +616,7 @@ def _check_binary_labels(who: str, labels: jax.Array, kept: jax.Array, bad: jax.
                        (call(name, f", ignore_index={c}"), f"{c} marks the labels left out")]
         rights.append((call(f"{name} > 0.5"), "soft labels, probabilities, a 0/255 mask: thresholded"))
         message, fields = BINARY_LABEL_VALUE, {"value": shown, "index": list(first), "ignore": ignore_index}
-    pad = max(len(wrong), *(len(r) for r, _ in rights)) + 3
-    lines = [f"{r:<{pad}}# {why}" for r, why in rights]
-    right = "\n       or:  ".join(lines)
-    raise ValueError(message.format(who=who, wrong=f"{wrong:<{pad}}# labels hold {shown}", right=right, **fields))
+    raise ValueError(message.format(who=who, **_fix_lines(wrong, rights, shown), **fields))
 
 
 def _binary_hits(logits: jax.Array, positive: jax.Array, threshold: float = 0.0) -> jax.Array:

@@ -693,6 +693,35 @@ def test_eos_and_stop_ids_outside_the_vocabulary_are_refused(tiny):
         ft.nn.generate(model, prompt, 4, stop=[[1, vocab]], pad_token_id=0)
 
 
+def test_attention_mask_values_other_than_0_and_1_are_refused_or_give_no_tokens(tiny):
+    """The issue: a mask holding 2 or -1 ran as if it held 1 (``mask != 0``): -1 for padding
+    attended the padding (the all-ones mask's tokens) and 2 gave the 0/1 mask's tokens where
+    HF's positions ``cumsum(mask) - 1`` move (its GPT-2 gave other tokens, or IndexError for
+    -1). Now a concrete one is refused naming the first such entry; a traced one makes its
+    prompt's output rows -1 (no token id) with NaN scores, the other rows unchanged."""
+    model, prompt, mask = tiny
+    for bad, value in ((np.array([[1, 1, 1], [-1, 1, 1]]), -1), (np.array([[2, 2, 2], [0, 2, 2]], np.uint8), 2)):
+        with pytest.raises(ValueError, match=rf"attention_mask\[{0 if value == 2 else 1}, 0\] is {value}; a mask holds "
+                                             r"1 \(or True\) for a real token and 0 \(or False\) for left padding") as info:
+            ft.nn.generate(model, prompt, 4, attention_mask=bad)
+    right = re.search(r"right:  (.*)", str(info.value)).group(1)
+    fixed = eval(right, {"ft": ft, "model": model, "input_ids": prompt, "pad_id": 0})
+    np.testing.assert_array_equal(fixed, ft.nn.generate(model, prompt, 8, attention_mask=mask))
+    good, good_scores = ft.nn.generate(model, prompt, 4, attention_mask=mask, return_scores=True)
+    bad = mask.at[1, 0].set(-1)
+    run = jax.jit(lambda m: ft.nn.generate(model, prompt, 4, attention_mask=m, return_scores=True))
+    tokens, scores = run(mask)  # a good mask traced: the eager tokens (scores to an ulp: another program)
+    np.testing.assert_array_equal(tokens, good)
+    np.testing.assert_allclose(scores, good_scores, rtol=1e-6)
+    tokens, scores = run(bad)
+    np.testing.assert_array_equal(tokens[0], good[0])
+    np.testing.assert_allclose(scores[0], good_scores[0], rtol=1e-6)
+    assert (np.asarray(tokens[1]) == -1).all() and np.isnan(scores[1]).all()
+    sampled = jax.jit(lambda m: ft.nn.generate(model, prompt, 4, attention_mask=m, temperature=1.0, key=jax.random.key(0),
+                                               num_return_sequences=2))(mask.at[0, 1].set(2))
+    assert (np.asarray(sampled[:2]) == -1).all() and (np.asarray(sampled[2:]) >= 0).all()
+
+
 def test_errors(tiny):
     model, prompt, _ = tiny
     generate = ft.nn.generate

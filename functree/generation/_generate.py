@@ -162,6 +162,14 @@ token, 0 = left padding), got {given}.
 
     right:  ft.nn.generate(model, input_ids, 8, attention_mask=input_ids != pad_id)"""
 
+MASK_NOT_ZERO_ONE = """\
+generate: attention_mask[{row}, {column}] is {value}; a mask holds 1 (or True) for a real token \
+and 0 (or False) for left padding, nothing else (Hugging Face counts positions with \
+cumsum(mask): a 2 moves them, a -1 meant as padding would be read as a real token).
+
+    wrong:  ft.nn.generate(model, input_ids, 8, attention_mask=mask)     # mask[{row}, {column}] == {value}
+    right:  ft.nn.generate(model, input_ids, 8, attention_mask=input_ids != pad_id)"""
+
 RIGHT_PADDED = """\
 generate: row {row} of attention_mask ends in padding; pad prompts on the left so that \
 every row's last token is real (new tokens follow it).
@@ -427,8 +435,11 @@ def generate(
     the loop has no host callback at all.
 
     ``attention_mask`` (bool or 0/1, ``[batch, P]``) marks the real tokens of left-padded
-    prompts (0 = padding, at the start of a row); a right-padded one is refused where it is
-    concrete (traced, inside a ``jax.jit`` of your own, it is not seen: pad on the left). ``model`` follows the cache protocol (see
+    prompts (0 = padding, at the start of a row); a right-padded one, or one holding another
+    value (2, -1: HF's positions ``cumsum(mask) - 1`` would move), is refused where it is
+    concrete, naming the entry. Traced, inside a ``jax.jit`` of your own, right padding is not
+    seen (pad on the left), and the output rows of a prompt whose mask holds a value other
+    than 0 or 1 are -1 (no token id) with NaN scores. ``model`` follows the cache protocol (see
     the module, and ``docs/guides/generation.md``): ``model.init_cache(batch, P + N)`` and
     ``model(ids, attention_mask=am, positions=pos, cache=cache) -> (logits, cache)``. The
     prompt is one call (prefill), then one token per step in a ``lax.while_loop``, all in one
@@ -509,6 +520,7 @@ def generate(
     options, sourced = _with_defaults(given, checkpoint, key)
     if attention_mask is None and checkpoint is not None:  # HF's mask from the pad id
         attention_mask = inferred_mask(ids, options["pad_token_id"], options["eos_token_id"])
+    given_mask = attention_mask
     attention_mask = _attention_mask(attention_mask, ids.shape)  # checked once: the limit's and the loop's
     if isinstance(limit, int):
         _check_positions(inner, ids, new, attention_mask, limit)
@@ -531,6 +543,8 @@ def generate(
             plan = partial(_plan, model, ids, new, attention_mask, key, options, stop, return_scores,
                            _PromptGiven(streamer), limit, eos_default="eos_token_id" in sourced)
         tokens, scores = _running(plan(exact=True), model, prompt, new)
+    if isinstance(given_mask, Tracer):
+        tokens, scores = _unmasked_rows(given_mask, tokens, scores)
     return (tokens, scores) if return_scores else tokens
 
 
@@ -839,13 +853,32 @@ def _attention_mask(mask: Any, shape: tuple[int, ...]) -> Any:
     if not kind or tuple(m.shape) != tuple(shape):
         raise ValueError(BAD_ATTENTION_MASK.format(shape=list(shape), given=short_array(m)))
     try:
-        host = np.asarray(m)  # a concrete mask (a traced one is not checked)
+        host = np.asarray(m)  # a concrete mask (a traced one: _unmasked_rows)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return jnp.asarray(m != 0, jnp.int32)
+    bad = (host != 0) & (host != 1)
+    if bad.any():
+        row, column = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(MASK_NOT_ZERO_ONE.format(row=row, column=column, value=host[row, column].item()))
     last = host[:, -1]
     if not last.all():
         raise ValueError(RIGHT_PADDED.format(row=int(np.argmin(last != 0))))
     return (host != 0).astype(np.int32)
+
+
+def _unmasked_rows(mask: jax.Array, tokens: Any, scores: Any) -> tuple[Any, Any]:
+    """A traced ``mask`` (not read on the host, so not refused by :data:`MASK_NOT_ZERO_ONE`):
+    every output row of a prompt whose mask holds a value other than 0 or 1 is -1 (no token
+    id: a tokenizer refuses it), its scores NaN, never tokens of a guessed mask. One select
+    on the output; bool masks have nothing to check."""
+    if mask.dtype == jnp.bool_:
+        return tokens, scores
+    bad = jnp.any((mask != 0) & (mask != 1), axis=1)
+    bad = jnp.repeat(bad, tokens.shape[0] // mask.shape[0])  # each prompt's returned sequences (HF's order)
+    tokens = jnp.where(bad[:, None], jnp.asarray(-1, tokens.dtype), tokens)
+    if scores is not None:
+        scores = jnp.where(bad[:, None], jnp.asarray(jnp.nan, scores.dtype), scores)
+    return tokens, scores
 
 
 def _buckets(prompt: int, new: int, limit: Any) -> tuple[int, int]:

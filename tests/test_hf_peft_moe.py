@@ -315,6 +315,24 @@ def test_lora_experts_and_lora_parameter_built_by_hand_are_what_ft_nn_lora_build
         ft.nn.LoraParameter(moe.experts.down_proj, rank=0, key=key)
 
 
+def test_lora_experts_group_sizes_that_do_not_count_the_rows_are_refused_or_nan_under_jit():
+    """LoraExperts.grouped (the merged weights' ragged_dot) ran any sizes: a sum short of the
+    rows gave a zero row past it. Now it checks them as Experts.grouped does: refused where
+    concrete, every row NaN under jax.jit; the right sizes give the merged experts' rows."""
+    experts = ft.nn.Experts(4, 6, 3, key=jax.random.key(0), std=1.0)
+    adapted = ft.nn.LoraExperts(experts, rank=2, key=jax.random.key(1))
+    adapted = adapted.replace(down_proj=adapted.down_proj.replace(lora_b=jnp.ones_like(adapted.down_proj.lora_b)))
+    rows = jax.random.normal(jax.random.key(2), (5, 4))
+    good = jnp.array([2, 0, 3])
+    np.testing.assert_array_equal(adapted.grouped(rows, good), adapted.merged().grouped(rows, good))
+    assert not np.array_equal(adapted.grouped(rows, good), experts.grouped(rows, good))  # the adapter counts
+    with pytest.raises(ft.nn.LayerInputError, match=r"LoraExperts expects inputs group_sizes \[3\] \(int\) counting "
+                                                    r"the rows, >= 0, summing to 5, got group_sizes \[2, 0, 2\] \(sum 4\)"):
+        adapted.grouped(rows, jnp.array([2, 0, 2]))
+    for bad in ([2, 0, 2], [4, -1, 2]):
+        assert np.isnan(jax.jit(lambda e, s: e.grouped(rows, s))(adapted, jnp.array(bad))).all()
+
+
 def peft_adapters(model):
     """``{module: (r, scaling)}`` of every LoRA layer of a PeftModel (a ParamWrapper's too)."""
     return {name.removeprefix("base_model.model."): (layer.r["default"], layer.scaling["default"])

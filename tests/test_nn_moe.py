@@ -9,6 +9,7 @@ of every expert, an expert no token chose (a zero gradient, no NaN), an exact ti
 index wins; torch.topk on the CPU took the higher ones), top_k refused past num_experts.
 """
 
+import re
 from typing import Any
 
 import jax
@@ -289,3 +290,48 @@ def test_bfloat16_jitter_runs_under_strict_promotion():
     assert y.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
     evaluated = ft.nn.inference(moe)(x)  # no jitter
     assert evaluated.shape == y.shape
+
+
+def grouped_case(experts):
+    """Rows sorted by their experts' order and what each row's own expert gives (the dense form)."""
+    rows = jax.random.normal(jax.random.key(1), (6, D))
+    chosen = jnp.array([2, 0, 3, 0, 2, 2])
+    order = jnp.argsort(chosen, stable=True)
+    sorted_rows = rows[order]
+    want = experts.every(sorted_rows)[chosen[order], jnp.arange(6)]
+    return rows, chosen, order, sorted_rows, want
+
+
+@pytest.mark.parametrize("sizes", [[2, 0, 3, 0], [2, 0, 3, 3], [2, -1, 3, 2]])
+def test_group_sizes_that_do_not_count_the_rows_are_refused_or_nan_under_jit(sizes):
+    """The issue: Experts.grouped ran any sizes through jax.lax.ragged_dot: a sum short of the
+    rows gave zero rows past it (measured: row 5 of 6 exactly 0.0), a sum past them ran, a
+    negative size mixed experts (row 2: 1.34, none of the experts' -0.305, 1.228, -1.537).
+    Now concrete sizes are refused naming their sum and the rows; under jax.jit every output
+    row is NaN, with no gradient. The `right:` line gives each row's own expert."""
+    experts = ft.nn.Experts(D, HIDDEN, E, key=jax.random.key(0), std=1.0)
+    rows, chosen, order, sorted_rows, want = grouped_case(experts)
+    good = experts.grouped(sorted_rows, jnp.array([2, 0, 3, 1]))
+    np.testing.assert_allclose(good, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))  # (float32)
+    given = rf"got group_sizes {re.escape(str(sizes))} \(sum {sum(sizes)}\)"
+    with pytest.raises(ft.nn.LayerInputError, match=rf"Experts expects inputs group_sizes \[{E}\] \(int\) counting "
+                                                    rf"the rows, >= 0, summing to 6, {given}(.|\n)*wrong:(.|\n)*right:"):
+        experts.grouped(sorted_rows, jnp.array(sizes))
+    run = jax.jit(lambda e, r, s: e.grouped(r, s))
+    out = run(experts, sorted_rows, jnp.array(sizes))
+    assert out.shape == (6, D) and np.isnan(out).all()
+    grads = jax.grad(lambda e, r: jnp.sum(run(e, r, jnp.array(sizes))), argnums=(0, 1))(experts, sorted_rows)
+    assert all(not np.any(g) for g in jax.tree_util.tree_leaves(grads))  # no gradient (zeros, no NaN)
+    right = re.search(r"right:  (.*)", _moe.GROUP_SIZES).group(1)
+    fixed = eval(right, {"experts": experts, "rows": rows, "order": order, "chosen": chosen, "jnp": jnp,
+                         "num_experts": E})
+    np.testing.assert_array_equal(fixed, good)
+    np.testing.assert_array_equal(run(experts, sorted_rows, jnp.array([2, 0, 3, 1], jnp.uint8)), good)
+
+
+def test_group_sizes_of_another_shape_or_dtype_are_refused():
+    experts = ft.nn.Experts(D, HIDDEN, E, key=jax.random.key(0))
+    rows = jnp.ones((6, D))
+    for sizes, given in [(jnp.array([3, 3]), r"i32\[2\]"), (jnp.array([2.0, 0, 3, 1]), r"f32\[4\]")]:
+        with pytest.raises(ft.nn.LayerInputError, match=rf"summing to 6, got group_sizes {given} for rows f32\[6,{D}\]"):
+            jax.jit(experts.grouped)(rows, sizes)

@@ -194,8 +194,8 @@ class LoraExperts(Experts):
         """The plain :class:`Experts` of the effective weights."""
         return merge_experts(self)
 
-    def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        return self.merged().grouped(rows, group_sizes)
+    def _ragged(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return self.merged()._ragged(rows, group_sizes)  # (grouped, inherited, checks the sizes first)
 
     def every(self, x: jax.Array) -> jax.Array:
         return self.merged().every(x)

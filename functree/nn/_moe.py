@@ -48,20 +48,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._activations import silu
 from functree._module import field
 from functree._random import flat_key
 from functree._repr import short_array
 from functree.nn._abstract import initialized
-from functree.nn._check import check_input
+from functree.nn._check import LayerInputError, check_input, concrete
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
 from functree.nn._state import record_intermediate
 
 __all__ = ["SparseMoE", "Experts", "load_balancing_loss", "TOP_K", "IMPLEMENTATION", "JITTER_KEY", "SORTED_VMAP",
-           "ROUTER_LOGITS_SHAPE", "ROUTER_TOP_K", "ROUTER_MASK_SHAPE"]
+           "ROUTER_LOGITS_SHAPE", "ROUTER_TOP_K", "ROUTER_MASK_SHAPE", "GROUP_SIZES"]
 
 TOP_K = """\
 ft.nn.SparseMoE: top_k={top_k} of num_experts={experts}; each token is sent to top_k distinct \
@@ -128,6 +129,16 @@ or length would weigh other tokens (Hugging Face's load_balancing_loss_func fail
 """
 
 
+GROUP_SIZES = """\
+Experts.grouped takes rows sorted by expert and group_sizes[e], the count of expert e's rows: \
+counts >= 0 that sum to the rows. Others describe other rows: jax.lax.ragged_dot gives zeros \
+for rows past their sum, and a negative count mixes the experts' weights, silently. Where the \
+sizes are concrete they are refused; under jax.jit, where their values are not seen, every \
+output row is NaN. Count each expert's rows from the same assignment the rows were sorted by:
+    wrong:  experts.grouped(rows[order], jnp.asarray(planned_counts))
+    right:  experts.grouped(rows[order], jnp.zeros(num_experts, jnp.int32).at[chosen].add(1))"""
+
+
 def _normal(std: float) -> Any:
     return jax.nn.initializers.normal(std)
 
@@ -151,7 +162,26 @@ class Experts(Layer):
 
     def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Rows ``[M, d]`` sorted by expert, ``group_sizes[e]`` of them expert ``e``'s: each
-        row through its expert (``[M, d]``)."""
+        row through its expert (``[M, d]``). The sizes are integers ``[E]``, each ``>= 0``,
+        summing to ``M``: others are refused where they are concrete, and under ``jax.jit``
+        (their values unseen) make every output row NaN (:data:`GROUP_SIZES`), never the
+        zeros or mixed weights ``jax.lax.ragged_dot`` gives for them.
+
+        Example:
+          >>> import functree as ft, jax, jax.numpy as jnp
+          >>> experts = ft.nn.Experts(4, 6, 3, key=jax.random.key(0))
+          >>> rows = jnp.ones((5, 4))
+          >>> experts.grouped(rows, jnp.array([2, 0, 3])).shape      # rows 0-1: expert 0, 2-4: expert 2
+          (5, 4)
+          >>> bool(jnp.isnan(jax.jit(experts.grouped)(rows, jnp.array([2, 0, 2]))).all())  # sum 4, not 5
+          True
+        """
+        bad = _check_group_sizes(self, rows, group_sizes)
+        out = self._ragged(rows, group_sizes)
+        return out if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
+
+    def _ragged(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """:meth:`grouped` unchecked: the sparse MoE's sizes, counted from its own routing."""
         h = jax.lax.ragged_dot(rows, self.gate_up_proj, group_sizes)
         gate, up = jnp.split(h, 2, axis=-1)
         return jax.lax.ragged_dot(self.activation(gate) * up, self.down_proj, group_sizes)
@@ -161,6 +191,27 @@ class Experts(Layer):
         h = jnp.einsum("nd,edf->enf", x, self.gate_up_proj)
         gate, up = jnp.split(h, 2, axis=-1)
         return jnp.einsum("enf,efd->end", self.activation(gate) * up, self.down_proj)
+
+
+def _check_group_sizes(experts: Experts, rows: jax.Array, group_sizes: Any) -> jax.Array | None:
+    """Raise :class:`LayerInputError` for ``group_sizes`` that are not integers ``[E]`` or,
+    concrete, not counts ``>= 0`` summing to the rows (:data:`GROUP_SIZES`); traced, the
+    scalar that is True where they are not (the caller's one select), else None."""
+    num = experts.gate_up_proj.shape[0]
+    sizes = group_sizes if isinstance(group_sizes, jax.Array) else np.asarray(group_sizes)
+    count = rows.shape[0] if rows.ndim == 2 else None
+    expected = f"group_sizes [{num}] (int) counting the rows, >= 0, summing to {count}"
+    if sizes.shape != (num,) or not jnp.issubdtype(sizes.dtype, jnp.integer) or count is None:
+        raise LayerInputError(experts, expected, f"group_sizes {short_array(sizes)} for rows {short_array(rows)}",
+                              GROUP_SIZES)
+    host = concrete(sizes)
+    if host is None:
+        wide = sizes.astype(jnp.int32) if sizes.dtype.itemsize < 4 else sizes  # uint8 sums past 255
+        return (jnp.sum(wide) != count) | jnp.any(wide < 0)
+    total = int(host.astype(np.int64).sum())
+    if (host < 0).any() or total != count:
+        raise LayerInputError(experts, expected, f"group_sizes {host.tolist()} (sum {total})", GROUP_SIZES)
+    return None
 
 
 class SparseMoE(Layer):
@@ -259,7 +310,7 @@ def _sorted(experts: Experts, rows: jax.Array, weights: jax.Array, chosen: jax.A
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
     try:
-        out = experts.grouped(rows[order // k], sizes)  # pair i of the sorted order is row order[i] // k's
+        out = experts._ragged(rows[order // k], sizes)  # pair i of the sorted order is row order[i] // k's
     except NotImplementedError as error:  # (JAX's own, deep in its batching: named here)
         if "vmap" not in str(error):
             raise

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.nn._fractional_pool import BAD_RATIO, BAD_SAMPLES, NO_SAMPLES, ONE_SIZE, TOO_SMALL
+from functree.nn._fractional_pool import (
+    BAD_RATIO,
+    BAD_SAMPLES,
+    NO_SAMPLES,
+    ONE_SIZE,
+    SAMPLES_OUTSIDE,
+    TOO_SMALL,
+)
 from tests._errors import raises_named
 
 torch = pytest.importorskip("torch")
@@ -118,6 +125,44 @@ def test_errors_name_the_fix():
                  "u: float32[1, 2, 2]")
     raises_named(lambda: cls(2, output_size=3)(x, samples=jnp.ones((1, 2, 2), jnp.int32)), ValueError,
                  BAD_SAMPLES, "_random_samples=t) is samples=t[..., ::-1]")
+
+
+@pytest.mark.parametrize("u", [1.0, 1.7, -0.5, float("nan"), float("inf")])
+def test_samples_outside_0_1_are_refused_or_give_a_nan_plane_under_jit(u):
+    """The issue: samples= outside [0, 1) (or NaN) ran, as torch's _random_samples do: on a
+    7x7 plane, output_size 3, u = 1.0 took the windows of no u in [0, 1) ([[9, 12, 14], [30,
+    33, 35], ...] where every draw gives [[9, 11, 14], [23, 25, 28], ...]), u = -0.5 took
+    others than torch's (its truncation), NaN repeated the first window. Now concrete samples
+    are refused naming the entry and its axis; under jax.jit that channel's plane is NaN, its
+    indices -1, with no gradient, the other planes unchanged."""
+    pool = ft.nn.FractionalMaxPool2D(2, output_size=3, return_indices=True)
+    x = jnp.arange(1.0, 99.0).reshape(1, 2, 7, 7).transpose(0, 2, 3, 1)  # channels last: two planes
+    good = jnp.array([[[0.5, 0.25], [0.75, 0.1]]])
+    bad = good.at[0, 1, 1].set(u)
+    value = "nan" if u != u else str(np.float32(u))
+    raises_named(lambda: pool(x, samples=bad), ValueError, SAMPLES_OUTSIDE,
+                 f"samples[0, 1, 1] is {value}: the width axis's sample of that channel")
+    y, index = pool(x, samples=good)
+    run = jax.jit(lambda x, s: pool(x, samples=s))
+    yj, ij = run(x, bad)
+    np.testing.assert_array_equal(yj[..., 0], y[..., 0])
+    np.testing.assert_array_equal(ij[..., 0], index[..., 0])
+    assert np.isnan(yj[..., 1]).all() and (np.asarray(ij[..., 1]) == -1).all()
+    grad = jax.grad(lambda x: jnp.sum(jnp.nan_to_num(run(x, bad)[0], nan=0.0)))(x)
+    assert np.isfinite(grad).all() and not np.any(grad[..., 1]) and np.any(grad[..., 0])
+    raises_named(lambda: ft.nn.FractionalMaxPool3D(2, output_size=2)(jnp.ones((5, 5, 5, 1)), samples=jnp.array([[0.5, u, 0.5]])),
+                 ValueError, SAMPLES_OUTSIDE, f"samples[0, 1] is {value}: the height axis's sample")
+
+
+def test_a_sample_that_rounds_to_1_in_the_inputs_dtype_is_refused_naming_both():
+    """0.999 is 1.0 in bfloat16 (the samples are cast to x's dtype, as torch computes in it):
+    the windows of u = 1.0, refused naming the value given and the value used."""
+    pool = ft.nn.FractionalMaxPool2D(2, output_size=3)
+    x = jnp.ones((7, 7, 1), jnp.bfloat16)
+    raises_named(lambda: pool(x, samples=np.full((1, 2), 0.999, np.float32)), ValueError, SAMPLES_OUTSIDE,
+                 "samples[0, 0] is 0.999, 1 in bfloat16: the height axis's")
+    fix = jax.random.uniform(jax.random.key(0), (1, 2), x.dtype)  # the right: line's draw in x's dtype
+    assert pool(x, samples=fix).shape == (3, 3, 1)
 
 
 def test_a_torch_modules_options_are_compared_on_load():

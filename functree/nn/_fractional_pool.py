@@ -15,10 +15,10 @@ from functree._module import field
 from functree._random import flat_key
 from functree._repr import short_array
 from functree.nn import _window as window
-from functree.nn._check import LayerInputError, check_input
+from functree.nn._check import LayerInputError, check_input, concrete
 from functree.nn._mode import Layer
 
-__all__ = ["FractionalMaxPool2D", "FractionalMaxPool3D", "fractional_intervals"]
+__all__ = ["FractionalMaxPool2D", "FractionalMaxPool3D", "fractional_intervals", "SAMPLES_OUTSIDE"]
 
 ONE_SIZE = """\
 {cls} takes exactly one of output_size and output_ratio, got {given}.
@@ -54,6 +54,16 @@ in x's order: {axes}), got {given} for x {x}.
     wrong:  pool(x, samples=u)          # u: {given}
     right:  pool(x, samples=u)          # u: {right}
     torch:  F.fractional_max_pool{n}d(..., _random_samples=t) is samples={torch}"""
+
+SAMPLES_OUTSIDE = """\
+{cls}: samples{where} is {value}{cast}: the {axis} axis's sample of that channel. A sample is a \
+uniform draw in [0, 1) placing its plane's windows; outside it the windows are no draw's (torch \
+computes them unchecked: u = 1.0 gives other windows than every u in [0, 1), a negative u or NaN \
+others again), so it is refused here; under jax.jit, where the values are not seen, that \
+channel's plane is NaN (its indices -1).
+
+    wrong:  pool(x, samples=u)          # u{where}: {value}{cast}
+    right:  pool(x, samples=jax.random.uniform(key, {shape}, x.dtype))      # or pool(x, key=key)"""
 
 _AXES = {2: ("height", "width"), 3: ("depth", "height", "width")}
 
@@ -131,7 +141,7 @@ class _FractionalMaxPool(Layer):
         n = self._rank
         check_input(self, x, (*_AXES[n], "channels"))
         sizes = self._sizes(x)
-        u = self._samples(x, key, samples)
+        u, outside = self._samples(x, key, samples)
         plane = x.shape[x.ndim - n - 1:-1]
         # the flat plane index of each window's element: [..., C, *sizes, prod(pool_size)]
         starts = [fractional_intervals(u[..., a], plane[a], sizes[a], self.pool_size[a]) for a in range(n)]
@@ -151,23 +161,43 @@ class _FractionalMaxPool(Layer):
             part, at = values[..., j], flat[..., j]
             take = (part > y) | jnp.isnan(part)
             y, index = jnp.where(take, part, y), jnp.where(take, at, index)
+        if outside is not None:  # traced samples outside [0, 1): their planes NaN (SAMPLES_OUTSIDE)
+            at = outside.reshape(outside.shape + (1,) * n)
+            y = jnp.where(at, jnp.asarray(jnp.nan, y.dtype), y)
+            index = jnp.where(at, jnp.asarray(-1, index.dtype), index)
         y, index = jnp.moveaxis(y, lead, -1), jnp.moveaxis(index, lead, -1)
         return (y, index) if self.return_indices else y
 
-    def _samples(self, x: jax.Array, key: jax.Array | None, samples: jax.Array | None) -> jax.Array:
+    def _samples(self, x: jax.Array, key: jax.Array | None,
+                 samples: jax.Array | None) -> tuple[jax.Array, jax.Array | None]:
+        """The samples ``[..., C, n]`` in ``x``'s dtype, and None, or for traced ``samples``
+        whether each plane ``[..., C]`` has one outside ``[0, 1)`` (concrete ones there are
+        refused: :data:`SAMPLES_OUTSIDE`)."""
         n, name = self._rank, type(self).__name__
         shape = (*x.shape[:x.ndim - n - 1], x.shape[-1], n)
         if samples is None:
             if key is None:
                 raise ValueError(NO_SAMPLES.format(cls=name, n=n))
-            return jax.random.uniform(flat_key(key), shape, x.dtype)
+            return jax.random.uniform(flat_key(key), shape, x.dtype), None
         if jnp.shape(samples) != shape or not jnp.issubdtype(jnp.result_type(samples), jnp.floating):
             given = short_array(samples) if hasattr(samples, "shape") else repr(samples)
             right = f"{jnp.dtype(x.dtype).name}{list(shape)}"
             torch = "t[..., ::-1] (torch's 2-D samples are (width, height))" if n == 2 else "t (the same order)"
             raise ValueError(BAD_SAMPLES.format(cls=name, n=n, axes=", ".join(_AXES[n]), given=given,
                                                 x=short_array(x), right=right, torch=torch))
-        return jnp.asarray(samples, x.dtype)
+        u = jnp.asarray(samples, x.dtype)
+        host = concrete(u)
+        if host is None:
+            return u, jnp.any(~((u >= 0) & (u < 1)), axis=-1)  # (NaN is neither)
+        outside = ~((host >= 0) & (host < 1))
+        if outside.any():
+            where = tuple(int(i) for i in np.argwhere(outside)[0])
+            raw, value = np.asarray(samples)[where], host[where]  # (NumPy scalars: their dtype's shortest digits)
+            same = raw.item() == value.item() or np.isnan(value)
+            cast = "" if same else f", {value!s} in {jnp.dtype(x.dtype).name}"
+            raise ValueError(SAMPLES_OUTSIDE.format(cls=name, where=list(where), value=str(raw), cast=cast,
+                                                    axis=_AXES[n][where[-1]], shape=shape))
+        return u, None
 
 
 def _ratios(name: str, value: Any, n: int) -> tuple[float, ...]:
@@ -192,7 +222,10 @@ _DOC = """Fractional max pooling (Graham 2014): torch's ``nn.FractionalMaxPool{n
     axis, drawn from ``key=`` on every call (torch draws in evaluation too), or given as
     ``samples=`` ``[..., channels, {n}]`` in the axes' order ({spatial}): torch's
     ``F.fractional_max_pool{n}d(..., _random_samples=t)`` is ``samples={torch}``, and then the
-    output equals torch's bit for bit. Exactly one of ``output_size`` and ``output_ratio``
+    output equals torch's bit for bit. A sample outside ``[0, 1)`` (or NaN) places no draw's
+    windows (torch computes them unchecked): concrete ``samples=`` holding one are refused
+    (:data:`SAMPLES_OUTSIDE`); traced, under ``jax.jit``, its channel's plane is NaN (indices
+    -1), with no gradient. Exactly one of ``output_size`` and ``output_ratio``
     (each axis ``int(length * ratio)``). ``return_indices=True`` also returns each maximum's
     flat index in its channel's plane (int32), as ``MaxPool{n}D``'s. Equal maxima: the first;
     the gradient reaches the element taken alone, as torch's.

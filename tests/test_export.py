@@ -143,6 +143,9 @@ def test_a_value_that_is_no_array_or_a_result_no_process_could_rebuild_is_refuse
                  "the root has the key (1, 2), a tuple; a dict's keys are kept as text (str, int and bool keys). "
                  "Key the dict by text or integers, or return its values in a list:\n\n"
                  "    wrong:  return {(1, 2): y}\n    right:  return {\"1_2\": y}")
+    # an np.str_ key: its trailing NULs shown and kept in the fix (str() dropped them: another key)
+    raises_named(lambda: ft.export(lambda x: {np.str_("y\x00"): x})(X), ft.ExportError, _export.RESULT_NOT_DESCRIBED,
+                 "    wrong:  return {np.str_('y\\x00'): y}\n    right:  return {\"y\\x00\": y}")
 
 
 def test_damaged_bytes_are_refused_before_anything_runs(exported_step):

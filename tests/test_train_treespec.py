@@ -588,6 +588,34 @@ def test_a_dict_key_no_checkpoint_reads_back_is_refused_at_save(tmp_path, key):
         encode({(0, 1): jnp.ones(2)})
 
 
+def test_a_numpy_text_keys_fix_keeps_its_trailing_nuls_and_collides_with_no_other_key(tmp_path):
+    """The issue: an np.str_ key was named np.str_('a') and offered the fix {"a": value}
+    (str() drops trailing NULs): on a dict that also held "a", the rename made the two keys
+    one (2 keys became 1, the other array lost). Now it is shown and offered with its NULs
+    ("a\\x00", escaped), the fix's dict saves both arrays; a text that another key of the
+    dict is or is offered (two tuples joined to "a_b", a surrogate replaced onto a key there)
+    gets "_2" and a note, and an np.str_ is not cut at 40 characters."""
+    tree = {"a": jnp.ones(1), np.str_("a\x00"): jnp.zeros(1)}
+    with pytest.raises(ft.train.CheckpointError, match=r"has the key np\.str_\('a\\x00'\), a str_") as info:
+        ft.train.save(tmp_path / "c", tree)
+    assert not (tmp_path / "c").exists() and info.value.key_text == "a\x00"  # pyright: ignore[reportAttributeAccessIssue]
+    right = re.search(r"right:  (.*)", str(info.value)).group(1)
+    assert right == '{"a\\x00": value}'
+    fixed = {**{k: v for k, v in tree.items() if type(k) is str}, **eval(right, {"value": tree[np.str_("a\x00")]})}
+    assert len(fixed) == 2
+    ft.train.save(tmp_path / "c", fixed)
+    back = ft.train.load(tmp_path / "c")
+    assert sorted(back) == ["a", "a\x00"] and float(back["a\x00"][0]) == 0.0 and float(back["a"][0]) == 1.0
+    cases = [({np.bytes_(b"b\x00"): 1}, r'\{"b\'b\\\\x00\'": value\}$'),
+             ({np.str_("a" * 45): 1, "a" * 40: 2}, rf'\{{"{"a" * 45}": value\}}$'),
+             ({("a_b",): 1, ("a", "b"): 2}, r'\{"a_b_2": value\}\n    \(not "a_b": another key of this dict is that text, '
+                                          r'or is offered it, and the two would be one; any text of its own\)$'),
+             ({"caf\udce9": 1, "caf?": 2}, r"\{'caf\?_2': value\}    # key.encode(.|\n)*\(not \"caf\?\": another key")]
+    for keys, right in cases:
+        with pytest.raises(ft.train.CheckpointError, match=r"(?s)Nothing was written.*right:  " + right):
+            encode({k: jnp.full(1, v) for k, v in keys.items()})
+
+
 def test_layer_state_keyed_by_key_paths_is_refused_naming_apply_state(tmp_path):
     """collect_state's updates ({KeyPath: value}): the fix offered the key ".layers_[0]_.running_mean"
     (the path's entries joined by "_"); now ft.nn.apply_state, or the paths' text, which

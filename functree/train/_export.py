@@ -48,7 +48,7 @@ import numpy as np
 from functree._paths import KeyPath
 from functree._tree import child_name
 from functree.train.checkpoint._decode import decode_leaf, leaf_specs
-from functree.train.checkpoint._errors import UnsavableKeyError
+from functree.train.checkpoint._errors import UnsavableKeyError, text_literal
 from functree.train.checkpoint._treespec import (
     CheckpointError,
     SpecError,
@@ -142,7 +142,7 @@ ft.export({name}): its results cannot be described as data, as another process r
 integers, or return its values in a list:
 
     wrong:  return {{{key}: y}}
-    right:  return {{"{key_text}": y}}"""
+    right:  return {{{key_text}: y}}"""
 
 RESULT_NOT_DATA = "ft.export({name}): its results cannot be described as data, as another process reads them: {why}."
 
@@ -250,8 +250,8 @@ def _export(fn: Callable[..., Any], platforms: tuple[str, ...] | None, args: tup
                 raise ExportError(RESULT_NOT_DATA.format(name=name, why=str(e).split(":")[0])) from None
             if isinstance(e.key, KeyPath):  # collect_state's layer state
                 raise ExportError(RESULT_LAYER_STATE.format(name=name, why=e.why)) from None
-            raise ExportError(RESULT_NOT_DESCRIBED.format(name=name, why=e.why, key=repr(e.key),
-                                                          key_text=e.key_text)) from None
+            raise ExportError(RESULT_NOT_DESCRIBED.format(name=name, why=e.why, key=e.shown,
+                                                          key_text=text_literal(e.key_text))) from None
         out["keys"] = list(out_arrays)
         for key, x in out_arrays.items():
             if not isinstance(x, (jax.Array, np.ndarray)):

@@ -8,7 +8,7 @@ Both are defined here, below the writer (:mod:`._treespec`) and the reader
 
 from __future__ import annotations
 
-__all__ = ["MALFORMED", "CheckpointError", "SpecError"]
+__all__ = ["MALFORMED", "CheckpointError", "SpecError", "text_literal"]
 
 # The module these classes were defined in until the reader moved out of it: the name a
 # traceback shows (``functree.train.checkpoint._treespec.CheckpointError: ...``, as in
@@ -38,12 +38,28 @@ class CheckpointError(ValueError):
 
 class UnsavableKeyError(CheckpointError):
     """A dict key no file can hold (a tuple, a float, a KeyPath, a lone surrogate), with what
-    is wrong (``why``), the key and a text for it: ``ft.export`` words its fix for a
-    function's results from them, a checkpoint's for a save."""
+    is wrong (``why``), the key and a text for it (``key_text``: no other key of its dict,
+    an ``np.str_``'s trailing NULs kept) and the key as the message shows it (``shown``:
+    its repr, an ``np.str_``'s with its NULs): ``ft.export`` words its fix for a function's
+    results from them (:func:`text_literal`), a checkpoint's for a save."""
 
-    def __init__(self, message: str, why: str, key: object, key_text: str):
+    def __init__(self, message: str, why: str, key: object, key_text: str, shown: str | None = None):
         super().__init__(message)
         self.why, self.key, self.key_text = why, key, key_text
+        self.shown = repr(key) if shown is None else shown
+
+
+def text_literal(text: str) -> str:
+    """``text`` as the Python literal a fix shows: double-quoted where ``repr`` would print it
+    in single quotes with no double quote inside, ``repr`` otherwise; a NUL or another control
+    character escaped (``"a\\x00"``), never printed raw, where it would hide in the message.
+
+    Example:
+      >>> print(text_literal("1_2"), text_literal("a\\x00"), text_literal("it's"))
+      "1_2" "a\\x00" "it's"
+    """
+    shown = repr(text)
+    return f'"{shown[1:-1]}"' if shown.startswith("'") and '"' not in text else shown
 
 
 class SpecError(CheckpointError):

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._key_entries import _python_key
 from functree._module import Module
 from functree._naming import is_tied
 from functree._paths import KeyPath
@@ -59,6 +60,7 @@ from functree.train.checkpoint._errors import (
     CheckpointError,
     SpecError,
     UnsavableKeyError,
+    text_literal,
 )
 from functree.train.checkpoint._function_code import same_function, shown, with_code
 from functree.train.checkpoint._registry import (
@@ -85,12 +87,12 @@ with the class as it was saved:
        or:  ft.train.load(path)                   # with {cls} defined as it was saved"""
 
 UNSUPPORTED_KEY = """\
-The dict at {path} has the key {key!r}, a {type}: a checkpoint stores a dict's keys as text \
+The dict at {path} has the key {key}, a {type}: a checkpoint stores a dict's keys as text \
 and reads back str, int and bool keys (and NumPy integers) only, so this one could not be \
 rebuilt. Nothing was written. Key the dict by text or integers (or hold the values in a list):
 
-    wrong:  {{{key!r}: value}}
-    right:  {{"{key_text}": value}}"""
+    wrong:  {{{key}: value}}
+    right:  {{{key_text}: value}}{taken}"""
 
 
 KEY_PATH_KEY = """\
@@ -101,7 +103,7 @@ Save the state applied to its model, or keyed by the paths' text (KeyPath.parse 
 
     wrong:  ft.train.save(path, updates)
     right:  ft.train.save(path, ft.nn.apply_state(model, updates))
-       or:  ft.train.save(path, {{str(k): v for k, v in updates.items()}})     # {{"{key_text}": value}}"""
+       or:  ft.train.save(path, {{str(k): v for k, v in updates.items()}})     # {{{key_text}: value}}"""
 
 
 BIG_INT = """\
@@ -119,7 +121,11 @@ each array by its key path in UTF-8 files, which cannot hold it. Nothing was wri
 Decode the key's bytes as what they are, or key the dict by its text without them:
 
     wrong:  {{{key!r}: value}}
-    right:  {{{fixed!r}: value}}    # key.encode("utf-8", "replace").decode()"""
+    right:  {{{fixed!r}: value}}    # key.encode("utf-8", "replace").decode(){taken}"""
+
+TAKEN = """
+    (not {text}: another key of this dict is that text, or is offered it, and the two would be one; \
+any text of its own)"""
 
 
 def _encode_static(value: Any) -> dict[str, Any]:
@@ -201,26 +207,70 @@ def _module_code(value: Module) -> dict[str, Any] | None:
     return None if encoder.arrays else {"module": spec}
 
 
-def _dict_key(key: Any, path: str) -> list[str]:
+def _dict_key(key: Any, path: str, keys: list[Any]) -> list[str]:
     """A dict key as ``[type, text]``; :class:`CheckpointError` for a key the reader could
-    not rebuild exactly (a tuple, float, Enum member, object)."""
+    not rebuild exactly (a tuple, float, Enum member, object), its fix a text no other of
+    the dict's ``keys`` has (:func:`_own_text`)."""
     where = repr(path) if path else "the root"
     if type(key) is str and not key.isascii():
         bad = next((c for c in key if 0xD800 <= ord(c) <= 0xDFFF), None)
         if bad is not None:  # orbax's writer crashed in a thread: "Unable to cast Python instance of type str"
-            fixed = key.encode("utf-8", "replace").decode()
-            raise UnsavableKeyError(UNENCODABLE_KEY.format(path=where, key=key, char=bad, fixed=fixed),
+            fixed, taken = _own_text(key, keys)
+            raise UnsavableKeyError(UNENCODABLE_KEY.format(path=where, key=key, char=bad, fixed=fixed,
+                                                           taken=taken),
                              f"The dict at {where} has the key {key!r}, text that is no Unicode", key, fixed)
     if type(key) in (str, int, bool):
         return [type(key).__name__, str(key)]
     if isinstance(key, np.integer) and np.dtype(type(key)).name in NUMPY_INT_KEYS:
         return [np.dtype(type(key)).name, str(int(key))]
-    why = f"The dict at {where} has the key {key!r}, a {type(key).__name__}"
+    shown = _shown_key(key)
+    why = f"The dict at {where} has the key {shown}, a {type(key).__name__}"
     if isinstance(key, KeyPath):  # (its entries joined by "_" read ".layers_[0]_.running_mean")
-        raise UnsavableKeyError(KEY_PATH_KEY.format(path=where, key=key, key_text=key), why, key, str(key))
-    text = ("_".join(map(str, key)) if isinstance(key, tuple) else str(key))[:40]
-    raise UnsavableKeyError(UNSUPPORTED_KEY.format(path=where, key=key, type=type(key).__name__, key_text=text),
-                     why, key, text)
+        raise UnsavableKeyError(KEY_PATH_KEY.format(path=where, key=key, key_text=text_literal(str(key))), why, key,
+                                str(key))
+    text, taken = _own_text(key, keys)
+    raise UnsavableKeyError(UNSUPPORTED_KEY.format(path=where, key=shown, type=type(key).__name__,
+                                                   key_text=text_literal(text), taken=taken), why, key, text, shown)
+
+
+def _shown_key(key: Any) -> str:
+    """``key`` as the message names it: an ``np.str_``'s or ``np.bytes_``'s repr drops its
+    trailing NULs (``np.str_('a')`` for the key ``'a\\x00'``), so its characters are shown."""
+    if isinstance(key, (np.str_, np.bytes_)):
+        return f"np.{type(key).__name__}({_python_key(key)!r})"
+    return repr(key)
+
+
+def _key_text(key: Any) -> str:
+    """The text a fix offers for an unsavable ``key``: an ``np.str_``'s characters, its
+    trailing NULs kept (``str()`` drops them, and ``'a'`` may be another key of its dict), an
+    ``np.bytes_``'s as a ``bytes`` key's (its repr, NULs kept), a key path's text, a lone
+    surrogate replaced (``?``), a tuple's entries joined by ``_``, anything else's ``str()``;
+    the last two cut at 40 characters."""
+    if isinstance(key, str):
+        text = str.__str__(key)
+        return text.encode("utf-8", "replace").decode() if any(0xD800 <= ord(c) <= 0xDFFF for c in text) else text
+    if isinstance(key, np.bytes_):
+        return str(_python_key(key))
+    if isinstance(key, KeyPath):
+        return str(key)
+    return ("_".join(map(str, key)) if isinstance(key, tuple) else str(key))[:40]
+
+
+def _own_text(key: Any, keys: list[Any]) -> tuple[str, str]:
+    """:func:`_key_text` of ``key``, and the note (:data:`TAKEN`) where that text is another
+    of ``keys``' (a str key, or the text another unsavable key is offered): then that text
+    with the first ``_2``, ``_3``, ... no key has, never a rename onto another key (the two
+    would be one, silently). Run on the error's path only."""
+    text = _key_text(key)
+    others = {k if type(k) is str else _key_text(k) for k in keys if k is not key and type(k) not in (int, bool)
+              and not isinstance(k, np.integer)}
+    if text not in others:
+        return text, ""
+    n = 2
+    while f"{text}_{n}" in others:
+        n += 1
+    return f"{text}_{n}", TAKEN.format(text=text_literal(text))
 
 
 def _is_static_record(value: Any) -> bool:
@@ -280,7 +330,7 @@ class _Encoder:
             return {"kind": kind, "items": [self.node(v, child_name(path, i)) for i, v in enumerate(x)]}
         if isinstance(x, dict):
             keys = list(x)
-            return {"kind": "dict", "keys": [_dict_key(k, path) for k in keys],
+            return {"kind": "dict", "keys": [_dict_key(k, path, keys) for k in keys],
                     "items": [self.node(x[k], child_name(path, k)) for k in keys]}
         children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:

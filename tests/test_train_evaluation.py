@@ -181,3 +181,36 @@ def test_every_mean_over_a_short_last_minibatch_is_the_whole_datas():
     np.testing.assert_allclose([got["loss"], got["accuracy"]], [loss, accuracy], rtol=0, atol=2e-6)
     out = trainer.predict(ft.train.batches(x, 7, key=jax.random.key(2)))  # shuffled data: read in order
     np.testing.assert_allclose(np.asarray(out), logits, rtol=0, atol=2e-6)
+
+
+def test_evaluation_sums_stay_exact_past_float32s_integers():
+    """The evaluation's sums are added on device, minibatch by minibatch, in float32: past
+    2²⁴ an add rounds to the sum's spacing, and a count that is the same every minibatch
+    rounds the same way every time. A causal LM's 16 rows of 2047 labels (32752 a
+    minibatch) added to a count past 2²⁸ (268M tokens) added 32768: 20000 such minibatches
+    (6.5e8 tokens) gave an accuracy (or a WeightedMean loss) 2.9e-4 too low, 0.59984 for
+    0.60001. Here the sums start past 2³⁰ (as after 33000 minibatches) and 64 more are added:
+    the count read is the exact one (Neumaier's compensated sum, read in float64)."""
+    from functree.train._evaluation import evaluate
+
+    rows, labels = 16, 2047
+    step = ft.train.eval_step(lambda m, b: ft.losses.WeightedMean(jnp.sum(b[0]), jnp.sum(b[1])))
+    summing = step.summing()
+    hits = np.zeros((rows, labels), np.float32)
+    hits[:, :1535] = 1.0  # 24560 hits of 32752 counted a minibatch
+    data = [(hits, np.ones((rows, labels), np.float32))] * 64
+    before_hits, before_counted = 2.0**29, 2.0**30  # the minibatches before: a mean of 0.5
+
+    def from_the_edge(model, sums, batch, key):
+        if not int(sums["count"]):  # the first minibatch: the sums of those before it
+            values = dict(sums["values"], **{"loss#sum": jnp.float32(before_hits), "loss#count": jnp.float32(before_counted)})
+            sums = dict(sums, values=values, weight=jnp.float32(2.0**25))
+        return summing(model, sums, batch, key)
+
+    got = evaluate(step, from_the_edge, {}, data, None)["loss"]
+    want = (before_hits + 64 * 24560) / (before_counted + 64 * rows * labels)
+    assert abs(got / want - 1) < 1e-12, (got, want)  # plain float32 sums: 9.5e-7 off
+    # an infinite or NaN minibatch is the mean's, as in a plain sum (its rounding error is none)
+    ones, inf = np.ones(4, np.float32), np.full(4, np.inf, np.float32)
+    assert evaluate(step, summing, {}, [(ones, ones), (inf, ones), (ones, ones)], None)["loss"] == np.inf
+    assert np.isnan(evaluate(step, summing, {}, [(ones, ones), (np.full(4, np.nan, np.float32), ones)], None)["loss"])

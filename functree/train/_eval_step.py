@@ -189,13 +189,28 @@ class EvalStep:
     def summed(self, model: Any, sums: Any, batch: Any, key: Any = None) -> Any:
         """``sums`` after one more minibatch, unjitted: ``{"values": {name: Σ w·metric},
         "weight": Σ w, "count": minibatches}`` with ``w`` the minibatch's size (the
-        Trainer's validation; ``key`` is folded with the minibatch's index)."""
+        Trainer's validation; ``key`` is folded with the minibatch's index).
+
+        With ``"compensation"`` (``{"values": {name: ...}, "weight": ...}``, zeros at
+        first: what the Trainer's ``evaluate`` passes) the sums are compensated
+        (Neumaier's): each add's rounding error is summed apart, and ``values +
+        compensation`` read in float64 is the sum to float32's precision of each term,
+        however many minibatches. Without it the sums are plain float32 sums: past 2²⁴
+        an add rounds to the sum's spacing, the same way each minibatch where the terms
+        repeat (a causal LM's 16 rows of 2047 labels: 20000 minibatches, 6.5e8 tokens,
+        counted 2.9e-4 too many, an accuracy 0.59984 for 0.60001)."""
         if key is not None:
             key = jax.random.fold_in(key, sums["count"])
         metrics = self.step(model, batch, key)
         w = float(shared_batch_size(batch))
-        return {"values": {k: sums["values"][k] + w * v for k, v in metrics.items()},
-                "weight": sums["weight"] + w, "count": sums["count"] + 1}
+        terms = {"values": {k: w * v for k, v in metrics.items()}, "weight": w}
+        out = {"values": {k: sums["values"][k] + x for k, x in terms["values"].items()},
+               "weight": sums["weight"] + w, "count": sums["count"] + 1}
+        if "compensation" in sums:
+            old = {"values": sums["values"], "weight": sums["weight"]}
+            new = {"values": out["values"], "weight": out["weight"]}
+            out["compensation"] = jax.tree.map(_compensated, sums["compensation"], old, terms, new)
+        return out
 
     def summing(self, static_leaves: bool = False) -> Callable[..., Any]:
         """:meth:`summed` jitted (``sums`` donated), its programs shared by every EvalStep
@@ -259,6 +274,15 @@ class EvalStep:
             if better is None:
                 raise
             raise better from None
+
+
+def _compensated(lost: jax.Array, total: jax.Array, term: Any, new_total: jax.Array) -> jax.Array:
+    """``lost`` plus the rounding error of ``new_total = total + term`` (Neumaier's
+    compensated sum: the error of the smaller one's low bits, exact in the dtype). An add
+    that is not finite (a NaN or infinite metric) adds no error: the sum holds it."""
+    term = jnp.asarray(term, new_total.dtype)
+    error = jnp.where(jnp.abs(total) >= jnp.abs(term), (total - new_total) + term, (term - new_total) + total)
+    return lost + jnp.where(jnp.isfinite(new_total), error, jnp.zeros((), new_total.dtype))
 
 
 def _calling(entry: Any, method: str) -> Callable[..., Any]:

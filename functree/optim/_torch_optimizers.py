@@ -250,6 +250,9 @@ def asgd(
     ``average=`` to the Optimizer). Each ``ηₜ₊₁`` is taken from the learning rate of step
     ``t``, as torch takes it from the group's ``lr`` (a schedule's change shows one step
     later); ``t₀`` is read at the step it is used. State: ``(ASGDState, AverageState)``.
+    ``w̄`` is float32 for float32 parameters, as torch's: past about 10⁴ averaged steps
+    (``t − t₀``) a step's share rounds away (:func:`ft.optim.uniform_average`'s limit: 5e-4
+    off over 10⁵ steps, stuck near its early value over 10⁶).
 
     Example:
       >>> import functree as ft, jax.numpy as jnp

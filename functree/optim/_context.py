@@ -216,7 +216,7 @@ def samples(counters: Any) -> Any:
     """samples_seen, ``high · 2³¹ + low``: exact on the host (NumPy int64; JAX's int64 under
     ``jax_enable_x64``, traced too); traced without x64, float32 (JAX has no int64 there)."""
     low, high = counters[..., 2], counters[..., 4]
-    if jax.config.read("jax_enable_x64"):
+    if jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int64:  # jax_enable_x64 (its context manager too)
         return (jnp.asarray(high).astype(jnp.int64) << LOW_BITS) | jnp.asarray(low).astype(jnp.int64)
     if isinstance(counters, Tracer):
         return high.astype(jnp.float32) * float(2**LOW_BITS) + low.astype(jnp.float32)

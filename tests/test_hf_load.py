@@ -518,6 +518,64 @@ def test_bad_model_inputs():
         model(ids, positions=put(np.zeros((2, 5), np.float32)))
 
 
+def test_attention_mask_values_other_than_0_and_1_are_refused_or_give_nan_rows():
+    """The issue: a mask holding -1 (meant as padding) or 2 was read as 1 (``mask != 0``),
+    silently, as Hugging Face reads it (``mask.bool()``): -1 at the padding of row 1 attended
+    the padding (HF's Llama too: its logits are the all-ones mask's, 0.86 from the 0/1 mask's at
+    the row's last token), and HF's OPT counts its positions with ``cumsum(mask)``, so its
+    logits move for a mask of 2s where ours did not. Now a concrete mask with another value is
+    refused naming the first entry (with and without a cache, a decoder and BERT); a traced
+    integer one makes that row's outputs NaN, the other rows unchanged; bool and 0/1 run as before."""
+    hf = randomized(transformers.LlamaForCausalLM(llama_config(num_hidden_layers=1)))
+    model = ft.nn.from_hf(hf)
+    ids, mask = batch()
+    ids = np.where(ids == 0, 1, ids)
+    ids[1, :3] = 0  # the pad id at row 1's padding only
+    minus = np.where(mask == 0, -1, 1)
+    theirs = hf_output(hf, ids, minus, positions=False)
+    np.testing.assert_allclose(theirs, hf_output(hf, ids, np.ones_like(mask), positions=False), rtol=0, atol=1e-6)
+    assert np.abs(theirs[1, -1] - hf_output(hf, ids, mask, positions=False)[1, -1]).max() > 0.5  # measured 0.86
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: attention_mask\[1, 0\] is -1; a mask holds 1 \(or True\) "
+                                         r"for a real token and 0 \(or False\) for padding, nothing else") as info:
+        model(ids, attention_mask=minus)
+    right = re.search(r"right:  (.*)", str(info.value)).group(1)
+    good = np.asarray(forward(model, ids, mask))
+    fixed = eval(right, {"model": model, "input_ids": ids, "pad_id": 0})
+    np.testing.assert_allclose(fixed, good, rtol=1e-6, atol=1e-6)
+    assert "mask.astype(bool))     # where every nonzero value marks a real token" in str(info.value)
+    with pytest.raises(ValueError, match=r"attention_mask\[1, 11\] is -1; a mask holds 1 \(or True\) for a real token "
+                                         r"\(with a cache: a filled slot\)") as info:
+        model(ids[:, :1], attention_mask=np.concatenate([mask, [[1, 1, 1], [1, 1, -1]]], axis=1),
+              positions=np.zeros((2, 1), np.int32), cache=model.init_cache(2, T + 3))
+    assert "right:  model(input_ids, attention_mask=mask == 1, positions=pos, cache=cache)" in str(info.value)
+    # traced (the shared jitted forward): the row holding -1 (or 2) is NaN, the other one unchanged
+    for bad in (minus, (mask * np.array([[1], [2]])).astype(np.uint8)):
+        logits = np.asarray(forward(model, ids, bad))
+        assert np.isnan(logits[1]).all() and not np.isnan(logits[0]).any()
+        np.testing.assert_array_equal(logits[0], good[0])
+    np.testing.assert_array_equal(forward(model, ids, mask.astype(bool)), good)
+
+    bert = ft.nn.from_hf(bert_config(num_hidden_layers=1), key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"BertModel: attention_mask\[0, 2\] is 2; a mask holds 1"):
+        bert(ids, attention_mask=np.where(np.arange(T) == 2, 2, mask))
+    hidden = np.asarray(forward(bert, ids, mask))
+    traced = np.asarray(forward(bert, ids, mask * np.array([[1], [3]])))
+    assert np.isnan(traced[1]).all() and not np.isnan(traced[0]).any()
+    np.testing.assert_array_equal(traced[0], hidden[0])
+
+    torch.manual_seed(0)
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=D, ffn_dim=2 * D, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=64, pad_token_id=1)).eval()  # HF reads row 2 * cumsum(2 * mask) - 1 + 2
+    ids[1, :3] = 1
+    with torch.no_grad():
+        ones, twos = (opt(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(m).long()).logits.numpy()
+                      for m in (mask, 2 * mask))
+    assert np.abs(twos[0] - ones[0]).max() > 0.05  # HF's positions moved (measured 0.27, logits up to 0.33)
+    with pytest.raises(ValueError, match=r"OPTForCausalLM: attention_mask\[0, 0\] is 2; a mask holds 1"):
+        ft.nn.from_hf(opt)(ids, attention_mask=2 * mask)
+
+
 def test_model_classes_are_plain_modules_of_ft_layers():
     assert issubclass(_hf_models.LlamaForCausalLM, ft.Module)
     assert set(_rotary.ROPE_TYPES) == {"default", "linear", "dynamic", "yarn", "llama3", "longrope"}

@@ -471,6 +471,28 @@ def test_an_eager_router_logits_call_compiles_once():
     assert not np.array_equal(np.asarray(first[1]), np.asarray(second[1]))
 
 
+def test_a_mask_value_other_than_0_and_1_is_refused_by_every_call_or_gives_nan_rows_traced():
+    """A mask of 2 (or -1) was read as 1 by the forward (HF reads it as True too) and the eager
+    ``router_logits=True`` call ran it compiled, where a check of the mask's values cannot read
+    them. Now every eager call refuses it naming the entry (MASK_NOT_ZERO_ONE); traced, the
+    row holding it gives NaN logits and router logits, the other row's tokens unchanged (the
+    experts route each token on its own: no NaN reaches another row)."""
+    model = ft.nn.from_hf(transformers.MixtralConfig(**SIZES), key=jax.random.key(0))
+    ids, mask = batch()
+    bad = mask.copy()
+    bad[1, -1] = 2
+    for call in (lambda: model(ids, bad), lambda: model(ids, bad, router_logits=True),
+                 lambda: model.aux_loss(ids, bad)):
+        with pytest.raises(ValueError, match=rf"attention_mask\[1, {T - 1}\] is 2; a mask holds 1 \(or True\)"):
+            call()
+    run = jax.jit(lambda m, am: m(ids, am, router_logits=True))
+    logits, routed = run(model, mask)
+    nan_logits, nan_routed = run(model, bad)
+    assert np.isnan(nan_logits[1]).all() and np.isnan(nan_routed[:, T:]).all()
+    np.testing.assert_array_equal(nan_logits[0], logits[0])
+    np.testing.assert_array_equal(nan_routed[:, :T], routed[:, :T])
+
+
 def test_an_eager_router_logits_call_checks_the_ids_as_a_plain_call_does():
     """An id outside the vocabulary: the plain eager call refuses it naming the id
     (OUT_OF_VOCABULARY); the eager ``router_logits=True`` call ran it compiled, where the

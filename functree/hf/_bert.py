@@ -149,8 +149,8 @@ class BertModel(HFModel):
                  key: jax.Array | None = None) -> jax.Array:
         e = self.embeddings
         ids = check_ids(self, input_ids, e.word_embeddings.embeddings.shape[0])
+        mask, ids = padding_mask(self, ids, attention_mask, False)  # a traced mask's bad rows: ids -1, NaN rows
         x = self._embed(ids, token_type_ids)
-        mask = padding_mask(self, ids, attention_mask, False)
         x = e.LayerNorm(x)
         extra: dict[str, Any] = {} if mask is None else {"mask": mask[:, None, None, :]}
         dropping = top_keys(self.encoder.layer, key)

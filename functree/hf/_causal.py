@@ -18,7 +18,9 @@ Calls follow the cache protocol of ``ft.nn.generate``::
     logits, cache = model(input_ids, attention_mask=am, positions=pos, cache=cache)
 
 ``attention_mask`` is ``[batch, T]`` without a cache (1 = a real token, 0 = padding) and
-``[batch, max_length]`` with one (1 = a filled slot, the current tokens included);
+``[batch, max_length]`` with one (1 = a filled slot, the current tokens included), bool or
+0/1 and nothing else: a concrete mask holding another value (2, -1) raises naming the entry,
+a traced integer one without a cache makes that row's outputs NaN (:func:`padding_mask`);
 ``positions`` is int32 ``[batch, T]`` (with a cache: the cache slots). Each block passes
 ``mask``, ``cache`` and ``positions`` to its attention.
 """
@@ -60,6 +62,17 @@ got {given} for input_ids {ids}.
 
     wrong:  model(input_ids, attention_mask=mask[:, None, None, :])
     right:  model(input_ids, attention_mask=mask)      # mask [batch, {length}]
+"""
+
+MASK_NOT_ZERO_ONE = """\
+{model}: attention_mask[{row}, {column}] is {value}; a mask holds 1 (or True) for a real \
+token{slots} and 0 (or False) for padding, nothing else. Hugging Face reads any nonzero value \
+as a real token (a -1 meant as padding is attended, silently) and counts positions with \
+cumsum(mask) where it computes them (a 2 moves them).
+
+    wrong:  model(input_ids, attention_mask=mask{cache})     # mask[{row}, {column}] == {value}
+    right:  model(input_ids, attention_mask={fix}{cache})
+       or:  model(input_ids, attention_mask=mask.astype(bool){cache})     # where every nonzero value marks a real token
 """
 
 NEEDS_POSITIONS = """\
@@ -232,10 +245,16 @@ def check_table(model: Any, width: int, real: jax.Array | None, cached: bool, gi
                                                 limit=limit, name=name, last=last, right=right))
 
 
-def padding_mask(model: Any, ids: jax.Array, attention_mask: Any, cached: bool) -> jax.Array | None:
-    """The mask as bool ``[batch, T]`` (``[batch, max_length]`` with a cache), checked."""
+def padding_mask(model: Any, ids: jax.Array, attention_mask: Any, cached: bool) -> tuple[jax.Array | None, jax.Array]:
+    """The mask as bool ``[batch, T]`` (``[batch, max_length]`` with a cache), checked, and
+    the ids to embed. A concrete mask holding a value other than 0 or 1 raises
+    :data:`MASK_NOT_ZERO_ONE` (naming the first entry); a traced integer one (under
+    ``jax.jit``, not read on the host) gives such a row the ids -1, which the embedding's
+    lookup reads as NaN rows (:func:`lookup_rows`): that row's outputs are NaN, never those of
+    a guessed mask. One select on the ids, for a traced integer mask without a cache only (a
+    cache's mask is ``ft.nn.generate``'s, 0/1: traced there, it must be 0/1)."""
     if attention_mask is None:
-        return None
+        return None, ids
     mask = jnp.asarray(attention_mask)
     kind_ok = mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)
     shape_ok = mask.ndim == 2 and mask.shape[0] == ids.shape[0] and (cached or mask.shape[1] == ids.shape[1])
@@ -244,7 +263,34 @@ def padding_mask(model: Any, ids: jax.Array, attention_mask: Any, cached: bool) 
         slots = " at that cache slot" if cached else ""
         raise ValueError(BAD_ATTENTION_MASK.format(model=type(model).__name__, length=length, slots=slots,
                                                    given=short_array(mask), ids=short_array(ids)))
-    return mask.astype(jnp.bool_)
+    if mask.dtype == jnp.bool_:
+        return mask, ids
+    if not check_mask_values(model, attention_mask, cached) and not cached:  # traced: such rows embed as NaN
+        bad = jnp.any((mask != 0) & (mask != 1), axis=1)
+        ids = jnp.where(bad[:, None], jnp.asarray(-1, ids.dtype), ids)
+    return mask != 0, ids
+
+
+def check_mask_values(model: Any, attention_mask: Any, cached: bool = False) -> bool:
+    """Raise :data:`MASK_NOT_ZERO_ONE` if a concrete integer ``[batch, T]`` mask holds a value
+    other than 0 or 1, naming the first entry; True where the mask was read (concrete, or
+    None), False where it is traced (under ``jax.jit``: not read on the host)."""
+    if attention_mask is None:
+        return True
+    host = concrete(attention_mask)
+    if host is None:
+        return False
+    if host.ndim != 2 or host.dtype == np.bool_:  # (another shape: BAD_ATTENTION_MASK names it)
+        return True
+    wrong = (host != 0) & (host != 1)
+    if wrong.any():
+        row, column = (int(i) for i in np.argwhere(wrong)[0])
+        raise ValueError(MASK_NOT_ZERO_ONE.format(model=type(model).__name__, row=row, column=column,
+                                                  value=host[row, column].item(),
+                                                  slots=" (with a cache: a filled slot)" if cached else "",
+                                                  fix="mask == 1" if cached else "input_ids != pad_id",
+                                                  cache=", positions=pos, cache=cache" if cached else ""))
+    return True
 
 
 def _positions(model: Any, ids: jax.Array, mask: jax.Array | None, positions: Any, cached: bool) -> jax.Array:
@@ -297,7 +343,7 @@ def _run(model: Any, input_ids: Any, attention_mask: Any, positions: Any, cache:
     gives the blocks their keys (:mod:`functree.hf._dropout`)."""
     ids = check_ids(model, input_ids, vocab)
     cached = cache is not None
-    mask = padding_mask(model, ids, attention_mask, cached)
+    mask, ids = padding_mask(model, ids, attention_mask, cached)
     if not cached and mask is None and positions is None:
         pos = real = None  # 0..T-1: the attention's own
     else:

@@ -41,6 +41,7 @@ import numpy as np
 
 from functree._module import field
 from functree._traces import staged
+from functree.hf._causal import check_mask_values
 from functree.hf._family import _values
 from functree.hf._llama import LlamaForCausalLM, MistralForCausalLM
 from functree.hf._options import window
@@ -252,6 +253,7 @@ class RoutedExperts(_Base):
         if not staged() and not collecting():  # eager: compiled once per signature, not a scan traced at each call
             self._check_call(input_ids, None)  # the checks of concrete values the plain call makes (traced in the jit:
             self.check_token_ids(input_ids)    # an id outside the vocabulary would give NaN rows, not its error)
+            check_mask_values(self, attention_mask)  # (a mask of 2 or -1: NaN rows, not its error)
             return _routed_call(self, input_ids, attention_mask, positions, key)
         logits, sown = collect_intermediates(
             lambda m: m(input_ids, attention_mask, positions=positions, key=key), self)

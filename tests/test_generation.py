@@ -722,6 +722,26 @@ def test_attention_mask_values_other_than_0_and_1_are_refused_or_give_no_tokens(
     assert (np.asarray(sampled[:2]) == -1).all() and (np.asarray(sampled[2:]) >= 0).all()
 
 
+def test_a_traced_mask_ending_in_padding_gives_no_tokens(tiny):
+    """The issue: inside a ``jax.jit`` of the caller's a right-padded mask was not seen (the
+    concrete one is refused, RIGHT_PADDED: test_errors) and the row ran on after its padding:
+    the prompt [4, 5] padded on the right gave [8, 9, 3, 1], where left-padded it gives
+    [1, 10, 3, 1], with finite scores. Now a traced row whose mask ends in padding (a row of
+    padding only too), bool or integer, gives -1 (no token id) with NaN scores; other rows unchanged."""
+    model, _, _ = tiny
+    prompt = jnp.array([[3, 4, 5], [4, 5, 0]], jnp.int32)
+    run = jax.jit(lambda m: ft.nn.generate(model, prompt, 4, attention_mask=m, return_scores=True))
+    good, good_scores = run(jnp.ones((2, 3), jnp.int32))
+    for mask in (jnp.array([[1, 1, 1], [1, 1, 0]]), jnp.array([[1, 1, 1], [0, 0, 0]]),
+                 jnp.array([[True, True, True], [True, True, False]])):
+        tokens, scores = run(mask)
+        np.testing.assert_array_equal(tokens[0], good[0])
+        np.testing.assert_allclose(scores[0], good_scores[0], rtol=1e-6)
+        assert (np.asarray(tokens[1]) == -1).all() and np.isnan(scores[1]).all()
+    left = ft.nn.generate(model, jnp.array([[0, 4, 5]], jnp.int32), 4, attention_mask=jnp.array([[0, 1, 1]]))
+    np.testing.assert_array_equal(left[0, 3:], [1, 10, 3, 1])  # the left-padded row's tokens, the docstring's
+
+
 def test_errors(tiny):
     model, prompt, _ = tiny
     generate = ft.nn.generate

@@ -437,9 +437,9 @@ def generate(
     ``attention_mask`` (bool or 0/1, ``[batch, P]``) marks the real tokens of left-padded
     prompts (0 = padding, at the start of a row); a right-padded one, or one holding another
     value (2, -1: HF's positions ``cumsum(mask) - 1`` would move), is refused where it is
-    concrete, naming the entry. Traced, inside a ``jax.jit`` of your own, right padding is not
-    seen (pad on the left), and the output rows of a prompt whose mask holds a value other
-    than 0 or 1 are -1 (no token id) with NaN scores. ``model`` follows the cache protocol (see
+    concrete, naming the entry. Traced, inside a ``jax.jit`` of your own, the output rows of
+    a prompt whose mask ends in padding (its last entry 0) or holds a value other than 0 or 1
+    are -1 (no token id) with NaN scores: pad on the left. ``model`` follows the cache protocol (see
     the module, and ``docs/guides/generation.md``): ``model.init_cache(batch, P + N)`` and
     ``model(ids, attention_mask=am, positions=pos, cache=cache) -> (logits, cache)``. The
     prompt is one call (prefill), then one token per step in a ``lax.while_loop``, all in one
@@ -855,7 +855,7 @@ def _attention_mask(mask: Any, shape: tuple[int, ...]) -> Any:
     try:
         host = np.asarray(m)  # a concrete mask (a traced one: _unmasked_rows)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return jnp.asarray(m != 0, jnp.int32)
+        return (m if m.dtype == jnp.bool_ else m != 0).astype(jnp.int32)  # (bool != 0: refused by strict promotion)
     bad = (host != 0) & (host != 1)
     if bad.any():
         row, column = (int(i) for i in np.argwhere(bad)[0])
@@ -867,13 +867,15 @@ def _attention_mask(mask: Any, shape: tuple[int, ...]) -> Any:
 
 
 def _unmasked_rows(mask: jax.Array, tokens: Any, scores: Any) -> tuple[Any, Any]:
-    """A traced ``mask`` (not read on the host, so not refused by :data:`MASK_NOT_ZERO_ONE`):
-    every output row of a prompt whose mask holds a value other than 0 or 1 is -1 (no token
-    id: a tokenizer refuses it), its scores NaN, never tokens of a guessed mask. One select
-    on the output; bool masks have nothing to check."""
+    """A traced ``mask`` (not read on the host, so not refused by :data:`MASK_NOT_ZERO_ONE`
+    or :data:`RIGHT_PADDED`): every output row of a prompt whose mask holds a value other
+    than 0 or 1, or ends in padding (its last entry 0: right padding, or none real), is -1
+    (no token id: a tokenizer refuses it), its scores NaN, never tokens of a guessed mask or
+    tokens that follow padding. One select on the output."""
     if mask.dtype == jnp.bool_:
-        return tokens, scores
-    bad = jnp.any((mask != 0) & (mask != 1), axis=1)
+        bad = ~mask[:, -1]
+    else:
+        bad = (mask[:, -1] == 0) | jnp.any((mask != 0) & (mask != 1), axis=1)
     bad = jnp.repeat(bad, tokens.shape[0] // mask.shape[0])  # each prompt's returned sequences (HF's order)
     tokens = jnp.where(bad[:, None], jnp.asarray(-1, tokens.dtype), tokens)
     if scores is not None:

@@ -215,12 +215,28 @@ def _loss(ctx: LearningContext, loss: Any) -> jax.Array:
 def samples(counters: Any) -> Any:
     """samples_seen, ``high · 2³¹ + low``: exact on the host (NumPy int64; JAX's int64 under
     ``jax_enable_x64``, traced too); traced without x64, float32 (JAX has no int64 there)."""
-    low, high = counters[..., 2], counters[..., 4]
-    if jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int64:  # jax_enable_x64 (its context manager too)
-        return (jnp.asarray(high).astype(jnp.int64) << LOW_BITS) | jnp.asarray(low).astype(jnp.int64)
+    if x64():
+        return samples_int64(counters)
     if isinstance(counters, Tracer):
-        return high.astype(jnp.float32) * float(2**LOW_BITS) + low.astype(jnp.float32)
-    return (np.asarray(high).astype(np.int64) << LOW_BITS) | np.asarray(low).astype(np.int64)
+        return samples_float32(counters)
+    low, high = np.asarray(counters[..., 2]), np.asarray(counters[..., 4])
+    return (high.astype(np.int64) << LOW_BITS) | low.astype(np.int64)
+
+
+def x64() -> bool:
+    """Whether JAX's default int is int64 (``jax_enable_x64``, its context manager too)."""
+    return jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.int64
+
+
+def samples_int64(counters: Any) -> jax.Array:
+    """samples_seen exact, as JAX's int64 (under ``jax_enable_x64`` only)."""
+    low, high = jnp.asarray(counters[..., 2]), jnp.asarray(counters[..., 4])
+    return (high.astype(jnp.int64) << LOW_BITS) | low.astype(jnp.int64)
+
+
+def samples_float32(counters: Any) -> jax.Array:
+    """samples_seen as float32 (to 7 significant digits): JAX's number for it without x64."""
+    return counters[..., 4].astype(jnp.float32) * float(2**LOW_BITS) + counters[..., 2].astype(jnp.float32)
 
 
 def _words(value: Any) -> tuple[Any, Any]:

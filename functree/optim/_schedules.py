@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 from functree.optim._arguments import check_argument
-from functree.optim._context import LOW_BITS, LearningContext
+from functree.optim._context import LOW_BITS, LearningContext, samples_float32, samples_int64, x64
 
 __all__ = [
     "schedule",
@@ -100,12 +100,11 @@ def by_count(ctx: LearningContext, unit: str, f: Callable[[jax.Array], Any]) -> 
     takes one."""
     if unit != "samples":
         return f(counter(ctx, unit))
-    low, high = ctx.counters[..., 2], ctx.counters[..., 4]
-    if _int() == jnp.int64:
-        return f((high.astype(jnp.int64) << LOW_BITS) | low.astype(jnp.int64))
-    exact = jnp.asarray(f(low))
-    beyond = jnp.asarray(f(high.astype(jnp.float32) * float(2**LOW_BITS) + low.astype(jnp.float32)))
-    return jnp.where(high == 0, exact, beyond.astype(exact.dtype))
+    if x64():
+        return f(samples_int64(ctx.counters))
+    exact = jnp.asarray(f(ctx.counters[..., 2]))  # the low word: the count while the high word is 0
+    beyond = jnp.asarray(f(samples_float32(ctx.counters)))
+    return jnp.where(ctx.counters[..., 4] == 0, exact, beyond.astype(exact.dtype))
 
 
 def _length(count: int) -> Any:  # optax annotates its lengths int; it computes in floats too

@@ -216,7 +216,11 @@ def test_an_evaluation_compiles_its_program_once():
     x = np.ones((24, 3), np.float32)
     trainer = ft.train.Trainer(ft.nn.Dense(3, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
                                lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2 + 0.5))  # a new program
-    with compiled() as names:
+    # JAX's caches kept (clear=False): the claim counts jit(run) alone, and a new loss function
+    # is a new jit(run), compiled in this block whatever the worker ran before; a clear cost a
+    # long-lived worker seconds (freeing its compiled programs) and every later test its
+    # eager operations' traces and lowerings again.
+    with compiled(clear=False) as names:
         first = trainer.evaluate((x, x[:, :1]), batch_size=8)
         again = trainer.evaluate((x, x[:, :1]), batch_size=8)
     assert [n for n in names if n == "jit(run)"] == ["jit(run)"] and first == again

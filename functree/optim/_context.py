@@ -184,8 +184,9 @@ def advance(ctx: LearningContext, minibatch_size: Any = None, loss: Any = None) 
     counters = counters + size * _SAMPLES + _STEP  # one step and its m samples
     # samples_seen's low word holds 31 bits: low + m (both below 2³¹) passes 2³¹ − 1 exactly
     # when the int32 sum wraps negative; then the high word takes the carry and the low word
-    # keeps its 31 bits. Elementwise with a slice: the same one fusion as before.
-    carry = (counters[..., 2:3] < 0).astype(jnp.int32)
+    # keeps its 31 bits. Elementwise with a slice: the same one fusion as before (5 more
+    # scalar equations: tests/test_step_structure.py's budget).
+    carry = jax.lax.shift_right_logical(counters[..., 2:3], np.int32(31))  # the sign bit: 1 where it wrapped
     counters = (counters + carry * _HIGH) & _KEEP
     if minibatch_size is not None:
         counters = _with_size(counters, size)

@@ -10,13 +10,27 @@ from __future__ import annotations
 import html
 from typing import Any
 
-__all__ = ["short_array", "module_repr", "module_html"]
+import numpy as np
+
+__all__ = ["short_array", "first_index", "module_repr", "module_html"]
 
 _SHORT_DTYPES = {
     "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
     "int32": "i32", "int64": "i64", "int8": "i8", "int16": "i16", "uint8": "u8",
     "uint32": "u32", "bool": "bool", "complex64": "c64", "complex128": "c128",
 }
+
+
+def first_index(flags: Any) -> tuple[int, ...]:
+    """The index of the first true entry of a host boolean array (row-major), as Python ints:
+    where an error message points (``labels[1, 0]``). The caller knows one is true.
+
+    Example:
+      >>> import numpy as np
+      >>> first_index(np.array([[False, False], [True, True]]))
+      (1, 0)
+    """
+    return tuple(int(i) for i in np.argwhere(flags)[0])
 
 
 def short_array(x: Any) -> str:

@@ -52,7 +52,7 @@ import numpy as np
 from jax.core import Tracer
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
-from functree._repr import short_array
+from functree._repr import first_index, short_array
 from functree._where import following
 from functree.generation import _decode, _memory
 from functree.generation._controls import (
@@ -858,7 +858,7 @@ def _attention_mask(mask: Any, shape: tuple[int, ...]) -> Any:
         return (m if m.dtype == jnp.bool_ else m != 0).astype(jnp.int32)  # (bool != 0: refused by strict promotion)
     bad = (host != 0) & (host != 1)
     if bad.any():
-        row, column = (int(i) for i in np.argwhere(bad)[0])
+        row, column = first_index(bad)
         raise ValueError(MASK_NOT_ZERO_ONE.format(row=row, column=column, value=host[row, column].item()))
     last = host[:, -1]
     if not last.all():

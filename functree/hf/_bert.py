@@ -7,10 +7,9 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from functree._module import Module, field
-from functree._repr import short_array
+from functree._repr import first_index, short_array
 from functree.hf._causal import (
     check_ids,
     check_length,
@@ -231,6 +230,6 @@ def _token_types(model: Any, ids: jax.Array, token_type_ids: Any, types: int) ->
     if concrete is not None and concrete.size:
         outside = (concrete < 0) | (concrete >= types)
         if outside.any():
-            where = [int(i) for i in np.argwhere(outside)[0]]
+            where = list(first_index(outside))
             raise bad(f"{int(concrete[tuple(where)])} at token_type_ids{where}")
     return jnp.broadcast_to(given, ids.shape)

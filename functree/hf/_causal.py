@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module, field
-from functree._repr import short_array
+from functree._repr import first_index, short_array
 from functree.hf._dropout import block_keys, decoding, drop, top_keys
 from functree.hf._family import HFModel
 from functree.losses._linear_cross_entropy import linear_cross_entropy
@@ -161,7 +161,7 @@ def check_token_ids(model: Any, input_ids: Any, vocab: int) -> None:
         return
     bad = (ids < 0) | (ids >= vocab)
     if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = first_index(bad)
         raise ValueError(OUT_OF_VOCABULARY.format(model=type(model).__name__, token=int(ids[where]),
                                                   where=list(where), last=vocab - 1, vocab=vocab))
 
@@ -284,7 +284,7 @@ def check_mask_values(model: Any, attention_mask: Any, cached: bool = False) -> 
         return True
     wrong = (host != 0) & (host != 1)
     if wrong.any():
-        row, column = (int(i) for i in np.argwhere(wrong)[0])
+        row, column = first_index(wrong)
         raise ValueError(MASK_NOT_ZERO_ONE.format(model=type(model).__name__, row=row, column=column,
                                                   value=host[row, column].item(),
                                                   slots=" (with a cache: a filled slot)" if cached else "",

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module, field
-from functree._repr import short_array
+from functree._repr import first_index, short_array
 from functree.hf import _models  # noqa: F401  (defines every family first)
 from functree.hf._bert import BertModel
 from functree.hf._causal import CausalLM, _run, check_ids
@@ -973,7 +973,7 @@ def _cross_entropy(model: Any, logits: jax.Array, labels: jax.Array, ignore: int
     if values is not None:
         outside = (values != ignore) & ((values < 0) | (values >= count))
         if outside.any():
-            at = int(np.argwhere(outside)[0][0])
+            at = first_index(outside)[0]
             value = int(values[at])
             where = [int(i) for i in np.unravel_index(at, shape or values.shape)]
             raise ValueError(LABEL_OUTSIDE_CLASSES.format(

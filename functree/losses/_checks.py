@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._repr import short_array
+from functree._repr import first_index, short_array
 from functree.losses._reduction import _array, _describe
 
 __all__ = ["check_signed", "check_indices", "class_weight", "check_shape", "check_number", "host_or_none",
@@ -103,7 +103,7 @@ def check_signed(loss: str, what: str, y: Any, *, torch: str, effect: str, call:
         return y
     bad = (given != 1) & (given != -1)
     if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = first_index(bad)
         where = str(list(index)) if index else ""
         raise ValueError(SIGNED_LABELS.format(loss=loss, what=what, where=where, value=f"{float(given[index]):g}",
                                               torch=torch, effect=effect, call=call,
@@ -129,7 +129,7 @@ def check_indices(loss: str, what: str, labels: Any, shape: tuple[int, ...], sco
     if ignore is not None:
         bad &= given != ignore
     if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = first_index(bad)
         raise ValueError(INDEX_OUT_OF_RANGE.format(loss=loss, what=what, where=list(index) if index else "",
                                                    label=int(given[index]), scores=short_array(scores),
                                                    last=classes - 1, allowed=allowed, fix=fix))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._repr import short_array
+from functree._repr import first_index, short_array
 from functree.losses._checks import element_weight
 from functree.losses._hinge import clamp_min_zero
 from functree.losses._reduction import (
@@ -358,7 +358,7 @@ def _check_labels(labels: Any, classes: int, ignore_index: int | None, logits: j
     if ignore_index is not None:
         bad &= given != ignore_index
     if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = first_index(bad)
         label = int(given[where])
         # An ignore_index beyond int32 cannot be compared with JAX's int32 labels: mask on the host.
         fits = -(2**31) <= label < 2**31
@@ -564,7 +564,7 @@ def _check_signed_labels(loss: str, expected: Any, term: str) -> None:
         return
     zero = given == 0
     if zero.any() and np.all(zero | (given == 1)):
-        where = "".join(f"[{int(i)}]" for i in np.argwhere(zero)[0])
+        where = "".join(f"[{i}]" for i in first_index(zero))
         raise ValueError(ZERO_ONE_LABELS.format(loss=loss, where=where, term=term))
 
 

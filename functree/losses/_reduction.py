@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from functree._repr import short_array
+from functree._repr import first_index, short_array
 from functree.losses._weighted import WeightedMean
 
 __all__ = ["reduce", "check_same_shape", "check_float", "check_reduction", "first_outside", "in_compute_dtype", "reduced", "REDUCTIONS"]
@@ -170,5 +170,5 @@ def first_outside(x: Any, low: float, high: float) -> tuple[str, float] | None:
     bad = (given < low) | (given > high)
     if not bad.any():
         return None
-    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = first_index(bad)
     return (str(list(where)) if where else ""), float(given[where])

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from functree._repr import first_index
 from functree.losses._checks import check_number, host_or_none
 from functree.losses._reduction import (
     _array,
@@ -126,7 +127,7 @@ def _check_values(labels: Any, input_lengths: Any, label_lengths: Any, frames: i
     within = np.arange(given.shape[1]) < lengths[:, None]
     bad = within & ((given < 0) | (given >= classes) | (given == blank))
     if bad.any():
-        index = tuple(int(i) for i in np.argwhere(bad)[0])
+        index = first_index(bad)
         value = int(given[index])
         why = "the blank" if value == blank else f"not a class of {classes}"
         raise ValueError(CTC_LABEL.format(index=list(index), value=value, why=why, last=classes - 1, blank=blank))

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from functree._module import field
+from functree._repr import first_index
 from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input, concrete
 from functree.nn._linear import Initializer
@@ -147,7 +147,7 @@ def check_rows(layer: Any, indices: Any) -> None:
     bad = (ids < 0) | (ids >= rows)
     if not bad.any():
         return
-    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = first_index(bad)
     value = int(ids[where])
     name = f"ft.nn.{type(layer).__name__}"
     wrong = f"{name}({rows}, {width}, key=key)(indices)"

@@ -13,7 +13,7 @@ import numpy as np
 
 from functree._module import field
 from functree._random import flat_key
-from functree._repr import short_array
+from functree._repr import first_index, short_array
 from functree.nn import _window as window
 from functree.nn._check import LayerInputError, check_input, concrete
 from functree.nn._mode import Layer
@@ -191,7 +191,7 @@ class _FractionalMaxPool(Layer):
             return u, jnp.any(~((u >= 0) & (u < 1)), axis=-1)  # (NaN is neither)
         outside = ~((host >= 0) & (host < 1))
         if outside.any():
-            where = tuple(int(i) for i in np.argwhere(outside)[0])
+            where = first_index(outside)
             raw, value = np.asarray(samples)[where], host[where]  # (NumPy scalars: their dtype's shortest digits)
             same = raw.item() == value.item() or np.isnan(value)
             cast = "" if same else f", {value!s} in {jnp.dtype(x.dtype).name}"

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._repr import first_index
 from functree.nn._check import concrete
 from functree.train._metrics import (
     IGNORE_INDEX,
@@ -377,7 +378,7 @@ def _check_top_k_labels(ids: jax.Array, outside: jax.Array, shape: tuple[int, ..
     bad = concrete(outside)
     if bad is None or not bad.any():
         return
-    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    where = first_index(bad)
     label = int(np.asarray(ids)[where])
     if of:
         wrong = f"ft.train.top_k_accuracy.of(logits, labels, k={k})"

@@ -36,6 +36,7 @@ import numpy as np
 from jax.core import Tracer
 
 from functree import _compat as compat
+from functree._repr import first_index
 from functree._warnings import user_stacklevel
 from functree.losses._weighted import WeightedMean, ratio
 from functree.nn._check import concrete
@@ -441,7 +442,7 @@ def _one_hot_ids(who: str, labels: jax.Array, where: str | None = None, source: 
     flags = concrete(bad)
     if flags is None or not flags.any():
         return ids, bad
-    first = tuple(int(i) for i in np.argwhere(flags)[0])
+    first = first_index(flags)
     row = np.asarray(labels)[first]
     shown = np.array2string(row[:8], separator=", ", threshold=8)[:-1] + (", ...]" if row.size > 8 else "]")
     name = "labels" if where is None else where
@@ -598,13 +599,13 @@ def _check_binary_labels(who: str, labels: jax.Array, kept: jax.Array, bad: jax.
     if flags is None or not flags.any():
         return
     given, scored = np.asarray(labels), np.asarray(kept)
-    first = tuple(int(i) for i in np.argwhere(flags)[0])
+    first = first_index(flags)
     value = given[first].item()
     name, shown = ("labels" if where is None else where), (f"{value:g}" if isinstance(value, float) else str(value))
     call = functools.partial(_fix_call, who, where, source)
     wrong = f"ft.train.{who}.of(logits, labels)" if where is None else f"metrics=[ft.train.{who}]"
     if value == -1:  # a -1 beside a scored 0
-        zero = tuple(int(i) for i in np.argwhere((given == 0) & scored)[0])
+        zero = first_index((given == 0) & scored)
         rights = [(call(f"{name} == 1"), "class 1 against -1 and 0"),
                   (call(name, ", ignore_index=0"), "0 left out: -1/1 labels")]
         message, fields = BINARY_LABEL_SIGNS, {"zero": list(zero), "minus": list(first)}

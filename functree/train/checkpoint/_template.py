@@ -104,29 +104,34 @@ def with_template(spec: dict[str, Any], arrays: dict[str, Any], template: Any, p
     return from_flat_dict(template, _running_values_cast(_upgraded(flat, template), template), strict=False)
 
 
-def _opted_in(node: Any) -> bool:
-    return bool(getattr(type(node), CAST_ON_RESTORE, ()))
+def _opted_leaves(template: Any, attribute: str) -> dict[str, tuple[Any, str, Any]]:
+    """``{flat name: (option, field, the template's leaf)}`` for each leaf inside a field that
+    a node above it names in its type's ``attribute`` (:data:`CAST_ON_RESTORE`'s names,
+    :data:`UPGRADE_ON_RESTORE`'s mapping): the one walk both opt-ins read."""
+    def opted(node: Any) -> bool:
+        return bool(getattr(type(node), attribute, ()))
 
-
-def _upgrading(node: Any) -> bool:
-    return bool(getattr(type(node), UPGRADE_ON_RESTORE, {}))
+    nodes = jax.tree_util.tree_flatten_with_path(template, is_leaf=opted)[0]
+    options = {tuple(path): getattr(type(node), attribute) for path, node in nodes if opted(node)}
+    if not options:
+        return {}
+    out: dict[str, tuple[Any, str, Any]] = {}
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
+    for (name, leaf), path in zip(to_flat_dict(template).items(), paths, strict=True):
+        for k in range(len(path)):
+            option, field = options.get(tuple(path[:k])), getattr(path[k], "name", None)
+            if option is not None and field is not None and field in option:
+                out[name] = (option, field, leaf)
+    return out
 
 
 def _upgraded(flat: dict[str, Any], template: Any) -> dict[str, Any]:
     """``flat`` with each leaf that its template node's type upgrades (:data:`UPGRADE_ON_RESTORE`:
     a layout an older release saved) in today's layout; from_flat_dict checks the result."""
-    nodes = jax.tree_util.tree_flatten_with_path(template, is_leaf=_upgrading)[0]
-    upgrades = {tuple(path): getattr(type(node), UPGRADE_ON_RESTORE) for path, node in nodes if _upgrading(node)}
-    if not upgrades:
-        return flat
     out = dict(flat)
-    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
-    for name, path in zip(to_flat_dict(template), paths, strict=True):
-        for k in range(len(path)):
-            field = getattr(path[k], "name", None)
-            upgrade = upgrades.get(tuple(path[:k]), {}).get(field)
-            if upgrade is not None and out.get(name) is not None:
-                out[name] = upgrade(out[name])
+    for name, (upgrades, field, _) in _opted_leaves(template, UPGRADE_ON_RESTORE).items():
+        if out.get(name) is not None:
+            out[name] = upgrades[field](out[name])
     return out
 
 
@@ -134,22 +139,12 @@ def _running_values_cast(flat: dict[str, Any], template: Any) -> dict[str, Any]:
     """``flat`` with each saved running value (a field its type names in
     :data:`CAST_ON_RESTORE`) in the floating dtype of the template's leaf: ``x.astype(t)``
     where both are floating and the shapes agree, else as saved (from_flat_dict reports it)."""
-    nodes = jax.tree_util.tree_flatten_with_path(template, is_leaf=_opted_in)[0]
-    fields = {tuple(path): getattr(type(node), CAST_ON_RESTORE) for path, node in nodes if _opted_in(node)}
-    if not fields:
-        return flat
-    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
     out = dict(flat)
-    for (name, want), path in zip(to_flat_dict(template).items(), paths, strict=True):
+    for name, (_, _, want) in _opted_leaves(template, CAST_ON_RESTORE).items():
         saved: Any = out.get(name)
-        if _is_running(path, fields) and _floats_of_one_shape(saved, want) and saved.dtype != want.dtype:
+        if _floats_of_one_shape(saved, want) and saved.dtype != want.dtype:
             out[name] = saved.astype(want.dtype)
     return out
-
-
-def _is_running(path: tuple[Any, ...], fields: dict[tuple[Any, ...], tuple[str, ...]]) -> bool:
-    """Whether the leaf at ``path`` is (inside) a field an opted-in node above it names."""
-    return any(getattr(path[k], "name", None) in fields.get(tuple(path[:k]), ()) for k in range(len(path)))
 
 
 def _floats_of_one_shape(saved: Any, want: Any) -> bool:

@@ -415,6 +415,12 @@ def _items(spec: dict[str, Any], key: str, kind: type) -> Any:
     return value
 
 
+# A type's opt-in: ``{field: function}``, each function taking the leaf as an older release
+# saved it and giving it in today's layout (the learning context's counters, four words
+# before samples_seen took two). Read with a template or without.
+UPGRADE_ON_RESTORE = "__ft_upgrade_on_restore__"
+
+
 def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str, edited: EditedReader | None) -> Any:
     cls = _class(spec, path, "module")
     static, fields = _items(spec, "static", dict), _items(spec, "fields", dict)
@@ -431,18 +437,14 @@ def _decode_module(spec: dict[str, Any], arrays: dict[str, Any], path: str, edit
             check_static(cls, n, values[n])
         except TypeError as e:
             raise SpecError(MALFORMED.format(path=child_name(path, n), why=str(e))) from None
+    upgrade = getattr(cls, UPGRADE_ON_RESTORE, {})
     for n, s in fields.items():
         values[n] = _decode(s, arrays, child_name(path, n), edited)
+        values[n] = upgrade[n](values[n]) if n in upgrade else values[n]
     out = object.__new__(cls)
     out.__dict__.update({n: values[n] for n in cls.__ft_fields__})
     derive_added(out, [n for n in cls.__ft_static__ if n not in static])
     return out
-
-
-# A type's opt-in: ``{field: function}``, each function taking the leaf as an older release
-# saved it and giving it in today's layout (the learning context's counters, four words
-# before samples_seen took two). Read with a template or without.
-UPGRADE_ON_RESTORE = "__ft_upgrade_on_restore__"
 
 
 def _decode_dataclass(spec: dict[str, Any], arrays: dict[str, Any], path: str, edited: EditedReader | None) -> Any:

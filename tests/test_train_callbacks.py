@@ -145,7 +145,7 @@ def test_a_ranked_directory_a_fit_wrote_nothing_to_is_logged(tmp_path, caplog):
 def test_callback_errors():
     with pytest.raises(ValueError, match=r"(?s)EarlyStopping monitors 'val_loss'.*validation_data=val"):
         make().fit(data(), epochs=1, progress=False, callbacks=[ft.train.EarlyStopping()])
-    with pytest.raises(ValueError, match=r'mode must be "min" or "max"'):
+    with pytest.raises(ValueError, match=r'mode must be "min", "max" or None'):
         ft.train.EarlyStopping(mode="lowest")
     with pytest.raises(TypeError, match=r"A callback is a ft.train.Callback"):
         make().fit(data(), epochs=1, progress=False, callbacks=[3])
@@ -273,7 +273,7 @@ def test_restore_best_weights_restart_recipe_ends_as_the_job(tmp_path, patience)
 
 def test_tied_values_keep_the_first_epoch_to_reach_the_best():
     trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
-    stop = ft.train.EarlyStopping(monitor="m", patience=9)
+    stop = ft.train.EarlyStopping(monitor="m", mode="min", patience=9)
     for epoch, value in enumerate([0.5, 0.3, 0.3, 0.4], start=1):
         stop.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
     assert stop.best_epoch == 2
@@ -282,7 +282,7 @@ def test_tied_values_keep_the_first_epoch_to_reach_the_best():
         rising.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
     assert rising.best_epoch == 2
     trainer.opt_state = ft.optim.sgd(1.0).init({"w": jnp.ones(1)})
-    reduce = ft.train.ReduceLROnPlateau(monitor="m", factor=0.5, patience=1)
+    reduce = ft.train.ReduceLROnPlateau(monitor="m", mode="min", factor=0.5, patience=1)
     for epoch, value in enumerate([0.5, 0.3, 0.3], start=1):  # epoch 3 ties: no improvement
         reduce.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
     assert float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]) == 0.5
@@ -405,7 +405,7 @@ def test_early_stopping_never_stops_at_the_first_epoch_as_keras():
     # EarlyStopping never stops at its first epoch (`epoch > 0`).
     trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
     for patience in (0, 1):
-        stop = ft.train.EarlyStopping(monitor="m", patience=patience)
+        stop = ft.train.EarlyStopping(monitor="m", mode="min", patience=patience)
         for epoch, value in enumerate([float("nan"), 1.0, 2.0, 3.0], start=1):
             if stop.stopped_epoch is None:
                 stop.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
@@ -413,7 +413,7 @@ def test_early_stopping_never_stops_at_the_first_epoch_as_keras():
 
 
 def test_an_early_stopping_state_saved_without_the_best_average_loads():
-    stop = ft.train.EarlyStopping(monitor="m", restore_best=True)
+    stop = ft.train.EarlyStopping(monitor="m", mode="min", restore_best=True)
     older = {k: v for k, v in stop.state_dict().items() if k != "best_average"}
     stop.load_state_dict({**older, "best": 0.5, "best_epoch": 2})
     assert stop.best_epoch == 2 and stop.best_average is None
@@ -634,7 +634,7 @@ def test_the_end_of_fit_sees_the_last_epochs_metrics_whatever_log_every():
 def _stops(values, **keywords):
     """(stopped_epoch, best_epoch) of an EarlyStopping fed ``values`` as epochs 1, 2, ..."""
     trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
-    stop = ft.train.EarlyStopping(monitor="m", **keywords)
+    stop = ft.train.EarlyStopping(monitor="m", **{"mode": "min", **keywords})
     for epoch, value in enumerate(values, start=1):
         stop.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
         if trainer.stop_training:
@@ -697,7 +697,7 @@ def test_restore_best_weights_when_no_epoch_improves_is_keras_3(start_from_epoch
     # set, then the current weights are the best") and restores them. functree restored
     # nothing: the run ended with the last epoch's model.
     keep = _KeepModels()
-    stop = ft.train.EarlyStopping(monitor="nan", patience=10, restore_best_weights=True,
+    stop = ft.train.EarlyStopping(monitor="nan", mode="min", patience=10, restore_best_weights=True,
                                   start_from_epoch=start_from_epoch)
     trainer = Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.Optimizer(ft.optim.sgd(0.05)), loss_fn,
                       metrics={"nan": lambda out: out.loss * jnp.nan})
@@ -786,3 +786,73 @@ def test_a_method_named_as_a_hook_that_is_none_is_refused_before_training(name, 
     helper = Helper()
     trainer.fit(data(), epochs=1, progress=False, log_every=1, callbacks=[helper])
     assert helper.seen == [1, 2, 3]
+
+
+def _classifier(metrics):
+    """A Trainer of a 2-class linear classifier on separable data (val accuracy rises)."""
+    def ce(model, batch):
+        logits = model(batch[0])
+        return ft.losses.softmax_cross_entropy(logits, batch[1]), {"logits": logits}
+    return Trainer(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.optim.sgd(0.05), ce, metrics=metrics)
+
+
+CLASSES = (X @ np.array([1.0, -2.0], np.float32) > 0).astype(np.int32)
+
+
+def test_a_monitor_without_mode_improves_the_way_its_metric_does():
+    """EarlyStopping(monitor="val_accuracy") took the default mode "min": a run whose
+    accuracy rose 0.61 -> 0.70 -> 0.84 stopped at epoch 3 and restored epoch 1's model, the
+    worst (ReduceLROnPlateau cut the rate of an improving run; ModelCheckpoint ranked the
+    worst checkpoint best). A loss falls; ft.train's metrics rise, by their own names or
+    renamed in Trainer(metrics=) (their functions say: higher_is_better)."""
+    trainer = _classifier({"acc": ft.train.accuracy})
+    stop = ft.train.EarlyStopping(monitor="val_acc", patience=1, restore_best=True)
+    h = trainer.fit(ft.train.batches((X, CLASSES), 16), epochs=4, progress=False,
+                    validation_data=(X, CLASSES), callbacks=[stop])
+    accuracy = h["val_acc"]
+    assert accuracy[-1] > accuracy[0] and stop.stopped_epoch is None  # it rose: no stop
+    assert stop.best_epoch == 1 + int(np.argmax(accuracy))  # the first epoch of the highest
+    fake = types.SimpleNamespace(stop_training=False, model=None, opt_state=None, train_step=None)
+    for monitor, values, best in (("val_accuracy", [0.5, 0.7, 0.9], 3), ("val_loss", [0.9, 0.7, 0.8], 2),
+                                  ("val_averaged_f1", [0.2, 0.4, 0.3], 2), ("top_5_accuracy", [0.1, 0.3, 0.2], 2)):
+        stop = ft.train.EarlyStopping(monitor=monitor, patience=5)
+        stop.on_train_begin(fake)
+        for epoch, value in enumerate(values, start=1):
+            stop.on_epoch_end(fake, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {monitor: value}))
+        assert stop.best_epoch == best, monitor
+    plateau = ft.train.ReduceLROnPlateau(monitor="val_precision", patience=0)
+    assert plateau._monitor.mode == "max" and ft.train.EarlyStopping(mode="auto")._monitor.mode == "min"
+
+
+def test_a_monitor_whose_metric_does_not_say_is_refused_before_the_first_step(tmp_path):
+    """A metric functree cannot read a direction from (a user's mean) is refused before any
+    step, naming the monitor and both modes, never ranked as "min" silently; a mean of a
+    function that says keeps its word; mode= given is taken as given."""
+    mae = ft.train.mean(lambda out: jnp.abs(out.aux["logits"][:, 0]))
+    trainer = _classifier({"acc": ft.train.accuracy, "mae": mae})
+    for callback in (ft.train.EarlyStopping(monitor="val_mae"), ft.train.ReduceLROnPlateau(monitor="val_mae"),
+                     ft.train.ModelCheckpoint(tmp_path / "c", best_metric="val_mae")):
+        with pytest.raises(ValueError, match=r"(?s)cannot tell whether .*'val_mae'.*has no higher_is_better.*"
+                                             r'right:  \w+\((monitor|best_metric)=\'val_mae\', mode="min"\)'):
+            trainer.fit(ft.train.batches((X, CLASSES), 16), epochs=1, progress=False,
+                        validation_data=(X, CLASSES), callbacks=[callback])
+        assert trainer.steps_run == 0
+    assert ft.train.EarlyStopping(monitor="val_mae", mode="max")._monitor.mode == "max"
+    rising = ft.train.mean(ft.train.accuracy)
+    assert rising.higher_is_better is True
+    with pytest.raises(ValueError, match=r"'m' is none of them\. Say which"):
+        ft.train.CheckpointManager(tmp_path / "m", best_metric="m")
+
+
+def test_a_checkpoint_ranked_by_accuracy_keeps_the_highest(tmp_path):
+    """CheckpointManager(best_metric="val_accuracy") kept the lowest (mode "min" by default);
+    ModelCheckpoint ranks a renamed metric by its function's direction."""
+    manager = ft.train.CheckpointManager(tmp_path / "a", max_to_keep=1, best_metric="val_accuracy")
+    for step, value in ((1, 0.5), (2, 0.9), (3, 0.7)):
+        manager.save(step, {"w": jnp.ones(1)}, metrics={"val_accuracy": value})
+    assert manager.best_step() == 2 and manager.all_steps() == [2, 3]
+    save = ft.train.ModelCheckpoint(tmp_path / "b", best_metric="val_acc")
+    save.on_train_begin(types.SimpleNamespace(steps_run=0, train_step=types.SimpleNamespace(
+        metrics={"acc": ft.train.accuracy})))
+    assert save.manager.mode == "max"
+    assert ft.train.ModelCheckpoint(tmp_path / "c", best_metric="val_loss").manager.mode == "min"

@@ -162,7 +162,7 @@ def test_missing_best_metric_and_bad_mode(tmp_path):
     manager = CheckpointManager(tmp_path / "ckpt", best_metric="val_loss")
     with pytest.raises(CheckpointError, match=r'metrics=\{"val_loss": value\}'):
         manager.save(1, {"w": jnp.ones(1)}, metrics={"loss": 1.0})
-    with pytest.raises(ValueError, match=r'mode="min"'):
+    with pytest.raises(ValueError, match=r'right:  CheckpointManager\(best_metric=\'val_loss\', mode="min"\)'):
         CheckpointManager(tmp_path / "other", mode="lowest")
 
 

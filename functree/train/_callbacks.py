@@ -33,6 +33,7 @@ from functree.optim import hyperparameters, set_hyperparameters
 from functree.optim._average import AverageState, keeps_average
 from functree.optim._hyper import _entries, _keys, group_learning_rate, learning_rate_names
 from functree.optim._lookahead import SlowState
+from functree.train._direction import check_mode, direction, resolve_mode
 from functree.train._job import JobState, own_copy
 from functree.train.checkpoint._checkpoint import CheckpointManager, metadata_digest
 
@@ -53,10 +54,6 @@ Validation metrics need validation data; metric names come from Trainer(metrics=
 
     wrong:  trainer.fit(data, callbacks=[{who}(monitor="val_loss")])
     right:  trainer.fit(data, validation_data=val, callbacks=[{who}(monitor="val_loss")])"""
-
-BAD_MODE = """\
-{who}: mode must be "min" or "max", got {mode!r}.
-    right:  {who}(monitor="val_accuracy", mode="max")"""
 
 NO_LEARNING_RATE = """\
 ReduceLROnPlateau sets the learning rate through ft.optim.set_hyperparameters, but this \
@@ -406,20 +403,37 @@ class _Monitor:
 
     Tie-breaking (as CheckpointManager's ``best_metric``): a value improves only when it
     beats the best by more than ``min_delta``, so of tied values the first to reach the
-    best stays the best."""
+    best stays the best. ``mode=None`` reads the direction from the monitor's name, or at
+    ``on_train_begin`` from the Trainer's metric function (``functree/train/_direction.py``),
+    and raises where neither says."""
 
-    def __init__(self, who: str, monitor: str, mode: str, min_delta: float):
-        if mode not in ("min", "max"):
-            raise ValueError(BAD_MODE.format(who=who, mode=mode))
-        self.who, self.monitor, self.mode, self.min_delta = who, monitor, mode, abs(min_delta)
-        self.best = math.inf if mode == "min" else -math.inf
+    def __init__(self, who: str, monitor: str, mode: str | None, min_delta: float):
+        check_mode(who, "monitor", monitor, mode)
+        self.who, self.monitor, self.min_delta = who, monitor, abs(min_delta)
+        self.given = mode if mode in ("min", "max") else None
+        self.mode: str | None = None
+        self.best: float | None = None  # None: no direction yet (a name that does not say)
         self.wait = 0
+        with contextlib.suppress(ValueError):  # a name that does not say: read at on_train_begin
+            self.resolve()
+
+    def resolve(self, trainer: TrainerView | None = None) -> str:
+        """The direction, fixed on first success (``trainer``: its metric functions say)."""
+        if self.mode is None:
+            step = getattr(trainer, "train_step", None)
+            metrics = getattr(step, "metrics", None) if trainer is not None else None
+            self.mode = resolve_mode(self.who, "monitor", self.monitor, self.given,
+                                     metrics if isinstance(metrics, dict) else None, known=trainer is not None)
+        if self.best is None:  # (also a state saved before its direction was known)
+            self.best = math.inf if self.mode == "min" else -math.inf
+        return self.mode
 
     def state(self) -> dict[str, Any]:
-        return {"best": float(self.best), "wait": int(self.wait)}
+        return {"best": None if self.best is None else float(self.best), "wait": int(self.wait)}
 
     def load(self, state: dict[str, Any]) -> None:
-        self.best, self.wait = float(state["best"]), int(state["wait"])
+        self.best = None if state["best"] is None else float(state["best"])
+        self.wait = int(state["wait"])
 
     def value(self, context: TrainingContext) -> float:
         if self.monitor not in context.metrics:
@@ -430,13 +444,14 @@ class _Monitor:
 
     def beats(self, value: float, reference: float) -> bool:
         """Whether ``value`` beats ``reference`` by more than ``min_delta`` (NaN never does)."""
-        if self.mode == "min":
+        if self.resolve() == "min":
             return value < reference - self.min_delta
         return value > reference + self.min_delta
 
     def improved(self, value: float) -> bool:
         """Record ``value``; True when it beats the best by more than ``min_delta``."""
-        better = self.beats(value, self.best)
+        self.resolve()
+        better = self.beats(value, self.best)  # type: ignore[arg-type]  # (resolved: a number)
         if better:
             self.best, self.wait = value, 0
         else:
@@ -473,6 +488,13 @@ class EarlyStopping(Callback):
     As Keras's, it never stops at the first epoch: a first value that is NaN (no best
     yet) with ``patience`` 0 or 1 waits for the next.
 
+    ``mode`` says which way ``monitor`` improves: ``"min"`` (a loss, an error) or ``"max"``
+    (an accuracy, a score). Left out (None, Keras's ``"auto"``), it is read from the metric:
+    a loss falls, ``ft.train``'s counting metrics rise (also renamed:
+    ``metrics={"acc": ft.train.accuracy}`` makes ``"val_acc"`` rise), and a metric that
+    does not say is refused before the first step (``UNKNOWN_DIRECTION``), never taken as
+    ``"min"``: that stopped a run whose accuracy was rising and restored its worst epoch.
+
     Keras's other keywords, with Keras's rules:
 
     - ``baseline``: an epoch that improves on the best but not on ``baseline`` (by more
@@ -505,7 +527,7 @@ class EarlyStopping(Callback):
       5.143
     """
 
-    def __init__(self, monitor: str = "val_loss", patience: int = 5, *, mode: str = "min",
+    def __init__(self, monitor: str = "val_loss", patience: int = 5, *, mode: str | None = None,
                  min_delta: float = 0.0, restore_best: bool = False, restore_best_weights: bool = False,
                  baseline: float | None = None, start_from_epoch: int = 0, verbose: int = 0):
         self._monitor = _Monitor("EarlyStopping", monitor, mode, min_delta)
@@ -533,6 +555,10 @@ class EarlyStopping(Callback):
         self.best_epoch = None if state.get("best_epoch") is None else int(state["best_epoch"])
         self.best_model = state["best_model"]
         self.best_average = state["best_average"]
+
+    def on_train_begin(self, trainer: TrainerView) -> None:
+        """Read which way the monitor improves (:data:`UNKNOWN_DIRECTION` before any step)."""
+        self._monitor.resolve(trainer)
 
     def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         value = self._monitor.value(context)  # read first: a missing monitor is named at once
@@ -602,7 +628,9 @@ class ReduceLROnPlateau(Callback):
     compiled step is reused: no recompilation. With ``ft.optim.groups``, every group's
     rate is multiplied, or only ``group``'s (a pattern given to ``groups``; the history
     column ``"<group>/learning_rate"`` shows it). Of tied values the first epoch to reach
-    the best is the best (a value improves only by more than ``min_delta``).
+    the best is the best (a value improves only by more than ``min_delta``). ``mode`` is
+    :class:`EarlyStopping`'s: left out, read from the metric (a loss falls, an accuracy
+    rises), refused before the first step where the metric does not say.
 
     Example:
       >>> import functree as ft
@@ -611,7 +639,7 @@ class ReduceLROnPlateau(Callback):
     """
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 2, *,
-                 mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0, cooldown: int = 0,
+                 mode: str | None = None, min_delta: float = 0.0, min_lr: float = 0.0, cooldown: int = 0,
                  group: str | None = None):
         if not 0 < factor < 1:
             raise ValueError(f"ReduceLROnPlateau factor must be in (0, 1), got {factor!r}; e.g. factor=0.5.")
@@ -631,7 +659,9 @@ class ReduceLROnPlateau(Callback):
 
     def on_train_begin(self, trainer: TrainerView) -> None:
         """Refuse, before any step, a learning rate it could not set (a schedule's, or an
-        optimizer state with none): found at the first plateau, that was epochs in."""
+        optimizer state with none): found at the first plateau, that was epochs in; and a
+        monitor whose direction no one gave (:data:`UNKNOWN_DIRECTION`)."""
+        self._monitor.resolve(trainer)
         names = self._names(trainer.opt_state)
         entries = _entries(trainer.opt_state, values=False)
         scheduled = [k for k, (_, _, settable, _) in zip(_keys(entries), entries) if k in names and not settable]
@@ -714,7 +744,10 @@ class ModelCheckpoint(Callback):
 
     ``directory`` is a path or a :class:`CheckpointManager`; ``max_to_keep`` (a positive
     int, or None to keep all), ``best_metric``, ``mode`` and ``asynchronous`` (write in the
-    background while training goes on) configure a manager built from a path. In a
+    background while training goes on) configure a manager built from a path. ``mode`` left
+    out is read from the metric as :class:`EarlyStopping`'s (``best_metric="val_acc"`` of
+    ``metrics={"acc": ft.train.accuracy}`` keeps the highest), and refused before the
+    first step where the metric does not say. In a
     multi-process job every process runs it (each writes its shards; the primary process
     holds the directory's lock); another job writing the same directory gets a
     CheckpointError.
@@ -728,7 +761,7 @@ class ModelCheckpoint(Callback):
 
     def __init__(self, directory: str | os.PathLike[str] | CheckpointManager, *,
                  every_steps: int | None = None, max_to_keep: int | None = 3,
-                 best_metric: str | None = None, mode: str = "min",
+                 best_metric: str | None = None, mode: str | None = None,
                  extra: Callable[[TrainerView], Any] | None = None, every_epochs: int = 1,
                  asynchronous: bool = False):
         for what, value in (("every_steps", every_steps), ("every_epochs", every_epochs)):
@@ -739,7 +772,12 @@ class ModelCheckpoint(Callback):
                 raise ValueError(ASYNCHRONOUS_OF_MANAGER)
             self.manager = directory
         else:
-            self.manager = CheckpointManager(directory, max_to_keep, best_metric, mode, asynchronous=asynchronous)
+            check_mode("ModelCheckpoint", "best_metric", best_metric, mode)
+            # the name may not say (a metric renamed in Trainer(metrics=)): its function says at on_train_begin
+            self._mode = mode if mode in ("min", "max") else None if best_metric is not None else "min"
+            self.manager = CheckpointManager(directory, max_to_keep, best_metric,
+                                             self._mode or direction(str(best_metric)) or "min",
+                                             asynchronous=asynchronous)
         self.every_steps, self.every_epochs = every_steps, every_epochs
         self.extra = extra
         self._last_saved: int | None = None
@@ -752,6 +790,12 @@ class ModelCheckpoint(Callback):
         begins with this trainer's): the best of a run restored from a periodic directory
         whose latest checkpoint is older than the best one. Ranked checkpoints are not
         where the run resumes, and the run writes the same ones again (skipped: present)."""
+        if getattr(self, "_mode", "given") is None:  # no mode given: the direction of the Trainer's metric
+            step = getattr(trainer, "train_step", None)
+            metrics = getattr(step, "metrics", None)
+            self.manager.mode = self._mode = resolve_mode(
+                "ModelCheckpoint", "best_metric", str(self.manager.best_metric), None,
+                metrics if isinstance(metrics, dict) else None, known=True)
         ahead = [s for s in self.manager.all_steps() if s > trainer.steps_run]
         self._replayed = set()
         if ahead and self.manager.best_metric is not None and all(

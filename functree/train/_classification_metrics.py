@@ -344,6 +344,8 @@ f1.of = _of(_f1_parts, "f1")  # type: ignore[attr-defined]
 precision.__ft_counts__ = _precision_counts  # type: ignore[attr-defined]  # marks it counting (counting_names)
 recall.__ft_counts__ = _recall_counts  # type: ignore[attr-defined]
 f1.__ft_counts__ = _f1_counts  # type: ignore[attr-defined]
+for _rising in (precision, recall, f1):  # a monitor's mode=None reads it (functree/train/_direction.py)
+    _rising.higher_is_better = True  # type: ignore[attr-defined]
 
 
 def _top_k_counts(logits: Any, labels: Any, k: int, ignore_index: int | None, of: bool = False,
@@ -440,6 +442,7 @@ def top_k_accuracy(k: int = 5, *, ignore_index: int | None = IGNORE_INDEX) -> An
 
     metric.__name__ = metric.__qualname__ = f"top_{k}_accuracy"
     metric.__ft_counts__ = out_counts  # type: ignore[attr-defined]  # marks it counting (counting_names)
+    metric.higher_is_better = True  # type: ignore[attr-defined]
     return metric
 
 

@@ -40,6 +40,7 @@ from functree._repr import first_index
 from functree._warnings import user_stacklevel
 from functree.losses._weighted import WeightedMean, ratio
 from functree.nn._check import concrete
+from functree.train._direction import rises
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
@@ -554,6 +555,7 @@ def accuracy(out: StepOutput) -> jax.Array:
 
 accuracy.of = _accuracy_of  # type: ignore[attr-defined]
 accuracy.__ft_counts__ = _accuracy_out_counts  # type: ignore[attr-defined]  # marks it counting (counting_names)
+accuracy.higher_is_better = True  # type: ignore[attr-defined]  # a monitor's mode=None reads it (_direction.py)
 
 
 BINARY_LABEL_VALUE = """\
@@ -728,6 +730,7 @@ def binary_accuracy(out: StepOutput) -> jax.Array:
 
 binary_accuracy.of = _binary_accuracy_of  # type: ignore[attr-defined]
 binary_accuracy.__ft_counts__ = _binary_out_counts  # type: ignore[attr-defined]  # marks it counting (counting_names)
+binary_accuracy.higher_is_better = True  # type: ignore[attr-defined]
 
 BINARY_SHAPES = """\
 ft.train.binary_accuracy: logits of shape {logits} do not fit 0/1 labels of shape {labels}; it
@@ -765,6 +768,8 @@ def mean(source: str | Callable[[StepOutput], Any]) -> Callable[[StepOutput], ja
         return jnp.mean(jnp.asarray(value).astype(metric_dtype()))
 
     of_fn.__name__ = getattr(source, "__name__", "mean")
+    if rises(source) is not None:  # the mean improves the way its source does (a monitor's mode=None)
+        of_fn.higher_is_better = rises(source)  # type: ignore[attr-defined]
     return of_fn
 
 

@@ -38,6 +38,7 @@ import numpy as np
 
 from functree._alias import check_stale
 from functree.parallel import mesh_shape
+from functree.train._direction import check_mode, resolve_mode
 from functree.train.checkpoint import _directory as policy
 from functree.train.checkpoint._arrays import (
     describe,
@@ -130,12 +131,6 @@ functree-checkpoint-1). Restore the old state without a template and convert it:
 
     old = manager.restore(step, opt_state_template=None).opt_state
     opt_state = ft.optim.upgrade_state(old, optimizer, model)"""
-
-BAD_MODE = """\
-mode must be "min" or "max", got {mode!r}.
-
-    wrong:  CheckpointManager(path, best_metric="val_loss", mode={mode!r})
-    right:  CheckpointManager(path, best_metric="val_loss", mode="min")"""
 
 BAD_MAX_TO_KEEP = """\
 max_to_keep must be a positive int (how many recent checkpoints to keep) or None (keep
@@ -689,7 +684,10 @@ class CheckpointManager:
 
     With ``best_metric="val_loss"`` the checkpoint with the lowest (``mode="min"``) or
     highest (``mode="max"``) value is kept as well as the last ``max_to_keep`` (a
-    positive int, or None to keep all). One job writes a directory at a time: every
+    positive int, or None to keep all). ``mode`` left out is read from the name: a loss
+    (``"loss"``, ``"val_loss"``, ``"*_loss"``) falls, ``ft.train``'s metrics
+    (``"val_accuracy"``, ``"f1"``, ...) rise, and any other name is refused
+    (``UNKNOWN_DIRECTION``: say ``mode="min"`` or ``"max"``), never ranked the wrong way. One job writes a directory at a time: every
     process of a multi-process job calls ``save``; its primary process holds the lock.
     A failed save leaves nothing behind: the same manager saves the next step.
 
@@ -717,10 +715,11 @@ class CheckpointManager:
     SKIP: ClassVar[Any] = SKIP  # restore(extra_template={entry: CheckpointManager.SKIP}): the entry unread
 
     def __init__(self, directory: str | os.PathLike[str], max_to_keep: int | None = 3,
-                 best_metric: str | None = None, mode: str = "min", *, asynchronous: bool = False):
+                 best_metric: str | None = None, mode: str | None = None, *, asynchronous: bool = False):
         import orbax.checkpoint as ocp  # on first use: import functree stays light
-        if mode not in ("min", "max"):
-            raise ValueError(BAD_MODE.format(mode=mode))
+        check_mode("CheckpointManager", "best_metric", best_metric, mode)
+        mode = "min" if best_metric is None and mode in (None, "auto") else resolve_mode(
+            "CheckpointManager", "best_metric", str(best_metric), mode)
         if max_to_keep is not None and (isinstance(max_to_keep, (bool, np.bool_)) or not isinstance(
                 max_to_keep, (int, np.integer)) or max_to_keep < 1):
             raise ValueError(BAD_MAX_TO_KEEP.format(value=max_to_keep))

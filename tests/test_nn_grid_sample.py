@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from _errors import raises_named
+from _tolerance import needs_float16_conversions
 from jax.test_util import check_grads
 
 import functree as ft
@@ -128,6 +129,24 @@ def test_grid_sample_float32_and_check_grads():
         x64, grid64 = jnp.asarray(x[:1, :4, :5, :2], jnp.float64), jnp.asarray(grid[:1, :2, :3], jnp.float64)
         sample = jax.jit(lambda x, g: ft.nn.grid_sample(x, g, "bicubic", "reflection", align_corners=True))
         check_grads(sample, (x64, grid64), order=1, modes=("rev",))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=needs_float16_conversions)])
+def test_low_precision_positions_are_computed_in_float32(dtype):
+    # A bfloat16 position of 200 (a row of 256) has a spacing of 1: computed in bfloat16 the
+    # bilinear fraction was lost and the read landed up to 2 elements away (0.47 of the
+    # largest value off; float16: spacing 0.125). torch's reference in float64 on the same
+    # rounded inputs; only the output's rounding to the dtype is left (measured 2e-3 bf16).
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((1, 2, 256, 2)), dtype)
+    grid = jnp.asarray(np.stack([rng.uniform(0.5, 1.0, (1, 2, 8)), rng.uniform(-1, 1, (1, 2, 8))], -1), dtype)
+    x64, grid64 = np.asarray(x, np.float64), np.asarray(grid, np.float64)
+    for mode in ("bilinear", "bicubic"):
+        y = ft.nn.grid_sample(x, grid, mode)
+        assert y.dtype == dtype
+        expected = _torch_sample(x64, grid64, mode=mode, padding_mode="zeros", align_corners=False)
+        bound = float(jnp.finfo(dtype).eps) * np.abs(expected).max()  # one unit of the output's rounding
+        np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=0, atol=bound)
 
 
 @pytest.mark.filterwarnings("ignore:Since version 1.3.0, affine_grid:UserWarning")  # torch's, a size-one axis

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._repr import short_array
+from functree.nn._precision import statistics_dtype
 from functree.nn._window import is_int
 
 __all__ = ["grid_sample", "affine_grid"]
@@ -174,7 +175,8 @@ def grid_sample(
     3-D), ``"nearest"`` (rounded half to even) or ``"bicubic"`` (2-D, Keys' ``A = -0.75``);
     ``padding_mode`` ``"zeros"``, ``"border"`` or ``"reflection"``, as torch's (the module
     docstring has the rules). Differentiable in ``x`` and ``grid``. Batched only, as torch's:
-    one image is ``grid_sample(x[None], grid[None])[0]``. Errors: :data:`GRID_AXES`,
+    one image is ``grid_sample(x[None], grid[None])[0]``. bfloat16 and float16 inputs:
+    positions and weights in float32, the output in ``x``'s dtype. Errors: :data:`GRID_AXES`,
     :data:`GRID_DTYPE`, :data:`GRID_MODE`, :data:`GRID_PADDING`.
 
     Example:
@@ -199,10 +201,14 @@ def grid_sample(
         raise ValueError(GRID_PADDING.format(given=padding_mode, right=right))
     align = bool(align_corners)
     spatial = x.shape[1:-1]
+    # Positions and weights in float32 for bfloat16/float16 grids (torch's opmath): a bfloat16
+    # position of 200 has a spacing of 1, so its fraction, the bilinear weights, were lost and
+    # it read up to 2 elements away. The output is rounded once, to x's dtype.
+    wide = statistics_dtype(x.dtype)
     # grid's coordinates run (x, y, z): the last spatial axis first
-    coords = [grid[..., n - 1 - d] for d in range(n)]
+    coords = [grid[..., n - 1 - d].astype(wide) for d in range(n)]
     if mode == "bicubic":
-        return _bicubic(x, coords, padding_mode, align)
+        return _bicubic(x, coords, padding_mode, align).astype(x.dtype)
     positions = jnp.stack([_pad(_unnormalize(c, size, align), size, padding_mode, align)
                            for c, size in zip(coords, spatial)], axis=-1)  # [N, *O, n]
     if mode == "nearest":
@@ -215,7 +221,7 @@ def grid_sample(
     weight = weights[..., n - 1]
     for d in reversed(range(n - 1)):  # torch multiplies the x weight first, then y, then z
         weight = weight * weights[..., d]
-    return jnp.einsum("...tc,...t->...c", _read(x, taps), weight)
+    return jnp.einsum("...tc,...t->...c", _read(x, taps).astype(wide), weight).astype(x.dtype)
 
 
 def _bicubic(x: jax.Array, coords: Sequence[jax.Array], padding_mode: str, align: bool) -> jax.Array:
@@ -229,7 +235,7 @@ def _bicubic(x: jax.Array, coords: Sequence[jax.Array], padding_mode: str, align
     tx = _pad(x0[..., None] + steps, width, padding_mode, align)
     taps = jnp.stack(jnp.broadcast_arrays(ty[..., :, None], tx[..., None, :]), axis=-1)  # [N, *O, 4, 4, 2]
     wy, wx = jnp.stack(_cubic(iy - y0), axis=-1), jnp.stack(_cubic(ix - x0), axis=-1)
-    rows = jnp.einsum("...ijc,...j->...ic", _read(x, taps), wx)  # along x, then along y
+    rows = jnp.einsum("...ijc,...j->...ic", _read(x, taps).astype(wx.dtype), wx)  # along x, then along y
     return jnp.einsum("...ic,...i->...c", rows, wy)
 
 

@@ -472,6 +472,15 @@ def test_a_block_that_changes_the_shape_of_x():
     with pytest.raises(ValueError, match=r"maps f32\[3,4\] to bf16\[3,4\]"):
         ft.nn.Stack(lambda k: ft.nn.Lambda(lambda x: x.astype(jnp.bfloat16)), 2, key=jax.random.key(0))(
             jnp.ones((3, 4)))
+    # x promoted by the members' weights (standard promotion: bf16 x f32 -> f32): the fix is a
+    # cast, not a change of shape (the message's example was Dense(64, 128) -> Dense(64, 64))
+    square = ft.nn.Stack(lambda k: ft.nn.Dense(4, 4, key=k), 2, key=jax.random.key(0))
+    x = jnp.ones((3, 4), jnp.bfloat16)
+    with jax.numpy_dtype_promotion("standard"), pytest.raises(
+            ValueError, match=r"(?s)maps bf16\[3,4\] to f32\[3,4\]: its parameters are float32.*"
+                              r"right:  ft\.cast\(stack, jnp\.bfloat16\)\(x\).*or:  stack\(x\.astype\(jnp\.float32\)\)"):
+        square(x)
+    assert ft.cast(square, jnp.bfloat16)(x).dtype == jnp.bfloat16  # the fix it shows runs
 
 
 # The FSDP and tensor-parallel Stack on 8 devices: test_parallel_step.py's

@@ -63,6 +63,14 @@ jax.lax.scan), but a {block} maps {given} to {returned}.
     right:  ft.nn.Stack(lambda k: ft.nn.Dense(64, 64, key=k), n, key=k)   # or put the \
 change of shape before or after the Stack"""
 
+CHANGES_DTYPE = """\
+ft.nn.Stack: each member maps x to the same shape and dtype (it is applied with \
+jax.lax.scan), but a {block} maps {given} to {returned}: its parameters are {params}, so x is \
+promoted. Give the members x's dtype, or x theirs:
+    wrong:  stack(x)                                   # x {given_dtype}, the members' weights {params}
+    right:  ft.cast(stack, jnp.{given_dtype_name})(x)              # the members in x's dtype
+       or:  stack(x.astype(jnp.{returned_dtype_name}))"""
+
 OUT_OF_RANGE = """\
 stack[{index}]: the Stack holds {n} members (0 to {last}, or -{n} to -1 from the end).
     wrong:  stack[{index}]
@@ -475,5 +483,15 @@ def _check_carry(block: Any, x: Any, y: Any) -> None:
     same = jax.tree.structure(x) == jax.tree.structure(y) and all(
         _spec(a) == _spec(b) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y))
     )
-    if not same:
-        raise ValueError(CHANGES_SHAPE.format(block=type(block).__name__, given=_describe(x), returned=_describe(y)))
+    if same:
+        return
+    xs, ys = jax.tree.leaves(x), jax.tree.leaves(y)
+    if jax.tree.structure(x) == jax.tree.structure(y) and len(xs) == 1 and jnp.shape(xs[0]) == jnp.shape(ys[0]):
+        given, returned = jnp.result_type(xs[0]), jnp.result_type(ys[0])
+        params = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(block) if hasattr(leaf, "dtype")
+                         and jnp.issubdtype(leaf.dtype, jnp.inexact)})
+        if str(returned) in params:  # the shape kept, x promoted to the weights' dtype
+            raise ValueError(CHANGES_DTYPE.format(
+                block=type(block).__name__, given=_describe(x), returned=_describe(y), params=" and ".join(params),
+                given_dtype=given, given_dtype_name=given.name, returned_dtype_name=returned.name))
+    raise ValueError(CHANGES_SHAPE.format(block=type(block).__name__, given=_describe(x), returned=_describe(y)))

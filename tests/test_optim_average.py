@@ -116,6 +116,27 @@ def test_multisteps_micro_steps_leave_the_average_as_accumulation_does(average):
     assert int(multi_state.inner[1].steps) == int(whole_state.inner[1].steps) == 4
 
 
+def test_an_average_kept_by_one_group_averages_its_parameters_and_leaves_the_others():
+    """An ema chained in one group of ft.optim.groups (ASGD's average alike) holds
+    optax.MaskedNode at the other groups' parameters: ft.optim.averaged refused the model
+    the state was made for ("made for another model"); now that group's parameters are the
+    hand-written EMA of their iterates and the others the model's."""
+    model = {"a": ft.nn.Dense(3, 1, key=jax.random.key(0)), "b": ft.nn.Dense(3, 1, key=jax.random.key(1))}
+    opt = ft.optim.Optimizer(ft.optim.groups(
+        {"a.*": optax.chain(ft.optim.sgd(0.1), ft.optim.ema(0.8, debias=False))}, default=ft.optim.sgd(0.1)))
+    state = opt.init(model)
+    loss = lambda m, x, y: jnp.mean((m["a"](x) + m["b"](x) - y) ** 2)  # noqa: E731
+    seen = []
+    for _ in range(6):
+        model, state, _ = opt.minimize(loss, model, state, X, Y)
+        seen.append(np.asarray(model["a"].weight, np.float64))
+    avg = ft.optim.averaged(state, model)
+    # float32 incremental update vs float64 closed form over 6 steps of O(1) weights
+    np.testing.assert_allclose(avg["a"].weight, hand_ema(seen, 0.8, debias=False), rtol=0, atol=1e-6)
+    assert not np.allclose(avg["a"].weight, model["a"].weight, atol=1e-3)
+    np.testing.assert_array_equal(avg["b"].weight, model["b"].weight)   # another group's: the model's
+
+
 def test_frozen_parameters_have_no_average():
     model = ft.nn.training(ft.nn.Sequential([ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.nn.BatchNorm(2),
                                              ft.nn.Dense(2, 1, key=jax.random.key(1))]))

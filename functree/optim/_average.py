@@ -365,7 +365,8 @@ def averaged(state: Any, model: Any) -> Any:
 
     The average comes from an :func:`ema` or :func:`uniform_average` (``Optimizer(tx,
     average=...)`` or chained), or the slow weights of an :func:`ft.optim.lookahead`.
-    Parameters without an average (frozen by ``Optimizer(wrt=)``) and non-parameters
+    Parameters without an average (frozen by ``Optimizer(wrt=)``, or in another group of
+    ``ft.optim.groups`` than the one whose optimizer averages) and non-parameters
     (BatchNorm statistics) are the model's; averages are cast to the parameters' dtypes.
 
     Example:
@@ -386,8 +387,12 @@ def averaged(state: Any, model: Any) -> Any:
     node = found[0]
     average = node.average if isinstance(node, AverageState) else node.slow
     # Leaf by leaf, not by tree structure: the model may be in another mode (a static
-    # flag) than the one the state was made for.
-    averages = jax.tree.leaves(average, is_leaf=is_none)
+    # flag) than the one the state was made for. An average kept by one group of
+    # ft.optim.groups (ASGD's, an ema chained in it) holds an optax.MaskedNode, no leaf, at
+    # the other groups' parameters: they have no average (the model's, as torch's ASGD keeps
+    # ``ax`` for its own parameters only), and counted as no leaf the averages did not fit.
+    averages = [None if isinstance(a, optax.MaskedNode) else a
+                for a in jax.tree.leaves(average, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))]
     leaves, treedef = jax.tree.flatten(model, is_leaf=is_none)
     if len(averages) != len(leaves) or any(
             a is not None and jnp.shape(a) != jnp.shape(m) for a, m in zip(averages, leaves)):

@@ -429,3 +429,24 @@ def test_a_group_without_gradients_keeps_its_moments_and_count_as_torch_frozen_p
             ref.step()
         for name, param in (("enc", enc), ("head", head)):
             np.testing.assert_allclose(np.asarray(model[name]), param.detach().numpy(), rtol=0, atol=2e-6)
+
+
+def test_an_average_given_part_of_a_stacked_leaf_is_refused_naming_the_members():
+    """A group of Stack members ("h.[0-1].*") whose optimizer keeps an average (ASGD, a
+    chained ema, a lookahead's slow weights) held the masked parameters' zeros at the other
+    members: ft.optim.averaged gave them 0 with no error (the averaged bias's rows 2 and 3).
+    Refused at init; whole stacked leaves, or average= on the Optimizer, average correctly."""
+    h = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 4, key=jax.random.key(0))
+    model = {"h": h}
+    for tx in (fo.groups({"h.[0-1].*": fo.asgd(0.01)}, default=fo.adam(1e-3)),
+               fo.groups({"h.[0-1].*": optax.chain(fo.adam(0.1), fo.ema(0.8))}, default=fo.adam(1e-3)),
+               fo.groups({"h.[0-1].*": fo.adam(0.1)}, default=fo.lookahead(optax.sgd(0.1), 2, 0.5))):
+        with pytest.raises(ValueError, match=r"ft\.nn\.Stack leaf 'h\.layers\.(weight|bias)': members (0, 1|2, 3) of its 4"):
+            fo.Optimizer(tx).init(model)
+    x = jnp.ones((3, 2))
+    loss = lambda m: jnp.sum(m["h"](x) ** 2)  # noqa: E731
+    opt = fo.Optimizer(fo.groups({"h.[0-1].*": fo.sgd(0.1)}, default=fo.adam(1e-3)), average=fo.ema(0.5))
+    state = opt.init(model)
+    trained, state, _ = opt.minimize(loss, model, state)
+    # one step: the debiased average is that step's parameters, every member's
+    np.testing.assert_array_equal(fo.averaged(state, trained)["h"].layers.bias, trained["h"].layers.bias)

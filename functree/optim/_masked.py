@@ -26,9 +26,12 @@ import optax
 from functree._module import Module
 from functree._naming import broadcast
 from functree._parameters import mask as select
+from functree._tree import dotted_name
+from functree.optim._average import AverageState
+from functree.optim._lookahead import SlowState
 
 __all__ = ["masked", "partition_members", "restore_members", "is_partial", "MEMBER_MASK_IN_OPTAX",
-           "named_member_masks"]
+           "AVERAGE_ON_MEMBERS", "named_member_masks"]
 
 MEMBER_MASK_IN_OPTAX = """\
 An optax transformation tested a mask entry that is an array with more than one element \
@@ -41,6 +44,19 @@ that member patterns select in part ("h.[0-1].*"). ft.optim.masked takes such a 
                         ft.optim.masked(optax.add_decayed_weights(0.1), ft.select(model, "h.[0-1].*")),
                         optax.scale(-1e-3))
        or:  optax.masked(tx, ft.select(model, "h.*"))       # whole stacked leaves: one bool each
+"""
+
+AVERAGE_ON_MEMBERS = """\
+{kind} is given part of the ft.nn.Stack leaf {leaf!r}: members {members} of its {n}, by a member \
+pattern of ft.optim.groups (or an ft.optim.masked member mask). Its state holds the average of \
+those members only and zeros at the others, so ft.optim.averaged (the Trainer's averaged_model \
+and val_averaged_loss) would give a model whose other members are 0, with no error. Give the \
+average whole stacked leaves, or average every parameter with the Optimizer:
+
+    wrong:  ft.optim.groups({{"h.[0-1].*": ft.optim.asgd(0.01)}}, default=ft.optim.adam(1e-3))
+    right:  ft.optim.groups({{"h.*": ft.optim.asgd(0.01)}}, default=ft.optim.adam(1e-3))     # whole stacked leaves
+       or:  ft.optim.Optimizer(ft.optim.groups({{"h.[0-1].*": ft.optim.sgd(0.01)}}, default=ft.optim.adam(1e-3)),
+                               average=ft.optim.uniform_average())                         # every parameter averaged
 """
 
 _AMBIGUOUS = "truth value of an array with more than one element is ambiguous"
@@ -157,7 +173,10 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
         return _mask_leaves(cast(Callable[[Any], Any], mask)(tree) if as_function else mask, tree)
 
     def init(params: Any) -> optax.MaskedState:
-        return optax.MaskedState(inner.init(_masked_tree(params, marks_of(params))))
+        marks = marks_of(params)
+        state = inner.init(_masked_tree(params, marks))
+        _refuse_member_average(state, params, marks)
+        return optax.MaskedState(state)
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
         marks = marks_of(updates)
@@ -174,6 +193,28 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
         return treedef.unflatten(out), optax.MaskedState(new_inner)
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _refuse_member_average(state: Any, params: Any, marks: list[Any]) -> None:
+    """:data:`AVERAGE_ON_MEMBERS` where ``state`` keeps an average of the parameters (an
+    :class:`AverageState`: ema, uniform_average, ASGD's; a lookahead's :class:`SlowState`)
+    and a mark selects part of a stacked leaf: the average would hold zeros at the other
+    members (the masked parameters it starts from), which :func:`ft.optim.averaged` returns."""
+    def average(x: Any) -> bool:
+        return isinstance(x, (AverageState, SlowState))
+
+    found = [x for x in jax.tree.leaves(state, is_leaf=average) if average(x)]
+    if not found:
+        return
+    named = jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))[0]
+    for (path, _), m in zip(named, marks):
+        if is_partial(m):
+            kind = ("ft.optim.lookahead (its slow weights)" if isinstance(found[0], SlowState)
+                    else "An average of the parameters (ft.optim.ema, uniform_average, asgd)")
+            members = ", ".join(str(i) for i in np.flatnonzero(np.ravel(m)))
+            raise ValueError(AVERAGE_ON_MEMBERS.format(kind=kind, leaf=dotted_name(path), members=members,
+                                                       n=np.size(m)))
 
 
 def partition_members(transforms: Mapping[Any, optax.GradientTransformation],

@@ -199,8 +199,11 @@ class LossScaleOptimizer(OptimizerWrapper):
     ``GradScaler``: it stays at ``2**127``). torch's ``GradScaler(init_scale=s,
     growth_factor=g, backoff_factor=b, growth_interval=n)`` is
     ``LossScaleOptimizer(opt, initial_scale=s, growth_factor=g, backoff_factor=b,
-    growth_interval=n)``, scale for scale (checked against torch, overflows included). All of it is array arithmetic: it
-    runs in one jitted step. ``inner`` is an :class:`Optimizer` or an optax transformation
+    growth_interval=n)``, scale for scale (checked against torch, overflows included). A
+    skipped step does not advance the learning context: a schedule gives the next step the
+    rate the skipped one would have taken (Hugging Face's Trainer skips its
+    ``lr_scheduler.step()`` there; a torch loop stepping its scheduler after every
+    ``scaler.step`` moves on). All of it is array arithmetic: it runs in one jitted step. ``inner`` is an :class:`Optimizer` or an optax transformation
     (``LossScaleOptimizer(ft.optim.adam(1e-3))``), wrapped in one as the Trainer does.
 
     The overflow check is on the unscaled gradients *before* the ``transform_gradients``

@@ -256,7 +256,7 @@ _REBUILT = {  # (the optimizer that made the state, the rebuilt one, what the re
     "multisteps": (optax.adam(1e-2), dict(transform=optax.MultiSteps(optax.adam(1e-2), 2)), r"<root>.*a MultiStepsState"),
     "chain-clip": (fo.adam(1e-2), dict(transform=optax.chain(optax.clip_by_global_norm(1.0), fo.adam(1e-2))),
                    r"<root>.*a tuple of length 2"),
-    "masked": (fo.adam(1e-2), dict(transform=optax.masked(fo.adam(1e-2), {"a": {"w": True}, "b": {"w": True}, "c": False})),
+    "masked": (fo.adam(1e-2), dict(transform=optax.masked(fo.adam(1e-2), {"a": {"w": True}, "b": {"w": True}, "c": True})),
                r"<root>.*a MaskedState"),
     "optax-adamw": (optax.adam(1e-2), dict(transform=optax.adamw(1e-2)), r"<root>.*a tuple of length 3"),
     "inject-schedule": (optax.inject_hyperparams(optax.adam)(learning_rate=1e-2),
@@ -485,3 +485,33 @@ def test_per_parameter_state_under_any_name_of_a_changed_layer_is_refused(make, 
                                          r"where a state made for this model holds \((4, )?3,?\)"):
         opt.apply_gradients(_grad(new), new, state)
     opt.apply_gradients(_grad(new), new, opt.init(new))  # the advised fix: a new state
+
+
+def test_a_transform_that_hands_the_gradient_back_as_the_update_is_refused():
+    """optax.masked (ft.optim.masked) as the whole optimizer passes the parameters its mask
+    leaves out through as the gradient itself, which apply_updates added: p + g, a step up
+    the loss with rate 1 (a user's masked(adam, "head.*"), to train the head: the body moved
+    0.129 in 3 steps, the loss of the body's gradient ascent, with no error). Refused naming
+    the parameters and the fixes, which train the head alone; masked inside a chain (a decay
+    on some parameters) is what it is for, and trains."""
+    model = {"body": ft.nn.Dense(2, 2, key=jax.random.key(0)), "head": ft.nn.Dense(2, 1, key=jax.random.key(1))}
+    x, y = jnp.ones((4, 2)), jnp.full((4, 1), 2.0)
+
+    def loss(m):
+        return jnp.mean((m["head"](m["body"](x)) - y) ** 2)
+
+    for tx in (ft.optim.masked(optax.adam(0.1), "head.*"),
+               optax.masked(optax.adam(0.1), lambda p: {"body": jax.tree.map(lambda _: False, p["body"]),
+                                                       "head": jax.tree.map(lambda _: True, p["head"])}),
+               ft.optim.groups({"head.*": optax.adam(0.1)}, default=optax.identity())):
+        opt = ft.optim.Optimizer(tx)
+        with pytest.raises(ValueError, match=r"(?s)the gradient itself as the update of body\.weight, body\.bias "
+                                             r"\(2 of 4 parameters\).*p \+ g.*wrt=\"head\.\*\""):
+            jax.jit(lambda m, s: opt.minimize(loss, m, s))(model, opt.init(model))  # noqa: B023
+    for opt in (ft.optim.Optimizer(optax.sgd(0.1), wrt="head.*"),
+                ft.optim.Optimizer(ft.optim.groups({"head.*": optax.sgd(0.1)}, default=ft.optim.freeze())),
+                ft.optim.Optimizer(optax.chain(ft.optim.masked(optax.add_decayed_weights(0.1), "head.*"),
+                                               optax.sgd(0.1)))):
+        moved, _, _ = opt.minimize(loss, model, opt.init(model))
+        assert float(loss(moved)) < float(loss(model))
+

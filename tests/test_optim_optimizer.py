@@ -632,7 +632,8 @@ def test_a_bool_mask_built_in_training_mode_is_named_at_init():
     training = ft.nn.training(net)
     with pytest.raises(ValueError, match=r"(?s)mask or label tree.*right:  optax.masked\(tx, ft.mask\(ft.nn.inference"):
         ft.optim.Optimizer(optax.masked(optax.sgd(0.1), ft.mask(training, "*.weight"))).init(training)
-    opt = ft.optim.Optimizer(optax.masked(optax.sgd(0.1), ft.mask(net, "*.weight")))
+    decay = optax.masked(optax.add_decayed_weights(0.5), ft.mask(net, "*.weight"))
+    opt = ft.optim.Optimizer(optax.chain(decay, optax.sgd(0.1)))
     state = opt.init(training)
 
     @jax.jit  # one program (eager, each operation compiled on its own)
@@ -641,10 +642,11 @@ def test_a_bool_mask_built_in_training_mode_is_named_at_init():
         return grads, opt.apply_gradients(grads, training, state)[0]
 
     grads, moved = step(training, state)
-    np.testing.assert_allclose(moved.layers[0].weight, training.layers[0].weight - 0.1 * grads.layers[0].weight,
-                               rtol=0, atol=1e-7)
-    # masked out: optax passes the update through untransformed (here the gradient itself)
-    np.testing.assert_allclose(moved.layers[0].bias, training.layers[0].bias + grads.layers[0].bias, rtol=0, atol=1e-6)
+    w = training.layers[0].weight
+    np.testing.assert_allclose(moved.layers[0].weight, w - 0.1 * (grads.layers[0].weight + 0.5 * w), rtol=0, atol=1e-7)
+    # masked out: optax passes the update through undecayed
+    np.testing.assert_allclose(moved.layers[0].bias, training.layers[0].bias - 0.1 * grads.layers[0].bias, rtol=0,
+                               atol=1e-7)
 
 
 def test_multisteps_as_a_gradient_transformation_around_a_functree_optimizer_is_refused_too():

@@ -18,7 +18,7 @@ from functree.optim._complex import RealPair
 
 __all__ = ["StructureError", "named_structure_errors", "GRADIENT_DTYPE", "check_gradients", "checked_gradients", "check_state_fits", "check_redefined", "keep_unchanged", "descent_direction",
            "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS", "STATE_OF_ANOTHER_OPTIMIZER",
-           "STATE_CLASS_REDEFINED"]
+           "STATE_CLASS_REDEFINED", "GRADIENT_AS_UPDATE", "check_not_passed_through"]
 
 class StructureError(ValueError):
     """A transform's tree-structure error named by functree (an outer naming lets it through)."""
@@ -790,3 +790,32 @@ def descent_direction(grads: Any) -> Any:
     if not any(_complex(g) for g in jax.tree.leaves(grads)):
         return grads
     return jax.tree.map(lambda g: jnp.conj(g) if _complex(g) else g, grads)
+
+
+GRADIENT_AS_UPDATE = """\
+The optimizer's transform returned the gradient itself as the update of {paths} ({count} of \
+{total} parameters), and the update is added to the parameter: p + g, a step up the loss with \
+rate 1. optax.masked (and ft.optim.masked) passes the leaves its mask leaves out through \
+unchanged: it is for a part of a chain (a weight decay on some parameters), not for choosing \
+which parameters train (optax.identity() as a group's transform is the same step).
+
+    wrong:  ft.optim.Optimizer(optax.masked(optax.adam(1e-3), mask))      # the others: p + g
+    right:  ft.optim.Optimizer(optax.adam(1e-3), wrt="head.*")            # the others frozen
+       or:  ft.optim.Optimizer(ft.optim.groups({{"head.*": optax.adam(1e-3)}}, default=ft.optim.freeze()))"""
+
+
+def check_not_passed_through(grads: Any, updates: Any) -> None:
+    """Raise :data:`GRADIENT_AS_UPDATE` if an update leaf is its gradient leaf, the same
+    object: the transform left that parameter's gradient as it came (``optax.masked``'s
+    pass-through at the end of the optimizer), which ``apply_updates`` would add: a step up
+    the loss. Every transform that moves a parameter down makes a new array (``-lr * g``);
+    read while the step traces (identity of tracers), so no work per compiled call."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)
+    ups = jax.tree.leaves(updates, is_leaf=is_none)
+    if len(ups) != len(flat):
+        return  # another structure: named elsewhere (the state's and gradients' checks)
+    same = [dotted_name(path) for (path, g), u in zip(flat, ups) if g is not None and u is g]
+    if same:
+        shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
+        total = sum(g is not None for _, g in flat)
+        raise ValueError(GRADIENT_AS_UPDATE.format(paths=shown, count=len(same), total=total))

@@ -55,6 +55,7 @@ from functree.nn._state import apply_state, collect_state
 from functree.optim._accumulate import accumulated_gradients, leading_dimension
 from functree.optim._average import check_average_placement, with_average
 from functree.optim._checks import (
+    check_not_passed_through,
     check_state_fits,
     checked_gradients,
     descent_direction,
@@ -518,6 +519,7 @@ class Optimizer:
                 raise TypeError(EXTRAS_REFUSED.format(error=e)) from e
             except GroupStateChanged as e:  # its recipe's key paths from this state's root
                 raise ValueError(e.message(_partition_path(state.inner, e.labels), optimizer=True)) from None
+        check_not_passed_through(grads, updates)  # optax.masked's pass-through as the last step: p + g
         if partial is not None:
             updates, inner = keep_unchanged(partial, updates, inner, state.inner)
         if apply_if is not None:

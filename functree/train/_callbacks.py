@@ -771,6 +771,7 @@ class ModelCheckpoint(Callback):
             if asynchronous and not directory._asynchronous:
                 raise ValueError(ASYNCHRONOUS_OF_MANAGER)
             self.manager = directory
+            self._mode: str | None = directory.mode  # its own, resolved when it was built
         else:
             check_mode("ModelCheckpoint", "best_metric", best_metric, mode)
             # the name may not say (a metric renamed in Trainer(metrics=)): its function says at on_train_begin
@@ -790,7 +791,7 @@ class ModelCheckpoint(Callback):
         begins with this trainer's): the best of a run restored from a periodic directory
         whose latest checkpoint is older than the best one. Ranked checkpoints are not
         where the run resumes, and the run writes the same ones again (skipped: present)."""
-        if getattr(self, "_mode", "given") is None:  # no mode given: the direction of the Trainer's metric
+        if self._mode is None:  # no mode given, nor one its name says: the direction of the Trainer's metric
             step = getattr(trainer, "train_step", None)
             metrics = getattr(step, "metrics", None)
             self.manager.mode = self._mode = resolve_mode(

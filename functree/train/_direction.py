@@ -43,8 +43,8 @@ _PREFIXES = ("val_", "averaged_")  # a validation metric, an averaged model's (t
 
 UNKNOWN_DIRECTION = """\
 {who} cannot tell whether {keyword}={monitor!r} gets better as it falls or as it rises: \
-functree knows the loss (falls) and its own metrics (ft.train.accuracy, precision, recall, \
-f1, top_k_accuracy: rise), and {name!r} is none of them{why}. Say which:
+functree knows the loss (falls) and its own metrics (ft.train.accuracy, binary_accuracy, precision, \
+recall, f1, top_k_accuracy: rise), and {name!r} is none of them{why}. Say which:
 
     wrong:  {call}
     right:  {right_min}     # lower is better (an error, a distance)

@@ -33,7 +33,7 @@ from functree.optim import hyperparameters, set_hyperparameters
 from functree.optim._average import AverageState, keeps_average
 from functree.optim._hyper import _entries, _keys, group_learning_rate, learning_rate_names
 from functree.optim._lookahead import SlowState
-from functree.train._direction import check_mode, direction, resolve_mode
+from functree.train._direction import check_mode, direction, resolve_mode, trainer_metrics
 from functree.train._job import JobState, own_copy
 from functree.train.checkpoint._checkpoint import CheckpointManager, metadata_digest
 
@@ -420,10 +420,8 @@ class _Monitor:
     def resolve(self, trainer: TrainerView | None = None) -> str:
         """The direction, fixed on first success (``trainer``: its metric functions say)."""
         if self.mode is None:
-            step = getattr(trainer, "train_step", None)
-            metrics = getattr(step, "metrics", None) if trainer is not None else None
-            self.mode = resolve_mode(self.who, "monitor", self.monitor, self.given,
-                                     metrics if isinstance(metrics, dict) else None, known=trainer is not None)
+            self.mode = resolve_mode(self.who, "monitor", self.monitor, self.given, trainer_metrics(trainer),
+                                     known=trainer is not None)
         if self.best is None:  # (also a state saved before its direction was known)
             self.best = math.inf if self.mode == "min" else -math.inf
         return self.mode
@@ -792,11 +790,8 @@ class ModelCheckpoint(Callback):
         whose latest checkpoint is older than the best one. Ranked checkpoints are not
         where the run resumes, and the run writes the same ones again (skipped: present)."""
         if self._mode is None:  # no mode given, nor one its name says: the direction of the Trainer's metric
-            step = getattr(trainer, "train_step", None)
-            metrics = getattr(step, "metrics", None)
             self.manager.mode = self._mode = resolve_mode(
-                "ModelCheckpoint", "best_metric", str(self.manager.best_metric), None,
-                metrics if isinstance(metrics, dict) else None, known=True)
+                "ModelCheckpoint", "best_metric", str(self.manager.best_metric), None, trainer_metrics(trainer), known=True)
         ahead = [s for s in self.manager.all_steps() if s > trainer.steps_run]
         self._replayed = set()
         if ahead and self.manager.best_metric is not None and all(

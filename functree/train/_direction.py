@@ -32,7 +32,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["HIGHER_IS_BETTER", "direction", "check_mode", "resolve_mode", "rises", "UNKNOWN_DIRECTION", "BAD_MODE"]
+__all__ = ["HIGHER_IS_BETTER", "direction", "check_mode", "resolve_mode", "rises", "trainer_metrics", "UNKNOWN_DIRECTION",
+           "BAD_MODE"]
 
 HIGHER_IS_BETTER = "higher_is_better"
 """The attribute a metric function sets to say which way it improves (torchmetrics' name)."""
@@ -73,6 +74,13 @@ def rises(fn: Any) -> bool | None:
         fn = fn.func
     flag = getattr(fn, HIGHER_IS_BETTER, None)
     return flag if isinstance(flag, bool) else None
+
+
+def trainer_metrics(trainer: Any) -> Mapping[str, Any] | None:
+    """A Trainer's ``{name: metric function}`` (its step's), or None (no Trainer, or a
+    stand-in without one: a callback driven by hand)."""
+    metrics = getattr(getattr(trainer, "train_step", None), "metrics", None)
+    return metrics if isinstance(metrics, Mapping) else None
 
 
 def direction(monitor: str, metrics: Mapping[str, Any] | None = None) -> str | None:

@@ -41,7 +41,7 @@ from functree.optim._lookahead import SlowState
 from functree.optim._multisteps import multisteps_in
 from functree.optim._skip import applied_in, select
 
-__all__ = ["AverageState", "ema", "uniform_average", "averaged", "keeps_average", "with_average",
+__all__ = ["AverageState", "ema", "uniform_average", "averaged", "averages_in", "keeps_average", "with_average",
            "check_average_placement"]
 
 NEEDS_PARAMS = """\
@@ -351,13 +351,14 @@ def _check_chain(chain: tuple[Any, ...]) -> None:
         accumulating = accumulating or bool(multisteps_in(element))
 
 
-def _averages(state: Any) -> list[Any]:
+def averages_in(state: Any) -> list[Any]:
+    """The averages ``state`` keeps: its :class:`AverageState` s and lookahead :class:`SlowState` s."""
     return [x for x in jax.tree.leaves(state, is_leaf=_has_average) if _has_average(x)]
 
 
 def keeps_average(state: Any) -> bool:
     """Whether the optimizer state keeps averaged parameters (:func:`averaged` reads them)."""
-    return len(_averages(state)) == 1
+    return len(averages_in(state)) == 1
 
 
 def averaged(state: Any, model: Any) -> Any:
@@ -379,7 +380,7 @@ def averaged(state: Any, model: Any) -> Any:
     """
     # Donated by a step (a deleted array): say so, not JAX at the first use of the result.
     check_stale([("state", state), ("model", model)], "ft.optim.averaged(state, model)")
-    found = _averages(state)
+    found = averages_in(state)
     if not found:
         raise ValueError(NO_AVERAGE)
     if len(found) > 1:

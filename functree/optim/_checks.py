@@ -810,12 +810,12 @@ def check_not_passed_through(grads: Any, updates: Any) -> None:
     pass-through at the end of the optimizer), which ``apply_updates`` would add: a step up
     the loss. Every transform that moves a parameter down makes a new array (``-lr * g``);
     read while the step traces (identity of tracers), so no work per compiled call."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)
-    ups = jax.tree.leaves(updates, is_leaf=is_none)
-    if len(ups) != len(flat):
-        return  # another structure: named elsewhere (the state's and gradients' checks)
+    gs, ups = jax.tree.leaves(grads, is_leaf=is_none), jax.tree.leaves(updates, is_leaf=is_none)
+    if len(ups) != len(gs) or not any(g is not None and u is g for g, u in zip(gs, ups)):
+        return  # (another structure: named elsewhere, by the state's and gradients' checks)
+    flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]  # key paths for the message only
     same = [dotted_name(path) for (path, g), u in zip(flat, ups) if g is not None and u is g]
     if same:
         shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
-        total = sum(g is not None for _, g in flat)
+        total = sum(g is not None for g in gs)
         raise ValueError(GRADIENT_AS_UPDATE.format(paths=shown, count=len(same), total=total))

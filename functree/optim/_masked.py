@@ -27,7 +27,7 @@ from functree._module import Module
 from functree._naming import broadcast
 from functree._parameters import mask as select
 from functree._tree import dotted_name
-from functree.optim._average import AverageState
+from functree.optim._average import averages_in
 from functree.optim._lookahead import SlowState
 
 __all__ = ["masked", "partition_members", "restore_members", "is_partial", "MEMBER_MASK_IN_OPTAX",
@@ -200,14 +200,10 @@ def _refuse_member_average(state: Any, params: Any, marks: list[Any]) -> None:
     :class:`AverageState`: ema, uniform_average, ASGD's; a lookahead's :class:`SlowState`)
     and a mark selects part of a stacked leaf: the average would hold zeros at the other
     members (the masked parameters it starts from), which :func:`ft.optim.averaged` returns."""
-    def average(x: Any) -> bool:
-        return isinstance(x, (AverageState, SlowState))
-
-    found = [x for x in jax.tree.leaves(state, is_leaf=average) if average(x)]
+    found = averages_in(state)
     if not found:
         return
-    named = jax.tree_util.tree_flatten_with_path(
-        params, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))[0]
+    named = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_slot)[0]
     for (path, _), m in zip(named, marks):
         if is_partial(m):
             kind = ("ft.optim.lookahead (its slow weights)" if isinstance(found[0], SlowState)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import functree as ft
 
@@ -214,3 +215,41 @@ def test_evaluation_sums_stay_exact_past_float32s_integers():
     ones, inf = np.ones(4, np.float32), np.full(4, np.inf, np.float32)
     assert evaluate(step, summing, {}, [(ones, ones), (inf, ones), (ones, ones)], None)["loss"] == np.inf
     assert np.isnan(evaluate(step, summing, {}, [(ones, ones), (np.full(4, np.nan, np.float32), ones)], None)["loss"])
+
+
+def test_a_weighted_loss_that_scored_no_label_is_nan_with_a_warning_and_never_the_best(tmp_path):
+    """Validation data whose every label is -100 (a collator that truncated each response
+    away): each minibatch's WeightedMean loss is 0/0, given as 0 (training takes no
+    gradient there), and the mean of those 0s was a perfect val_loss of 0.0 that
+    ModelCheckpoint kept as the best. It is NaN (torch's and HF's eval_loss), with a
+    NoLabelWarning naming the data; one scored label anywhere gives the mean over it alone."""
+    from functree.train._evaluation import NO_LABEL
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=16).astype(np.int32)
+    ignored = np.full(8, -100, np.int32)
+    model = ft.nn.Dense(4, 3, key=jax.random.key(0))
+
+    def loss_fn(m, b):
+        out = m(b[0])
+        return ft.losses.softmax_cross_entropy(out, b[1], reduction="weighted"), out
+
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.1), loss_fn, metrics=[ft.train.accuracy])
+    with pytest.warns(ft.train.NoLabelWarning) as caught:
+        got = trainer.evaluate((x[:8], ignored), batch_size=4)
+    assert str(caught[0].message) == NO_LABEL.format(what="evaluate")
+    assert caught[0].filename == __file__  # the user's line
+    assert np.isnan(got["loss"]) and got["accuracy"] == 0.0  # (a ratio over nothing: 0, as torchmetrics')
+    one = ignored.copy()
+    one[5] = y[5]
+    logits = np.asarray(model(x[5]), np.float64)
+    want = np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[y[5]]
+    np.testing.assert_allclose(trainer.evaluate((x[:8], one), batch_size=4)["loss"], want, rtol=0, atol=2e-6)
+
+    manager = ft.train.CheckpointManager(str(tmp_path / "best"), best_metric="val_loss")
+    with pytest.warns(ft.train.NoLabelWarning, match=r"^validation \(fit's validation_data=\)"):
+        history = trainer.fit((x, y), epochs=2, batch_size=8, progress=False, validation_data=(x[:8], ignored),
+                              callbacks=[ft.train.ModelCheckpoint(manager)])
+    assert np.isnan(history.epochs["val_loss"]).all()
+    assert manager.all_steps() == [2, 4] and manager.best_step() is None  # no epoch was the best

@@ -15,6 +15,7 @@ from functree.train._callbacks import (
 )
 from functree.train._classification_metrics import f1, precision, recall, top_k_accuracy
 from functree.train._data import Batches, DataContext, batches, to_arrays
+from functree.train._evaluation import NoLabelWarning
 from functree.train._history import History
 from functree.train._job import JobState
 from functree.train._loggers import CSVLogger, TensorBoardLogger
@@ -55,6 +56,7 @@ __all__ = [
     "FrozenStateWarning",
     "TrainingModeWarning",
     "UnrecordedAuxWarning",
+    "NoLabelWarning",
     "History",
     "TrainingContext",
     "Callback",

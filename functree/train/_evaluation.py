@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -19,15 +20,23 @@ from functree import nn
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import short_array
 from functree._tree import is_array_value
+from functree._warnings import warn
 from functree._where import devices_error, placement_of, put
 from functree.optim._average import averaged as averaged_parameters
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.train._data import Batches, batches, to_arrays
 from functree.train._epochs import VALIDATION, as_data, batch_size, cut_by_batch_size, with_location
-from functree.train._metrics import combine_parts, describe_batch, metric_dtype
+from functree.train._metrics import (
+    PART_COUNT,
+    PART_SUM,
+    combine_parts,
+    describe_batch,
+    metric_dtype,
+)
 
-__all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature"]
+__all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature",
+           "NoLabelWarning", "NO_LABEL"]
 
 EVAL_KEY_SALT = 0x5EED
 """Folded into the trainer's key for evaluation and prediction keys (distinct from the
@@ -131,6 +140,23 @@ row per example:
     right:  loss_fn = functools.partial(weighted_loss, class_weights=w)    # or w[y]: one per example"""
 
 # The minibatch errors' first words per use (EMPTY_EVAL_DATA names the data alike).
+NO_LABEL = """\
+{what}: the loss is a ft.losses.WeightedMean (reduction="weighted") whose count is 0 over every \
+minibatch: no position was scored (every label is ignore_index, -100: a collator that \
+truncated each response away, or labels shifted off the end). Its mean is 0/0, reported as \
+NaN, as torch's and Hugging Face's eval_loss; each minibatch's 0 would read as a perfect \
+loss (EarlyStopping and ModelCheckpoint would keep this model as the best). Give data with \
+labels to score:
+
+    wrong:  labels = np.full_like(input_ids, -100)            # every position ignored
+    right:  labels = np.where(response_mask, input_ids, -100)  # the response's tokens scored"""
+
+
+class NoLabelWarning(UserWarning):
+    """An evaluation whose ``ft.losses.WeightedMean`` loss counted nothing over all of its
+    data (:data:`NO_LABEL`): its loss is NaN."""
+
+
 _WHAT = {"validation": "validation (fit's validation_data=)", "evaluate": "evaluate", "predict": "predict"}
 
 
@@ -208,7 +234,19 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
     host = jax.device_get(sums)
     lost = host["compensation"]  # each sum's rounding errors (EvalStep.summed): exact in float64
     weight = float(host["weight"]) + float(lost["weight"])
-    return combine_parts({k: (float(v) + float(lost["values"][k])) / weight for k, v in host["values"].items()})
+    means = {k: (float(v) + float(lost["values"][k])) / weight for k, v in host["values"].items()}
+    return _no_label_nan(what, means, combine_parts(means))
+
+
+def _no_label_nan(what: str, means: Mapping[str, float], combined: dict[str, float]) -> dict[str, float]:
+    """``combined`` with a NaN loss where the loss is a ``WeightedMean`` whose count summed to
+    0 (:data:`NO_LABEL`: warned). In an eval step only such a loss records parts (a plain
+    loss none), so a count of 0 is nothing scored; each minibatch's loss is 0 there, as
+    training's must be (no gradient), which the mean would report as perfect."""
+    if means.get("loss" + PART_COUNT) == 0.0 and "loss" + PART_SUM in means:
+        warn(NO_LABEL.format(what=what), NoLabelWarning)
+        combined["loss"] = math.nan
+    return combined
 
 
 def _explained(what: str, error: Exception, model: Any, batch: Any) -> Exception | None:

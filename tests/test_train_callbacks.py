@@ -856,3 +856,34 @@ def test_a_checkpoint_ranked_by_accuracy_keeps_the_highest(tmp_path):
         metrics={"acc": ft.train.accuracy})))
     assert save.manager.mode == "max"
     assert ft.train.ModelCheckpoint(tmp_path / "c", best_metric="val_loss").manager.mode == "min"
+
+
+@pytest.mark.parametrize(("make", "right"), [
+    (lambda: ft.train.ModelCheckpoint("ckpt", monitor="val_loss", save_best_only=True),
+     "ft.train.ModelCheckpoint(directory, best_metric='val_loss')"),
+    (lambda: ft.train.ModelCheckpoint(filepath="model.keras"), "ft.train.ModelCheckpoint('model.keras')"),
+    (lambda: ft.train.ModelCheckpoint("ckpt", every_n_train_steps=500), "ft.train.ModelCheckpoint(directory, every_steps=500)"),
+    (lambda: ft.train.ModelCheckpoint("ckpt", save_top_k=2),
+     "ft.train.ModelCheckpoint(directory, best_metric=\"val_loss\", max_to_keep=2)"),
+    (lambda: ft.train.TensorBoardLogger(log_dir="runs/1"), "ft.train.TensorBoardLogger('runs/1')"),
+    (lambda: ft.train.CSVLogger(filename="log.csv"), "ft.train.CSVLogger('log.csv')"),
+])
+def test_keras_and_lightning_callback_keywords_name_functrees_call(make, right):
+    """Keras's ``ModelCheckpoint(filepath, monitor=, save_best_only=)``, Lightning's
+    ``every_n_train_steps=``/``save_top_k=`` and Keras's ``TensorBoard(log_dir=)`` were
+    Python's bare "unexpected keyword argument" (or "missing 1 required positional
+    argument" where the path itself was a keyword): the error names the call to write."""
+    with pytest.raises(TypeError) as info:
+        make()
+    message = str(info.value)
+    assert "name)." in message.splitlines()[0] and message.splitlines()[-1].strip().startswith(f"right:  {right}")
+
+
+def test_a_misspelt_callback_keyword_names_the_closest_and_a_missing_path_is_pythons_error():
+    with pytest.raises(TypeError, match=r"^ModelCheckpoint\(\) got an unexpected keyword argument 'max_to_kep' "
+                                        r"\(did you mean 'max_to_keep'\?\)$"):
+        ft.train.ModelCheckpoint("ckpt", max_to_kep=2)
+    with pytest.raises(TypeError, match=r"^CSVLogger\(\) missing 1 required positional argument: 'path'$"):
+        ft.train.CSVLogger()
+    with pytest.raises(TypeError, match=r"^ModelCheckpoint\(\) missing 1 required positional argument: 'directory'$"):
+        ft.train.ModelCheckpoint()

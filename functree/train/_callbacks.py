@@ -715,6 +715,83 @@ how a manager writes is set where it is built.
        or:  ft.train.ModelCheckpoint(path, asynchronous=True)"""
 
 
+class Required:
+    """The default of an argument Python would report missing (a callback's ``directory``,
+    ``fit``'s ``data``): a default, so that Keras's ``ModelCheckpoint(filepath=...)`` or
+    ``fit(x=X, y=Y)`` reaches the error naming functree's call instead of Python's
+    "missing 1 required positional argument"."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+REQUIRED: Any = Required()
+
+
+def missing(cls: str, argument: str) -> TypeError:
+    """Python's own error for a required ``argument`` not given (no other keyword either)."""
+    return TypeError(f"{cls}() missing 1 required positional argument: {argument!r}")
+
+
+FOREIGN_KEYWORD = """\
+{cls}() got an unexpected keyword argument {name!r} ({library} name).
+
+    wrong:  ft.train.{cls}(..., {name}={value})
+    right:  {right}{note}"""
+
+CALLBACK_SPELLINGS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "ModelCheckpoint": {
+        "filepath": ("Keras's", "ft.train.ModelCheckpoint({value})", "a directory: each checkpoint is a step's folder"),
+        "dirpath": ("Lightning's", "ft.train.ModelCheckpoint({value})", ""),
+        "monitor": ("Keras's and Lightning's", "ft.train.ModelCheckpoint(directory, best_metric={value})",
+                    "ranks the checkpoints kept; the best is never deleted"),
+        "save_best_only": ("Keras's", 'ft.train.ModelCheckpoint(directory, best_metric="val_loss", max_to_keep=1)',
+                           "keeps the best and the latest (the one a preempted job resumes from)"),
+        "save_top_k": ("Lightning's", 'ft.train.ModelCheckpoint(directory, best_metric="val_loss", max_to_keep={value})',
+                       "keeps the latest max_to_keep and the best"),
+        "save_last": ("Lightning's", "ft.train.ModelCheckpoint(directory)", "the latest is always kept"),
+        "save_weights_only": ("Keras's and Lightning's", "ft.train.save(path, trainer.model)",
+                              "a ModelCheckpoint saves the whole job (optimizer, data position, history); "
+                              "ft.train.save writes a model alone"),
+        "save_freq": ("Keras's", "ft.train.ModelCheckpoint(directory, every_steps={value})",
+                      'save_freq="epoch" is the default: ft.train.ModelCheckpoint(directory)'),
+        "every_n_train_steps": ("Lightning's", "ft.train.ModelCheckpoint(directory, every_steps={value})", ""),
+        "every_n_epochs": ("Lightning's", "ft.train.ModelCheckpoint(directory, every_epochs={value})", ""),
+        "period": ("tf.keras's", "ft.train.ModelCheckpoint(directory, every_epochs={value})", ""),
+        "verbose": ("Keras's and Lightning's", "ft.train.ModelCheckpoint(directory)",
+                    "saves are logged to the 'functree' logger"),
+    },
+    "TensorBoardLogger": {
+        "log_dir": ("Keras's and Lightning's", "ft.train.TensorBoardLogger({value})", ""),
+        "save_dir": ("Lightning's", "ft.train.TensorBoardLogger({value})", ""),
+        "update_freq": ("Keras's", 'ft.train.TensorBoardLogger(logdir, every="log")',
+                        'every="log": each log interval (fit\'s log_every=), "epoch": epoch ends; None: both'),
+    },
+    "CSVLogger": {
+        "filename": ("Keras's", "ft.train.CSVLogger({value})", ""),
+        "separator": ("Keras's", "ft.train.CSVLogger(path)", "the file is comma-separated (Python's csv module)"),
+    },
+}
+"""Other libraries' keywords for functree's callbacks (Keras's, Lightning's): ``(library,
+the call to write here, a note)``, for :func:`foreign_keyword`."""
+
+
+def foreign_keyword(cls: str, unknown: dict[str, Any], init: Callable[..., Any]) -> TypeError:
+    """The error for the first of ``unknown`` (keywords ``cls`` does not take): another
+    library's name (:data:`CALLBACK_SPELLINGS`) with the call to write here, else
+    Python's own message with the closest of ``init``'s parameters."""
+    name, value = next(iter(unknown.items()))
+    if name in CALLBACK_SPELLINGS[cls]:
+        library, right, note = CALLBACK_SPELLINGS[cls][name]
+        shown = repr(value) if len(repr(value)) <= 60 else type(value).__name__
+        return TypeError(FOREIGN_KEYWORD.format(cls=cls, name=name, library=library, value=shown,
+                                                right=right.format(value=shown), note=f"   # {note}" if note else ""))
+    names = [p for p in inspect.signature(init).parameters if p not in ("self", "unknown")]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return TypeError(f"{cls}() got an unexpected keyword argument {name!r}{hint}")
+
+
 class ModelCheckpoint(Callback):
     """Save the trainer (model, optimizer state with its learning context, layer state,
     PRNG key, position in the data, history, the callbacks' states and ``extra``) through
@@ -757,11 +834,15 @@ class ModelCheckpoint(Callback):
 
     reads_model = True
 
-    def __init__(self, directory: str | os.PathLike[str] | CheckpointManager, *,
+    def __init__(self, directory: str | os.PathLike[str] | CheckpointManager = REQUIRED, *,
                  every_steps: int | None = None, max_to_keep: int | None = 3,
                  best_metric: str | None = None, mode: str | None = None,
                  extra: Callable[[TrainerView], Any] | None = None, every_epochs: int = 1,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, **unknown: Any):
+        if unknown:
+            raise foreign_keyword("ModelCheckpoint", unknown, ModelCheckpoint.__init__)
+        if directory is REQUIRED:
+            raise missing("ModelCheckpoint", "directory")
         for what, value in (("every_steps", every_steps), ("every_epochs", every_epochs)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(BAD_EVERY.format(what=what, value=value))

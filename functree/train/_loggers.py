@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from functree.train._callbacks import Callback, TrainingContext
+from functree.train._callbacks import REQUIRED, Callback, TrainingContext, foreign_keyword, missing
 
 if TYPE_CHECKING:
     from functree.train._trainer import Trainer
@@ -140,7 +140,12 @@ class CSVLogger(Callback):
 
     reads_model = False  # the context alone: the Trainer keeps its one-interval-late read
 
-    def __init__(self, path: str | os.PathLike[str], *, every: str = "epoch", append: bool = False):
+    def __init__(self, path: str | os.PathLike[str] = REQUIRED, *, every: str = "epoch", append: bool = False,
+                 **unknown: Any):
+        if unknown:
+            raise foreign_keyword("CSVLogger", unknown, CSVLogger.__init__)
+        if path is REQUIRED:
+            raise missing("CSVLogger", "path")
         self.path = Path(path)
         self.every = _check_every("CSVLogger", every)
         self.append = append
@@ -226,7 +231,11 @@ class TensorBoardLogger(Callback):
 
     reads_model = False  # the context alone: the Trainer keeps its one-interval-late read
 
-    def __init__(self, logdir: str | os.PathLike[str], *, every: str | None = None):
+    def __init__(self, logdir: str | os.PathLike[str] = REQUIRED, *, every: str | None = None, **unknown: Any):
+        if unknown:
+            raise foreign_keyword("TensorBoardLogger", unknown, TensorBoardLogger.__init__)
+        if logdir is REQUIRED:
+            raise missing("TensorBoardLogger", "logdir")
         try:
             import tensorboardX
         except ImportError as e:

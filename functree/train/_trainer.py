@@ -34,6 +34,7 @@ from functree.optim._average import keeps_average
 from functree.optim._multisteps import warn_unapplied
 from functree.optim._skip import DEFAULT_ON_NAN
 from functree.train._callbacks import (
+    REQUIRED,
     Callback,
     ModelCheckpoint,
     TrainingContext,
@@ -128,15 +129,7 @@ _LOG = logging.getLogger("functree.train")
 _KEEP: Any = object()  # Trainer.save(extra=) not given: the job's extra is saved
 
 
-class _Required:
-    """The default of ``data``: none given (a default, so that ``fit(x=X, y=Y)`` reaches the
-    error naming ``data=(x, y)`` instead of Python's "missing 1 required positional argument")."""
-
-    def __repr__(self) -> str:
-        return "<required>"
-
-
-_NO_DATA: Any = _Required()
+_NO_DATA: Any = REQUIRED  # data's default: fit(x=X, y=Y) reaches the error naming data=(x, y)
 
 # Other libraries' keyword names, per method: (library, the call to write here, why). The call
 # is formatted with ``value`` (the value given, shortened), ``on`` (Keras's verbose as a flag),

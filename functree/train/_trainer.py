@@ -1014,6 +1014,8 @@ class Trainer(Evaluation):
         (:meth:`Evaluation.evaluate`): the loss and plain metrics weighted by minibatch size,
         a counting metric (``accuracy``) by its counted labels, Σ hits / Σ counted over
         every minibatch (labels of -100 left out, as torch's and HF's per-token accuracy).
+        A ``reduction="weighted"`` loss that scored no label over all of ``data`` is NaN,
+        with a :class:`~functree.train.NoLabelWarning` (its minibatches' 0s are no loss).
         Other libraries' names (Keras's ``x=``, ``verbose=``) raise an error naming the
         equivalent."""
         if unknown:

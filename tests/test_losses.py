@@ -607,6 +607,28 @@ def test_softmax_cross_entropy_ignore_index_beyond_the_labels_dtype_is_a_named_e
         ft.losses.softmax_cross_entropy(jnp.ones((2, 3)), np.array([1, 2**40]), ignore_index=2**40)
 
 
+def test_an_ignore_index_that_is_no_python_int_is_a_named_error():
+    """The issue: ignore_index=jnp.asarray(-100) (or an ignore_index traced by a jax.jit of your
+    own) failed deep inside jax.jit ("Non-hashable static arguments are not supported"), and a
+    string one in a comparison; each of the three cross entropies names the int to give. A
+    NumPy int is read as the int it is."""
+    logits, labels = np.array([[2.0, 0.0], [0.0, 1.0], [1.0, 3.0]], np.float32), np.array([0, -100, 1])
+    calls = [("softmax_cross_entropy", lambda ig: ft.losses.softmax_cross_entropy(logits, labels, ignore_index=ig)),
+             ("nll", lambda ig: ft.losses.nll(jax.nn.log_softmax(logits), labels, ignore_index=ig)),
+             ("linear_cross_entropy", lambda ig: ft.losses.linear_cross_entropy(logits, np.eye(2, dtype=np.float32),
+                                                                               labels, ignore_index=ig))]
+    kept = -jax.nn.log_softmax(logits)[[0, 2], [0, 1]]
+    for name, loss in calls:
+        np.testing.assert_allclose(float(loss(np.int64(-100))), float(jnp.mean(kept)), rtol=0, atol=1e-6)
+        for bad, fix in [(jnp.asarray(-100), r"int\(pad\)"), (np.array(-100), r"int\(pad\)"),
+                         (-100.0, "-100"), (True, "None"), ("-100", "-100")]:
+            with pytest.raises(TypeError, match=rf"(?s)^{name}: ignore_index must be a Python int.*"
+                                                rf"right:  ft.losses.{name}\(.*ignore_index={fix}"):
+                loss(bad)
+        with pytest.raises(TypeError, match=rf"^{name}: ignore_index must be a Python int.*traced by jax.jit"):
+            jax.jit(loss)(-100)
+
+
 @pytest.mark.parametrize("delta", [0.0, -1.0, float("nan"), np.float32(0.0)])
 def test_huber_refuses_a_delta_that_is_not_positive_as_torch(delta):
     """The issue: delta=0.0 silently gave a loss of 0.0, delta=-1.0 a negative loss (-2.0 for

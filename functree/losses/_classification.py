@@ -153,6 +153,14 @@ with it. Map those labels to the default ignore_index on the host first:
     right:  ft.losses.softmax_cross_entropy(logits, np.where(labels == {index}, -100, labels))
 """
 
+BAD_IGNORE_INDEX = """\
+{loss}: ignore_index must be a Python int (the label of the positions to skip, -100 by \
+default, as torch's) or None (every label scored), got {given}. {why}
+
+    wrong:  ft.losses.{loss}({args}, ignore_index={wrong})
+    right:  ft.losses.{loss}({args}, ignore_index={right})
+"""
+
 
 def softmax_cross_entropy(
     logits: Any,
@@ -227,6 +235,7 @@ def softmax_cross_entropy(
     name = "softmax_cross_entropy"
     logits = check_float(name, "logits", logits)  # (float32 for half: the kernel's)
     label_smoothing = _smoothing(label_smoothing)
+    ignore_index = _ignore_index(name, ignore_index, "logits, labels")
     check_reduction(name, reduction)
     _check_classes(logits)
     # NumPy and Python labels are read on the host before jnp.asarray: with x64 off it wraps an
@@ -245,7 +254,6 @@ def softmax_cross_entropy(
                 )
             )
         _check_labels(given, classes, ignore_index, logits)
-        _check_ignore_width(ignore_index)
         indices = True
     elif given.shape == logits.shape:
         if not jnp.issubdtype(given.dtype, jnp.floating):
@@ -366,6 +374,32 @@ def _check_labels(labels: Any, classes: int, ignore_index: int | None, logits: j
         raise ValueError(LABEL_OUT_OF_RANGE.format(label=label, where=list(where), skip=skip,
                                                    logits=short_array(logits), last=classes - 1, classes=classes,
                                                    ignore=ignore_index))
+
+
+def _ignore_index(loss: str, value: Any, args: str) -> int | None:
+    """``ignore_index`` as a Python int (or None), in the range of JAX's labels
+    (:func:`_check_ignore_width`), or :data:`BAD_IGNORE_INDEX`: it is a static option of the
+    compiled kernel, where a JAX array (a traced one too) failed deep in ``jax.jit`` ("Non-hashable
+    static arguments"), and torch refuses anything but an int. ``args``: the loss's leading
+    arguments, for the message."""
+    if value is None:
+        return None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        _check_ignore_width(int(value))
+        return int(value)
+    if isinstance(value, (jax.Array, np.ndarray)):  # (a tracer is a jax.Array)
+        given = short_array(value)
+        why = ("An array (a JAX array, or a value traced by jax.jit) is not supported: the ignored label is "
+               "fixed when the loss is traced (under a jax.jit of your own, pass it as a static argument).")
+        wrong, right = "jnp.asarray(pad)", "int(pad)   # concrete; under a jax.jit, a static argument"
+    elif isinstance(value, (bool, np.bool_)):
+        given, why = repr(value), "A bool is no label (True would skip the class 1); None skips nothing."
+        wrong, right = repr(value), "None"
+    else:
+        given, why = repr(value), "Class labels are integers (torch's ignore_index is an int too)."
+        whole = isinstance(value, (float, np.floating)) and float(value).is_integer()
+        wrong, right = repr(value), (int(value) if whole else -100)
+    raise TypeError(BAD_IGNORE_INDEX.format(loss=loss, given=given, why=why, args=args, wrong=wrong, right=right))
 
 
 def _check_ignore_width(ignore_index: int | None) -> None:

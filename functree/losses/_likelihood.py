@@ -16,7 +16,7 @@ import numpy as np
 
 from functree._repr import short_array
 from functree.losses._checks import check_indices, check_number, class_weight, element_weight
-from functree.losses._classification import _check_ignore_width, _wide
+from functree.losses._classification import _ignore_index, _wide
 from functree.losses._reduction import (
     _array,
     _describe,
@@ -109,6 +109,7 @@ def nll(log_probs: Any, labels: Any, *, weight: Any = None, ignore_index: int | 
     name = "nll"
     log_probs = check_float(name, "log_probs", log_probs)
     check_reduction(name, reduction)
+    ignore_index = _ignore_index(name, ignore_index, "log_probs, labels")
     if not log_probs.ndim:
         raise ValueError(NLL_LABEL_SHAPE.format(scores=short_array(log_probs), index_shape="[]",
                                                 given=_describe(labels), torch_layout="",
@@ -123,8 +124,6 @@ def nll(log_probs: Any, labels: Any, *, weight: Any = None, ignore_index: int | 
             if torch_layout else "",
             right="ft.losses.nll(jnp.moveaxis(log_probs, 1, -1), labels)" if torch_layout
             else f"ft.losses.nll(log_probs, labels.reshape({list(index_shape)}))"))
-    if ignore_index is not None:
-        _check_ignore_width(ignore_index)
     check_indices(name, "labels", labels, index_shape, log_probs, ignore=ignore_index,
                   allowed="" if ignore_index is None else f", or ignore_index {ignore_index}",
                   fix="" if ignore_index is None else f", or {ignore_index} (ignore_index) to skip a position")

@@ -24,9 +24,9 @@ import numpy as np
 from functree._repr import short_array
 from functree.losses._classification import (
     NOT_INTEGER_LABELS,
-    _check_ignore_width,
     _check_labels,
     _class_weights,
+    _ignore_index,
     _smoothing,
     _softmax_cross_entropy,
 )
@@ -129,7 +129,7 @@ def linear_cross_entropy(hidden: Any, head: Any, labels: Any, *, bias: Any = Non
     hidden = check_float(name, "hidden", hidden)
     smoothing = _smoothing(label_smoothing)
     check_reduction(name, reduction)
-    _check_ignore_width(ignore_index)
+    ignore_index = _ignore_index(name, ignore_index, "hidden, head, labels")
     if hidden.ndim < 1:
         raise ValueError(HEAD_OUTPUT.format(given=short_array(hidden), out="nothing: hidden has no width axis"))
     width = hidden.shape[-1]

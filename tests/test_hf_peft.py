@@ -1095,3 +1095,46 @@ def test_no_target_modules_and_a_named_adapters_folder_are_refused_with_their_fi
     with pytest.raises(ValueError, match=r"no adapter_config.json; its subfolders \['second'\] hold adapters .*"
                                          r"ft.nn.load_lora\(model, '.*outer/second'\)"):
         ft.nn.load_lora(base, tmp_path / "outer")
+
+
+class _Attending(ft.Module):
+    """ft's twin of a torch module holding ``self.attn = nn.MultiheadAttention(16, 4,
+    batch_first=True)`` and ``self.head = nn.Linear(16, 3)``."""
+
+    attn: ft.nn.MultiheadAttention
+    head: ft.nn.Dense
+
+    def __call__(self, x):
+        return self.head(self.attn(x))
+
+
+class _TorchAttending(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_an_adapter_on_torch_multihead_attentions_out_proj_is_refused_both_ways(tmp_path):
+    """torch's MultiheadAttention.forward reads out_proj.weight and never calls out_proj, so
+    PEFT's PeftModel ignored an adapter there: save_lora wrote the output projection's
+    adapter as "attn.out_proj", and PEFT's logits were 1.64 off functree's (of 1.32, no
+    error); a PEFT file adapting it loaded as PEFT's merged model, 2.27 off its PeftModel.
+    Both refused (MHA_OUTPUT); the head beside it loads and saves as before."""
+    net = _Attending(ft.nn.MultiheadAttention(16, 4, key=jax.random.key(0)), ft.nn.Dense(16, 3, key=jax.random.key(1)))
+    adapted = ft.nn.lora(net, ["attn.output_projection", "head"], rank=2, key=jax.random.key(2))
+    with pytest.raises(ValueError, match=r"(?s)save_lora: the adapted layer is 'attn.output_projection', the output "
+                                         r"projection of a MultiheadAttention .*never calls out_proj.*"
+                                         r"right:  torch_model.load_state_dict\(ft.nn.torch_state_dict\(ft.nn.merge_lora"):
+        ft.nn.save_lora(adapted, tmp_path / "ours")
+    torch_net = _TorchAttending()
+    torch_net.load_state_dict(ft.nn.torch_state_dict(net))
+    theirs = peft.get_peft_model(torch_net, peft.LoraConfig(r=2, target_modules=["out_proj", "head"]))
+    theirs.save_pretrained(tmp_path / "peft")
+    with pytest.raises(ValueError, match=r"(?s)load_lora: the adapter's target_modules select 'attn.out_proj'.*"
+                                         r'exclude_modules=\["attn.out_proj"\]'):
+        ft.nn.load_lora(net, tmp_path / "peft")
+    ft.nn.save_lora(ft.nn.lora(net, "head", rank=2, key=jax.random.key(2)), tmp_path / "head")  # no refusal

@@ -96,6 +96,16 @@ NO_NAME = """\
 ft.nn.save_lora: the adapted layer {layer!r} has no {torch} weight name (its weight is not \
 written as a Linear's "<module>.weight"), so PEFT has no module to put its adapter on."""
 
+MHA_OUTPUT = """\
+ft.nn.{what}: {subject} {module!r}, the output projection of a MultiheadAttention held as \
+torch's nn.MultiheadAttention ({layer!r}: in_proj_weight and out_proj). torch's \
+MultiheadAttention.forward reads out_proj.weight directly and never calls out_proj, so PEFT's \
+PeftModel ignores an adapter there without a word (its merge_and_unload folds it in: two \
+models from one file); PEFT's own docs say not to target it. {consequence}
+    wrong:  {wrong}
+    right:  {right}"""
+
+
 NOT_PEFT = """\
 ft.nn.load_lora: {directory!r} is not a PEFT LoRA adapter directory: {problem}.
     right:  ft.nn.load_lora(model, "path/to/adapter")   # adapter_config.json (peft_type "LORA") and
@@ -553,6 +563,13 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
             found = names.members.get(name)
             if found is None or not found.weight_param:
                 raise ValueError(NO_NAME.format(layer=name, torch=kind))
+            if _mha_output(name, names) is not None:
+                raise ValueError(MHA_OUTPUT.format(
+                    what="save_lora", subject="the adapted layer is", module=name, layer=found.module[:-9] or "",
+                    consequence="The saved adapter would give PEFT other logits than this model's.",
+                    wrong=f'ft.nn.lora(model, "{name}", ...); ft.nn.save_lora(model, directory)',
+                    right="torch_model.load_state_dict(ft.nn.torch_state_dict(ft.nn.merge_lora(model)))"
+                          "   # the adapter folded in, or adapt other layers"))
             by_module.setdefault(found.module, []).append((name, a, b, scale))
         dropouts.append(layer.node.dropout)
     routers = router_modules(model, names) & set(by_module)  # written as PEFT's target_parameters (their .weight)
@@ -614,6 +631,21 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         "exclude_modules": None,
     }
     _write(str(directory), tensors, config, blocks)
+
+
+def _mha_output(name: str, names: TorchNames) -> str | None:
+    """The torch module of ft member ``name`` where it is a MultiheadAttention's output
+    projection written as torch's ``nn.MultiheadAttention.out_proj`` (its query projection in
+    ``in_proj_weight`` or ``q_proj_weight``, no Linear of its own): PEFT ignores an adapter
+    there (:data:`MHA_OUTPUT`). None for any other layer (Hugging Face's ``o_proj``, OPT's
+    ``out_proj``: Linear modules their attention calls)."""
+    found = names.members.get(name)
+    if found is None or not name.endswith("output_projection") or not found.weight_param:
+        return None
+    query = names.members.get(name[: -len("output_projection")] + "query_projection")
+    if query is None or query.weight_param or found.module != join_names(query.module, "out_proj"):
+        return None
+    return found.module
 
 
 def _most_common(values: dict[str, Any]) -> Any:
@@ -1100,6 +1132,16 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
         experts, used = loaded_experts(model, config, pairs, _pattern_value)
         pairs = {m: p for m, p in pairs.items() if m not in used}
     modules = _checked_modules(config, names, pairs, kind, model, by_param)
+    outputs = [m for m in names.members if _mha_output(m, names) in modules]
+    if outputs:  # PEFT's PeftModel computes without that adapter, its merge with it
+        module = names.members[outputs[0]].module
+        raise ValueError(MHA_OUTPUT.format(
+            what="load_lora", subject="the adapter's target_modules select", module=module,
+            layer=module[:-9] or "", consequence="Which of the two models the file means is ambiguous.",
+            wrong=f'peft.LoraConfig(target_modules=[..., "{module}"])',
+            right=f'peft.LoraConfig(target_modules=[...], exclude_modules=["{module}"])   # train it again'
+                  "\n       or:  ft.nn.load_torch_state_dict(model, peft_model.merge_and_unload().state_dict())"
+                  "   # the merged model"))
     _check_base_layers(model, names, bases, modules, directory)
     layers = dense_layers(model)
     inputs = {m: int(layer.node.weight.shape[-2]) for layer in layers for m in member_layer_names(layer)}

@@ -526,6 +526,32 @@ def test_a_checkpoint_sampling_at_temperature_zero_is_refused_as_hf_refuses_it(l
                                                  temperature=0.0), greedy)
 
 
+@pytest.mark.parametrize("key", [None, jax.random.key(0)], ids=["no key", "key"])
+def test_a_checkpoint_sampling_beams_is_named_as_beam_sampling(llama, key):
+    """generation_config.json's do_sample=True with num_beams=2 is HF's beam-search sampling,
+    which ft.nn.generate does not do: it was refused as the checkpoint's "temperature=1.0,
+    which is not a valid temperature" (a value the file never held: HF's global default),
+    or asked for a key that then met that error. Both options are named with the two
+    decodings to choose from; the beam search it names equals HF's."""
+    hf, model = llama
+    ids, mask = left_padded()
+    hf_config = _HFConfigWith({}, {"do_sample": True, "num_beams": 2, "eos_token_id": EOS})
+    with pytest.raises(ValueError) as error:
+        ft.nn.generate(_WithConfig(model, hf_config), ids, 4, attention_mask=mask, key=key)
+    assert str(error.value) == _generate.CHECKPOINT_BEAM_SAMPLES.format(beams=2, whose="the checkpoint's",
+                                                                        call="" if key is None else ", key=key")
+    with pytest.raises(ValueError, match=r"with num_beams=3 \(given to generate\)"):
+        ft.nn.generate(_WithConfig(model, hf_config), ids, 4, attention_mask=mask, num_beams=3, key=key)
+    beams = ft.nn.generate(_WithConfig(model, hf_config), ids, 4, attention_mask=mask, num_beams=2, temperature=0.0)
+    with torch.no_grad():
+        expected = hf.generate(torch.from_numpy(ids).long(), attention_mask=torch.from_numpy(mask).long(),
+                               max_new_tokens=4, do_sample=False, num_beams=2, eos_token_id=EOS)
+    np.testing.assert_array_equal(np.asarray(beams)[:, :expected.shape[1]], expected.numpy())
+    sampled = ft.nn.generate(_WithConfig(model, hf_config), ids, 4, attention_mask=mask, num_beams=1,
+                             key=jax.random.key(0))
+    assert np.asarray(sampled).shape == (ids.shape[0], ids.shape[1] + 4)
+
+
 def test_top_p_zero_keeps_the_most_likely_token_as_hf(llama):
     """top_p=0.0 is HF's too (TopPLogitsWarper takes [0, 1]): only the most likely token is
     kept, so sampling at top_p=0 gives HF's greedy tokens; it was refused as outside (0, 1]."""

@@ -276,6 +276,16 @@ do_sample=True ({values}): Hugging Face's generate samples by default here, whic
     right:  ft.nn.generate(model, input_ids, 32, key=jax.random.key(0))      # HF's sampling defaults
     right:  ft.nn.generate(model, input_ids, 32, temperature=0.0)            # greedy"""
 
+CHECKPOINT_BEAM_SAMPLES = """\
+generate: the model's generation config (hf_config.generation: generation_config.json) sets \
+do_sample=True, with num_beams={beams} ({whose}): Hugging Face's generate then runs beam-search \
+sampling (each beam's next tokens drawn at random), which ft.nn.generate does not do. Say which \
+decoding you mean:
+
+    wrong:  ft.nn.generate(model, input_ids, 32{call})
+    right:  ft.nn.generate(model, input_ids, 32, num_beams={beams}, temperature=0.0)   # beam search
+    right:  ft.nn.generate(model, input_ids, 32, num_beams=1, key=key)                 # sampling"""
+
 CHECKPOINT_ZERO_TEMPERATURE = """\
 generate: the model's generation config (hf_config.generation: generation_config.json) sets \
 do_sample=True with temperature={temperature!r}: Hugging Face's generate refuses it (sampling \
@@ -620,6 +630,11 @@ def _with_defaults(given: dict[str, Any], checkpoint: dict[str, Any] | None,
     defaults = {} if checkpoint is None else checkpoint
     if options["temperature"] is None:  # HF: do_sample decides; its temperature then applies
         sample = bool(defaults.get("do_sample", False))
+        if sample and _beams(options, defaults):  # HF's beam-search sampling: named, not blamed on a temperature
+            beams = options["num_beams"] if options["num_beams"] is not None else defaults["num_beams"]
+            call = ("" if options["num_beams"] is None else f", num_beams={beams}") + ("" if key is None else ", key=key")
+            whose = "the checkpoint's" if options["num_beams"] is None else "given to generate"
+            raise ValueError(CHECKPOINT_BEAM_SAMPLES.format(beams=beams, whose=whose, call=call))
         if sample and _is_number(defaults.get("temperature")) and defaults["temperature"] == 0:
             raise ValueError(CHECKPOINT_ZERO_TEMPERATURE.format(temperature=defaults["temperature"]))
         if sample and key is None:

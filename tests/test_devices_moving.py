@@ -8,7 +8,8 @@ one step; a model whose leaves lie on two devices; ``trainer.model`` set to a mo
 device; checkpoints written on device 3 and on a mesh of 4 read onto a template on device 5
 (and here, on one device); a job written on a mesh of 8 resumed on 2 devices and on 1; a
 Llama of ``ft.nn.from_hf`` on device 2 generating and training LoRA adapters; a model
-trained data parallel over 4 of the 8 devices continued on one.
+trained data parallel over 4 of the 8 devices continued on one; eager optimizer calls given
+a state, gradients or a batch on another device than the model's.
 """
 
 from __future__ import annotations
@@ -245,6 +246,20 @@ for rules in (None, "fsdp"):
                        "reference": ref[2:]}
 report(out)
 """,
+    "an_eager_optimizer_names_a_state_on_another_device": """
+# Eager optimizer calls (no jit): the state, gradients or batch on another device than the model's
+opt = ft.optim.Optimizer(ft.optim.adam(0.05))
+model = jax.device_put(make(), D[2])
+state = opt.init(model)
+grads = jax.tree.map(jnp.ones_like, model)
+elsewhere = jax.device_put(state, D[1])
+batch = (jax.device_put(X[:8], D[1]), jax.device_put(Y[:8], D[1]))
+report({
+    "update": error_of(lambda: opt.update(grads, elsewhere, model)),
+    "grads": error_of(lambda: opt.update(jax.device_put(grads, D[1]), state, model)),
+    "minimize": error_of(lambda: opt.minimize(loss_fn, model, state, batch)),
+})
+""",
 }
 
 NEEDS_DIRECTORY = {"checkpoints_of_device_3_and_a_mesh_of_4_land_on_the_template", "a_job_of_a_mesh_of_8_resumes_on_two_devices_and_on_one"}
@@ -393,3 +408,19 @@ def test_data_parallel_over_4_of_8_then_one_device(eight):
         assert run["on"] == [[6], [6], [6]], (rules, run["on"])
         np.testing.assert_allclose(run["losses"], run["reference"], rtol=0, atol=1e-5 * max(run["reference"]))
     assert got["fsdp"]["sharding"] == "SingleDeviceSharding"  # (it was P(None, 'data') on the mesh)
+
+
+@pytest.mark.slow
+def test_an_eager_optimizer_names_a_state_on_another_device(eight):
+    """``opt.update`` / ``opt.minimize`` called eagerly with the state, the gradients or the
+    batch committed to device 1 and the model to device 2 name the argument's key path and the
+    ``jax.device_put`` that fixes it (they raised JAX's bare "Received incompatible devices for
+    jitted computation" of a ``multiply`` or a ``matmul`` inside the optimizer or the loss)."""
+    got = part(eight[0], "an_eager_optimizer_names_a_state_on_another_device")
+    for name, other in (("update", "state.context.counters"), ("grads", "grads.layers[0].weight"), ("minimize", "batch[0]")):
+        message = got[name]
+        call = "minimize" if name == "minimize" else "update"
+        assert message.startswith(f"ft.optim.Optimizer.{call}: its arguments are committed to different devices"), message
+        assert f"model.layers[0].weight is on ['cpu:2'], {other} on ['cpu:1']" in message, message
+        argument = other.split(".")[0].split("[")[0]
+        assert f"right:  {argument} = jax.device_put({argument}, jax.devices()[2])" in message, message

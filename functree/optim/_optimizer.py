@@ -47,7 +47,7 @@ from functree._parameters import with_parameters
 from functree._source import USER_FUNCTION
 from functree._tangent import move
 from functree._tree import bounded_put, cached, dotted_name
-from functree._where import placement_of, put, several_devices
+from functree._where import devices_error, placement_of, put, several_devices
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._lora import check_base_untrained
 from functree.nn._mode import in_mode, mode_free
@@ -484,7 +484,10 @@ class Optimizer:
         transform (optax's extra arguments): L-BFGS's ``value`` and ``value_fn`` (a function
         of the model, as ``loss_fn``; see :func:`extra_arguments`), with ``grad`` defaulting
         to these gradients and ``grad_fn`` (``optax.contrib.sam(..., opaque_mode=True)``'s)
-        to the gradient of ``value_fn``.
+        to the gradient of ``value_fn``. Called eagerly with a state or gradients committed to
+        other devices than the model's, it names them by key path with the ``jax.device_put``
+        that fixes it (:data:`~functree._where.INCOMPATIBLE_DEVICES`; as :meth:`minimize` does
+        for its batch).
         """
         if not isinstance(state, OptimizerState):
             if state is _NOT_GIVEN or (isinstance(grads, Module) and isinstance(state, Module)):
@@ -493,6 +496,7 @@ class Optimizer:
             raise TypeError(NOT_OPTIMIZER_STATE.format(given=type(state).__name__))
         # The state is kept mode-free (Optimizer.init): the training flag, static, is taken
         # out of the trees optax sees and put back into the updates.
+        named = [("model", model), ("state", state), ("grads", grads)]  # (an eager call's devices, by key path)
         params = None if model is None else trained_view(model, self.wrt)
         frozen = None if params is None else frozen_members(model, self.wrt)  # members of stacked leaves
         if self.wrt is not None and params is not None:
@@ -519,6 +523,10 @@ class Optimizer:
                 raise TypeError(EXTRAS_REFUSED.format(error=e)) from e
             except GroupStateChanged as e:  # its recipe's key paths from this state's root
                 raise ValueError(e.message(_partition_path(state.inner, e.labels), optimizer=True)) from None
+            except ValueError as e:  # eager: a state (or grads) committed to other devices than the model's
+                if (apart := devices_error("ft.optim.Optimizer.update", e, named)) is None:
+                    raise
+                raise apart from None
         check_not_passed_through(grads, updates)  # optax.masked's pass-through as the last step: p + g
         if partial is not None:
             updates, inner = keep_unchanged(partial, updates, inner, state.inner)
@@ -694,7 +702,13 @@ class Optimizer:
         mean over the replicas: the global batch's loss. Layer state that the model records in training mode
         (BatchNorm statistics) is collected and written back into the returned model.
         """
-        result = self.step(loss_fn, model, state, batch, has_aux=has_aux, minibatch_size=minibatch_size)
+        try:
+            result = self.step(loss_fn, model, state, batch, has_aux=has_aux, minibatch_size=minibatch_size)
+        except ValueError as e:  # eager: state or batch committed to other devices than the model's
+            named = [("model", model), ("state", state), ("batch", batch[0] if len(batch) == 1 else batch)]
+            if (apart := devices_error("ft.optim.Optimizer.minimize", e, named)) is None:
+                raise
+            raise apart from None
         out = result.out  # a WeightedMean loss comes back as its value
         return result.model, result.state, ((loss_value(out[0]), *out[1:]) if has_aux else loss_value(out))
 

@@ -9,7 +9,8 @@ device; checkpoints written on device 3 and on a mesh of 4 read onto a template 
 (and here, on one device); a job written on a mesh of 8 resumed on 2 devices and on 1; a
 Llama of ``ft.nn.from_hf`` on device 2 generating and training LoRA adapters; a model
 trained data parallel over 4 of the 8 devices continued on one; eager optimizer calls given
-a state, gradients or a batch on another device than the model's.
+a state, gradients or a batch on another device than the model's; a learning rate read on
+another device set into a state.
 """
 
 from __future__ import annotations
@@ -260,6 +261,24 @@ report({
     "minimize": error_of(lambda: opt.minimize(loss_fn, model, state, batch)),
 })
 """,
+    "a_learning_rate_from_another_device_is_set": """
+# A rate read from another job's state (on device 1) set into this job's (on device 2)
+opt = ft.optim.Optimizer(ft.optim.adam(0.05))
+model = jax.device_put(make(), D[2])
+state = opt.init(model)
+rate = ft.optim.hyperparameters(opt.init(jax.device_put(make(), D[1])))["learning_rate"] * 0.5
+step = ft.train.train_step(loss_fn, opt, donate=False)
+out = {}
+for name, value in (("committed", rate), ("number", 0.025)):
+    try:
+        new = ft.optim.set_hyperparameters(state, learning_rate=value)
+    except ValueError as e:
+        out[name] = str(e)
+        continue
+    stepped, new, _ = step(model, new, BATCHES[0])
+    out[name] = {"on": [on(new), on(stepped)], "values": values(stepped)}
+report(out)
+""",
 }
 
 NEEDS_DIRECTORY = {"checkpoints_of_device_3_and_a_mesh_of_4_land_on_the_template", "a_job_of_a_mesh_of_8_resumes_on_two_devices_and_on_one"}
@@ -424,3 +443,16 @@ def test_an_eager_optimizer_names_a_state_on_another_device(eight):
         assert f"model.layers[0].weight is on ['cpu:2'], {other} on ['cpu:1']" in message, message
         argument = other.split(".")[0].split("[")[0]
         assert f"right:  {argument} = jax.device_put({argument}, jax.devices()[2])" in message, message
+
+
+@pytest.mark.slow
+def test_a_learning_rate_from_another_device_is_set(eight):
+    """``ft.optim.set_hyperparameters(state, learning_rate=rate)`` with the state on device 2 and
+    ``rate`` an array committed to device 1 (read from another job's state): the rate goes to
+    the state's device and the step's numbers are those of the same rate given as a number (it
+    raised JAX's bare "Received incompatible devices for jitted computation" of
+    ``_set_columns``, where an ``optax.inject_hyperparams`` state took the value)."""
+    got = part(eight[0], "a_learning_rate_from_another_device_is_set")
+    assert isinstance(got["committed"], dict), got["committed"]
+    assert got["committed"]["on"] == got["number"]["on"] == [[2], [2]]
+    assert got["committed"]["values"] == got["number"]["values"]

@@ -36,7 +36,7 @@ from functree._host_buffers import private
 from functree._parameters import parameters
 from functree._tree import is_none, register_record
 from functree._warnings import warn
-from functree._where import placement_of, put
+from functree._where import following, placement_of, put
 from functree.nn._mode import in_mode, mode_free
 from functree.optim._checks import check_redefined, checked_gradients, keep_unchanged
 from functree.optim._context import LearningContext, advance, current, initial_context
@@ -902,7 +902,8 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
     (``"head.*/learning_rate"``, as :func:`hyperparameters` lists it) changes one group's.
     Scheduled hyperparameters cannot be set (a ``ValueError``); the state is not mutated.
     On a stacked state (a vmapped ensemble or sweep) give a scalar for every member or an
-    array with one value per member.
+    array with one value per member. A value committed to other devices than the state's (a
+    rate read from another job's state) is put on the state's, as a NumPy value is.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -947,6 +948,7 @@ def set_hyperparameters(state: Any, values: Mapping[str, Any] | None = None, **c
             return node
         dtype = node.values.dtype  # the state's precision: host values rounded on the host, as jnp.array does
         new = tuple(v if isinstance(v, jax.Array) else np.array(v, dtype) for _, v in hits)
+        new = following(node.values, new)  # a value committed to another device: to the state's, as NumPy's
         return node.replace(values=_set_columns(node.values, tuple(i for i, _ in hits), new))
 
     return jax.tree_util.tree_map_with_path(replace, state, is_leaf=_is_node)

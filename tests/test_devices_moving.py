@@ -10,7 +10,7 @@ device; checkpoints written on device 3 and on a mesh of 4 read onto a template 
 Llama of ``ft.nn.from_hf`` on device 2 generating and training LoRA adapters; a model
 trained data parallel over 4 of the 8 devices continued on one; eager optimizer calls given
 a state, gradients or a batch on another device than the model's; a learning rate read on
-another device set into a state.
+another device set into a state; ``ft.nn.update_bn`` over batches on another device.
 """
 
 from __future__ import annotations
@@ -279,6 +279,19 @@ for name, value in (("committed", rate), ("number", 0.025)):
     out[name] = {"on": [on(new), on(stepped)], "values": values(stepped)}
 report(out)
 """,
+    "update_bn_of_a_model_on_device_two_over_batches_on_device_one": """
+k1, k2 = jax.random.split(jax.random.key(0))
+model = jax.device_put(ft.nn.Sequential(ft.nn.Dense(3, 8, key=k1), ft.nn.BatchNorm(8), ft.nn.Dense(8, 1, key=k2)), D[2])
+out = {}
+for name, batches in (("committed", [jax.device_put(b, D[1]) for b in BATCHES[:2]]), ("numpy", BATCHES[:2])):
+    try:
+        fresh = ft.nn.update_bn(model, batches)
+    except ValueError as e:
+        out[name] = str(e)
+        continue
+    out[name] = {"on": on(fresh), "values": values(fresh)}
+report(out)
+""",
 }
 
 NEEDS_DIRECTORY = {"checkpoints_of_device_3_and_a_mesh_of_4_land_on_the_template", "a_job_of_a_mesh_of_8_resumes_on_two_devices_and_on_one"}
@@ -456,3 +469,15 @@ def test_a_learning_rate_from_another_device_is_set(eight):
     assert isinstance(got["committed"], dict), got["committed"]
     assert got["committed"]["on"] == got["number"]["on"] == [[2], [2]]
     assert got["committed"]["values"] == got["number"]["values"]
+
+
+@pytest.mark.slow
+def test_update_bn_of_a_model_on_device_two_over_batches_on_device_one(eight):
+    """``ft.nn.update_bn(model, batches)`` of a model on device 2 over ``(x, y)`` batches
+    committed to device 1 (torch's ``update_bn(loader, model, device=)`` moves them): the
+    statistics of the same batches given as NumPy, on device 2 (it raised JAX's bare "Received
+    incompatible devices for jitted computation" of ``_recorded``)."""
+    got = part(eight[0], "update_bn_of_a_model_on_device_two_over_batches_on_device_one")
+    assert isinstance(got["committed"], dict), got["committed"]
+    assert got["committed"]["on"] == got["numpy"]["on"] == [2]
+    assert got["committed"]["values"] == got["numpy"]["values"]

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functree._where import following
 from functree.nn._normalization import BatchNorm
 from functree.nn._state import apply_state, collect_state
 
@@ -91,7 +92,8 @@ def update_bn(model: Any, batches: Iterable[Any], call: Callable[[Any, Any], Any
     whole. The returned model keeps every other field as ``model`` had it: each BatchNorm's
     momentum, epsilon and mode, every other layer's mode (a layer in inference mode, such as
     dropout, stays so; torch's ``update_bn`` puts the whole model in training mode) and the
-    model's other state (dropout keys). A BatchNorm with ``momentum=None`` keeps the new
+    model's other state (dropout keys). A batch committed to another device than the model's
+    is put on the model's (torch's ``device=``), as ``Trainer.evaluate`` puts its data. A BatchNorm with ``momentum=None`` keeps the new
     count (torch's ``num_batches_tracked``). Each batch is one compiled call (a new batch
     shape compiles again); run it eagerly, not under ``jax.jit``.
 
@@ -113,6 +115,7 @@ def update_bn(model: Any, batches: Iterable[Any], call: Callable[[Any, Any], Any
     seen = 0
     for batch in batches:
         x = batch[0] if call is None and isinstance(batch, (tuple, list)) else batch
+        x = following(working, x)  # a batch committed to another device than the model's: moved there
         working = _recorded(working, x, call if call is not None else _called)
         seen += 1
     if not seen:

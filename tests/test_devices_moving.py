@@ -10,7 +10,8 @@ device; checkpoints written on device 3 and on a mesh of 4 read onto a template 
 Llama of ``ft.nn.from_hf`` on device 2 generating and training LoRA adapters; a model
 trained data parallel over 4 of the 8 devices continued on one; eager optimizer calls given
 a state, gradients or a batch on another device than the model's; a learning rate read on
-another device set into a state; ``ft.nn.update_bn`` over batches on another device.
+another device set into a state; ``ft.nn.update_bn`` over batches on another device;
+``ft.nn.generate`` of a model whose head lies on another device than its body.
 """
 
 from __future__ import annotations
@@ -292,6 +293,16 @@ for name, batches in (("committed", [jax.device_put(b, D[1]) for b in BATCHES[:2
     out[name] = {"on": on(fresh), "values": values(fresh)}
 report(out)
 """,
+    "generate_names_a_model_on_two_devices": """
+config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "bos_token_id": 0, "eos_token_id": 1, "max_position_embeddings": 64}
+model = jax.device_put(ft.nn.from_hf(config, key=jax.random.key(0)), D[2])
+model = ft.set(model, "lm_head.weight", jax.device_put(model.lm_head.weight, D[1]))  # the head put apart
+ids = np.random.default_rng(0).integers(2, 64, (2, 5)).astype(np.int32)
+report({"greedy": error_of(lambda: ft.nn.generate(model, ids, 3, temperature=0.0)),
+        "beams": error_of(lambda: ft.nn.generate(model, ids, 3, num_beams=2))})
+""",
 }
 
 NEEDS_DIRECTORY = {"checkpoints_of_device_3_and_a_mesh_of_4_land_on_the_template", "a_job_of_a_mesh_of_8_resumes_on_two_devices_and_on_one"}
@@ -481,3 +492,16 @@ def test_update_bn_of_a_model_on_device_two_over_batches_on_device_one(eight):
     assert isinstance(got["committed"], dict), got["committed"]
     assert got["committed"]["on"] == got["numpy"]["on"] == [2]
     assert got["committed"]["values"] == got["numpy"]["values"]
+
+
+@pytest.mark.slow
+def test_generate_names_a_model_on_two_devices(eight):
+    """``ft.nn.generate`` of a Llama on device 2 whose ``lm_head`` was set from an array on
+    device 1 names both key paths and the ``jax.device_put`` of the whole model
+    (``LEAVES_ON_DEVICES``, as ``ft.jit``, the train step and the Trainer do); it raised JAX's
+    bare "Received incompatible devices for jitted computation" of ``generate_loop``."""
+    got = part(eight[0], "generate_names_a_model_on_two_devices")
+    for name, message in got.items():
+        assert message.startswith("ft.nn.generate: model's own arrays are committed to different devices"), (name, message)
+        assert "model.model.embed_tokens.embeddings is on ['cpu:2'], model.lm_head.weight on ['cpu:1']" in message, message
+        assert "right:  model = jax.device_put(model, jax.devices()[2])" in message, message

@@ -53,7 +53,7 @@ from jax.core import Tracer
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
 from functree._repr import first_index, short_array
-from functree._where import following
+from functree._where import devices_error, following
 from functree.generation import _decode, _memory
 from functree.generation._controls import (
     CONTROLS,
@@ -544,6 +544,9 @@ def generate(
     try:
         tokens, scores = _running(run, model, prompt, new)
     except ValueError as error:
+        # the model's own leaves on different devices (ids, mask and key follow it): named
+        if (apart := devices_error("ft.nn.generate", error, [("model", model)])) is not None:
+            raise apart from None
         if exact or run.exact or is_stale_error(error):
             raise
         # the model refused the bucket's sizes while tracing (e.g. longrope's switch point

@@ -1,6 +1,7 @@
 """Schedules of the learning context: piecewise (CNTK), optax schedules by unit."""
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -177,3 +178,26 @@ def test_schedules_in_samples_are_exact_int64_under_x64():
         seen = []
         fo.schedule(lambda c: seen.append(c.dtype) or c * 0.0, unit="samples")(_at(3 * BIG))
         assert seen == [jnp.int64]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: fo.linear_warmup(1e-3, 0.5, unit="sweeps"),
+     r"(?s)warmup_steps=0.5 is not a whole number.*whole first sweep at init_value.*"
+     r"right:  ft.optim.linear_warmup\(0.001, round\(0.5 \* steps_per_sweep\)\)"),
+    (lambda: fo.linear_warmup(0.0, 1e-3, 1000),
+     r"(?s)warmup_steps=0.001 is not a whole number.*optax.linear_schedule's order.*"
+     r"right:  ft.optim.linear_warmup\(0.001, 1000\)"),
+    (lambda: fo.warmup_cosine_decay(0.0, 1e-3, 468.9, 4689),
+     r"(?s)warmup_steps=468.9 is not a whole number.*peak only at step 469.*"
+     r"right:  ft.optim.warmup_cosine_decay\(0.0, 0.001, 469, 4689\)"),
+], ids=["half_a_sweep", "optax_order", "float_warmup"])
+def test_a_warmup_of_a_fraction_of_a_count_is_refused(make, message):
+    # The context counts in integers: linear_warmup(1e-3, 0.5, unit="sweeps") held the rate at
+    # 0.0 through the whole first epoch (the model never moved), and linear_warmup(0.0, 1e-3, 1000),
+    # optax.linear_schedule's order, stepped at a rate of 1000 and then 0.0, silently.
+    with pytest.raises(ValueError, match=message) as info:
+        make()
+    assert "wrong:  ft.optim." in str(info.value)
+    for whole in (0, 4, 4.0, np.int64(4)):  # whole counts, floats and NumPy's included, are taken
+        fo.linear_warmup(1e-3, whole)
+        fo.warmup_cosine_decay(0.0, 1e-3, whole, 100)

@@ -60,6 +60,48 @@ it came {early} {unit} early).{hint} Give whole counts:
 """
 
 
+FRACTIONAL_WARMUP = """\
+ft.optim.{where}: warmup_steps={given!r} is not a whole number; the learning context counts \
+{unit} in integers, so the rate is init_value at {one} 0 and reaches the peak only at \
+{one} {ceil}, not after {given!r} {unit}{effect}.{hint} Give a whole count:
+
+    wrong:  ft.optim.{where}({before}{given!r}{after})
+    right:  {right}"""
+
+
+def _check_warmup(where: str, warmup_steps: Any, unit: str, before: str, after: str,
+                  swapped: str | None = None) -> None:
+    """:data:`FRACTIONAL_WARMUP` for a warmup of a fraction of a count: ``0.5`` sweeps held
+    the rate at ``init_value`` (0.0 by default) through the whole first sweep, and a
+    warmup below one step is :func:`linear_warmup` given ``optax.linear_schedule``'s order
+    (``linear_warmup(0.0, 1e-3, 1000)``: a rate of 1000 at the first step, 0.0 after it),
+    whose call in its own order is ``swapped``."""
+    check_argument(where, "warmup_steps", warmup_steps, bool(np.isfinite(warmup_steps)), "finite",
+                   "the count of steps (or samples, sweeps) before the peak", "1000", before)
+    if float(warmup_steps) == int(warmup_steps):
+        return
+    sweeps = unit == "sweeps"
+    small = not sweeps and warmup_steps < 1
+    effect = " (the whole first sweep at init_value)" if sweeps else ""
+    if sweeps:
+        hint = " A part of a sweep is a count of steps."
+    elif small and where == "linear_warmup":
+        hint = (" A warmup below one step looks like optax.linear_schedule's order (init_value, end_value, "
+                "transition_steps); linear_warmup takes (peak_value, warmup_steps, init_value).")
+    else:
+        hint = ""
+    if sweeps:
+        right = (f"ft.optim.{where}({before}round({warmup_steps!r} * steps_per_sweep)"
+                 f"{after.replace(f', unit={unit!r}', '')})   # the steps of that part of a pass over the data")
+    elif small and swapped is not None:
+        right = swapped
+    else:
+        right = f"ft.optim.{where}({before}{int(np.ceil(warmup_steps))}{after})"
+    raise ValueError(FRACTIONAL_WARMUP.format(
+        where=where, given=warmup_steps, unit=unit, one=unit[:-1], ceil=int(np.ceil(warmup_steps)), effect=effect,
+        hint=hint, before=before, after=after, right=right))
+
+
 def _count(pairs: list[Any], index: int, unit: str) -> int:
     """The count of ``pairs[index]`` as an int: :data:`BAD_PIECEWISE` for one that is no
     positive number (a bool, a string), :data:`FRACTIONAL_COUNT` for one with a fraction
@@ -314,10 +356,18 @@ def linear_warmup(
 
     ``warmup_steps=0`` is no warmup: ``peak_value`` from the first step (Hugging Face's
     ``get_constant_schedule_with_warmup(opt, 0)``; optax's ``linear_schedule`` with no
-    transition steps stays at ``init_value``).
+    transition steps stays at ``init_value``). A fraction of a count is refused
+    (:data:`FRACTIONAL_WARMUP`): the context counts in integers, so ``0.5`` sweeps held
+    ``init_value`` through the whole first sweep, and ``linear_warmup(0.0, 1e-3, 1000)``
+    (``optax.linear_schedule``'s order) stepped at a rate of 1000, then 0.
     """
     check_argument("linear_warmup", "warmup_steps", warmup_steps, warmup_steps >= 0, ">= 0",
                  "the steps (or samples, sweeps) before the peak; 0 is no warmup", "0", f"{peak_value!r}, ")
+    whole_init = bool(np.isfinite(init_value)) and init_value >= 1 and float(init_value) == int(init_value)
+    swapped = (f"ft.optim.linear_warmup({warmup_steps!r}, {int(init_value)}"  # the arguments in optax's order
+               + (f", init_value={peak_value!r}" if peak_value else "") + f"{_unit(unit)})") if whole_init else None
+    _check_warmup("linear_warmup", warmup_steps, unit, f"{peak_value!r}, ",
+                  (f", init_value={init_value!r}" if init_value else "") + _unit(unit), swapped)
     if warmup_steps == 0:
         at = schedule(optax.constant_schedule(peak_value), unit)
     else:
@@ -339,6 +389,8 @@ def warmup_cosine_decay(
       >>> float(lr(ft.optim.initial_context().replace(step=10)))
       1.0
     """
+    _check_warmup("warmup_cosine_decay", warmup_steps, unit, f"{init_value!r}, {peak_value!r}, ",
+                  f", {decay_steps!r}" + (f", {end_value!r}" if end_value else "") + _unit(unit))
     at = schedule(
         optax.warmup_cosine_decay_schedule(init_value, peak_value, _length(warmup_steps), _length(decay_steps),
                                            end_value),

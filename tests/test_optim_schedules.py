@@ -187,10 +187,10 @@ def test_schedules_in_samples_are_exact_int64_under_x64():
     (lambda: fo.linear_warmup(0.0, 1e-3, 1000),
      r"(?s)warmup_steps=0.001 is not a whole number.*optax.linear_schedule's order.*"
      r"right:  ft.optim.linear_warmup\(0.001, 1000\)"),
-    (lambda: fo.warmup_cosine_decay(0.0, 1e-3, 468.9, 4689),
-     r"(?s)warmup_steps=468.9 is not a whole number.*peak only at step 469.*"
-     r"right:  ft.optim.warmup_cosine_decay\(0.0, 0.001, 469, 4689\)"),
-], ids=["half_a_sweep", "optax_order", "float_warmup"])
+    (lambda: fo.warmup_cosine_decay(0.0, 1e-3, 0.5, 4689),
+     r"(?s)warmup_steps=0.5 is not a whole number.*peak only at step 1.*"
+     r"right:  ft.optim.warmup_cosine_decay\(0.0, 0.001, 1, 4689\)"),
+], ids=["half_a_sweep", "optax_order", "half_a_step"])
 def test_a_warmup_of_a_fraction_of_a_count_is_refused(make, message):
     # The context counts in integers: linear_warmup(1e-3, 0.5, unit="sweeps") held the rate at
     # 0.0 through the whole first epoch (the model never moved), and linear_warmup(0.0, 1e-3, 1000),
@@ -201,3 +201,8 @@ def test_a_warmup_of_a_fraction_of_a_count_is_refused(make, message):
     for whole in (0, 4, 4.0, np.int64(4)):  # whole counts, floats and NumPy's included, are taken
         fo.linear_warmup(1e-3, whole)
         fo.warmup_cosine_decay(0.0, 1e-3, whole, 100)
+    # a fraction of many steps is HF's continuous ramp, min(s, w) / w: 0.1 * 4689 steps
+    ramp = fo.linear_warmup(1e-3, 0.1 * 4689)
+    for step in (0, 468, 469, 1000):
+        at = fo.initial_context().replace(step=step)
+        np.testing.assert_allclose(float(ramp(at)), 1e-3 * min(step, 468.9) / 468.9, rtol=0, atol=1e-9)

@@ -71,17 +71,18 @@ ft.optim.{where}: warmup_steps={given!r} is not a whole number; the learning con
 
 def _check_warmup(where: str, warmup_steps: Any, unit: str, before: str, after: str,
                   swapped: str | None = None) -> None:
-    """:data:`FRACTIONAL_WARMUP` for a warmup of a fraction of a count: ``0.5`` sweeps held
-    the rate at ``init_value`` (0.0 by default) through the whole first sweep, and a
-    warmup below one step is :func:`linear_warmup` given ``optax.linear_schedule``'s order
+    """:data:`FRACTIONAL_WARMUP` for a warmup of a fraction of a sweep (``0.5`` sweeps held
+    the rate at ``init_value``, 0.0 by default, through the whole first sweep: the context
+    counts whole sweeps) or of less than one step or sample: :func:`linear_warmup` given
+    ``optax.linear_schedule``'s order
     (``linear_warmup(0.0, 1e-3, 1000)``: a rate of 1000 at the first step, 0.0 after it),
     whose call in its own order is ``swapped``."""
     check_argument(where, "warmup_steps", warmup_steps, bool(np.isfinite(warmup_steps)), "finite",
                    "the count of steps (or samples, sweeps) before the peak", "1000", before)
-    if float(warmup_steps) == int(warmup_steps):
-        return
     sweeps = unit == "sweeps"
     small = not sweeps and warmup_steps < 1
+    if float(warmup_steps) == int(warmup_steps) or not (sweeps or small):
+        return  # steps and samples past one: optax's ramp min(s, w) / w is continuous (HF's: 0.06 * total)
     effect = " (the whole first sweep at init_value)" if sweeps else ""
     if sweeps:
         hint = " A part of a sweep is a count of steps."
@@ -356,8 +357,10 @@ def linear_warmup(
 
     ``warmup_steps=0`` is no warmup: ``peak_value`` from the first step (Hugging Face's
     ``get_constant_schedule_with_warmup(opt, 0)``; optax's ``linear_schedule`` with no
-    transition steps stays at ``init_value``). A fraction of a count is refused
-    (:data:`FRACTIONAL_WARMUP`): the context counts in integers, so ``0.5`` sweeps held
+    transition steps stays at ``init_value``). A warmup of ``w`` steps (or samples) takes
+    ``init + (peak - init) * min(s, w) / w`` at step ``s``, a fraction in ``w`` too (HF's
+    ``0.06 * total_steps``). A fraction of a sweep and a warmup below one step are refused
+    (:data:`FRACTIONAL_WARMUP`): the context counts whole sweeps, so ``0.5`` sweeps held
     ``init_value`` through the whole first sweep, and ``linear_warmup(0.0, 1e-3, 1000)``
     (``optax.linear_schedule``'s order) stepped at a rate of 1000, then 0.
     """

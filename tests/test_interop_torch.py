@@ -416,6 +416,26 @@ def test_rename_by_a_function_both_ways():
     np.testing.assert_array_equal(back["encoder"].scale, model["encoder"].scale)
 
 
+def test_two_tensors_renamed_to_one_name_must_agree():
+    """rename= sending two tensors of the state dict to one model name kept the last silently
+    (a dict built from the renamed names): an untied head's weight mapped onto the embedding,
+    or DataParallel's prefix stripped from a dict also holding the bare names, loaded the
+    one and dropped the other with no error (strict=True too). Equal copies (a tie's) load."""
+    model = build(lambda: ft.nn.Dense(4, 3, key=K[0]))
+    rng = np.random.default_rng(0)
+    head = {"weight": rng.normal(size=(3, 4)).astype(np.float32), "bias": np.zeros(3, np.float32)}
+    tail = {"weight": rng.normal(size=(3, 4)).astype(np.float32), "bias": np.zeros(3, np.float32)}
+    sd = {**{f"module.{k}": v for k, v in head.items()}, **tail}
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=r"maps the state dict's 'module.weight' and 'weight' both to 'weight'"):
+            ft.nn.load_torch_state_dict(model, sd, rename={"module": ""}, strict=strict)
+    with pytest.raises(ValueError, match=r"'module.bias' and 'bias' both to 'bias', and they differ \(shape"):
+        ft.nn.load_torch_state_dict(model, {"module.bias": np.zeros(2, np.float32), **tail}, rename={"module": ""})
+    tied = {**{f"module.{k}": v for k, v in tail.items()}, **tail}  # equal copies: either reads the same
+    loaded = ft.nn.load_torch_state_dict(model, tied, rename={"module": ""})
+    np.testing.assert_array_equal(loaded.weight, tail["weight"].T)
+
+
 def test_flattened_errors():
     model = build(lambda: ft.nn.Sequential(ft.nn.Flatten(), ft.nn.Dense(12, 2, key=K[0])))
     with pytest.raises(ValueError, match=r"flattened= names \['fc'\], which are not Dense layers.*\['1'\]"):

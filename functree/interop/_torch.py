@@ -248,6 +248,15 @@ PAIRS_GIVEN = """
 # model's initial values where the caller meant weights.
 META_STRICT = " (with strict=False too, as torch's load_state_dict refuses them)"
 
+RENAMED_TOGETHER = """\
+ft.nn.load_torch_state_dict: rename= maps the state dict's {first!r} and {second!r} both to \
+{name!r}, and they differ ({why}): one would load and the other be dropped \
+without an error. Give each tensor a name of its own, or drop the one you do not mean:
+
+    wrong:  ft.nn.load_torch_state_dict(model, sd, rename=...)   # {first!r}, {second!r} -> {name!r}
+    right:  sd = {{k: v for k, v in sd.items() if k != {second!r}}}   # {first!r} loads
+       or:  ft.nn.Shared(model, ...)   # a tie: both names read and checked to agree"""
+
 Rename = Mapping[str, str] | Callable[[str], str] | None
 
 
@@ -840,7 +849,7 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
         _check_given(state_dict)
     shapes = _shapes(flattened)
     to_model = _renamer(rename, to_model=True)
-    given = {to_model(k): v for k, v in state_dict.items()}
+    given = _renamed(state_dict, to_model)
     counts = {k for k in given if k.rsplit(".", 1)[-1] == "num_batches_tracked"}
     plan = _plan(model, shapes, layouts, values=False, ports=ports, complete=set(given) - counts if complete else None)
     read = {n for rule in plan.rules for n in rule.torch}  # a momentum=None BatchNorm's count; the others dropped
@@ -880,6 +889,26 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
         raise mismatch_error(plan.rules, plan.attentions, report, recurrent_hint(report, given) + hint(plan.ports),
                              plan.layers if ports else {})
     return tree if strict else (tree, report)
+
+
+def _renamed(state_dict: Mapping[str, Any], to_model: Callable[[str], str]) -> dict[str, Any]:
+    """``state_dict`` under the model's names; two tensors renamed to one name must hold the
+    same values (a tie's two copies, either read), else :data:`RENAMED_TOGETHER` (a dict would
+    keep the last silently, neither loaded nor reported)."""
+    given: dict[str, Any] = {}
+    first: dict[str, str] = {}
+    for k, v in state_dict.items():
+        name = to_model(k)
+        if name in given:
+            a, b = _array(first[name], given[name]), _array(k, v)
+            why = (f"shape {list(a.shape)} against {list(b.shape)}" if a.shape != b.shape
+                   else f"dtype {a.dtype} against {b.dtype}" if a.dtype != b.dtype
+                   else "in their values" if a.tobytes() != b.tobytes() else None)
+            if why is not None:
+                raise ValueError(RENAMED_TOGETHER.format(first=first[name], second=k, name=name, why=why))
+            continue
+        given[name], first[name] = v, k
+    return given
 
 
 _PARAMETRIZED_NAME = re.compile(r"(?P<prefix>(?:.*\.)?)parametrizations\.(?P<w>\w+)\.(?P<part>original[01]?|0\._[uv])")

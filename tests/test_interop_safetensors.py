@@ -308,6 +308,21 @@ def test_a_torch_pickle_is_named_as_one_and_never_unpickled(tmp_path, legacy):
     assert not (tmp_path / "unpickled").exists()
 
 
+def test_numpy_files_are_named_as_numpy_not_as_torch_pickles_or_damage(tmp_path):
+    """An .npz (np.savez: a zip archive, as torch.save's) was called a torch pickle, its fix
+    torch.load (which refuses it: "file in archive is not in a subdirectory"), and an .npy a
+    damaged download; each is named as NumPy's, with np.load as the fix, which loads."""
+    arrays = {"0.weight": np.arange(4, dtype=np.float32).reshape(2, 2), "0.bias": np.ones(2, np.float32)}
+    np.savez(tmp_path / "w.npz", **arrays)
+    np.save(tmp_path / "w.npy", arrays["0.weight"])
+    with pytest.raises(ValueError, match=r"(?s)is a NumPy \.npz archive.*right: .*dict\(np\.load\("):
+        ft.nn.load_torch_state_dict(model(), tmp_path / "w.npz")
+    with pytest.raises(ValueError, match=r"(?s)is a NumPy \.npy array.*right: .*np\.load\("):
+        ft.nn.load_torch_state_dict(model(), tmp_path / "w.npy")
+    loaded = ft.nn.load_torch_state_dict(model(), dict(np.load(tmp_path / "w.npz")))
+    np.testing.assert_array_equal(loaded.layers[0].weight, arrays["0.weight"].T)
+
+
 def test_a_header_that_starts_like_a_pickle_is_still_safetensors(tmp_path):
     """A header of 640 bytes starts the file with 80 02 (a protocol-2 pickle's first bytes):
     the file reads, and damaged it is reported as damage, not as a pickle."""

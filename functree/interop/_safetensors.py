@@ -31,6 +31,7 @@ import json
 import math
 import os
 import time
+import zipfile
 from typing import Any
 
 import jax.numpy as jnp
@@ -62,6 +63,18 @@ restricted loader and pass the state dict.
     wrong:  {caller}(..., "pytorch_model.bin")
     right:  {caller}(..., torch.load("pytorch_model.bin", weights_only=True))"""
 
+NUMPY_FILE = """\
+{caller}: {path!r} is {kind}, not a .safetensors file (nor a torch pickle: torch.load does \
+not read it). NumPy reads it as data (np.load refuses pickled objects unless given \
+allow_pickle=True); pass its arrays as the state dict, named as torch names them:
+
+    wrong:  {caller}(..., {path!r})
+    right:  {caller}(..., {right})"""
+
+# NUMPY_FILE's {kind} and {right}: np.savez's archive of named arrays, np.save's one array.
+NPZ_KIND, NPZ_RIGHT = "a NumPy .npz archive (np.savez's format)", "dict(np.load({path!r}))"
+NPY_KIND, NPY_RIGHT = "a NumPy .npy array (np.save's format: one array, no names)", \
+    '{{"0.weight": np.load({path!r})}}'
 
 LFS_POINTER = """\
 {caller}: {path!r} is a Git LFS pointer ({size}), not the .safetensors file it \
@@ -301,6 +314,27 @@ def _torch_file(path: str) -> str | None:
     return None
 
 
+def _numpy_file(path: str) -> tuple[str, str] | None:
+    """NUMPY_FILE's ``(kind, right)`` for NumPy's own formats, else None: ``.npy``
+    (``\\x93NUMPY``) or an ``.npz`` (a zip archive, as torch.save's, whose every entry is
+    an ``.npy``: its directory read, nothing extracted). Asked only of a file that is not
+    safetensors."""
+    with open(path, "rb") as f:
+        start = f.read(6)
+    if start == b"\x93NUMPY":
+        return NPY_KIND, NPY_RIGHT.format(path=path)
+    if not start.startswith(b"PK\x03\x04"):
+        return None
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    if names and all(name.endswith(".npy") for name in names):
+        return NPZ_KIND, NPZ_RIGHT.format(path=path)
+    return None
+
+
 def _lfs_pointer(path: str) -> str | None:
     """The size a Git LFS pointer file records ("the pointer of a 25.0 GB file"), or None
     for any other file: its text starts ``version https://git-lfs.github.com/spec/``."""
@@ -328,7 +362,11 @@ def load_file(path: Any, caller: str = "ft.nn.load_torch_state_dict") -> dict[st
         pointer = _lfs_pointer(where)
         if pointer is not None:
             raise ValueError(LFS_POINTER.format(caller=caller, path=where, size=pointer)) from None
-        kind = _torch_file(where)  # not safetensors: a torch file is named as one, not as damage
+        numpy_file = _numpy_file(where)  # not safetensors: NumPy's and torch's files are named, not as damage
+        if numpy_file is not None:
+            raise ValueError(NUMPY_FILE.format(caller=caller, path=where, kind=numpy_file[0],
+                                               right=numpy_file[1])) from None
+        kind = _torch_file(where)
         if kind is not None:
             raise ValueError(PICKLED_FILE.format(caller=caller, path=where, kind=kind)) from None
         raise ValueError(BAD_SAFETENSORS.format(caller=caller, path=where, why=e)) from None

@@ -115,6 +115,14 @@ zeros) where no derivative flows.
     wrong:  return y, lambda v: (..., ct)   # ct with {wrong}
     right:  return y, lambda v: (..., ct)   # ct with {right}, as `{name}`"""
 
+RULE_VALUE = """\
+The derivative registered for {fn} returned a value of {given}{where}, but {fn} itself \
+returns {expected}: the rule's value stands for {fn}'s result wherever it is \
+differentiated, so the result and its derivative would silently be another function's.
+
+    wrong:  return y, lambda {v}: ...   # y: {given}{where}
+    right:  return y, lambda {v}: ...   # y: {expected}{where}, the value {fn}(...) returns"""
+
 UNDECORATED_METHOD = """\
 @ft.derivative(of={qualname}) names a method that was not declared with \
 @ft.differentiable: the rule is registered on the function @ft.derivative returns \
@@ -649,6 +657,7 @@ class _Call:
                 ):
                     raise self._uncovered(k, "reverse")
             value, pb = _split(self.deriv(*values), self.fn, "pullback")
+            self._check_value(value, values, "v")
             converted, residuals = _hoisted(pb, value)
             live = [
                 [f and p for f, p in zip(flags, _parameter_flags(v))]
@@ -789,6 +798,33 @@ class _Call:
                 given_dtype=np.dtype(c_dtype).name,
             ))
 
+    def _check_value(self, value: Any, args: tuple, v: str) -> None:
+        """:data:`RULE_VALUE` when the rule's value is not of the structure, shapes and
+        dtypes of ``fn``'s own result (read by ``jax.eval_shape``): JAX checks this only where
+        it traced ``fn`` too (under ``jax.jit``, in its own words) and otherwise takes the
+        rule's value as the result (``jnp.sum(sq(x) * w)`` of a rule returning ``sum(x ** 2)``
+        gave another loss and gradient). At trace time: no per-call cost."""
+        try:
+            expected = jax.eval_shape(self.fn, *args)
+        except Exception:  # fn cannot be traced abstractly: nothing to compare (JAX speaks)
+            return
+        given_leaves, given_tree = jax.tree_util.tree_flatten_with_path(value)
+        expected_leaves, expected_tree = jax.tree_util.tree_flatten_with_path(expected)
+        fn = getattr(self.original, "__name__", "f")
+
+        def shown(tree: Any) -> str:  # float32[3], or the tree of them: (float32[3], int32[])
+            if jax.tree_util.treedef_is_leaf(jax.tree.structure(tree)):
+                return _type_str(*_shape_dtype(tree))
+            return str(jax.tree.map(lambda x: _type_str(*_shape_dtype(x)), tree)).replace("'", "")
+
+        if given_tree != expected_tree:
+            raise TypeError(RULE_VALUE.format(fn=fn, given=shown(value), expected=shown(expected), where="", v=v))
+        for (path, g), (_, e) in zip(given_leaves, expected_leaves):
+            if _shape_dtype(g) != _shape_dtype(e):
+                where = f" at {jax.tree_util.keystr(path)}" if path else ""
+                raise TypeError(RULE_VALUE.format(fn=fn, given=_type_str(*_shape_dtype(g)),
+                                                  expected=_type_str(*_shape_dtype(e)), where=where, v=v))
+
     # -- forward mode
 
     def with_differential(self) -> Any:
@@ -804,6 +840,7 @@ class _Call:
                 ):
                     raise self._uncovered(k, "forward")
             value, df = _split(self.deriv(*primals), self.fn, "differential")
+            self._check_value(value, primals, "t")
             chosen = [
                 _tangent_view(primals[k], jax.tree.map(_instantiate, tangents[k], is_leaf=_is_symbolic_zero))
                 for k in self.covered

@@ -1252,3 +1252,40 @@ def test_cotangents_with_none_subtrees_python_scalars_and_low_precision_dtypes_a
     assert g[0]["w"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(g[0]["w"], np.float32), [1.5, 1.5])
     assert float(g[1]) == 2.0
+
+
+def test_a_rule_whose_value_is_not_the_functions_result_is_an_error_naming_both():
+    """Eagerly JAX took a rule's value of another shape or dtype as the function's result:
+    ``sum(square(x) * w)`` of a rule returning ``sum(x ** 2)`` gave 42 (of 22) and the
+    gradient [6, 12, 18] (of [0, 4, 12]); a bfloat16 value silently rounded the loss. Under
+    jax.jit JAX refused it in its own words; now both modes name it (RULE_VALUE)."""
+
+    def square(x):
+        return x**2
+
+    @ft.derivative(of=square)
+    def summed(x):
+        return jnp.sum(x**2), lambda v: 2 * x * v
+
+    @ft.derivative(of=square, mode="forward")
+    def rounded(x):
+        return (x**2).astype(jnp.bfloat16), lambda t: (2 * x * t).astype(jnp.bfloat16)
+
+    @ft.derivative(of=square)
+    def right(x):
+        return x**2, lambda v: 2 * x * v
+
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    w = np.arange(3.0, dtype=np.float32)
+    with pytest.raises(TypeError) as info:
+        ft.value_with_gradient(lambda x: jnp.sum(summed(x) * w), at=x)
+    message = str(info.value)
+    assert "registered for square returned a value of float32[], but square itself returns float32[3]" in message
+    assert "return y, lambda v: ...   # y: float32[3], the value square(...) returns" in message
+    with pytest.raises(TypeError, match=r"returned a value of bfloat16\[3\], but square itself returns float32\[3\]"):
+        ft.differential(lambda x: jnp.sum(rounded(x) * w), at=x)(x)
+    with pytest.raises(TypeError, match=r"returned a value of float32\[\], but square itself returns float32\[3\]"):
+        jax.jit(ft.gradient(lambda x: jnp.sum(summed(x) * w)))(x)
+    value, grad = ft.value_with_gradient(lambda x: jnp.sum(right(x) * w), at=x)
+    np.testing.assert_allclose(float(value), 22.0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), [0.0, 4.0, 12.0], atol=1e-5)

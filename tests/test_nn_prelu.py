@@ -52,3 +52,16 @@ def test_one_slope_keeps_a_scalar_a_scalar():
     act = ft.nn.PReLU(init=0.5)
     assert act(jnp.asarray(-2.0)).shape == ()
     assert float(act(jnp.asarray(-2.0))) == float(torch.nn.PReLU(init=0.5)(torch.tensor(-2.0)).detach())
+
+
+@pytest.mark.parametrize("num_parameters", [0, -1, 2.0, True])
+def test_a_slope_count_that_is_no_positive_int_is_a_named_error(num_parameters):
+    """PReLU(0) failed at its call inside jnp's reshape ("cannot reshape array of shape (0,)"),
+    PReLU(-1) inside jnp.full; a count computed with `/` (2.0) was operator.index's TypeError."""
+    from functree.nn._prelu import BAD_NUM_PARAMETERS
+
+    with pytest.raises(ValueError) as caught:
+        ft.nn.PReLU(num_parameters)(jnp.ones((2, 3)))
+    assert str(caught.value) == BAD_NUM_PARAMETERS.format(given=num_parameters)
+    assert "int >= 1" in str(caught.value) and "ft.nn.PReLU(1)" in str(caught.value)
+    assert ft.nn.PReLU(np.int64(3)).slope.shape == (3,)  # NumPy ints are ints

@@ -12,11 +12,20 @@ from functree._module import field
 from functree._repr import short_array
 from functree.nn._check import LayerInputError, check_input
 from functree.nn._mode import Layer
+from functree.nn._window import is_int
 
 __all__ = ["PReLU"]
 
 BAD_CHANNELS = ("Pass inputs whose channel axis ({axis}) has num_parameters = {n} entries, or build the layer "
                 "for the channels you have (torch's channel axis is 1: channel_axis=1 for a channels-first input).")
+
+BAD_NUM_PARAMETERS = """\
+ft.nn.PReLU: num_parameters={given!r}; it is an int >= 1, the number of slopes: 1 (one for every \
+element) or the number of channels (one each), as torch's nn.PReLU's.
+
+    wrong:  ft.nn.PReLU({given!r})
+    right:  ft.nn.PReLU(1)      # one slope
+       or:  ft.nn.PReLU(64)     # one slope per channel of a [..., 64] input"""
 
 
 class PReLU(Layer):
@@ -42,7 +51,9 @@ class PReLU(Layer):
 
     def __init__(self, num_parameters: int = 1, init: float = 0.25, *, channel_axis: int = -1,
                  dtype: Any = jnp.float32):
-        self.slope = jnp.full((operator.index(num_parameters),), init, dtype)
+        if not is_int(num_parameters) or num_parameters < 1:  # 0 and -1 failed inside jnp (full, reshape)
+            raise ValueError(BAD_NUM_PARAMETERS.format(given=num_parameters))
+        self.slope = jnp.full((int(num_parameters),), init, dtype)
         self.channel_axis = operator.index(channel_axis)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -36,3 +36,21 @@ def test_window_of_zeros_has_zero_gradient_and_jit():
 def test_bad_norm_type_is_refused(bad):
     with pytest.raises(ValueError, match=r"norm_type=.*; it is a nonzero number"):
         ft.nn.LPPool2D(bad, 2)
+
+
+def test_an_input_shorter_than_the_window_names_lppool_and_its_ceil_mode():
+    """A length-6 input to LPPool1D(2, 7): torch raises ("Output size is too small"); the error
+    named AvgPool1D (the pooling LPPool runs) and told to pass padding="SAME", which LPPool
+    does not take. It names LPPool and ceil_mode=True, whose one partial window is torch's."""
+    from functree.nn._lp_pool import WINDOW_TOO_LARGE
+
+    x = np.random.default_rng(0).uniform(0.1, 1.0, (1, 6, 3)).astype(np.float32)
+    with pytest.raises(ft.nn.LayerInputError) as info:
+        ft.nn.LPPool1D(2, 7)(jnp.asarray(x))
+    assert str(info.value).startswith("LPPool1D expects inputs [..., length, 3] (float) with length >= 7")
+    assert str(info.value).endswith(WINDOW_TOO_LARGE.format(axis="length", size=6, pool=7, cls="LPPool1D", p=2, need=7))
+    with pytest.raises(ft.nn.LayerInputError, match=r'ft\.nn\.LPPool2D\(float\("inf"\), \(3, 2\), ceil_mode=True\)'):
+        ft.nn.LPPool2D(float("inf"), (3, 2))(jnp.ones((2, 5, 3)))
+    ours = ft.nn.LPPool1D(2, 7, ceil_mode=True)(jnp.asarray(x))
+    theirs = torch.nn.LPPool1d(2, 7, ceil_mode=True)(torch.from_numpy(x).permute(0, 2, 1)).permute(0, 2, 1)
+    np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=0, atol=1e-6)

@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
+from functree._repr import short_array
 from functree.nn import _window as window
+from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
 from functree.nn._pooling import AvgPool1D, AvgPool2D, AvgPool3D, MaxPool1D, MaxPool2D, MaxPool3D
 
@@ -30,6 +32,15 @@ BAD_NORM = """\
     wrong:  ft.nn.{cls}({given!r}, 2)
     right:  ft.nn.{cls}(2, 2)     # the Euclidean norm of each window"""
 
+WINDOW_TOO_LARGE = """\
+Its {axis} ({size}) is shorter than the window, pool_size {pool}, and LPPool has no padding \
+(torch's neither): no window fits, and torch raises here.
+
+    wrong:  ft.nn.{cls}({p}, {pool})(x)     # x's {axis}: {size}
+    right:  ft.nn.{cls}({p}, {pool}, ceil_mode=True)(x)     # one partial window, as torch's ceil_mode
+       or:  an input whose {axis} is >= {need}"""
+
+_AXES = {1: ("length",), 2: ("height", "width"), 3: ("depth", "height", "width")}
 _MAX = {1: MaxPool1D, 2: MaxPool2D, 3: MaxPool3D}
 _AVG = {1: AvgPool1D, 2: AvgPool2D, 3: AvgPool3D}
 
@@ -55,6 +66,7 @@ class _LPPool(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         p, n = self.norm_type, self._rank
+        self._check_fits(x)
         if math.isinf(p):
             pool = _MAX[n](self.pool_size, self.strides, 0, ceil_mode=self.ceil_mode)
             magnitude = x * jnp.sign(x)  # |x| with torch's gradient sign(x): 0 at 0 (jnp.abs's is 1 there)
@@ -64,6 +76,22 @@ class _LPPool(Layer):
         zero = total == 0  # torch's: a window of zeros has gradient 0 (its root's derivative is infinite there)
         root = jnp.power(jnp.where(zero, jnp.ones_like(total), total), jnp.asarray(1.0 / p, x.dtype))
         return jnp.where(zero, jnp.zeros_like(total), root)
+
+    def _check_fits(self, x: jax.Array) -> None:
+        """:data:`WINDOW_TOO_LARGE` for an input shorter than the window without ``ceil_mode``
+        (the pooling it delegates to would name itself and its padding, which LPPool lacks)."""
+        n, shape = self._rank, jnp.shape(x)
+        if self.ceil_mode or len(shape) < n + 1:
+            return  # (too few axes: the pooling's own error names the layout)
+        for axis, size, need in zip(_AXES[n], shape[-1 - n:-1], self.pool_size):
+            if size < need:
+                pool = self.pool_size[0] if n == 1 else self.pool_size
+                p = (('-' if self.norm_type < 0 else '') + 'float("inf")' if math.isinf(self.norm_type)
+                     else int(self.norm_type) if self.norm_type.is_integer() else self.norm_type)
+                fix = WINDOW_TOO_LARGE.format(axis=axis, size=size, pool=pool, cls=type(self).__name__, p=p, need=need)
+                spatial = ", ".join(_AXES[n])
+                raise LayerInputError(self, f"[..., {spatial}, {shape[-1]}] (float) with {axis} >= {need}",
+                                      short_array(x), fix)
 
 
 _DOC = """Power-average pooling over ``[..., {spatial}, channels]`` (torch's ``LPPool{n}d``, channels last).

@@ -1534,3 +1534,23 @@ def test_a_scalar_parameter_is_written_with_its_shape_and_loads_into_torch():
     assert float(theirs.logit_scale.detach()) == 2.5
     back = ft.nn.load_torch_state_dict(model.replace(logit_scale=jnp.zeros(())), theirs.state_dict())
     assert back.logit_scale.shape == () and float(back.logit_scale) == 2.5
+
+
+def test_a_training_checkpoint_around_the_state_dict_names_the_state_dict_to_pass():
+    """torch.save({"epoch": 3, "state_dict": sd, "optimizer": ...}) loaded and passed whole was a
+    report of missing keys (weight, bias) and unexpected ones (epoch, state_dict, optimizer);
+    strict=False loaded nothing. A value that is a mapping is no tensor: the error names
+    the state dict inside (the one whose values are arrays)."""
+    from functree.interop._torch import NESTED_CHECKPOINT
+
+    linear = torch.nn.Linear(3, 2)
+    model = ft.nn.Dense(3, 2, key=jax.random.key(0))
+    checkpoint = {"epoch": 3, "optimizer": {"state": {}, "param_groups": []}, "state_dict": linear.state_dict()}
+    for strict in (True, False):
+        with pytest.raises(TypeError) as info:
+            ft.nn.load_torch_state_dict(model, checkpoint, strict=strict)
+        assert str(info.value) == NESTED_CHECKPOINT.format(key="optimizer", kind="dict",
+                                                           keys=["epoch", "optimizer", "state_dict"],
+                                                           inner="state_dict")
+    loaded = ft.nn.load_torch_state_dict(model, checkpoint["state_dict"])
+    np.testing.assert_array_equal(np.asarray(loaded.weight), linear.weight.detach().numpy().T)

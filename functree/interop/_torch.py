@@ -244,6 +244,15 @@ PAIRS_GIVEN = """
     wrong:  ft.nn.load_torch_state_dict(model, pairs)   # [(name, tensor), ...]
     right:  ft.nn.load_torch_state_dict(model, dict(pairs))"""
 
+NESTED_CHECKPOINT = """\
+ft.nn.load_torch_state_dict: state_dict[{key!r}] holds a mapping ({kind}), not a tensor: a training \
+checkpoint around a state dict (torch.save({{"epoch": ..., "state_dict": model.state_dict(), ...}}); \
+Lightning's and timm's "state_dict", "model", "ema"), not a state dict itself. Pass the state \
+dict it holds:
+
+    wrong:  ft.nn.load_torch_state_dict(model, checkpoint)           # keys {keys}
+    right:  ft.nn.load_torch_state_dict(model, checkpoint[{inner!r}])"""
+
 # META_TENSORS' {strict} here: unlike a missing key, a meta tensor left out would leave the
 # model's initial values where the caller meant weights.
 META_STRICT = " (with strict=False too, as torch's load_state_dict refuses them)"
@@ -946,6 +955,14 @@ def _check_given(state_dict: Any) -> None:
                else PAIRS_GIVEN if isinstance(state_dict, (list, tuple)) else "")
         kind = f"{type(state_dict).__module__}.{type(state_dict).__qualname__}"
         raise TypeError(NOT_A_STATE_DICT.format(kind=kind.removeprefix("builtins."), fix=fix))
+    nested = [k for k, v in state_dict.items() if isinstance(v, Mapping)]
+    if nested:  # a checkpoint around the state dict: the one that holds arrays is the one to pass
+        inner = next((k for k in nested if state_dict[k] and all(hasattr(v, "shape") for v in state_dict[k].values())),
+                     nested[0])
+        shown = list(state_dict)[:6]
+        raise TypeError(NESTED_CHECKPOINT.format(key=nested[0], kind=type(state_dict[nested[0]]).__name__,
+                                                 keys=shown if len(state_dict) <= 6 else [*shown, "..."],
+                                                 inner=inner))
     check_no_meta(state_dict, "ft.nn.load_torch_state_dict", "model", strict=META_STRICT)
 
 

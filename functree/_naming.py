@@ -422,6 +422,16 @@ several digits takes one class per digit:
     right:  {right}"""
 
 
+CARET_CLASS = """\
+The pattern {pattern!r} holds the character class {klass!r}, which starts with '^': a glob \
+(fnmatch) reads a '^' there as the character '^', not as "not" as a regular expression, \
+PEFT's target_modules and the shell do, so the class matches one character of {reading} \
+('layers.[^0].*' would select layer 0 only, not every layer but 0). A glob negates a class \
+with '!' (a '^' meant as a character goes after the first place: '[0^]'):
+    wrong:  {pattern!r}
+    right:  {right!r}"""
+
+
 def key_path_hint(given: Any) -> str:
     """:data:`KEY_PATH_AS_PATTERN` for a ``KeyPath`` given where a pattern belongs, else "".
     (By class name: ``functree._paths`` imports this module.)"""
@@ -875,10 +885,12 @@ def _glob_part(pattern: str, name: str) -> str | None:
 
 def check_patterns(patterns: Sequence[Any]) -> None:
     """Raise ``TypeError`` for a pattern that is not a string, ``ValueError``
-    (:data:`REVERSED_RANGE`) for one whose character class holds a reversed range."""
+    (:data:`REVERSED_RANGE`) for one whose character class holds a reversed range,
+    (:data:`CARET_CLASS`) for one whose class starts with ``^`` (a regex's negation)."""
     for p in patterns:
         if not isinstance(p, str):
             raise TypeError(BAD_PATTERN.format(given=p, type=type(p).__name__, hint=key_path_hint(p)))
+        _refuse_caret_class(p)
         _refuse_reversed_range(p)
 
 
@@ -902,6 +914,19 @@ def _ranges(content: str) -> list[tuple[int, str, str]]:
         else:
             i += 1
     return out
+
+
+def _refuse_caret_class(pattern: str) -> None:
+    """:data:`CARET_CLASS` for a class whose first character is ``^`` (``[^0]``): fnmatch
+    reads it as that character, so the class selects the names a negation leaves out.
+    (``[^]``, a class of ``^`` alone, has no other reading; ``[!^0]`` is fnmatch's own.)"""
+    for found in _CLASS.finditer(pattern):
+        content = found.group(1)
+        if content.startswith("^") and len(content) > 1:
+            held = [c for c in _PRINTABLE if fnmatch.fnmatchcase(c, found.group(0))]
+            right = pattern[:found.start()] + "[!" + content[1:] + "]" + pattern[found.end():]
+            raise ValueError(CARET_CLASS.format(pattern=pattern, klass=found.group(0), reading=", ".join(held),
+                                                right=right))
 
 
 def _refuse_reversed_range(pattern: str) -> None:

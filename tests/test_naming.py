@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _errors import raises_named
 from _hypothesis import examples
 from hypothesis import given, settings
 from jax.sharding import AbstractMesh
@@ -635,3 +636,25 @@ def test_a_stack_selects_by_a_class_of_literals_and_ranges_as_fnmatch_reads_it()
         picked = ft.select({"h": h}, pattern)["h"].layers.weight
         expected = [fnmatch.fnmatchcase(f"h.{n}.weight", pattern) for n in range(10)]
         assert list(np.asarray(picked)) == expected
+
+
+# ---------------------------------------------- a class that starts with "^"
+def test_a_class_starting_with_a_caret_is_refused_with_the_glob_negation():
+    """The fifty-sixth audit's case: fnmatch reads "[^0]" as "^ or 0", so
+    freeze("layers.[^0].*") (a regex's and PEFT's "every layer but 0") froze layer 0 only,
+    and wrt="h.[^0].*" trained member 0 only, silently. Refused (CARET_CLASS) at every
+    consumer; its fix "[!0]" selects exactly the hand-written list."""
+    h = ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 4, key=jax.random.key(0))
+    model = {"h": h, "layers": [{"w": jnp.ones(1)} for _ in range(3)]}
+    fix = "right:  'layers.[!0].*'"
+    raises_named(lambda: ft.select(model, "layers.[^0].*"), ValueError, _naming.CARET_CLASS, fix)
+    raises_named(lambda: ft.optim.freeze("layers.[^0].*"), ValueError, _naming.CARET_CLASS, fix)
+    raises_named(lambda: ft.optim.Optimizer(optax.sgd(0.1), wrt="h.[^0].*").init(model), ValueError, _naming.CARET_CLASS,
+                 "right:  'h.[!0].*'")
+    raises_named(lambda: ft.optim.decay_mask(ft.parameters(model), ("h.[^12].*",)), ValueError,
+                 _naming.CARET_CLASS, "right:  'h.[!12].*'")
+    flat = ft.to_flat_dict(ft.select(model, "layers.[!0].*"))
+    assert sorted(k for k, v in flat.items() if v is True) == ["layers.1.w", "layers.2.w"]
+    assert list(np.asarray(ft.select(model, "h.[!0].*")["h"].layers.weight)) == [False, True, True, True]
+    for ok in ("layers.[!^0].*", "layers.[0^].*", "x.[^]"):  # fnmatch's own negation, a literal '^' later or alone
+        _naming.check_patterns([ok])

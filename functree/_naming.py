@@ -422,6 +422,14 @@ several digits takes one class per digit:
     right:  {right}"""
 
 
+KEY_PATH_STRING = """\
+The pattern {pattern!r} is a printed key path (str(kp), as ft.get reads it): a glob reads \
+{klass!r} as a character class, one character of {reading}, not as the key {key!r}, so it \
+selects other names ("['qk'].weight" would select q.weight and k.weight, not qk.weight). A \
+pattern is a dotted name (kp.name):
+    wrong:  {pattern!r}
+    right:  {right!r}"""
+
 CARET_CLASS = """\
 The pattern {pattern!r} holds the character class {klass!r}, which starts with '^': a glob \
 (fnmatch) reads a '^' there as the character '^', not as "not" as a regular expression, \
@@ -886,10 +894,12 @@ def _glob_part(pattern: str, name: str) -> str | None:
 def check_patterns(patterns: Sequence[Any]) -> None:
     """Raise ``TypeError`` for a pattern that is not a string, ``ValueError``
     (:data:`REVERSED_RANGE`) for one whose character class holds a reversed range,
-    (:data:`CARET_CLASS`) for one whose class starts with ``^`` (a regex's negation)."""
+    (:data:`CARET_CLASS`) for one whose class starts with ``^`` (a regex's negation),
+    (:data:`KEY_PATH_STRING`) for a printed key path (``['qk'].weight``)."""
     for p in patterns:
         if not isinstance(p, str):
             raise TypeError(BAD_PATTERN.format(given=p, type=type(p).__name__, hint=key_path_hint(p)))
+        _refuse_key_path_string(p)
         _refuse_caret_class(p)
         _refuse_reversed_range(p)
 
@@ -914,6 +924,24 @@ def _ranges(content: str) -> list[tuple[int, str, str]]:
         else:
             i += 1
     return out
+
+
+# A dict key as a printed key path writes it ("['encoder']", '["qk"]'): a class to fnmatch.
+_QUOTED_KEY = re.compile(r"""\[(['"])(.*?)\1\]""")
+
+
+def _refuse_key_path_string(pattern: str) -> None:
+    """:data:`KEY_PATH_STRING` for a pattern holding a dict key as ``str(kp)`` prints it
+    (``['qk'].weight``): fnmatch reads ``['qk']`` as one character of ``'``, ``q``, ``k``,
+    so a one-letter key's leaf is selected silently. The fix is its dotted name."""
+    for found in _CLASS.finditer(pattern):
+        if _QUOTED_KEY.fullmatch(found.group(0)) is None:
+            continue
+        held = [c for c in _PRINTABLE if fnmatch.fnmatchcase(c, found.group(0))]
+        dotted = _INDEXED.sub(_dotted_index, _QUOTED_KEY.sub(lambda m: "." + m.group(2), pattern))
+        right = dotted[1:] if dotted.startswith(".") and not pattern.startswith(".") else dotted
+        raise ValueError(KEY_PATH_STRING.format(pattern=pattern, klass=found.group(0), reading=", ".join(held),
+                                                key=found.group(1)[1:-1], right=right))
 
 
 def _refuse_caret_class(pattern: str) -> None:

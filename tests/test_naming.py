@@ -658,3 +658,21 @@ def test_a_class_starting_with_a_caret_is_refused_with_the_glob_negation():
     assert list(np.asarray(ft.select(model, "h.[!0].*")["h"].layers.weight)) == [False, True, True, True]
     for ok in ("layers.[!^0].*", "layers.[0^].*", "x.[^]"):  # fnmatch's own negation, a literal '^' later or alone
         _naming.check_patterns([ok])
+
+
+# ---------------------------------------------- a printed key path given as a pattern
+def test_a_printed_key_path_as_a_pattern_is_refused_with_its_dotted_name():
+    """The fifty-sixth audit's case: ft.get(model, "['qk'].weight") reads qk's weight, but as a
+    pattern fnmatch read "['qk']" as one character of ', q, k: ft.select selected q.weight and
+    k.weight (not qk.weight), and freeze froze them, silently. Refused (KEY_PATH_STRING) with
+    the dotted name, which selects exactly qk.weight."""
+    dense = {name: ft.nn.Dense(1, 1, key=jax.random.key(i)) for i, name in enumerate(("q", "k", "qk"))}
+    model = {**dense, "layers": [{"w": jnp.ones(1)} for _ in range(2)]}
+    kp = next(kp for kp in ft.recursively_all_writable_key_paths(model, to=jax.Array) if kp.name == "qk.weight")
+    assert str(kp) == "['qk'].weight" and ft.get(model, str(kp)) is model["qk"].weight
+    raises_named(lambda: ft.select(model, str(kp)), ValueError, _naming.KEY_PATH_STRING, "right:  'qk.weight'")
+    raises_named(lambda: ft.optim.freeze("['qk'].*"), ValueError, _naming.KEY_PATH_STRING, "right:  'qk.*'")
+    raises_named(lambda: ft.select(model, "['layers'][1].w"), ValueError, _naming.KEY_PATH_STRING,
+                 "right:  'layers.1.w'")
+    flat = ft.to_flat_dict(ft.select(model, kp.name))
+    assert sorted(k for k, v in flat.items() if v is True) == ["qk.weight"]

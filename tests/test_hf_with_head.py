@@ -286,6 +286,12 @@ def test_refusals_name_the_fix(tmp_path):
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match=r"num_labels is the head's number of outputs, a positive int"):
             ft.hf.with_head(lm, "ForSequenceClassification", num_labels=bad, key=key)
+    # a count computed with NumPy is a count; a list of names is no id2label (HF's config fails on .items)
+    assert dict(ft.hf.with_head(lm, "ForSequenceClassification", num_labels=np.int64(3), key=key).hf_config["id2label"]) == {
+        "0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
+    with pytest.raises(TypeError, match=r"(?s)got a list \['O', 'B', 'I'\].*"
+                                        r"right:  .*id2label=dict\(enumerate\(\['O', 'B', 'I'\]\)\)"):
+        ft.hf.with_head(lm, "ForSequenceClassification", id2label=["O", "B", "I"], key=key)
     with pytest.raises(ValueError, match=r"OPTForQuestionAnswering's head has two outputs \(start, end\)"):
         ft.hf.with_head(lm, "ForQuestionAnswering", num_labels=3, key=key)
     assert ft.hf.with_head(lm, "ForQuestionAnswering", num_labels=2, key=key).qa_outputs.weight.shape == (8, 2)

@@ -91,6 +91,14 @@ ft.hf.with_head: {what}; the head's size would be ambiguous (Hugging Face keeps 
        or:  ft.hf.with_head(model, head, num_labels=2, key=key)                              # LABEL_0, LABEL_1
 """
 
+ID2LABEL_NOT_MAPPING = """\
+ft.hf.with_head: id2label maps each label id to its name, a dict (Hugging Face's config \
+attribute), got a {kind} {given!r}.
+
+    wrong:  ft.hf.with_head(model, head, id2label={given!r}, key=key)
+    right:  ft.hf.with_head(model, head, id2label=dict(enumerate({given!r})), key=key)
+"""
+
 BAD_NUM_LABELS = """\
 ft.hf.with_head: num_labels is the head's number of outputs, a positive int, got {given!r}.
 
@@ -301,8 +309,12 @@ def _values(carried: HFConfig, task: type[TaskModel], head: str, labels: tuple[A
     if fixed is not None and given and size not in fixed[1]:
         raise ValueError(NO_LABELS_HERE.format(hf_class=task.hf_class, outputs=fixed[0], given=", ".join(given),
                                                head=head))
+    if isinstance(count, np.integer):
+        count = int(count)  # (a count computed with NumPy: np.int64(3))
     if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
         raise ValueError(BAD_NUM_LABELS.format(given=count))
+    if id2label is not None and not isinstance(id2label, Mapping):  # (a list of names: HF's config fails on .items)
+        raise TypeError(ID2LABEL_NOT_MAPPING.format(kind=type(id2label).__name__, given=id2label))
     if id2label is not None and count is not None and len(id2label) != count:
         raise ValueError(LABELS_CONFLICT.format(what=f"num_labels={count} beside an id2label of {len(id2label)}",
                                                 count=len(id2label), wrong=", ".join(given)))

@@ -255,3 +255,17 @@ def test_drop_last_dropping_every_example_says_so():
     with pytest.raises(ValueError, match=r"(?s)batch_size=30, drop_last=True\) drops.*its 7 examples.*"
                                          r"right:  ft\.train\.batches\(\(x, y\), batch_size=7, drop_last=True\)"):
         trainer.fit(ft.train.batches(np.arange(7.0), 30, drop_last=True), epochs=1, progress=False)
+
+
+def test_data_that_runs_out_before_the_steps_asked_warns():
+    """fit(generator(), steps=10) over a generator of 3 minibatches returned at step 3 with no
+    word (its second epoch empty), as did fit(data, epochs=3) over a dataset whose iter() gives
+    one shared iterator: a job of 3 steps for the 10 (or 3 epochs) asked."""
+    trainer = ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * jnp.sum(b[0]))
+    with pytest.warns(UserWarning, match=r"(?s)fit\(data, steps=10\) stopped short of steps=10, at step 3: "
+                                         r"the data \(list_iterator\) gave no minibatch for epoch 1.*"
+                                         r"or:  trainer\.fit\(generator\(\), steps=3\)"):
+        trainer.fit(iter(ITEMS[:3]), steps=10, progress=False)
+    assert (trainer.steps_run, trainer.epoch) == (3, 1)
+    trainer.fit(iter(ITEMS[:2]), steps=5, progress=False)  # exactly the steps asked: no warning
+    assert trainer.steps_run == 5

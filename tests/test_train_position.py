@@ -158,7 +158,7 @@ def test_a_checkpoint_whose_position_was_tampered_with_is_refused(tmp_path):
 def test_an_unstorable_position_is_named_at_the_save(tmp_path):
     class Odd:
         def __init__(self):
-            self.items = iter([(X[:4], Y[:4])] * 3)
+            self.items = iter([(X[:4], Y[:4])] * 4)  # the save at step 4 reads its position
 
         def __iter__(self):
             return self

@@ -168,7 +168,8 @@ def test_steps_cross_epochs_and_generic_iterables():
     history = trainer.fit(batches, steps=10, progress=False)
     assert len(history.steps["loss"]) == 10 and history.epochs["epoch"] == [1, 2]
     one_shot = iter(batches)
-    history = trainer.fit(one_shot, steps=20, progress=False)  # steps= counts the whole job
+    with pytest.warns(UserWarning, match=r"stopped short of steps=20, at step 14"):
+        history = trainer.fit(one_shot, steps=20, progress=False)  # steps= counts the whole job
     assert len(history.steps["loss"]) == 14  # the iterator ran out after 4 steps
     with pytest.raises(ValueError, match=r"gave no minibatch"):
         Trainer(mlp(), adam(), classify).fit([], epochs=1, progress=False)

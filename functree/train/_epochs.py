@@ -26,7 +26,7 @@ from functree.train._job import JobState
 from functree.train._metrics import describe_batch, shared_batch_size
 from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
 
-__all__ = ["Epochs", "as_data", "cut_by_batch_size", "epoch_length"]
+__all__ = ["Epochs", "as_data", "cut_by_batch_size", "epoch_length", "ran_out"]
 
 BAD_LENGTH = """\
 {what} must be a positive int, got {value!r}.
@@ -153,6 +153,26 @@ def no_minibatch(data: Any) -> ValueError:
             and 0 < data.num_examples < data.batch_size:
         return ValueError(ALL_DROPPED.format(size=data.batch_size, n=data.num_examples, fit=data.num_examples))
     return ValueError(EMPTY_DATA.format(why=f" ({type(data).__name__})"))
+
+
+DATA_RAN_OUT = """\
+trainer.fit(data, {asked}) stopped short of {asked}, at step {step}: the data ({kind}) gave no \
+minibatch for epoch {epoch} (counted from 0). A generator, an iterator (iter(loader)) or a dataset whose iter() returns one \
+shared iterator is read once: the epochs after its end are empty. fit returns here (as \
+Keras's "Your input ran out of data"); pass data that iter() restarts, or ask for what it holds:
+
+    wrong:  trainer.fit(generator(), {asked})        # fewer minibatches than asked
+    right:  trainer.fit(ft.train.batches((x, y), batch_size=32), {asked})
+       or:  trainer.fit(loader, {asked})             # a list, a DataLoader: iter() once per epoch
+       or:  trainer.fit(generator(), steps={step})"""
+
+
+def ran_out(data: Any, epochs: int | None, steps: int | None, job: JobState) -> None:
+    """:data:`DATA_RAN_OUT` (a warning): an epoch after the first of this ``fit`` gave no
+    minibatch before ``epochs``/``steps`` were reached (fit stops there, as Keras's)."""
+    asked = f"steps={steps}" if steps is not None else f"epochs={epochs}"
+    warnings.warn(DATA_RAN_OUT.format(asked=asked, step=job.steps_run, epoch=job.epoch,
+                                      kind=type(data).__name__), stacklevel=4)
 
 
 BATCH_SIZE_UNUSED = """\

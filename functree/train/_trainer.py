@@ -51,6 +51,7 @@ from functree.train._epochs import (
     cut_by_batch_size,
     epoch_length,
     no_minibatch,
+    ran_out,
 )
 from functree.train._eval_step import check_batch_argument
 from functree.train._evaluation import Evaluation, call_predict
@@ -618,7 +619,8 @@ class Trainer(Evaluation):
         ``data`` is ``ft.train.batches(...)``, arrays / a tuple or dict of arrays (JAX's,
         NumPy's or torch tensors; cut into shuffled minibatches of ``batch_size``, default
         32), or any iterable of batches (a list, a torch DataLoader, a tf.data Dataset;
-        ``iter(data)`` once per epoch; ``batch_size=`` there is refused, as it would not cut it).
+        ``iter(data)`` once per epoch; ``batch_size=`` there is refused, as it would not cut it;
+        data that runs out before ``epochs``/``steps``, a generator, ends fit there with a warning).
         A list's items are minibatches: inputs and labels are the tuple ``(x, y)``, and a list
         of arrays of other dtypes or ranks (``[x, labels]``) is refused naming it.
         Continuing inside an epoch, ``Batches`` replays from its position, an iterator with
@@ -698,7 +700,8 @@ class Trainer(Evaluation):
                     elif ran == 0 and not guard.terminate:
                         if self.steps_run == start:
                             raise no_minibatch(data)
-                        break  # a one-shot iterator is exhausted
+                        ran_out(data, epochs, steps, self._job)  # a one-shot iterator is exhausted
+                        break
                 self._reader.read_all(bar, cbs)
                 if guard.terminate:
                     self._save_point("terminate")

@@ -1,5 +1,7 @@
 """ft.train.batches: coverage of every example, reproducible shuffles, functional sizes."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -156,6 +158,22 @@ def test_a_key_that_is_no_prng_key_is_refused_at_the_call(key):
         ft.train.Trainer({"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum(), key=key)
     assert len(ft.train.batches(np.arange(10.0), 4, key=jax.random.PRNGKey(0))) == 3  # raw key data too
 
+
+
+def test_several_keys_are_refused_at_the_call_naming_one_of_them():
+    """key=jax.random.split(key) (not its first key) passed the key check and failed at the
+    first epoch inside JAX's fold_in ('accepts a single key'), away from the call."""
+    for keys, what in ((jax.random.split(jax.random.key(0)), r"a key array of shape \(2,\)"),
+                       (jax.random.split(jax.random.PRNGKey(0), 3), r"raw uint32 key data of shape \(3, 2\)")):
+        n = len(keys)
+        for call, make in (("ft.train.batches", lambda k: ft.train.batches(np.arange(10.0), 4, key=k)),
+                           ("ft.train.Trainer", lambda k: ft.train.Trainer(
+                               {"w": jnp.ones(())}, ft.optim.sgd(0.1), lambda m, b: m["w"] * b.sum(), key=k))):
+            with pytest.raises(ValueError, match=rf"(?s)^{re.escape(call)}: key= is one JAX PRNG key, but it got "
+                                                 rf"{n} keys \({what}.*right:  {re.escape(call)}\(\.\.\., "
+                                                 rf"key=jax\.random\.split\(key, {n}\)\[0\]\)"):
+                make(keys)
+    assert len(ft.train.batches(np.arange(10.0), 4, key=jax.random.split(jax.random.key(0))[0])) == 3
 
 def test_a_leaf_without_an_example_axis_is_named_by_its_key_path():
     """Was: "needs arrays with a leading (example) axis, got (array([[0., 0.], ..." (the

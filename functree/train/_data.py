@@ -286,13 +286,27 @@ NOT_A_PRNG_KEY = """\
     right:  {caller}(..., key=jax.random.key({seed}))"""
 
 
+SEVERAL_KEYS = """\
+{caller}: key= is one JAX PRNG key, but it got {n} keys ({what} of shape {shape}: a \
+jax.random.split's whole output), which fold_in refused at the first epoch, inside JAX. \
+Pass one of them:
+
+    wrong:  {caller}(..., key=jax.random.split(key, {n}))
+    right:  {caller}(..., key=jax.random.split(key, {n})[0])
+       or:  key, sub = jax.random.split(key); {caller}(..., key=sub)"""
+
+
 def checked_key(key: Any, caller: str) -> Any:
-    """``key`` if it is a PRNG key: a typed key array (``jax.random.key``) or raw ``uint32``
-    key data ``[..., 2]`` (``jax.random.PRNGKey``); else :data:`NOT_A_PRNG_KEY` at the call,
-    not deep inside the first shuffle."""
+    """``key`` if it is one PRNG key: a typed key (``jax.random.key``) or raw ``uint32``
+    key data ``[2]`` (``jax.random.PRNGKey``); else :data:`NOT_A_PRNG_KEY` (or, for
+    several keys, :data:`SEVERAL_KEYS`) at the call, not deep inside the first shuffle."""
     dtype = getattr(key, "dtype", None)
-    if dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.prng_key)
-                              or (dtype == jnp.uint32 and np.shape(key)[-1:] == (2,))):
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    if typed or (dtype == jnp.uint32 and np.shape(key)[-1:] == (2,)):
+        batch = np.shape(key) if typed else np.shape(key)[:-1]
+        if batch:
+            raise ValueError(SEVERAL_KEYS.format(caller=caller, n=int(np.prod(batch)), shape=np.shape(key),
+                                                 what="a key array" if typed else "raw uint32 key data"))
         return key
     seed = int(key) if isinstance(key, (int, np.integer)) and not isinstance(key, bool) else 0
     raise TypeError(NOT_A_PRNG_KEY.format(caller=caller, given=repr(key)[:60], kind=type(key).__name__, seed=seed))

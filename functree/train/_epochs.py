@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from functree._tree import is_array_value
+from functree._warnings import warn
 from functree.train._data import Batches, batches, is_number_list, to_arrays
 from functree.train._job import JobState
 from functree.train._metrics import describe_batch, shared_batch_size
@@ -171,8 +172,8 @@ def ran_out(data: Any, epochs: int | None, steps: int | None, job: JobState) -> 
     """:data:`DATA_RAN_OUT` (a warning): an epoch after the first of this ``fit`` gave no
     minibatch before ``epochs``/``steps`` were reached (fit stops there, as Keras's)."""
     asked = f"steps={steps}" if steps is not None else f"epochs={epochs}"
-    warnings.warn(DATA_RAN_OUT.format(asked=asked, step=job.steps_run, epoch=job.epoch,
-                                      kind=type(data).__name__), stacklevel=4)
+    warn(DATA_RAN_OUT.format(asked=asked, step=job.steps_run, epoch=job.epoch, kind=type(data).__name__),
+         UserWarning)  # (at the user's fit line)
 
 
 BATCH_SIZE_UNUSED = """\

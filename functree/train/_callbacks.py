@@ -786,10 +786,18 @@ def foreign_keyword(cls: str, unknown: dict[str, Any], init: Callable[..., Any])
         shown = repr(value) if len(repr(value)) <= 60 else type(value).__name__
         return TypeError(FOREIGN_KEYWORD.format(cls=cls, name=name, library=library, value=shown,
                                                 right=right.format(value=shown), note=f"   # {note}" if note else ""))
-    names = [p for p in inspect.signature(init).parameters if p not in ("self", "unknown")]
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest_parameter(name, init)
+    hint = f" (did you mean {close!r}?)" if close else ""
     return TypeError(f"{cls}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def closest_parameter(name: str, fn: Callable[..., Any]) -> str | None:
+    """The parameter of ``fn`` (not ``self``, not its ``**kwargs``) closest to a misspelt
+    keyword ``name`` (``difflib``), or None."""
+    names = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 class ModelCheckpoint(Callback):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -39,7 +38,9 @@ from functree.train._callbacks import (
     ModelCheckpoint,
     TrainingContext,
     as_callback,
+    closest_parameter,
     finish_saves,
+    missing,
 )
 from functree.train._data import Batches, checked_key, to_arrays
 from functree.train._dispatch import end_epoch, finish_pending
@@ -382,10 +383,8 @@ def unknown_keyword(method: str, unknown: Mapping[str, Any], known: Callable[...
         note = note.format(value=_short(value))
         return TypeError(UNKNOWN_KEYWORD.format(method=title, name=name, why=f" ({library} name)", wrong=wrong,
                                                 right=f"{right}" + (f"   # {note}" if note else "")))
-    names = [p.name for p in inspect.signature(known).parameters.values()
-             if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    why, right = (f" (did you mean {close[0]!r}?)", call.format(f"{close[0]}=...")) if close else (
+    close = closest_parameter(name, known)
+    why, right = (f" (did you mean {close!r}?)", call.format(f"{close}=...")) if close else (
         "", call.format("...") + f"   # help(ft.train.Trainer{'' if method == 'Trainer' else '.' + method})")
     return TypeError(UNKNOWN_KEYWORD.format(method=title, name=name, why=why, wrong=wrong, right=right))
 
@@ -393,7 +392,7 @@ def unknown_keyword(method: str, unknown: Mapping[str, Any], known: Callable[...
 def _check_data(method: str, data: Any) -> None:
     """Python's own error for a missing ``data`` (it has a default only to reach the above)."""
     if data is _NO_DATA:
-        raise TypeError(f"Trainer.{method}() missing 1 required positional argument: 'data'")
+        raise missing(f"Trainer.{method}", "data")
 
 
 class _Fit(NamedTuple):

@@ -538,3 +538,26 @@ def test_a_rule_that_cannot_split_a_models_leaf_beside_its_state_is_refused():
     specs = ft.to_flat_dict(ft.partition_specs((model, factored), fits, mesh=AbstractMesh((8,), ("data",))))
     assert specs.pop("0.layers.1.weight") == P(None, "data")
     assert {spec for name, spec in specs.items() if name.endswith("layers.1.weight")} == {P()}, specs
+
+
+def test_a_rule_pattern_is_checked_as_every_key_path_pattern():
+    """Sharding rules skipped check_patterns: ``"layers.[^0].weight"`` (a regex's "every layer
+    but 0") split layer 0 alone, fnmatch reading ``[^0]`` as "^ or 0", and left layer 1's
+    weight whole on every device; a printed key path got "matches no parameter" with
+    ``*.weight`` as its fix, which splits every weight. Both are refused at the call (ft.shard
+    and a TrainStep's sharding= alike), and each printed fix, applied, splits the leaf meant."""
+    net = ft.nn.Sequential(ft.nn.Dense(4, 8, key=jax.random.key(0)), ft.nn.Dense(8, 16, key=jax.random.key(1)))
+    mesh = jax.make_mesh((1,), ("data",))
+    for pattern, code in [("layers.[^0].weight", "CARET_CLASS"), ("['layers'][1].weight", "KEY_PATH_STRING"),
+                          (ft.key_path(net, "layers.1.weight"), "KEY_PATH_AS_PATTERN")]:
+        rules = {pattern: P(None, "data")}
+        with pytest.raises((ValueError, TypeError)) as e:
+            ft.partition_specs(net, rules, mesh=MESH)
+        with pytest.raises(type(e.value), match="layers"):
+            ft.shard(net, mesh, rules)
+        with pytest.raises(type(e.value), match="layers"):
+            ft.train.TrainStep(lambda m, b: 0.0, ft.optim.sgd(0.1), mesh=mesh, sharding=rules)
+        message = str(e.value)
+        right = message.split("right:  ")[1] if code != "KEY_PATH_AS_PATTERN" else message.split("here ")[1].rstrip(".")
+        specs = ft.to_flat_dict(ft.partition_specs(net, {eval(right): P(None, "data")}, mesh=MESH))
+        assert [n for n, s in specs.items() if s == P(None, "data")] == ["layers.1.weight"], (code, message)

@@ -52,7 +52,9 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from functree._naming import (
+    check_patterns,
     kept_parts_fix,
+    key_path_hint,
     leaf_infos,
     match_kind,
     member_names,
@@ -281,10 +283,17 @@ def in_optimizer_states(tree: Any) -> list[bool]:
 
 
 def check_rules(rules: Any) -> None:
-    """Refuse sharding rules that are neither None, ``"fsdp"`` nor a mapping of glob to spec."""
+    """Refuse sharding rules that are neither None, ``"fsdp"`` nor a mapping of glob to spec,
+    and patterns that every key-path pattern refuses (:func:`functree._naming.check_patterns`:
+    a regex's ``[^0]``, which a glob reads as "^ or 0", a printed key path, a reversed range):
+    such a rule matches other leaves than meant, or none, and a leaf left unsplit is only
+    seen as memory."""
     if rules is None or (isinstance(rules, str) and rules == FSDP):
         return
-    if not isinstance(rules, Mapping) or not all(isinstance(k, str) for k in rules):
+    if not isinstance(rules, Mapping):
+        raise TypeError(BAD_RULES.format(given=repr(rules)[:80]))
+    check_patterns([k for k in rules if isinstance(k, str) or key_path_hint(k)])  # a KeyPath: its dotted name
+    if not all(isinstance(k, str) for k in rules):
         raise TypeError(BAD_RULES.format(given=repr(rules)[:80]))
     for pattern, spec in rules.items():
         if not (isinstance(spec, (PartitionSpec, tuple, list)) or (isinstance(spec, str) and spec == FSDP)):
@@ -304,8 +313,10 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
     Raises ``ValueError`` for a ``data_axis`` the mesh lacks, a pattern that matches no
     floating leaf (naming the closest names) or only leaves an earlier pattern took (not
     with ``strict=False``, for a tree that holds only part of the model), a spec that
-    cannot split the leaf it names and a spec naming one mesh axis twice; ``TypeError`` for a rule value other than a
-    ``PartitionSpec`` or ``"fsdp"``.
+    cannot split the leaf it names and a spec naming one mesh axis twice, and for a pattern
+    every key-path pattern refuses (:func:`functree._naming.check_patterns`: ``[^0]``, a
+    printed key path); ``TypeError`` for a rule value other than a ``PartitionSpec`` or
+    ``"fsdp"``.
 
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp

@@ -561,3 +561,21 @@ def test_a_rule_pattern_is_checked_as_every_key_path_pattern():
         right = message.split("right:  ")[1] if code != "KEY_PATH_AS_PATTERN" else message.split("here ")[1].rstrip(".")
         specs = ft.to_flat_dict(ft.partition_specs(net, {eval(right): P(None, "data")}, mesh=MESH))
         assert [n for n, s in specs.items() if s == P(None, "data")] == ["layers.1.weight"], (code, message)
+
+
+def test_a_rule_for_an_integer_leaf_says_to_drop_it():
+    """A rule naming an integer leaf (head.steps, int32) said "matches no parameter" and
+    suggested '*.head.steps', which matches the same leaf and failed the same way: a
+    non-floating leaf is always replicated, so no pattern places it. The error names the
+    leaf and its dtype, and its fix, the rules without it, applied, places the rest."""
+    rules = {"*.weight": P(None, "model"), "head.steps": P("data")}
+    with pytest.raises(ValueError, match=r"'head\.steps' names no floating leaf, only head\.steps \(int32, shape \(\)\)"
+                       ) as e:
+        ft.partition_specs(model(), rules, mesh=MESH2)
+    right = str(e.value).split("right:  sharding=")[1]
+    assert right == "{'*.weight': P(None, 'model')}"
+    specs = ft.partition_specs(model(), eval(right, {"P": P}), mesh=MESH2)
+    assert specs["head"].weight == P(None, "model") and specs["head"].steps == P()
+    with pytest.raises(ValueError, match=r"(?s)'\*\.steps' names no floating leaf.*right:  sharding=None$") as e:
+        ft.partition_specs(model(), {"*.steps": P()}, mesh=MESH)
+    assert "encoder.0.steps (int32, shape ()), encoder.1.steps (int32, shape ()), head.steps" in str(e.value)

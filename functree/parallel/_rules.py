@@ -29,7 +29,8 @@ the optimizer moments of a parameter (``1.mu.encoder.0.weight``) follow the para
 rule (``encoder.*.weight``). A leaf matched only through a suffix (an optimizer moment)
 keeps the rule when the spec fits its shape and is replicated otherwise (factored
 moments); a leaf the pattern names itself must fit. Non-floating leaves (integers,
-counts, PRNG keys) are always replicated.
+counts, PRNG keys) are always replicated: a rule that matches only such leaves is refused
+(:data:`NON_FLOATING_RULE`), its fix the rules without it.
 
 A leaf of an ``ft.nn.Stack`` (``blocks.layers.up.weight``, shape ``(n, ...)``) has a
 leading layer axis per enclosing stack. ``"fsdp"`` splits one of its other dimensions,
@@ -63,7 +64,7 @@ from functree._naming import (
     suggestion,
 )
 from functree._stacked import stack_depths
-from functree._tree import dotted_name, written_dtype
+from functree._tree import dotted_name, has_shape_and_dtype, written_dtype
 
 __all__ = ["partition_specs", "FSDP_MIN_SIZE", "check_data_axis", "check_compute_dtype"]
 
@@ -132,6 +133,14 @@ mesh axis names) or "fsdp".
     wrong:  sharding={{{pattern!r}: {given}}}
     right:  sharding={{{pattern!r}: "fsdp"}}            # FSDP over the data axis
        or:  sharding={{{pattern!r}: P(None, "model")}}  # a spec per dimension"""
+
+NON_FLOATING_RULE = """\
+The sharding rule {pattern!r} names no floating leaf, only {leaves}: integer, boolean and \
+PRNG-key leaves (counts, indices, masks, keys) are always replicated, so the rule places \
+nothing. Drop it:
+
+    wrong:  sharding={rules}
+    right:  sharding={right}"""
 
 SHADOWED_RULE = """\
 The sharding rule {pattern!r} is never used: {name!r}, which it matches, is taken by the \
@@ -349,9 +358,11 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
         else:
             specs.append(_rule_spec(name, leaf, rules, mesh, taken, layers, data_axis, moment))
     if strict and isinstance(rules, Mapping):
-        floating = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if _is_floating(leaf)]
-        if any(len(leaf.shape) for _, leaf in floating):  # not only scalars (an SGD state)
-            _check_all_used(rules, taken, [n for n, _ in floating], tree)
+        arrays = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if has_shape_and_dtype(leaf)]
+        floating = [n for n, leaf in arrays if _is_floating(leaf)]
+        if any(len(leaf.shape) for n, leaf in arrays if n in floating):  # not only scalars (an SGD state)
+            fixed = [(n, leaf) for n, leaf in arrays if not _is_floating(leaf)]
+            _check_all_used(rules, taken, floating, tree, fixed)
     return jax.tree.unflatten(treedef, specs)
 
 
@@ -363,7 +374,10 @@ def _stacked_name(member: str, tree: Any) -> str:
     return member
 
 
-def _check_all_used(rules: Mapping[str, Any], taken: dict[str, str], names: list[str], tree: Any) -> None:
+def _check_all_used(rules: Mapping[str, Any], taken: dict[str, str], names: list[str], tree: Any,
+                    fixed: list[tuple[str, Any]]) -> None:
+    """Refuse a rule that gave no floating leaf its spec (``fixed``: the other array leaves,
+    always replicated, named when the rule matches only those)."""
     used = set(taken.values())
     for pattern in rules:
         if pattern in used:
@@ -375,9 +389,21 @@ def _check_all_used(rules: Mapping[str, Any], taken: dict[str, str], names: list
         shadowed = next((n for n in names if _hits(n, pattern)[1] and n in taken), None)
         if shadowed is not None:
             raise ValueError(SHADOWED_RULE.format(pattern=pattern, name=shadowed, earlier=taken[shadowed]))
+        _refuse_non_floating(pattern, rules, fixed)
         close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.0)
         better = (suggestion(pattern, leaf_infos(tree)) or kept_parts_fix(pattern, close)
                   or right_name(pattern, close, "*.weight"))  # a glob stays one
         raise ValueError(UNMATCHED_RULE.format(pattern=pattern, close=", ".join(map(repr, close)), suggestion=better))
 
 
+def _refuse_non_floating(pattern: str, rules: Mapping[str, Any], fixed: list[tuple[str, Any]]) -> None:
+    """:data:`NON_FLOATING_RULE` for a rule matching only integer, boolean or key leaves: its
+    fix is the rules without it, as no pattern places such a leaf (the unmatched rule's fix,
+    a closest floating name or the pattern's own ``*.`` form, gave another leaf the spec or
+    the same error again)."""
+    hit = [f"{n} ({leaf.dtype}, shape {tuple(leaf.shape)})" for n, leaf in fixed if _hits(n, pattern)[1]]
+    if hit:
+        rest = {k: v for k, v in rules.items() if k != pattern}
+        leaves = ", ".join(hit[:3]) + (f" and {len(hit) - 3} more" if len(hit) > 3 else "")
+        raise ValueError(NON_FLOATING_RULE.format(pattern=pattern, leaves=leaves, rules=dict(rules),
+                                                  right=rest or None))

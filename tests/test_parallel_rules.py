@@ -579,3 +579,34 @@ def test_a_rule_for_an_integer_leaf_says_to_drop_it():
     with pytest.raises(ValueError, match=r"(?s)'\*\.steps' names no floating leaf.*right:  sharding=None$") as e:
         ft.partition_specs(model(), {"*.steps": P()}, mesh=MESH)
     assert "encoder.0.steps (int32, shape ()), encoder.1.steps (int32, shape ()), head.steps" in str(e.value)
+
+
+def test_a_rule_that_cannot_split_a_leaf_prints_a_fix_that_places_it():
+    """BAD_SPEC's fix was always ``{pattern: P()}``: for a glob that also splits other leaves
+    it replicated all of them (``*.weight``: every weight of the model on every device), for
+    a misspelt mesh axis it dropped the split meant, and for a Stack's leaf its ``wrong:``
+    showed the spec with the layer axis prepended, not the one written. Each printed fix,
+    applied, now places the leaf and keeps the rule's spec wherever it fits."""
+    net = {"layers": [{"weight": jnp.ones((4, 8))}, {"weight": jnp.ones((8, 6)), "ids": jnp.zeros(8, jnp.int32)}]}
+    mesh = AbstractMesh((4, 2), ("data", "model"))
+    cases = [  # rules, the printed fix, the specs it gives the two weights
+        ({"*.weight": P(None, "data")}, {"layers.1.weight": P(), "*.weight": P(None, "data")}, [P(None, "data"), P()]),
+        ({"*.weight": P(None, "modle")}, {"*.weight": P(None, "model")}, [P(None, "model")] * 2),
+        ({"layers.0.weight": P(None, ("data", "mdl"))}, {"layers.0.weight": P(None, ("data", "model"))},
+         [P(None, ("data", "model")), P()]),
+        ({"layers.0.weight": P("data", None, None)}, {"layers.0.weight": P("data")}, [P("data"), P()]),
+        ({"layers.1.weight": P(None, "tensor")}, {"layers.1.weight": P()}, [P(), P()]),
+        ({"layers.1.*": P(None, "data")}, {"layers.1.*": P()}, [P(), P()]),  # not for layers.1.ids, an integer
+    ]
+    for rules, fix, want in cases:
+        with pytest.raises(ValueError, match="which it cannot split") as e:
+            ft.partition_specs(net, rules, mesh=mesh)
+        printed = str(e.value).split("right:  sharding=")[1].split("   #")[0]
+        assert eval(printed, {"P": P}) == fix, str(e.value)
+        specs = ft.partition_specs(net, fix, mesh=mesh)
+        assert [specs["layers"][0]["weight"], specs["layers"][1]["weight"]] == want
+    stack = {"blocks": net_shapes(d=6, n=3).blocks}  # up.weight (3, 6, 24): 6 rows on 4 devices
+    with pytest.raises(ValueError, match=r"gives P\(None, 'data'\) \(the rule's P\('data',\), the layer "
+                                         r"axes of the stack prepended\)") as e:
+        ft.partition_specs(stack, {"*.up.weight": P("data")}, mesh=mesh)
+    assert "wrong:  sharding={'*.up.weight': P('data',)}\n" in str(e.value)

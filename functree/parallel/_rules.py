@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -108,8 +109,11 @@ The sharding rule {pattern!r} gives {spec} to {path}, of shape {shape}, which it
 split: {why}.
 Each sharded dimension must be divisible by the size of its mesh axes ({sizes}):
 
-    wrong:  sharding={{{pattern!r}: {spec}}}
-    right:  sharding={{{pattern!r}: P()}}     # replicate it, or pick a divisible dimension"""
+    wrong:  sharding={{{pattern!r}: {written}}}
+    right:  sharding={right}"""
+
+STACKED_SPEC = "{spec} (the rule's {written}, the layer axes of the stack prepended)"
+"""How :data:`BAD_SPEC` names the spec a stacked leaf got from a rule written for one member."""
 
 DUPLICATE_AXIS = """\
 The sharding rule {pattern!r} gives {spec} to {path}, which names the mesh axis {axis!r} \
@@ -252,7 +256,7 @@ def _hits(name: str, pattern: str) -> tuple[bool, bool]:
 
 
 def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, taken: dict[str, str],
-               layers: int = 0, data_axis: str = "data", moment: bool = True) -> PartitionSpec:
+               layers: int = 0, data_axis: str = "data", moment: bool = True, names: Sequence[str] = ()) -> PartitionSpec:
     for pattern, spec in rules.items():
         direct, hit = _hits(name, pattern)
         if not hit:
@@ -267,11 +271,79 @@ def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | Abst
         if why is None:
             return spec
         if direct or not moment:
-            sizes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
-            raise ValueError(BAD_SPEC.format(pattern=pattern, spec=spec, path=name, shape=tuple(leaf.shape),
-                                             why=why, sizes=sizes))
+            _refuse_misfit(name, tuple(leaf.shape), pattern, rules, mesh, layers, why, names)
         return PartitionSpec()  # a moment of another shape (factored): replicated
     return PartitionSpec()
+
+
+def _written(spec: Any) -> PartitionSpec:
+    return spec if isinstance(spec, PartitionSpec) else PartitionSpec(*spec)
+
+
+def _refuse_misfit(name: str, shape: tuple[int, ...], pattern: str, rules: Mapping[str, Any],
+                   mesh: Mesh | AbstractMesh, layers: int, why: str, names: Sequence[str]) -> None:
+    """:data:`BAD_SPEC` for a rule whose spec cannot split the leaf ``name``, showing the
+    spec as the user wrote it and a fix that places it (:func:`_misfit_fix`)."""
+    written = _written(rules[pattern])
+    spec = _member_spec(written, len(shape), layers)
+    shown = STACKED_SPEC.format(spec=spec, written=written) if spec != written else str(spec)
+    sizes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    raise ValueError(BAD_SPEC.format(pattern=pattern, spec=shown, path=name, shape=shape, why=why, sizes=sizes,
+                                     written=written, right=_misfit_fix(name, shape, pattern, rules, mesh, layers,
+                                                                        names)))
+
+
+def _misfit_fix(name: str, shape: tuple[int, ...], pattern: str, rules: Mapping[str, Any],
+                mesh: Mesh | AbstractMesh, layers: int, names: Sequence[str]) -> str:
+    """The ``right:`` of :data:`BAD_SPEC`: the spec with a misspelt mesh axis replaced (the
+    closest, or the one left), or its surplus trailing ``None`` entries dropped, where that
+    fits; else the leaf replicated. A glob that also names other leaves (``names``: the
+    model's, not its moments) keeps its spec for them, the leaf getting a rule of its own
+    first: ``{"*.weight": P()}`` replicated every weight (a model too large for one device,
+    on every device)."""
+    written = _written(rules[pattern])
+    respelt = _respelt(written, mesh)
+    trimmed = PartitionSpec(*_trimmed(list(written)))
+    for spec, note in [(respelt, f"the mesh's axes are {tuple(mesh.axis_names)}"),
+                       (trimmed, "no entry for a dimension the leaf lacks")]:
+        if spec != written and spec is not None and _misfit(_member_spec(spec, len(shape), layers), shape, mesh) is None:
+            return f"{{{pattern!r}: {spec}}}   # {note}"
+    kept = written if respelt == written else respelt  # (None: an axis no spec can name)
+    earlier = list(rules)[:list(rules).index(pattern)]
+    others = [n for n in names if n != name and _hits(n, pattern)[1] and not any(_hits(n, p)[1] for p in earlier)]
+    if kept is None:
+        return f"{{{pattern!r}: P()}}   # replicated, or name the mesh's axes: {tuple(mesh.axis_names)}"
+    if not others:
+        return f"{{{pattern!r}: P()}}   # replicated" + (f", or a spec that divides {shape}" if shape else "")
+    own = _GLOB_CHARACTER.sub(lambda m: f"[{m.group()}]", name)  # the name as a glob matching it alone
+    return f"{{{own!r}: P(), {pattern!r}: {kept}}}   # {name} replicated, first; the rule for the others"
+
+
+_GLOB_CHARACTER = re.compile(r"[*?\[]")
+
+
+def _trimmed(entries: list[Any]) -> list[Any]:
+    while entries and entries[-1] is None:
+        entries = entries[:-1]
+    return entries
+
+
+def _respelt(spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> PartitionSpec | None:
+    """``spec`` with each name the mesh lacks replaced by the mesh axis most like it (or the
+    only one ``spec`` leaves free); ``spec`` itself when it names none, None when a name has
+    no such axis."""
+    used = [n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if n is not None]
+    free = [a for a in mesh.axis_names if a not in used]
+    close: dict[Any, str] = {}
+    for n in used:
+        if n in mesh.axis_names:
+            continue
+        near = difflib.get_close_matches(str(n), free, n=1, cutoff=0.6) or (free if len(free) == 1 else [])
+        if not near:
+            return None
+        close[n] = near[0]
+        free.remove(near[0])
+    return PartitionSpec(*[tuple(close.get(n, n) for n in e) if isinstance(e, tuple) else close.get(e, e) for e in spec])
 
 
 def _is_state(node: Any) -> bool:
@@ -348,6 +420,8 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
     taken: dict[str, str] = {}  # leaf name -> the rule that gave its spec
     specs = []
     moments = in_optimizer_states(tree)
+    parameters = [n for n, (_, leaf), moment in zip(names, path_leaves, moments, strict=True)
+                  if not moment and _is_floating(leaf)]  # what a misfit's fix keeps the rule for
     for name, (_, leaf), layers, moment in zip(names, path_leaves, depths, moments, strict=True):
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             specs.append(leaf)
@@ -356,7 +430,7 @@ def partition_specs(tree: Any, rules: Any = None, *, mesh: Mesh | AbstractMesh, 
         elif isinstance(rules, str):  # "fsdp"
             specs.append(_fsdp_spec(tuple(leaf.shape), data_axis, mesh.shape[data_axis], layers))
         else:
-            specs.append(_rule_spec(name, leaf, rules, mesh, taken, layers, data_axis, moment))
+            specs.append(_rule_spec(name, leaf, rules, mesh, taken, layers, data_axis, moment, parameters))
     if strict and isinstance(rules, Mapping):
         arrays = [(n, leaf) for n, (_, leaf) in zip(names, path_leaves) if has_shape_and_dtype(leaf)]
         floating = [n for n, leaf in arrays if _is_floating(leaf)]

@@ -610,3 +610,26 @@ def test_a_rule_that_cannot_split_a_leaf_prints_a_fix_that_places_it():
                                          r"axes of the stack prepended\)") as e:
         ft.partition_specs(stack, {"*.up.weight": P("data")}, mesh=mesh)
     assert "wrong:  sharding={'*.up.weight': P('data',)}\n" in str(e.value)
+
+
+def test_a_glob_rule_replicates_a_factored_moment_as_a_named_rule_does():
+    """``{"*.weight": P(None, "data")}`` with Adafactor was refused (a Trainer or TrainStep
+    with mesh= failed at its first step, even on one device): the glob matched the factored
+    moment ``inner.0.v_row.encoder.0.weight`` from its start, which was read as the pattern
+    naming the moment itself, so v_row's one dimension had to take a two-entry spec, while
+    ``encoder.*.weight`` replicated it. A state's leaf matched through its parameter's name is
+    replicated when the spec does not fit, however the pattern is written; one the pattern
+    names by its own path must fit, and a mesh axis the mesh lacks is refused for every leaf."""
+    m = model()
+    state = ft.optim.Optimizer(optax.adafactor(1e-3, min_dim_size_to_factor=8)).init(m)
+    for rules in ({"*.weight": P(None, "data")}, {"encoder.*.weight": P(None, "data")}):
+        for tree, prefix in ((state, ""), ((m, state), "1.")):
+            specs = ft.to_flat_dict(ft.partition_specs(tree, rules, mesh=MESH, strict=False))
+            for moment in ("v_row", "v_col", "v"):  # v: a (1,) placeholder for a factored leaf
+                assert specs[f"{prefix}inner.0.{moment}.encoder.0.weight"] == P()
+            if prefix:
+                assert specs["0.encoder.0.weight"] == P(None, "data")
+    with pytest.raises(ValueError, match=r"'inner\.0\.v_row\.\*' gives P\(None, 'data'\) to inner\.0\.v_row\."):
+        ft.partition_specs(state, {"inner.0.v_row.*": P(None, "data")}, mesh=MESH, strict=False)
+    with pytest.raises(ValueError, match=r"to inner\.0\.v_row\.encoder\.0\.weight, of shape .*no axis 'modle'"):
+        ft.partition_specs(state, {"encoder.0.weight": P("modle")}, mesh=MESH2, strict=False)

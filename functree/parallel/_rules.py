@@ -26,9 +26,11 @@
 
 A pattern matches a leaf when it matches its dotted name or any dotted suffix of it, so
 the optimizer moments of a parameter (``1.mu.encoder.0.weight``) follow the parameter's
-rule (``encoder.*.weight``). A leaf matched only through a suffix (an optimizer moment)
+rule (``encoder.*.weight``). A leaf of an optimizer state matched through its
+parameter's name (``*.weight`` or ``encoder.*.weight`` for ``1.v_row.encoder.0.weight``)
 keeps the rule when the spec fits its shape and is replicated otherwise (factored
-moments); a leaf the pattern names itself must fit. Non-floating leaves (integers,
+moments); a model's leaf, or a state's leaf the pattern names by its own path, must fit,
+and no leaf takes a mesh axis the mesh lacks. Non-floating leaves (integers,
 counts, PRNG keys) are always replicated: a rule that matches only such leaves is refused
 (:data:`NON_FLOATING_RULE`), its fix the rules without it.
 
@@ -195,17 +197,26 @@ def _axis_size(mesh: Mesh | AbstractMesh, entry: Any) -> int:
 
 def _misfit(spec: PartitionSpec, shape: tuple[int, ...], mesh: Mesh | AbstractMesh) -> str | None:
     """Why ``spec`` cannot split ``shape`` on ``mesh`` (None when it can)."""
+    unknown = _unknown_axis(spec, mesh)
+    if unknown is not None:
+        return unknown
     if len(spec) > len(shape):
         return f"the spec has {len(spec)} entries and the leaf {len(shape)} dimensions"
     for dim, entry in enumerate(spec):
         if entry is None:
             continue
-        for name in entry if isinstance(entry, tuple) else (entry,):
-            if name not in mesh.axis_names:
-                return f"the mesh has no axis {name!r} (its axes: {tuple(mesh.axis_names)})"
         size = _axis_size(mesh, entry)
         if shape[dim] % size:
             return f"dimension {dim} has size {shape[dim]}, not divisible by mesh axis {entry!r} of size {size}"
+    return None
+
+
+def _unknown_axis(spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> str | None:
+    """Why ``spec`` fits no leaf on ``mesh``: a name that is no axis of it (None when none)."""
+    for entry in spec:
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if name is not None and name not in mesh.axis_names:
+                return f"the mesh has no axis {name!r} (its axes: {tuple(mesh.axis_names)})"
     return None
 
 
@@ -255,11 +266,19 @@ def _hits(name: str, pattern: str) -> tuple[bool, bool]:
     return kind == "direct", kind is not None
 
 
+def _through_parameter(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` matches a dotted suffix of ``name`` shorter than it: for a leaf of
+    an optimizer state, the name of the parameter it follows. ``*.weight`` matches
+    ``inner.0.v_row.layers.0.weight`` itself too, but names it through ``layers.0.weight``;
+    ``inner.0.v_row.*`` names the state's own leaf."""
+    rest = name.partition(".")[2]
+    return bool(rest) and match_kind(rest, pattern, anywhere=True) is not None
+
+
 def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | AbstractMesh, taken: dict[str, str],
                layers: int = 0, data_axis: str = "data", moment: bool = True, names: Sequence[str] = ()) -> PartitionSpec:
     for pattern, spec in rules.items():
-        direct, hit = _hits(name, pattern)
-        if not hit:
+        if not _hits(name, pattern)[1]:
             continue
         taken[name] = pattern
         if isinstance(spec, str):  # "fsdp" (checked by check_rules)
@@ -270,7 +289,9 @@ def _rule_spec(name: str, leaf: Any, rules: Mapping[str, Any], mesh: Mesh | Abst
         why = _misfit(spec, tuple(leaf.shape), mesh)
         if why is None:
             return spec
-        if direct or not moment:
+        # A moment may be of another shape than its parameter (factored: Adafactor's v_row),
+        # and is replicated then; no leaf's shape takes a mesh axis the mesh lacks.
+        if not moment or _unknown_axis(spec, mesh) or not _through_parameter(name, pattern):
             _refuse_misfit(name, tuple(leaf.shape), pattern, rules, mesh, layers, why, names)
         return PartitionSpec()  # a moment of another shape (factored): replicated
     return PartitionSpec()

@@ -110,3 +110,50 @@ def test_a_metric_added_or_removed_within_the_means_has_the_mean_of_the_steps_th
     for bad in ({"other": 1.0}, {"mae": -1.0}, [6.0]):
         with pytest.raises(ValueError, match="are not a JSON object"):
             Means.from_json({**added.to_json(), "weights": bad})
+
+
+def test_a_log_window_or_epoch_that_scored_no_label_logs_nan_with_a_warning_not_a_perfect_loss():
+    """A WeightedMean loss whose every label in a log window is -100: each step's loss is 0
+    (0/0 given as 0: no gradient), and the window's mean of those 0s was logged as a
+    perfect 0.0. It is NaN with a NoLabelWarning naming the window (or the epoch); the
+    steps are no divergence (on_nan="stop" runs on), a window with a label is
+    Σ total / Σ count over its steps, and a plain loss of 0 (no count) stays 0."""
+    import jax
+
+    import functree as ft
+    from functree.train._reader import NO_TRAINING_LABEL
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=16).astype(np.int32)
+    y[0], y[4:] = -100, -100  # step 1 scores 3 labels, steps 2-4 none: the window of steps 3-4 nothing
+    model = ft.nn.Dense(4, 3, key=jax.random.key(0))
+
+    def loss_fn(m, b):
+        return ft.losses.softmax_cross_entropy(m(b[0]), b[1], reduction="weighted")
+
+    logits = np.asarray(model(x[1:4]), np.float64)
+    first = np.mean(np.log(np.exp(logits).sum(-1)) - logits[np.arange(3), y[1:4]])
+    logs = []
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn)
+    with pytest.warns(ft.train.NoLabelWarning) as caught:
+        history = trainer.fit(ft.train.batches((x, y), 4, shuffle=False), epochs=1, log_every=2, progress=False,
+                              callbacks=[lambda c: logs.append((c.event, c.step, c.metrics["loss"]))])
+    assert [str(w.message) for w in caught] == [NO_TRAINING_LABEL.format(what="log window ending at step 4")]
+    assert caught[0].filename == __file__  # the user's fit line
+    assert history.steps["loss"][1:] == [0.0, 0.0, 0.0] and trainer.steps_run == 4  # no NonFiniteError
+    (_, _, window), (_, _, empty), (_, _, epoch) = logs
+    np.testing.assert_allclose([window, epoch], first, rtol=0, atol=2e-6)  # step 1's 3 labels: not halved by step 2
+    assert logs[1][:2] == ("log", 4) and math.isnan(empty)
+    with pytest.warns(ft.train.NoLabelWarning, match=r"^Training's epoch 2: "):
+        history = trainer.fit(ft.train.batches((x[8:], y[8:]), 4, shuffle=False), epochs=2, log_every=8,
+                              progress=False)
+    assert math.isnan(history.epochs["loss"][1])
+
+    def terms(ratio, total=0.0):
+        return Means.terms({"loss": np.zeros(2), "loss#sum": np.array([total, 0.0]), "loss#count": np.zeros(2),
+                            "loss#ratio": np.full(2, ratio)}, np.ones(2))
+
+    plain, diverged = Means().plus(terms(0.0)), Means().plus(terms(1.0, np.nan))
+    assert plain.means() == {"loss": 0.0} and not plain.no_label()  # a plain loss's parts are (0, 0): no count
+    assert not diverged.no_label() and math.isnan(diverged.means()["loss"])  # a NaN total: a divergence's NaN

@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from functree.train._metrics import PART_COUNT, PART_SUM, InexactMeanWarning, combine_parts
+from functree.train._metrics import (
+    PART_COUNT,
+    PART_RATIO,
+    PART_SUM,
+    InexactMeanWarning,
+    combine_parts,
+)
 
 __all__ = ["Means", "Terms", "RESTORED_WITHOUT_PARTS"]
 
@@ -132,13 +138,25 @@ class Means:
         """The means (NaN where every step added was skipped), with ``skipped`` (the steps
         left out) under ``on_nan="skip"``. A counting metric's is Σ hits / Σ counted, its
         parts' sums' ratio (:func:`~functree.train._metrics.combine_parts`), not its
-        minibatch values' size-weighted mean."""
+        minibatch values' size-weighted mean; a ``WeightedMean`` loss that counted nothing
+        here is NaN (:meth:`no_label`)."""
         own = self.weights
         values = {k: v / w if (w := own.get(k, self.weight)) else math.nan for k, v in self.sums.items()}
         values = combine_parts(values, self.sums if self.weight else values)
+        if self.no_label():
+            values["loss"] = math.nan
         if on_nan == "skip":
             values["skipped"] = self.skipped
         return values
+
+    def no_label(self) -> bool:
+        """Whether the loss is a ``ft.losses.WeightedMean`` (its mark, :data:`PART_RATIO`)
+        whose count summed to 0 over these steps: nothing scored (every label -100), a mean
+        of 0/0, where each step's loss is 0 (no gradient) and combine_parts would give
+        those 0s as a perfect loss. A NaN total (a divergence) is not one."""
+        sums = self.sums
+        return (sums.get("loss" + PART_RATIO, 0.0) > 0 and sums.get("loss" + PART_COUNT) == 0.0
+                and sums.get("loss" + PART_SUM) == 0.0)
 
     def to_json(self) -> dict[str, Any]:
         """The means as JSON values (``weights`` only where a name has its own)."""
@@ -183,7 +201,7 @@ class Means:
 
 def _whole(name: str) -> str:
     """The metric a part's name belongs to (``"pct#sum"`` -> ``"pct"``); a metric's own name."""
-    for suffix in (PART_SUM, PART_COUNT):
+    for suffix in (PART_SUM, PART_COUNT, PART_RATIO):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name

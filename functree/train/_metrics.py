@@ -44,7 +44,7 @@ from functree.train._direction import rises
 
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
-           "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "BINARY_LABEL_VALUE", "BINARY_LABEL_SIGNS",
+           "PART_RATIO", "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "BINARY_LABEL_VALUE", "BINARY_LABEL_SIGNS",
            "ONE_HOT_ROW", "UNRECORDED_AUX", "UnrecordedAuxWarning",
            "warn_unrecorded_aux"]
 
@@ -909,9 +909,16 @@ PART_SUM, PART_COUNT = "#sum", "#count"
 """Suffixes of a counting metric's two parts (:func:`measured`): per example of the
 minibatch, its hits and its counted labels."""
 
+PART_RATIO = "#ratio"
+"""Suffix of the train step's mark beside the loss's parts (``"loss#ratio"``): per example, 1
+where the loss is a ratio noted with its parts (a ``ft.losses.WeightedMean``), else 0. Its
+parts' count sums to 0 both over steps that scored no label and under a plain loss (parts
+``(0, 0)``): the mark tells them apart, so that a log window or an epoch that scored nothing
+is 0/0, NaN (``Means.no_label``), not its steps' 0s, nor a plain loss's mean made NaN."""
+
 
 def _is_part(name: str) -> bool:
-    return name.endswith((PART_SUM, PART_COUNT))
+    return name.endswith((PART_SUM, PART_COUNT, PART_RATIO))
 
 
 def _unpartial(fn: Any) -> Any:
@@ -952,15 +959,16 @@ def step_names(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> list[str]:
     """The names, in order, of what a train step built from ``metrics`` records
     (:func:`measured`): ``"loss"``, the metrics, the loss's parts (a
     ``ft.losses.WeightedMean`` loss's total and count per example; 0 for another loss,
-    whose means stay size-weighted), then the metrics' parts (:func:`with_parts`).
+    whose means stay size-weighted), the metrics' parts (:func:`with_parts`), then the
+    loss's mark (:data:`PART_RATIO`).
 
     Example:
       >>> import functree as ft
       >>> step_names({"acc": ft.train.accuracy})
-      ['loss', 'acc', 'loss#sum', 'loss#count', 'acc#sum', 'acc#count']
+      ['loss', 'acc', 'loss#sum', 'loss#count', 'acc#sum', 'acc#count', 'loss#ratio']
     """
     names = list(with_parts(metrics))
-    return ["loss", *metrics, "loss" + PART_SUM, "loss" + PART_COUNT, *names[len(metrics):]]
+    return ["loss", *metrics, "loss" + PART_SUM, "loss" + PART_COUNT, *names[len(metrics):], "loss" + PART_RATIO]
 
 
 INEXACT_MEAN = """The metric {name!r} reports a value computed from {what}; its parts (hits, counted labels) are not known, so its means over minibatches are size-weighted (Σ n_b·v_b / Σ n_b), not Σ hits / Σ counted. Report the counting metric's value itself, or an affine function of one (100 * acc, 1 - acc: exact), under its own name:
@@ -1255,6 +1263,8 @@ def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], o
             values[name + PART_COUNT] = counted / n
         elif listed and (name == "loss" or (name in metrics and _parted(metrics[name])) or name in counting):  # step_names's
             values[name + PART_SUM] = values[name + PART_COUNT] = jnp.zeros((), dtype)
+    if listed and "loss" in values:  # whether the loss's parts are a ratio's (a count of 0: no label scored)
+        values["loss" + PART_RATIO] = jnp.asarray(isinstance(how.get("loss"), tuple), dtype)
     return values
 
 

@@ -19,8 +19,10 @@ from typing import Any
 import numpy as np
 
 from functree._jit import eval_shape
+from functree._warnings import warn
 from functree.train._callbacks import Callback, TrainingContext
 from functree.train._dispatch import call_hooks
+from functree.train._evaluation import NoLabelWarning
 from functree.train._intervals import MetricLog, Reading, snapshot, to_host
 from functree.train._means import Means
 from functree.train._metrics import part_names, step_names
@@ -28,7 +30,25 @@ from functree.train._nonfinite import NONFINITE, nonfinite_error, parameter_name
 from functree.train._progress import Progress
 from functree.train._step import TrainStep
 
-__all__ = ["Reader", "reads_model"]
+__all__ = ["Reader", "reads_model", "warn_no_label", "NO_TRAINING_LABEL"]
+
+NO_TRAINING_LABEL = """\
+Training's {what}: the loss is a ft.losses.WeightedMean (reduction="weighted") whose count is 0 \
+over every step: no position was scored (every label is ignore_index, -100: a collator that \
+truncated each response away, or labels shifted off the end). Its mean is 0/0, logged as NaN \
+(torch's mean over no label), not its steps' 0s, which would read as a perfect loss. Each of \
+those steps took no gradient (its loss is 0): no divergence, which on_nan neither stops nor \
+skips. Give data with labels to score:
+
+    wrong:  labels = np.full_like(input_ids, -100)            # every position ignored
+    right:  labels = np.where(response_mask, input_ids, -100)  # the response's tokens scored"""
+
+
+def warn_no_label(means: Means, what: str) -> None:
+    """:data:`NO_TRAINING_LABEL` (a :class:`NoLabelWarning`) where ``means`` (a log window's,
+    an epoch's) scored no label: its loss is NaN (:meth:`Means.no_label`)."""
+    if means.no_label():
+        warn(NO_TRAINING_LABEL.format(what=what), NoLabelWarning)
 
 _NO_BAR = Progress(None, enabled=False)
 
@@ -138,6 +158,7 @@ class Reader:
             shown[name.replace("learning_rate", "lr")] = column[-1]
         bar.update(len(r.steps), shown)
         if r.log:
+            warn_no_label(job.window, f"log window ending at step {r.first + len(r.steps) - 1}")
             t._job = job.replace(window=Means())
             if cbs:
                 ctx = self.context("log", means, r.context, step=r.first + len(r.steps) - 1)

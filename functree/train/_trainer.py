@@ -75,7 +75,7 @@ from functree.train._means import Means
 from functree.train._metrics import counting_names, describe_batch, part_names, resolve_metrics
 from functree.train._nonfinite import NONFINITE, NonFiniteError
 from functree.train._progress import Progress
-from functree.train._reader import Reader, reads_model
+from functree.train._reader import Reader, reads_model, warn_no_label
 from functree.train._scan import check_steps_per_call, stack_batches
 from functree.train._setup import (
     MISSING,
@@ -864,6 +864,7 @@ class Trainer(Evaluation):
 
     def _end_epoch(self, validation_data: Any, batch_size: int | None) -> None:
         values = self._job.epoch_means.means(self.on_nan)
+        warn_no_label(self._job.epoch_means, f"epoch {self._job.epoch + 1}")
         if validation_data is not None:  # may raise: nothing has changed yet
             val = self._evaluate(validation_data, batch_size, False, "validation")
             values.update({f"val_{k}": v for k, v in val.items()})

@@ -284,3 +284,23 @@ def test_lists_of_numbers_are_read_as_arrays_and_counted_by_their_rows():
     history = listed.fit({"y": y.tolist()}, batch_size=8, epochs=1, progress=False)
     assert listed.steps_run == 4 and int(ft.optim.context(listed.opt_state).samples_seen) == 30
     np.testing.assert_allclose(history.epochs["loss"][-1], np.mean(y.astype(np.float64) ** 2), atol=1e-6)
+
+
+def test_a_list_of_example_rows_is_refused_naming_the_stacked_arrays():
+    """ft.train.batches([(x_i, y_i), ...]) read the list as columns: a scalar label was
+    SCALAR_LEAF's "leaf 0.1 is a 0-d int32 array" (no fix for rows), rows of two (4,) arrays
+    were 4 examples whose minibatches were lists of slices (an error deep in the step)."""
+    from functree.train._data import LIST_OF_ROWS
+
+    x = np.arange(24, dtype=np.float32).reshape(6, 4)
+    for rows in ([(x[i], i % 3) for i in range(6)], [{"x": x[i], "y": np.int32(i)} for i in range(6)],
+                 [(x[i], x[i]) for i in range(6)]):
+        with pytest.raises(ValueError) as raised:
+            ft.train.batches(rows, 2)
+        text = str(raised.value)
+        assert text.startswith("ft.train.batches: the data is a list of 6 rows of one example each"), text
+        assert "right:  ft.train.batches(jax.tree.map(lambda *r: np.stack(r), *rows), 32)" in text
+    assert LIST_OF_ROWS.count("{right}") == 1
+    stacked = ft.train.batches(jax.tree.map(lambda *r: np.stack(r), *rows), 2, shuffle=False)
+    assert stacked.num_examples == 6 and [b[0].shape for b in stacked] == [(2, 4)] * 3
+    assert ft.train.batches([x, x + 1], 2).num_examples == 6  # a list of columns (bare arrays) as before

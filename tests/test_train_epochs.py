@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.train._epochs import Epochs, check_list_of_arrays
+from functree.train._epochs import Epochs, as_data, check_list_of_arrays
 from functree.train._job import JobState
 
 ITEMS = [(np.full((2, 1), i, np.float32),) for i in range(5)]
@@ -269,3 +269,43 @@ def test_data_that_runs_out_before_the_steps_asked_warns():
     assert (trainer.steps_run, trainer.epoch) == (3, 1)
     trainer.fit(iter(ITEMS[:2]), steps=5, progress=False)  # exactly the steps asked: no warning
     assert trainer.steps_run == 5
+
+
+@pytest.mark.parametrize("call", ["fit", "validation", "evaluate", "predict"])
+def test_a_list_of_example_rows_is_refused_naming_the_stacked_arrays(call):
+    """[(x_i, y_i), ...] (a torch Dataset's items, HF's rows as dicts) was read as minibatches,
+    one per row: fit ran a step per row counting its 3 features as 3 examples (samples_seen 33
+    for 11 rows), its label riding along whole; with batch_size= the error spoke of [x, y]."""
+    from functree.train._data import LIST_OF_ROWS
+
+    x, _, trainer = _pairs()
+    labels = np.arange(11, dtype=np.int32) % 3
+    rows = [(x[i], int(labels[i])) for i in range(11)]
+    args = (lambda m, b: b,) if call == "predict" else ()
+    caller = "trainer.fit(validation_data=...)" if call == "validation" else f"trainer.{call}"
+    wrong, right = (("trainer.fit(data, validation_data=rows)",
+                     "trainer.fit(data, validation_data=jax.tree.map(lambda *r: np.stack(r), *rows))")
+                    if call == "validation" else
+                    (f"trainer.{call}(rows, ...)", f"trainer.{call}(jax.tree.map(lambda *r: np.stack(r), *rows), ...)"))
+    for data in (rows, [{"x": x[i], "y": labels[i]} for i in range(11)], [{"ids": [1, 2, 3], "y": 0}] * 2):
+        with pytest.raises(ValueError) as raised:
+            if call == "validation":
+                trainer.fit((x, x), epochs=1, progress=False, validation_data=data)
+            else:
+                getattr(trainer, call)(data, *args)
+        text = str(raised.value)
+        assert text.startswith(f"{caller}: the data is a list of {len(data)} rows of one example each"), text
+        assert f"    wrong:  {wrong}\n    right:  {right}\n" in text
+    assert trainer.steps_run == 0  # refused before any step
+    if call != "fit":
+        return
+    with pytest.raises(ValueError) as raised:  # batch_size= asks for cutting: rows without a label too
+        trainer.fit([(x[i], x[i]) for i in range(11)], batch_size=4)
+    assert "right:  trainer.fit(jax.tree.map(lambda *r: np.stack(r), *rows), batch_size=4, ...)" in str(raised.value)
+    with pytest.raises(ValueError, match=re.escape("(rows of unequal lengths padded to one first")):
+        trainer.fit([(x[0], 0), (x[1, :2], 1)])
+    assert LIST_OF_ROWS.startswith("{caller}: the data is a list of {n} rows")
+    minibatches = [(x[:4], labels[:4]), (x[4:], labels[4:])]  # labels with the example axis: a list as before
+    assert as_data(minibatches, None, None) is minibatches
+    stacked = as_data(jax.tree.map(lambda *r: np.stack(r), *rows), 4, None)  # the fix: 11 examples, cut by 4
+    assert stacked.num_examples == 11 and len(stacked) == 3

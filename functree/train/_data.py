@@ -21,8 +21,9 @@ import numpy as np
 
 from functree._naming import names as _leaf_names
 from functree._state_dict import tensor_to_numpy
+from functree.train._metrics import describe_batch
 
-__all__ = ["batches", "Batches", "DataContext", "to_arrays"]
+__all__ = ["batches", "Batches", "DataContext", "to_arrays", "example_rows", "rows_error", "LIST_OF_ROWS"]
 
 LENGTH_MISMATCH = """\
 ft.train.batches: all arrays must have the same number of examples (leading axis), but \
@@ -57,6 +58,19 @@ without jax_enable_x64 ({value} at index {index}): the step would get it wrapped
        or:  ft.train.batches((x, ids % num_buckets), 32)   # hashed ids folded into range first
        or:  ft.train.batches((x, np.unique(ids, return_inverse=True)[1]), 32)   # ids as categories"""
 
+LIST_OF_ROWS = """\
+{caller}: the data is a list of {n} rows of one example each (items of one structure, the \
+first {first}): {how}. Stack the rows into arrays with a leading (example) axis{ragged}:
+
+    wrong:  {wrong}
+    right:  {right}
+       or:  {other}"""
+
+STACKED = "jax.tree.map(lambda *r: np.stack(r), *rows)"
+"""The rows of :data:`LIST_OF_ROWS` stacked: one array per leaf, its leading axis the examples."""
+
+RAGGED_ROWS = " (rows of unequal lengths padded to one first: np.stack needs one shape)"
+
 BAD_BATCH_SIZE = """\
 The minibatch size must be a positive int, got {size!r}{where}.
 
@@ -84,6 +98,36 @@ evenly (the other {left} left out), or a batch size whose last minibatch is a mu
     right:  trainer.evaluate(ft.train.batches(jax.tree.map(lambda a: a[:{cut}], data), {size}, shuffle=False, shard=shard))"""
 
 
+def example_rows(data: Any, containers: bool = False) -> list[Any] | None:
+    """``data``'s items where it is a list of two or more rows, one example each (a torch
+    ``Dataset``'s items, ``[(x_i, y_i), ...]``), else None: items of one tree structure, a
+    leaf of each rank at each place, some scalar (a label) beside one with an axis (its
+    features). A list is read as minibatches (or, by :func:`batches`, as columns), which
+    counts a row's feature axis as its examples and lets its label ride along whole. With
+    ``containers``, tuples, lists or dicts of one structure count too: read as columns (or
+    as minibatches of a ``batch_size=`` that asks for cutting) they are rows just as well."""
+    if type(data) is not list or len(data) < 2:
+        return None
+    first, tree = jax.tree.flatten(data[0], is_leaf=is_number_list)
+    ranks = [np.ndim(x) for x in first]
+    labelled = 0 in ranks and any(ranks)
+    if not (labelled or (containers and not jax.tree_util.treedef_is_leaf(tree))):
+        return None
+    for item in data[1:]:
+        leaves, other = jax.tree.flatten(item, is_leaf=is_number_list)
+        if other != tree or [np.ndim(x) for x in leaves] != ranks:
+            return None
+    return data
+
+
+def rows_error(caller: str, rows: list[Any], how: str, wrong: str, right: str, other: str) -> ValueError:
+    """:data:`LIST_OF_ROWS` for ``rows`` (:func:`example_rows`) given to ``caller``."""
+    shapes = {tuple(np.shape(x) for x in jax.tree.leaves(r, is_leaf=is_number_list)) for r in rows}
+    first = describe_batch(to_arrays(rows[0]))
+    return ValueError(LIST_OF_ROWS.format(caller=caller, n=len(rows), first=first, how=how, wrong=wrong,
+                                          right=right, other=other, ragged=RAGGED_ROWS if len(shapes) > 1 else ""))
+
+
 def _check_shard(shard: Any) -> tuple[int, int]:
     ok = isinstance(shard, tuple) and len(shard) == 2 and all(isinstance(v, (int, np.integer)) for v in shard)
     if not ok or not 0 <= shard[0] < shard[1]:
@@ -102,6 +146,11 @@ def _rows(offset: int, size: int, shard: tuple[int, int] | None, last: str = "")
         raise ValueError(BAD_SHARD.format(shard=shard, why=why))
     share = size // count
     return offset + index * share, offset + (index + 1) * share
+
+
+_ROWS_AS_COLUMNS = ("ft.train.batches reads a list as a tree of columns, each leaf cut along its leading "
+                    "axis, which in a row is its features (a label without one is refused): its minibatches "
+                    "would be lists of feature slices")
 
 
 class DataContext(NamedTuple):
@@ -156,6 +205,11 @@ class Batches:
         shard: tuple[int, int] | None = None,
     ):
         self.shard = None if shard is None else _check_shard(shard)
+        rows = example_rows(arrays, containers=True)
+        if rows is not None:
+            raise rows_error("ft.train.batches", rows, _ROWS_AS_COLUMNS, "ft.train.batches(rows, 32)",
+                             f"ft.train.batches({STACKED}, 32)",
+                             "ft.train.batches((np.stack([x for x, _ in rows]), np.array([y for _, y in rows])), 32)")
         arrays = jax.tree.map(_leaf_to_array, arrays, is_leaf=is_number_list)  # to_arrays' reading
         leaves = jax.tree.leaves(arrays)
         if not leaves:

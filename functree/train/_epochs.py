@@ -22,7 +22,15 @@ import numpy as np
 
 from functree._tree import is_array_value
 from functree._warnings import warn
-from functree.train._data import Batches, batches, is_number_list, to_arrays
+from functree.train._data import (
+    STACKED,
+    Batches,
+    batches,
+    example_rows,
+    is_number_list,
+    rows_error,
+    to_arrays,
+)
 from functree.train._job import JobState
 from functree.train._metrics import describe_batch, shared_batch_size
 from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
@@ -229,6 +237,36 @@ def check_list_of_arrays(data: Any, caller: str) -> None:
             right=_called(caller, "(x, y)"), batches=_called(caller, "ft.train.batches((x, y), batch_size=32)")))
 
 
+_ROWS_AS_MINIBATCHES = ("a list is read as minibatches, one per item: each row would be a minibatch of {size} "
+                        "examples, counted along its first axis (its features; {counted}), its label riding "
+                        "along whole")
+_ROWS_COUNTED = {"trainer.fit": "samples_seen, per_samples learning rates and accumulate= count them",
+                 "trainer.predict": "its outputs concatenated along their first axis"}
+_ROWS_CUT = ("batch_size={size} cuts arrays into minibatches, but a list is read as minibatches as it is, "
+             "one per item: each row one")
+_ROWS_MINIBATCHES = "[(x, y, np.full(len(x), t)) for x, y, t in minibatches]"  # a per-minibatch value t, per example
+
+
+def check_rows(data: Any, caller: str, size: int | None) -> None:
+    """:data:`~functree.train._data.LIST_OF_ROWS` for a list of rows of one example each
+    (:func:`~functree.train._data.example_rows`; with a ``batch_size=``, ``size``, which asks
+    for cutting, a list of tuples or dicts of one structure too): read as minibatches, a row's
+    features were counted as its examples, silently."""
+    rows = example_rows(data, containers=size is not None)
+    if rows is None:
+        return
+    if size is None:
+        counted = _ROWS_COUNTED.get(caller, "the means weigh each minibatch by them")
+        how = _ROWS_AS_MINIBATCHES.format(size=shared_batch_size(to_arrays(rows[0])), counted=counted)
+        right = _called(caller, STACKED)
+        other = _called(caller, _ROWS_MINIBATCHES) + "   # minibatches with one value t each: one per example"
+    else:
+        how, right = _ROWS_CUT.format(size=size), _called(caller, f"{STACKED}, batch_size={size}")
+        other = _called(caller, "rows") + "   # items that are minibatches: no batch_size="
+    wrong = _called(caller, "rows" if size is None else f"rows, batch_size={size}")
+    raise rows_error(caller, rows, how, wrong, right, other)
+
+
 def _shapes(items: list[Any]) -> str:
     """The first four items' ``dtype[shape]``, for the messages of a list of arrays."""
     return ", ".join(describe_batch(x) for x in items[:4]) + (", ..." if len(items) > 4 else "")
@@ -291,6 +329,7 @@ def as_data(data: Any, batch_size: int | None, key: Any, shuffle: bool = True,
     not cut it is :data:`BATCH_SIZE_UNUSED`."""
     if isinstance(data, Batches) or not _is_array_tree(data):
         check_list_of_arrays(data, caller)
+        check_rows(data, caller, batch_size)
         if batch_size is not None and not (isinstance(data, Batches) and data.batch_size == batch_size):
             own = f"; its own batch_size={data.batch_size!r}" if isinstance(data, Batches) else ""
             raise ValueError(BATCH_SIZE_UNUSED.format(caller=caller, size=batch_size,
@@ -429,6 +468,7 @@ class Epochs:
         cannot split, is refused before the first epoch, not at its end."""
         self.accumulate = accumulate
         check_list_of_arrays(validation_data, VALIDATION)
+        check_rows(validation_data, VALIDATION, None)
         if isinstance(validation_data, Batches):  # its last minibatch, read at the epoch's end
             validation_data.check_in_order()
         if isinstance(validation_data, Iterator) and _epoch_ends(data, epochs, steps, job) > 1:

@@ -1277,3 +1277,27 @@ def test_all_steps_sees_what_another_writer_changed(tmp_path):
     manager.save(6, {"w": jnp.full(2, 6.0)})
     assert manager.all_steps() == [5, 6] and sorted(os.listdir(directory)) == ["5", "6"]
     manager.close()
+
+
+# --- paths as a user writes them ---------------------------------------------------------------
+
+def test_a_path_under_the_home_directory_is_read_and_written_there(tmp_path, monkeypatch):
+    """``"~/runs/exp"`` made a directory named ``~`` in the working directory: a later load
+    from another directory (or trainer.restore, whose existence check read the path apart)
+    found no checkpoint, and `rm -rf ~` is how such a folder is usually removed."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    ft.train.save("~/tree", _w(1.0))
+    with CheckpointManager("~/run") as manager:
+        manager.save(1, _w(2.0))
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean(m(b) ** 2))
+    trainer.save("~/job")
+    assert sorted(os.listdir(home)) == ["job", "run", "tree"] and os.listdir(work) == []
+    monkeypatch.chdir(tmp_path)  # read from another working directory
+    np.testing.assert_array_equal(_loaded_w("~/tree"), np.full(4, 1.0, np.float32))
+    np.testing.assert_array_equal(CheckpointManager("~/run").restore().model["w"], np.full(4, 2.0, np.float32))
+    assert trainer.restore("~/job").steps_run == 0 and ft.train.JobState.restore("~/job").steps_run == 0
+    assert sorted(os.listdir(tmp_path)) == ["home", "work"]

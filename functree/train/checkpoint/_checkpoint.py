@@ -475,7 +475,7 @@ def _target(path: str | os.PathLike[str]) -> Path:
     writes through the link, as ``open(link, "w")`` does: the link stays and points at the
     new tree; swapping the link itself aside left a symlink ``.functree-old`` that
     ``shutil.rmtree`` refuses, and every later save failed on it)."""
-    path = Path(path).absolute()
+    path = policy.local_path(path)
     return path.resolve() if path.is_symlink() else path
 
 
@@ -723,7 +723,7 @@ class CheckpointManager:
         if max_to_keep is not None and (isinstance(max_to_keep, (bool, np.bool_)) or not isinstance(
                 max_to_keep, (int, np.integer)) or max_to_keep < 1):
             raise ValueError(BAD_MAX_TO_KEEP.format(value=max_to_keep))
-        self.directory = Path(directory).absolute()
+        self.directory = policy.local_path(directory)
         policy.check_directory(self.directory)
         self.best_metric, self.mode, self.max_to_keep = best_metric, mode, max_to_keep
         self._metrics: dict[int, dict[str, Any]] = {}

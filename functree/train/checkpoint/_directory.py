@@ -30,7 +30,7 @@ from typing import Any
 
 from functree.train.checkpoint._treespec import CheckpointError
 
-__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "remove_leftovers", "step_names", "started", "to_delete",
+__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "local_path", "remove_leftovers", "step_names", "started", "to_delete",
            "best"]
 
 LOCK_NAME = ".functree-writer.lock"
@@ -74,6 +74,13 @@ nothing was written. Give each run its own directory:
     wrong:  CheckpointManager("{path}")                 # in two jobs at once
     right:  CheckpointManager("{path}/run_2")
 If that process is gone (e.g. it ran on another host and was killed), delete {lock}."""
+
+
+def local_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` as every checkpoint call reads or writes it: ``~`` expanded as a shell does
+    (``"~/runs"`` made a folder named ``~`` in the working directory, which no read from
+    another directory found), then absolute at the call (a later ``chdir`` moves nothing)."""
+    return Path(path).expanduser().absolute()
 
 
 def check_directory(path: Path) -> None:

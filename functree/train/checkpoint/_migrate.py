@@ -10,12 +10,11 @@ with checksums, nothing imported or run on the way.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from functree.train.checkpoint._arrays import placement, saved_arrays
 from functree.train.checkpoint._checkpoint import save_args
-from functree.train.checkpoint._directory import STEP_DIR
+from functree.train.checkpoint._directory import STEP_DIR, local_path
 from functree.train.checkpoint._registry import public_name
 from functree.train.checkpoint._treespec import CheckpointError
 
@@ -59,7 +58,7 @@ def migrate(source: str | os.PathLike[str], destination: str | os.PathLike[str])
       functree.train.checkpoint._treespec.CheckpointError: ...new is not a format-1 functree checkpoint (its format is 'functree-checkpoint-2'); only those need migrating...
     """
     import orbax.checkpoint as ocp  # on first use: import functree stays light
-    source, destination = Path(source).absolute(), Path(destination).absolute()
+    source, destination = local_path(source), local_path(destination)
     steps = [p for p in source.iterdir() if STEP_DIR.match(p.name)] if source.is_dir() else []
     if steps and not (source / "meta").exists():
         for step in steps:

@@ -325,7 +325,7 @@ def test_a_checkpoint_written_on_a_gpu_reads_on_this_cpu(tmp_path):
 def test_the_writer_s_devices_stay_in_the_metadata_as_information(tmp_path):
     ft.train.save(tmp_path / "tree", {"w": jnp.ones(2), "n": np.arange(3)})
     meta = json.loads((tmp_path / "tree" / "meta" / "metadata").read_text())
-    assert meta["written_on"] == {"jax": jax.__version__, "processes": 1, "device_count": 1,
+    assert meta["written_on"] == {"functree": ft.__version__, "jax": jax.__version__, "processes": 1, "device_count": 1,
                                   "devices": [str(jax.devices()[0])]}
     restored = ft.train.load(tmp_path / "tree")  # a NumPy array comes back as one
     assert isinstance(restored["w"], jax.Array) and isinstance(restored["n"], np.ndarray)

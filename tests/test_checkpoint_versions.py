@@ -126,3 +126,32 @@ def test_an_older_jobs_four_counters_read_as_todays_five_with_and_without_a_temp
         assert (int(ctx.step), int(ctx.samples_seen)) == (3, 3 * int(ctx.minibatch_size)) and int(ctx.minibatch_size) > 0
     trainer.fit(make.data(), steps=4, progress=False, log_every=1)
     assert int(ft.optim.context(trainer.opt_state).step) == 4
+
+
+def _as_if_written_by_a_newer_functree(meta_file: Path) -> None:
+    from functree.train.checkpoint._checkpoint import metadata_digest
+    meta = json.loads(meta_file.read_text())
+    meta["format"], meta["written_on"]["functree"] = "functree-checkpoint-3", "9.0.0"
+    meta["digest"] = metadata_digest(meta)
+    meta_file.write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_of_a_newer_format_is_named_so_not_damaged(tmp_path):
+    # A format from the future was "damaged metadata: no functree-checkpoint-2 metadata",
+    # "Pass the directory written by ft.train.save" (a manager's step: "restore another step").
+    ft.train.save(tmp_path / "tree", {"w": jnp.ones(2)})
+    with ft.train.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, {"w": jnp.ones(2)})
+        manager.save(2, {"w": jnp.ones(2)})
+    for meta_file in (tmp_path / "tree" / "meta" / "metadata", tmp_path / "run" / "2" / "meta" / "metadata"):
+        _as_if_written_by_a_newer_functree(meta_file)
+    assert json.loads((tmp_path / "run" / "1" / "meta" / "metadata").read_text())["written_on"]["functree"] == ft.__version__
+    for call, shown in ((lambda: ft.train.load(tmp_path / "tree"), f'ft.train.load("{tmp_path / "tree"}")'),
+                        (lambda: ft.train.CheckpointManager(tmp_path / "run").restore(), "manager.restore(2)")):
+        with pytest.raises(ft.train.CheckpointError) as info:
+            call()
+        message = str(info.value)
+        assert "was written by a newer functree (9.0.0): its format is 'functree-checkpoint-3'" in message
+        assert f"this functree ({ft.__version__}) reads 'functree-checkpoint-2'" in message
+        assert "not damaged" in message and f"wrong:  {shown}" in message and "pip install -U" in message
+        assert "damaged metadata" not in message and "another step" not in message

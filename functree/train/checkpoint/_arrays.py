@@ -179,9 +179,10 @@ def put(arrays: dict[str, Any], moves: Mapping[str, Any]) -> dict[str, Any]:
 
 def written_on(arrays: Mapping[str, Any]) -> dict[str, Any]:
     """Where ``arrays`` were written from (information only: no reader consults it)."""
+    from functree import __version__  # (functree imports this module)
     devices = sorted({str(d) for x in arrays.values() if isinstance(x, jax.Array) for d in x.sharding.device_set})
-    return {"jax": jax.__version__, "processes": jax.process_count(), "device_count": len(devices),
-            "devices": devices[:16]}
+    return {"functree": __version__, "jax": jax.__version__, "processes": jax.process_count(),
+            "device_count": len(devices), "devices": devices[:16]}
 
 
 def _writer(meta: Any) -> str:

@@ -60,6 +60,7 @@ from functree.train.checkpoint._treespec import encode
 __all__ = ["Checkpoint", "CheckpointManager", "SKIP", "save", "load", "CheckpointError"]
 
 FORMAT = "functree-checkpoint-2"
+_FORMAT_NUMBER = re.compile(r"functree-checkpoint-(\d+)")
 _PARTS = ("model", "opt_state", "extra")
 
 DAMAGED = """\
@@ -122,6 +123,15 @@ only when a checkpoint exists, as the restart recipe does.
     wrong:  manager.restore({step})               # or trainer.restore(manager): the same
     right:  if manager.latest_step() is not None:
                 manager.restore()             # or trainer.restore(manager)"""
+
+
+NEWER_FORMAT = """\
+{path} was written by a newer functree{writer}: its format is {format!r}, and this functree \
+({version}) reads {known!r}. The checkpoint is not damaged; nothing was loaded. Read it with \
+a functree that knows its format:
+
+    wrong:  {call}        # under functree {version}
+    right:  pip install -U git+https://github.com/functree/functree    # then the same call"""
 
 
 OLD_OPTIMIZER_LAYOUT = """
@@ -388,6 +398,21 @@ def _metadata_problem(meta: Any, path: Path, manager: bool) -> str | None:
     return None
 
 
+def _check_not_newer(meta: Any, path: Path, manager: bool) -> None:
+    """:data:`NEWER_FORMAT` where a later functree wrote the metadata (``functree-checkpoint-3``):
+    not damage, which the readers' messages would call it (and offer another step)."""
+    found = _FORMAT_NUMBER.fullmatch(str(meta.get("format"))) if isinstance(meta, dict) else None
+    if found is None or int(found[1]) <= int(FORMAT.rsplit("-", 1)[1]):
+        return
+    from functree import __version__  # (functree imports this module)
+    about = meta.get("written_on")
+    writer = about.get("functree") if isinstance(about, dict) else None
+    call = f"manager.restore({path.name})" if manager else f'ft.train.load("{path}")'
+    raise CheckpointError(NEWER_FORMAT.format(
+        path=path, writer=f" ({writer})" if isinstance(writer, str) else "", format=meta["format"],
+        version=__version__, known=FORMAT, call=call))
+
+
 def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool = False,
           ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The verified arrays and metadata of the checkpoint at ``path``: the metadata first,
@@ -399,6 +424,7 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
         meta = restore(ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception as e:  # orbax raises many types for damaged files
         raise _Damage(_unreadable(e)) from e
+    _check_not_newer(meta, path, manager)
     problem = _metadata_problem(meta, path, manager)
     if problem:
         raise _Damage(f"has damaged metadata: {problem}")

@@ -4,6 +4,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -1301,3 +1302,30 @@ def test_a_path_under_the_home_directory_is_read_and_written_there(tmp_path, mon
     np.testing.assert_array_equal(CheckpointManager("~/run").restore().model["w"], np.full(4, 2.0, np.float32))
     assert trainer.restore("~/job").steps_run == 0 and ft.train.JobState.restore("~/job").steps_run == 0
     assert sorted(os.listdir(tmp_path)) == ["home", "work"]
+
+
+def test_a_file_on_the_path_is_named_with_the_directory_to_give(tmp_path):
+    """A file where a checkpoint needs a folder above it raised orbax's bare
+    NotADirectoryError (naming the step's path, not the file); a file given to ft.train.load,
+    or a file or folder inside a checkpoint, was "corrupted or incomplete"."""
+    from functree.train.checkpoint._checkpoint import A_FILE, INSIDE_A_TREE
+    from functree.train.checkpoint._directory import FILE_ON_THE_PATH
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder")
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean(m(b) ** 2))
+    fixed = tmp_path / "notes.txt_checkpoints" / "run" / "a"
+    for call, right in ((lambda: ft.train.save(notes / "run" / "a", _w(1.0)), f'ft.train.save("{fixed}")'),
+                        (lambda: CheckpointManager(notes / "run" / "a"), f'ft.train.CheckpointManager("{fixed}")'),
+                        (lambda: trainer.save(notes / "run" / "a"), f'ft.train.CheckpointManager("{fixed}")')):
+        raises_named(call, CheckpointError, FILE_ON_THE_PATH, f"{notes} is a file, not a directory")
+        with pytest.raises(CheckpointError, match=re.escape(f"right:  {right}")):
+            call()
+    assert notes.read_text() == "not a folder" and os.listdir(tmp_path) == ["notes.txt"]
+    ft.train.save(tmp_path / "model", _w(1.0))
+    raises_named(lambda: ft.train.load(notes), CheckpointError, A_FILE, f'ft.nn.load_torch_state_dict(model, "{notes}")')
+    for inside, what in ((tmp_path / "model" / "meta" / "metadata", "a file"), (tmp_path / "model" / "arrays", "a folder")):
+        raises_named(functools.partial(ft.train.load, inside), CheckpointError, INSIDE_A_TREE,
+                     f'{what} inside the checkpoint {tmp_path / "model"}')
+        with pytest.raises(CheckpointError, match=re.escape(f'right:  ft.train.load("{tmp_path / "model"}")')):
+            ft.train.load(inside)

@@ -85,6 +85,22 @@ the tree again:
     right:  ft.train.load("path/to/a/copy")                        # restored from elsewhere
        or:  ft.train.save("{path}", tree, overwrite=True)   # the tree in memory, written again"""
 
+INSIDE_A_TREE = """\
+{path} is {what} inside the checkpoint {root}, not a checkpoint: ft.train.load reads the \
+directory that ft.train.save wrote. Nothing was loaded.
+
+    wrong:  ft.train.load("{path}")
+    right:  ft.train.load("{root}")"""
+
+A_FILE = """\
+{path} is a file, not a checkpoint: ft.train.save writes a directory (its arrays/ and meta/ \
+folders). Nothing was loaded. Pass that directory; a .safetensors or torch file is read into \
+a model by ft.nn.load_torch_state_dict:
+
+    wrong:  ft.train.load("{path}")
+    right:  ft.train.load(path_given_to_ft_train_save)
+       or:  ft.nn.load_torch_state_dict(model, "{path}")   # a .safetensors or torch file"""
+
 MANAGER_DIRECTORY = """\
 {path} is a CheckpointManager's directory (a Trainer's ModelCheckpoint writes one): it holds \
 the checkpoints of steps {steps}, each a directory of its own. Restore one step:
@@ -564,6 +580,7 @@ def save(path: str | os.PathLike[str], tree: Any, *, overwrite: bool = False) ->
     import orbax.checkpoint as ocp  # on first use: import functree stays light
     check_stale([("tree", tree)], "ft.train.save(path, tree)")  # donated by a step: nothing written
     path = _target(path)
+    policy.check_writable(path, "ft.train.save")
     exists = agreed(lambda: _settle(path))
     if exists and not overwrite:
         raise CheckpointError(PATH_EXISTS.format(path=path))
@@ -610,6 +627,7 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
     where = old if not path.exists() and old.is_dir() else path  # an overwrite killed mid-swap
     if not where.exists():  # (orbax's reader calls it damaged: nothing is there)
         raise CheckpointError(NO_TREE.format(path=path))
+    _check_a_tree(where)
     try:
         with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
             arrays, meta = _read(lambda args: checkpointer.restore(where, args=args), where, target)
@@ -663,6 +681,19 @@ orbax's write needs: its step was not written. Wait for the save before the scri
     wrong: manager.save(step, model)                                   # the script ends here
     right: manager.save(step, model); manager.wait_until_finished()    # or: with CheckpointManager(...) as manager:
 """
+
+
+def _check_a_tree(path: Path) -> None:
+    """A file or folder inside a checkpoint (``model/meta/metadata``), or any other file, is
+    named as such: orbax's reader calls either "corrupted or incomplete"."""
+    if (path / "meta").is_dir():
+        return
+    root = next((p for p in path.parents if (p / "meta").is_dir() and (p / "arrays").is_dir()), None)
+    if root is not None:
+        what = "a file" if path.is_file() else "a folder"
+        raise CheckpointError(INSIDE_A_TREE.format(path=path, what=what, root=root))
+    if path.is_file():
+        raise CheckpointError(A_FILE.format(path=path))
 
 
 def _threads_start() -> bool:

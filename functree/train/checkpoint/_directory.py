@@ -30,7 +30,7 @@ from typing import Any
 
 from functree.train.checkpoint._treespec import CheckpointError
 
-__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "local_path", "remove_leftovers", "step_names", "started", "to_delete",
+__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "check_writable", "local_path", "remove_leftovers", "step_names", "started", "to_delete",
            "best"]
 
 LOCK_NAME = ".functree-writer.lock"
@@ -66,6 +66,12 @@ NOT_A_DIRECTORY = """\
     wrong:  ft.train.CheckpointManager("{path}")
     right:  ft.train.CheckpointManager("{path}_checkpoints")"""
 
+FILE_ON_THE_PATH = """\
+{path} cannot hold a checkpoint: {file} is a file, not a directory. Nothing was written.
+
+    wrong:  {call}("{path}")
+    right:  {call}("{fixed}")"""
+
 WRITER_ACTIVE = """\
 Another writer is saving checkpoints into {path}: {lock} names pid {pid} on host {host!r}
 (since {since}). Two writers in one directory would delete each other's checkpoints, so
@@ -83,10 +89,21 @@ def local_path(path: str | os.PathLike[str]) -> Path:
     return Path(path).expanduser().absolute()
 
 
+def check_writable(path: Path, call: str) -> None:
+    """:data:`FILE_ON_THE_PATH` where a file stands where ``path`` needs a directory above it
+    (``"notes.txt/run"``): the save would fail in orbax's ``mkdir`` naming neither the file
+    nor a fix. Only the nearest existing folder above ``path`` matters: the rest is created."""
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        fixed = above.with_name(above.name + "_checkpoints") / path.relative_to(above)
+        raise CheckpointError(FILE_ON_THE_PATH.format(path=path, file=above, call=call, fixed=fixed))
+
+
 def check_directory(path: Path) -> None:
     """Refuse a file, or a directory holding anything but steps, locks and leftovers."""
     if path.exists() and not path.is_dir():
         raise CheckpointError(NOT_A_DIRECTORY.format(path=path))
+    check_writable(path, "ft.train.CheckpointManager")
     foreign = sorted(e.name for e in path.iterdir() if not _written_by_a_manager(e.name)) if path.exists() else []
     if (path / "meta").is_dir() and (path / "arrays").is_dir():
         if STEP_DIR.match(path.name) and _holds_steps(path.parent):

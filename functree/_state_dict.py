@@ -59,12 +59,21 @@ loading converts floating tensors to the model's floating dtypes and integer ten
 integer dtypes where they hold the values; these are of another kind (an integer tensor for a \
 floating leaf, or the reverse) or out of range: convert them before loading: {names}"""
 
-FLOAT_RANGE_HINT = """\
+_BEYOND_RANGE = """\
 {names}: values beyond the largest finite value of the leaf's floating dtype (float16's is \
 65504), which the cast would turn into inf (NaN in a float8 without inf): a silently \
 different model, so they were not loaded. Load into a wider dtype and cast what fits after, \
 or clip them yourself where that is meant:
+"""
 
+FLOAT_RANGE_HINT = _BEYOND_RANGE + """
+    wrong:  ft.from_flat_dict(float16_model, flat, cast=True)   # float32 values beyond 65504
+    right:  ft.from_flat_dict(float32_model, flat, cast=True)
+       or:  {{k: np.clip(v, -65504, 65504) for k, v in flat.items()}}   # clipped on purpose"""
+"""from_flat_dict's own (a checkpoint read as saved and cast into a float16 template goes
+through it): torch's ``.clamp`` is no method of the NumPy arrays it is given."""
+
+TORCH_FLOAT_RANGE_HINT = _BEYOND_RANGE + """
     wrong:  ft.nn.load_torch_state_dict(float16_model, state_dict)   # float32 values beyond 65504
     right:  ft.nn.load_torch_state_dict(float32_model, state_dict)
        or:  {{k: v.clamp(-65504, 65504) for k, v in state_dict.items()}}   # clipped on purpose"""

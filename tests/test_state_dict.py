@@ -201,6 +201,22 @@ def test_float64_numpy_arrays_need_cast_and_get_a_hint():
     assert report.mismatched == (("steps", "shape () dtype int32", "shape () dtype float32"),)
 
 
+def test_values_past_a_float16_template_s_range_hint_from_flat_dict_s_own_fix():
+    """The hint showed torch's loader and ``v.clamp(...)``, no method of the NumPy arrays
+    from_flat_dict is given (a float32 checkpoint cast into a float16 model, as the
+    checkpoint's dtype hint shows, comes here)."""
+    template = {"w": np.zeros(3, np.float16)}
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(template, {"w": np.array([1.0, 7e4, 2.0], np.float32)}, cast=True)
+    message = str(info.value)
+    assert "w: values beyond the largest finite value of the leaf's floating dtype" in message
+    assert "right:  ft.from_flat_dict(float32_model, flat, cast=True)" in message
+    assert "np.clip(v, -65504, 65504) for k, v in flat.items()" in message
+    assert "load_torch_state_dict" not in message and ".clamp(" not in message
+    clipped = ft.from_flat_dict(template, {"w": np.clip(np.array([1.0, 7e4, 2.0], np.float32), -65504, 65504)}, cast=True)
+    np.testing.assert_array_equal(np.asarray(clipped["w"], np.float32), [1.0, 65504.0, 2.0])
+
+
 def test_from_flat_dict_rejects_a_template_whose_names_collide():
     with pytest.raises(ValueError, match=r"ft\.from_flat_dict: two leaves share the dotted name 'a\.b'"):
         ft.from_flat_dict({"a.b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, {"a.b": jnp.ones(1)})

@@ -98,8 +98,8 @@ from functree._module import Module
 from functree._naming import fill_stars, rename_pattern
 from functree._stacked import is_stacked
 from functree._state_dict import (
-    FLOAT_RANGE_HINT,
     TORCH_CAST_HINT,
+    TORCH_FLOAT_RANGE_HINT,
     FlatDictReport,
     _both_floating,
     castable,
@@ -887,7 +887,7 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     wrong_dtypes = [(members.get(n, n), want, got) for n, want, got, _ in wrong_dtypes]
     cast = [n for n, _, _ in refused if n not in ranged]
     hints = ((TORCH_CAST_HINT.format(names=", ".join(cast)),) if cast and fitted.hints else ()) + (
-        (FLOAT_RANGE_HINT.format(names=", ".join(sorted(ranged))),) if ranged else ())
+        (TORCH_FLOAT_RANGE_HINT.format(names=", ".join(sorted(ranged))),) if ranged else ())
     report = merged(ported, FlatDictReport(
         tuple(missing), tuple(k for k in given if k not in claimed), (*mismatched, *wrong_dtypes, *refused), hints,
     ))

@@ -5,6 +5,9 @@ reject late, or that would be ignored silently.
   options of ``dataclasses.field`` and ``eqx.field`` that functree does not implement
   (``converter=``, ``init=``, ``repr=`` ...) are refused by name instead of being stored as
   metadata nobody reads.
+* A field hidden by a property (or another data descriptor) of the same name, in its class
+  or in a base or subclass: ``model.name`` would run the property and never read the
+  value the model holds, trains and saves; it is refused at class definition.
 * A dict field whose keys cannot be sorted together (``{0: ..., "aux": ...}``): JAX sorts a
   dict's keys to flatten it, so every later use of the model would fail inside JAX,
   naming no field; it is refused at construction.
@@ -14,10 +17,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 from typing import Any
 
-__all__ = ["FIELD_OPTION", "KW_ONLY_MARKER", "MIXED_DICT_KEYS", "refuse_field_options", "refuse_kw_only_marker",
-           "check_dict_keys"]
+__all__ = ["FIELD_OPTION", "KW_ONLY_MARKER", "MIXED_DICT_KEYS", "HIDDEN_FIELD", "refuse_field_options",
+           "refuse_kw_only_marker", "refuse_hidden_fields", "check_dict_keys"]
 
 FIELD_OPTION = """\
 ft.field does not take {name}= (an option of dataclasses.field / eqx.field): functree \
@@ -114,6 +118,42 @@ def refuse_kw_only_marker(cls: type, annotations: dict[str, Any]) -> None:
     for name, ann in annotations.items():
         if ann is dataclasses.KW_ONLY or (isinstance(ann, str) and ann in ("KW_ONLY", "dataclasses.KW_ONLY")):
             raise TypeError(KW_ONLY_MARKER.format(cls=cls.__name__, name=name))
+
+
+HIDDEN_FIELD = """\
+{cls}.{name} is a field, and {owner}.{name} is a {kind} of the same name: reading \
+model.{name} runs the {kind}, never the value the model holds, trains and saves. Keep one \
+of them, or give them two names:
+
+    wrong:  {name}: int = ft.field(static=True)   and   @property def {name}(self): ...
+    right:  {name}: int = ft.field(static=True)   and   @property def {name}_derived(self): ...
+"""
+
+
+def refuse_hidden_fields(cls: type, names: tuple[str, ...]) -> None:
+    """Raise :data:`HIDDEN_FIELD` where a field name of ``cls`` resolves, on the class, to a
+    data descriptor (a property, in ``cls`` or a base): Python reads the descriptor before
+    the instance's dict, so the field's value would be unreadable by name, silently.
+
+    Example:
+      >>> class Base:
+      ...     @property
+      ...     def n(self):
+      ...         return 2
+      >>> refuse_hidden_fields(Base, ("w",))
+      >>> try:
+      ...     refuse_hidden_fields(Base, ("n",))
+      ... except TypeError as e:
+      ...     print(str(e).splitlines()[0][:48])
+      Base.n is a field, and Base.n is a property of t
+    """
+    for name in names:
+        attr = inspect.getattr_static(cls, name, None)
+        kind = type(attr)
+        if hasattr(kind, "__set__") or hasattr(kind, "__delete__"):
+            owner = next((k for k in cls.__mro__ if name in vars(k)), cls)
+            what = "property" if isinstance(attr, property) else f"{kind.__name__} descriptor"
+            raise TypeError(HIDDEN_FIELD.format(cls=cls.__name__, name=name, owner=owner.__name__, kind=what))
 
 
 MIXED_DICT_KEYS = """\

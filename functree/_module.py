@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Self, TypeVar
 import jax
 
 from functree import _functions
-from functree._field_checks import check_dict_keys, refuse_kw_only_marker
+from functree._field_checks import check_dict_keys, refuse_hidden_fields, refuse_kw_only_marker
 from functree._fields import NO_DERIVATIVE, PARAMETER, STATIC, field, field_kind, is_missing
 from functree._foreign_arguments import foreign_argument
 from functree._foreign_methods import missing_attribute
@@ -274,6 +274,7 @@ class Module:
         dataclasses.dataclass(init=False, repr=False, eq=False)(cls)
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
         cls.__ft_fields__ = tuple(f.name for f in fields)
+        refuse_hidden_fields(cls, cls.__ft_fields__)
         cls.__ft_field_set__ = frozenset(cls.__ft_fields__)
         cls.__ft_kinds__ = {f.name: field_kind(f) for f in fields}
         cls.__ft_static__ = tuple(n for n, k in cls.__ft_kinds__.items() if k == STATIC)

@@ -21,7 +21,8 @@ except ImportError:
     beartype = None
 
 import functree as ft
-from functree import _module
+from functree import _field_checks, _module
+from tests._errors import raises_named
 
 
 class Dense(ft.Module):
@@ -626,3 +627,31 @@ def test_floats_in_a_list_warning_offers_a_static_declaration_that_is_accepted()
         warnings.simplefilter("error")
         mix = namespace["Mix"](given)
         np.testing.assert_allclose(ft.jit(lambda m, x: m(x))(mix, jnp.float32(2.0)), 2.0, rtol=0, atol=1e-7)
+
+
+def test_a_field_hidden_by_a_property_of_the_same_name_is_refused_at_class_definition():
+    class Base(ft.Module):
+        w: jax.Array
+
+        @property
+        def n(self):
+            return self.w.shape[0]
+
+    # was: accepted; Sub(w, n=5).n ran Base's property (2) while the tree held, trained and saved 5
+    raises_named(lambda: type("Sub", (Base,), {"__annotations__": {"n": int}, "n": ft.field(static=True)}),
+                 TypeError, _field_checks.HIDDEN_FIELD, "@property def n_derived(self)")
+
+    class Counted(ft.Module):
+        w: jax.Array
+        n: int = ft.field(static=True, default=5)
+
+    with pytest.raises(TypeError, match=r"Late\.n is a field, and Late\.n is a property of the same name"):
+        class Late(Counted):  # a subclass's property over its base's field
+            @property
+            def n(self):
+                return 2
+
+    class Overridden(Base):  # a field with a default is the class attribute: it is what model.n reads
+        n: int = ft.field(static=True, default=3)
+
+    assert Overridden(jnp.ones(2)).n == 3

@@ -7,7 +7,9 @@ reject late, or that would be ignored silently.
   metadata nobody reads.
 * A field hidden by a property (or another data descriptor) of the same name, in its class
   or in a base or subclass: ``model.name`` would run the property and never read the
-  value the model holds, trains and saves; it is refused at class definition.
+  value the model holds, trains and saves; it is refused at class definition. So is a field
+  named like a method of ``ft.Module`` itself (``replace``): it would hide the method that
+  ``ft.set`` and the user call.
 * A dict field whose keys cannot be sorted together (``{0: ..., "aux": ...}``): JAX sorts a
   dict's keys to flatten it, so every later use of the model would fail inside JAX,
   naming no field; it is refused at construction.
@@ -20,8 +22,8 @@ import dataclasses
 import inspect
 from typing import Any
 
-__all__ = ["FIELD_OPTION", "KW_ONLY_MARKER", "MIXED_DICT_KEYS", "HIDDEN_FIELD", "refuse_field_options",
-           "refuse_kw_only_marker", "refuse_hidden_fields", "check_dict_keys"]
+__all__ = ["FIELD_OPTION", "KW_ONLY_MARKER", "MIXED_DICT_KEYS", "HIDDEN_FIELD", "MODULE_METHOD_FIELD",
+           "refuse_field_options", "refuse_kw_only_marker", "refuse_hidden_fields", "check_dict_keys"]
 
 FIELD_OPTION = """\
 ft.field does not take {name}= (an option of dataclasses.field / eqx.field): functree \
@@ -130,10 +132,23 @@ of them, or give them two names:
 """
 
 
-def refuse_hidden_fields(cls: type, names: tuple[str, ...]) -> None:
+MODULE_METHOD_FIELD = """\
+{cls}.{name} is a field named like ft.Module's own method {name}(): the field's value would \
+hide the method on every instance, so model.{name}(...) and functree's own calls of it \
+(ft.set, which builds the new model with model.replace(...); a notebook's display) would \
+call that value instead. Rename the field:
+
+    wrong:  {name}: jax.Array
+    right:  {name}_: jax.Array
+"""
+
+
+def refuse_hidden_fields(cls: type, names: tuple[str, ...], methods: frozenset[str] = frozenset()) -> None:
     """Raise :data:`HIDDEN_FIELD` where a field name of ``cls`` resolves, on the class, to a
     data descriptor (a property, in ``cls`` or a base): Python reads the descriptor before
     the instance's dict, so the field's value would be unreadable by name, silently.
+    Raise :data:`MODULE_METHOD_FIELD` for a field named in ``methods`` (``ft.Module``'s own,
+    which functree calls on any model).
 
     Example:
       >>> class Base:
@@ -148,6 +163,8 @@ def refuse_hidden_fields(cls: type, names: tuple[str, ...]) -> None:
       Base.n is a field, and Base.n is a property of t
     """
     for name in names:
+        if name in methods:
+            raise TypeError(MODULE_METHOD_FIELD.format(cls=cls.__name__, name=name))
         attr = inspect.getattr_static(cls, name, None)
         kind = type(attr)
         if hasattr(kind, "__set__") or hasattr(kind, "__delete__"):

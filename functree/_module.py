@@ -274,7 +274,7 @@ class Module:
         dataclasses.dataclass(init=False, repr=False, eq=False)(cls)
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
         cls.__ft_fields__ = tuple(f.name for f in fields)
-        refuse_hidden_fields(cls, cls.__ft_fields__)
+        refuse_hidden_fields(cls, cls.__ft_fields__, _MODULE_METHODS)
         cls.__ft_field_set__ = frozenset(cls.__ft_fields__)
         cls.__ft_kinds__ = {f.name: field_kind(f) for f in fields}
         cls.__ft_static__ = tuple(n for n, k in cls.__ft_kinds__.items() if k == STATIC)
@@ -424,6 +424,12 @@ class Module:
 
 
 _M = TypeVar("_M", bound=Module)
+
+# ft.Module's own methods (replace, __eq__, _repr_html_ ...): a field of one of these names
+# would hide it on the instance, where functree and notebooks call it.
+_MODULE_METHODS = frozenset(
+    n for n, v in vars(Module).items() if callable(v) or isinstance(v, (classmethod, staticmethod, property))
+)
 
 
 def from_fields(cls: type[_M], values: dict[str, Any]) -> _M:

@@ -655,3 +655,17 @@ def test_a_field_hidden_by_a_property_of_the_same_name_is_refused_at_class_defin
         n: int = ft.field(static=True, default=3)
 
     assert Overridden(jnp.ones(2)).n == 3
+
+
+def test_a_field_named_like_a_method_of_module_itself_is_refused_at_class_definition():
+    # was: accepted; the field hid Module.replace on the instance, so ft.set(model, ".replace", v)
+    # failed deep inside with "'ArrayImpl' object is not callable" and model.replace(...) likewise
+    raises_named(lambda: type("Edit", (ft.Module,), {"__annotations__": {"replace": jax.Array}}),
+                 TypeError, _field_checks.MODULE_METHOD_FIELD, "right:  replace_: jax.Array")
+
+    class Methods(ft.Module):  # other libraries' method names are fields like any other
+        apply: jax.Array
+        parameters: jax.Array
+
+    m = ft.set(Methods(jnp.ones(2), jnp.ones(2)), ".apply", jnp.zeros(2))
+    np.testing.assert_allclose(m.apply, np.zeros(2))

@@ -36,7 +36,8 @@ def field(
 
     Args:
       static: configuration kept in the tree definition (activation functions, flags,
-        sizes). Must be hashable; arrays are rejected.
+        sizes). Must be hashable; arrays and modules holding arrays are rejected, also
+        inside a tuple, list or dict (a submodule is a parameter field, trained).
       no_derivative: a data leaf that is carried and traced but never differentiated
         (running statistics, a step counter, a previous weight).
       default, default_factory: as in :func:`dataclasses.field`.

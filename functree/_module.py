@@ -91,21 +91,21 @@ the tree definition, which JAX hashes and compares on every jit call.
 """
 
 ARRAY_IN_STATIC = """\
-Static field {cls}.{field} holds an array ({shape} {dtype}). Arrays in static fields are \
+Static field {cls}.{field} holds an array ({shape} {dtype}){at}. Arrays in static fields are \
 hashed by identity, recompile every jit call and are invisible to grad and optimizers.
 
-    wrong:  {field}: jax.Array = ft.field(static=True)
-    right:  {field}: jax.Array = ft.field(no_derivative=True)   # carried, not trained
-       or:  {field}: jax.Array                                   # a trained parameter
+    wrong:  {field}: {annotation} = ft.field(static=True)
+    right:  {field}: {annotation} = ft.field(no_derivative=True)   # carried, not trained
+       or:  {field}: {annotation}                                   # a trained parameter
 """
 
 MODULE_IN_STATIC = """\
-Static field {cls}.{field} holds a {type} with {count} array leaves. A static field is \
+Static field {cls}.{field} holds a {type} with {count} array leaves{at}. A static field is \
 part of the tree definition: its arrays would be invisible to grad and optimizers (never \
 trained) and every new instance would recompile jitted functions.
 
-    wrong:  {field}: {type} = ft.field(static=True)
-    right:  {field}: {type}                          # a submodule is a parameter field
+    wrong:  {field}: {annotation} = ft.field(static=True)
+    right:  {field}: {annotation}                          # a submodule is a parameter field
 """
 
 MISSING_FIELDS = """\
@@ -162,22 +162,21 @@ class NonDifferentiableFieldWarning(DifferentiationWarning):
 
 
 def check_static(cls: type, name: str, value: Any) -> None:
-    """Refuse a static field's value that holds arrays (a module with leaves, an array)."""
-    if isinstance(value, Module):
-        count = len(jax.tree.leaves(value))
-        if count:
-            raise TypeError(
-                MODULE_IN_STATIC.format(
-                    cls=cls.__name__, field=name, type=type(value).__name__, count=count
-                )
-            )
-    if is_array_value(value):
-        raise TypeError(
-            ARRAY_IN_STATIC.format(
-                cls=cls.__name__, field=name, shape=tuple(getattr(value, "shape", ())),
-                dtype=getattr(value, "dtype", None),
-            )
-        )
+    """Refuse a static field's value that holds arrays (a module with leaves, an array), itself
+    or in a tuple, list or dict of it: a tuple of layers hashes (by the layers' identity), so
+    only this check keeps their weights from going untrained."""
+    found = _held_arrays(value, name)
+    if found is not None:
+        at, held = found
+        where = "" if at == name else f" at {at}"
+        annotation = type(value).__name__ if where else None
+        if isinstance(held, Module):
+            raise TypeError(MODULE_IN_STATIC.format(
+                cls=cls.__name__, field=name, type=type(held).__name__, count=len(jax.tree.leaves(held)),
+                at=where, annotation=annotation or type(held).__name__))
+        raise TypeError(ARRAY_IN_STATIC.format(
+            cls=cls.__name__, field=name, shape=tuple(held.shape), dtype=held.dtype, at=where,
+            annotation=annotation or "jax.Array"))
     try:
         hash(value)
     except TypeError as e:
@@ -186,6 +185,33 @@ def check_static(cls: type, name: str, value: Any) -> None:
                 cls=cls.__name__, field=name, type=type(value).__name__, error=e
             )
         ) from None
+
+
+# Values a static container holds that hold no array: skipped at C speed (a vocabulary tuple).
+_PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _held_arrays(value: Any, at: str) -> tuple[str, Any] | None:
+    """``(where, item)`` of the first array or module with leaves in ``value`` (``at``:
+    its name), looking through tuples, lists and dicts; None if it holds none."""
+    if isinstance(value, Module):
+        return (at, value) if jax.tree.leaves(value) else None
+    if is_array_value(value):
+        return at, value
+    if isinstance(value, (tuple, list)):
+        items: Any = enumerate(value)
+    elif type(value) is dict:
+        items = value.items()
+    else:
+        return None
+    if _PLAIN.issuperset(map(type, value.values() if type(value) is dict else value)):
+        return None
+    for key, item in items:
+        if type(item) not in _PLAIN:
+            found = _held_arrays(item, f"{at}[{key!r}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _non_differentiable_type_name(value: Any) -> str | None:

@@ -669,3 +669,20 @@ def test_a_field_named_like_a_method_of_module_itself_is_refused_at_class_defini
 
     m = ft.set(Methods(jnp.ones(2), jnp.ones(2)), ".apply", jnp.zeros(2))
     np.testing.assert_allclose(m.apply, np.zeros(2))
+
+
+def test_submodules_or_arrays_inside_a_static_tuple_are_refused_naming_where():
+    class Net(ft.Module):
+        blocks: tuple = ft.field(static=True)
+
+    layers = (make_dense(), make_dense())
+    # was: accepted (a tuple of layers hashes by their identity); the layers' weights were no
+    # leaves, so gradients and optimizers left them untrained, and the gradient's .blocks held
+    # the weights themselves
+    raises_named(lambda: Net(layers), TypeError, _module.MODULE_IN_STATIC,
+                 "Net.blocks holds a Dense with 2 array leaves at blocks[0]")
+    raises_named(lambda: Net((jax.nn.relu, {"table": jnp.ones(3)})), TypeError, _module.ARRAY_IN_STATIC,
+                 "at blocks[1]['table']")  # was: "unhashable tuple", with list -> tuple as the fix
+    raises_named(lambda: Net((1, 2)).replace(blocks=layers), TypeError, _module.MODULE_IN_STATIC,
+                 "right:  blocks: tuple ")
+    assert Net((jax.nn.relu, "gelu", 2, None)).blocks[1] == "gelu"  # configuration stays static

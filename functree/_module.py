@@ -86,9 +86,19 @@ UNHASHABLE_STATIC = """\
 Static field {cls}.{field} holds an unhashable {type} ({error}). Static fields live in \
 the tree definition, which JAX hashes and compares on every jit call.
 
-    wrong:  {field}: list = ft.field(static=True)      # e.g. [1, 2]
-    right:  {field}: tuple = ft.field(static=True)     # e.g. (1, 2)
+    wrong:  {field}: {type} = ft.field(static=True)      # e.g. {wrong}
+    right:  {field}: {right_type} = ft.field(static=True)     # e.g. {right}
 """
+
+# The hashable spelling of an unhashable static value, by its type: (type, example, fixed).
+_HASHABLE_FORMS: dict[type, tuple[str, str, str]] = {
+    list: ("tuple", "[1, 2]", "(1, 2)"),
+    dict: ("tuple", '{"a": 1}', '(("a", 1),)       # dict(self.FIELD) where it is read'),
+    set: ("frozenset", "{1, 2}", "frozenset({1, 2})"),
+    tuple: ("tuple", "(1, [2, 3])", "(1, (2, 3))       # its items hashable too"),
+}
+_OTHER_FORM = ("...", "an object without __hash__",
+               "a tuple, a frozenset, or a @dataclasses.dataclass(frozen=True) instance")
 
 ARRAY_IN_STATIC = """\
 Static field {cls}.{field} holds an array ({shape} {dtype}){at}. Arrays in static fields are \
@@ -180,11 +190,11 @@ def check_static(cls: type, name: str, value: Any) -> None:
     try:
         hash(value)
     except TypeError as e:
-        raise TypeError(
-            UNHASHABLE_STATIC.format(
-                cls=cls.__name__, field=name, type=type(value).__name__, error=e
-            )
-        ) from None
+        right_type, wrong, right = next(
+            (form for kind, form in _HASHABLE_FORMS.items() if isinstance(value, kind)), _OTHER_FORM)
+        raise TypeError(UNHASHABLE_STATIC.format(
+            cls=cls.__name__, field=name, type=type(value).__name__, error=e, wrong=wrong,
+            right_type=right_type, right=right.replace("FIELD", name))) from None
 
 
 # Values a static container holds that hold no array: skipped at C speed (a vocabulary tuple).

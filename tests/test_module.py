@@ -686,3 +686,16 @@ def test_submodules_or_arrays_inside_a_static_tuple_are_refused_naming_where():
     raises_named(lambda: Net((1, 2)).replace(blocks=layers), TypeError, _module.MODULE_IN_STATIC,
                  "right:  blocks: tuple ")
     assert Net((jax.nn.relu, "gelu", 2, None)).blocks[1] == "gelu"  # configuration stays static
+
+
+@pytest.mark.parametrize("value, fix", [
+    ({"a": 1}, '(("a", 1),)       # dict(self.cfg) where it is read'),
+    ({1, 2}, "cfg: frozenset = ft.field(static=True)"),
+    ((1, [2, 3]), "(1, (2, 3))       # its items hashable too"),
+])
+def test_an_unhashable_static_value_names_the_hashable_form_of_its_own_type(value, fix):
+    class Config(ft.Module):
+        cfg: object = ft.field(static=True)
+
+    # was: every unhashable value was told "wrong: list, right: tuple", even a tuple
+    raises_named(lambda: Config(value), TypeError, _module.UNHASHABLE_STATIC, fix)

@@ -23,7 +23,8 @@ import inspect
 from typing import Any
 
 __all__ = ["FIELD_OPTION", "KW_ONLY_MARKER", "MIXED_DICT_KEYS", "HIDDEN_FIELD", "MODULE_METHOD_FIELD",
-           "refuse_field_options", "refuse_kw_only_marker", "refuse_hidden_fields", "check_dict_keys"]
+           "INIT_VAR", "refuse_field_options", "refuse_kw_only_marker", "refuse_init_vars", "refuse_hidden_fields",
+           "check_dict_keys"]
 
 FIELD_OPTION = """\
 ft.field does not take {name}= (an option of dataclasses.field / eqx.field): functree \
@@ -120,6 +121,37 @@ def refuse_kw_only_marker(cls: type, annotations: dict[str, Any]) -> None:
     for name, ann in annotations.items():
         if ann is dataclasses.KW_ONLY or (isinstance(ann, str) and ann in ("KW_ONLY", "dataclasses.KW_ONLY")):
             raise TypeError(KW_ONLY_MARKER.format(cls=cls.__name__, name=name))
+
+
+INIT_VAR = """\
+{cls}.{name}: dataclasses.InitVar is not supported by ft.Module: an argument of __init__ \
+alone is no field, and JAX rebuilds a module from its fields without calling __init__ (the \
+generated __init__ would refuse it, and __post_init__ would be called without it). Take it \
+in your own __init__:
+
+    wrong:  {name}: dataclasses.InitVar[float] = 1.0      # and def __post_init__(self, {name}): ...
+    right:  def __init__(self, w, {name}=1.0):
+                self.w = w * {name}
+"""
+
+
+def refuse_init_vars(cls: type, annotations: dict[str, Any]) -> None:
+    """Raise :data:`INIT_VAR` where a class body annotates a ``dataclasses.InitVar`` (by object
+    or as a string: ``from __future__ import annotations``).
+
+    Example:
+      >>> import dataclasses
+      >>> refuse_init_vars(object, {"w": "jax.Array"})
+      >>> try:
+      ...     refuse_init_vars(object, {"scale": dataclasses.InitVar[float]})
+      ... except TypeError as e:
+      ...     print(str(e).splitlines()[0][:44])
+      object.scale: dataclasses.InitVar is not sup
+    """
+    for name, ann in annotations.items():
+        if isinstance(ann, dataclasses.InitVar) or ann is dataclasses.InitVar or (
+                isinstance(ann, str) and ann.startswith(("InitVar", "dataclasses.InitVar"))):
+            raise TypeError(INIT_VAR.format(cls=cls.__name__, name=name))
 
 
 HIDDEN_FIELD = """\

@@ -41,7 +41,12 @@ from typing import Any, ClassVar, Self, TypeVar
 import jax
 
 from functree import _functions
-from functree._field_checks import check_dict_keys, refuse_hidden_fields, refuse_kw_only_marker
+from functree._field_checks import (
+    check_dict_keys,
+    refuse_hidden_fields,
+    refuse_init_vars,
+    refuse_kw_only_marker,
+)
 from functree._fields import NO_DERIVATIVE, PARAMETER, STATIC, field, field_kind, is_missing
 from functree._foreign_arguments import foreign_argument
 from functree._foreign_methods import missing_attribute
@@ -306,7 +311,9 @@ class Module:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        refuse_kw_only_marker(cls, inspect.get_annotations(cls))
+        annotations = inspect.get_annotations(cls)
+        refuse_kw_only_marker(cls, annotations)
+        refuse_init_vars(cls, annotations)
         dataclasses.dataclass(init=False, repr=False, eq=False)(cls)
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
         cls.__ft_fields__ = tuple(f.name for f in fields)
@@ -320,7 +327,7 @@ class Module:
         for f in fields:
             if field_kind(f) == STATIC and not is_missing(f.default):
                 check_static(cls, f.name, f.default)
-            if field_kind(f) == PARAMETER and f.name in inspect.get_annotations(cls):
+            if field_kind(f) == PARAMETER and f.name in annotations:
                 _warn_annotation(cls, f)
         _install_init(cls)
         label_calls(cls)  # optax calls a label tree shaped like the model

@@ -699,3 +699,19 @@ def test_an_unhashable_static_value_names_the_hashable_form_of_its_own_type(valu
 
     # was: every unhashable value was told "wrong: list, right: tuple", even a tuple
     raises_named(lambda: Config(value), TypeError, _module.UNHASHABLE_STATIC, fix)
+
+
+def test_an_init_var_is_refused_at_class_definition():
+    # was: accepted and left out of the fields: Scaled(w, 3.0) raised "takes 1 field(s) ['w'],
+    # got 2 positional", and Scaled(w) called __post_init__ without it
+    def define():
+        class Scaled(ft.Module):
+            w: jax.Array
+            scale: dataclasses.InitVar[float] = 1.0
+
+            def __post_init__(self, scale):
+                self.w = self.w * scale
+
+    raises_named(define, TypeError, _field_checks.INIT_VAR, "def __init__(self, w, scale=1.0):")
+    raises_named(lambda: type("Late", (ft.Module,), {"__annotations__": {"scale": "dataclasses.InitVar[float]"}}),
+                 TypeError, _field_checks.INIT_VAR, "Late.scale")  # from __future__ import annotations

@@ -97,3 +97,81 @@ def test_layers_with_no_input_features_build_as_torch_does(key):
     assert ft.nn.LSTMCell(0, 4, key=key).input_weight.shape == (0, 16)
     np.testing.assert_array_equal(ft.nn.Dense(2, 3, key=key).weight,
                                   jax.nn.initializers.glorot_uniform()(key, (2, 3), jnp.float32))
+
+
+# One argument of each layer: its size (Dense(3.0, 4), d / 2 in Python 3) failed deep inside
+# jax.random's shape check, -2 in an MLIR error, True built a layer of size 1 and a JAX array a
+# static field holding an array (GroupNorm, RotaryEmbedding).
+SIZED_LAYERS = [
+    ("Dense", "input_size", lambda v, k: ft.nn.Dense(v, 4, key=k)),
+    ("Conv2D", "out_channels", lambda v, k: ft.nn.Conv2D(3, v, 3, key=k)),
+    ("Conv1DTranspose", "in_channels", lambda v, k: ft.nn.Conv1DTranspose(v, 4, 3, key=k)),
+    ("Embedding", "embedding_size", lambda v, k: ft.nn.Embedding(10, v, key=k)),
+    ("EmbeddingBag", "vocabulary_size", lambda v, k: ft.nn.EmbeddingBag(v, 4, key=k)),
+    ("MultiheadAttention", "query_size", lambda v, k: ft.nn.MultiheadAttention(v, 2, key=k)),
+    ("MultiheadAttention", "qk_size", lambda v, k: ft.nn.MultiheadAttention(8, 2, qk_size=v, vo_size=4, key=k)),
+    ("LayerNorm", "shape", lambda v, k: ft.nn.LayerNorm((3, v))),
+    ("GroupNorm", "channels", lambda v, k: ft.nn.GroupNorm(2, v)),
+    ("BatchNorm", "feature_count", lambda v, k: ft.nn.BatchNorm(v)),
+    ("InstanceNorm2D", "channels", lambda v, k: ft.nn.InstanceNorm2D(v, affine=True)),
+    ("LSTMCell", "hidden_size", lambda v, k: ft.nn.LSTMCell(3, v, key=k)),
+    ("GRU", "input_size", lambda v, k: ft.nn.GRU(v, 4, batch_first=True, key=k)),
+    ("MLP", "width_size", lambda v, k: ft.nn.MLP(3, 2, v, 1, key=k)),
+    ("TransformerEncoderLayer", "dim_feedforward", lambda v, k: ft.nn.TransformerEncoderLayer(8, 2, v, key=k)),
+    ("Bilinear", "out_features", lambda v, k: ft.nn.Bilinear(2, 3, v, key=k)),
+    ("Experts", "hidden", lambda v, k: ft.nn.Experts(4, v, 2, key=k)),
+    ("AdaptiveLogSoftmaxWithLoss", "in_features", lambda v, k: ft.nn.AdaptiveLogSoftmaxWithLoss(v, 10, [4], key=k)),
+]
+
+BAD_SIZES = [(3.0, TypeError, r"is a float", r"int\(d // 2\)"), (True, TypeError, r"is a bool", r"n\)"),
+             (-2, ValueError, r"is below 0", r"n\)"), (jnp.asarray(4), TypeError, r"i32\[\] is an array", r"int\(n\)"),
+             ((4,), TypeError, r"is not an int \(tuple\)", r"n\)")]
+
+
+@pytest.mark.parametrize("layer, name, make", SIZED_LAYERS, ids=[f"{c}.{n}" for c, n, _ in SIZED_LAYERS])
+@pytest.mark.parametrize("value, error, problem, right", BAD_SIZES, ids=["float", "bool", "negative", "array", "tuple"])
+def test_a_layer_size_that_is_no_int_is_named_at_the_constructor(key, layer, name, make, value, error, problem,
+                                                                  right):
+    with pytest.raises(error, match=rf"(?s)^ft\.nn\.{layer}: {name}=.*{problem}; {name} is an int >= 0\..*"
+                                    rf"wrong:  ft\.nn\.{layer}\(\.\.\., {name}=.*right:  ft\.nn\.{layer}\(\.\.\., "
+                                    rf"{name}={right}"):
+        make(value, key)
+
+
+@pytest.mark.parametrize("layer, name, make", SIZED_LAYERS, ids=[f"{c}.{n}" for c, n, _ in SIZED_LAYERS])
+def test_a_numpy_int_is_a_layer_size(key, layer, name, make):
+    """A NumPy int (a size read from an array's shape or a config) builds the layer it names."""
+    assert jax.tree.structure(make(np.int64(4), key)) == jax.tree.structure(make(4, key))
+
+
+def test_numpy_int_counts_build_what_their_ints_build(key):
+    """num_layers, num_heads, num_kv_heads, window, a Stack's n and a LoRA rank given as NumPy
+    ints were refused as no ints (ft.nn.LSTM: "num_layers=2; a recurrent stack has at least one
+    layer", MultiheadAttention: "num_kv_heads (2) must divide num_heads (2)")."""
+    two = np.int64(2)
+    assert len(ft.nn.LSTM(3, 4, two, batch_first=True, key=key).layers) == 2
+    attention = ft.nn.MultiheadAttention(8, two, num_kv_heads=two, window=two, key=key)
+    assert (attention.num_heads, attention.num_kv_heads, attention.window) == (2, 2, 2)
+    assert type(attention.num_heads) is int and type(attention.window) is int  # static fields: Python ints
+    assert len(ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), two, key=key)) == 2
+    assert ft.nn.LoraDense(ft.nn.Dense(3, 4, key=key), two, key=key).lora_a.shape == (3, 2)
+    assert ft.nn.TransformerEncoder(ft.nn.TransformerEncoderLayer(8, two, 8, key=key), two).num_layers == 2
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda k: ft.nn.GroupNorm(0, 4), r"ft\.nn\.GroupNorm: groups=0 is below 1; groups is an int >= 1"),
+    (lambda k: ft.nn.Experts(4, 8, 2.0, key=k), r"ft\.nn\.Experts: num_experts=2\.0 is a float"),
+    (lambda k: ft.nn.Transformer(8, 2, 1, 0.5, 8, key=k), r"ft\.nn\.Transformer: num_decoder_layers=0\.5 is a float"),
+    (lambda k: ft.nn.TransformerEncoder(ft.nn.TransformerEncoderLayer(8, 2, 8, key=k), 2.0),
+     r"ft\.nn\.TransformerEncoder: num_layers=2\.0 is a float"),
+    (lambda k: ft.nn.MLP(3, 2, widths=[4, 2.5], key=k), r"ft\.nn\.MLP: widths=2\.5 is a float"),
+    (lambda k: ft.nn.MLP(3, 2, 4, 1.5, key=k), r"ft\.nn\.MLP: depth=1\.5 is a float"),
+    (lambda k: ft.nn.RotaryEmbedding(jnp.asarray(8)), r"ft\.nn\.RotaryEmbedding: size=i32\[\] is an array"),
+    (lambda k: ft.nn.Bilinear(0, 3, 4, key=k), r"ft\.nn\.Bilinear: in1_features=0 is below 1"),
+    (lambda k: ft.nn.LSTM(3, 4, 2.0, batch_first=True, key=k), r"ft\.nn\.LSTM: num_layers=2\.0 is a float"),
+])
+def test_counts_and_hidden_widths_that_are_no_ints_are_named(key, make, message):
+    """A count below 1 or no int (MLP(3, 2, 4, 1.5) built one hidden layer, widths=[2.5] one
+    of width 2: int() floored them) is named at the call."""
+    with pytest.raises((TypeError, ValueError), match=message):
+        make(key)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import field
-from functree.nn._check import LayerInputError, check_input, concrete
+from functree.nn._check import LayerInputError, check_input, concrete, size_arguments
 from functree.nn._initializers import torch_default
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
@@ -87,7 +86,8 @@ class AdaptiveLogSoftmaxWithLoss(Layer):
 
     def __init__(self, in_features: int, n_classes: int, cutoffs: Sequence[int], div_value: float = 4.0,
                  head_bias: bool = False, *, key: jax.Array, dtype: Any = jnp.float32):
-        in_features, n_classes = operator.index(in_features), operator.index(n_classes)
+        in_features, n_classes = size_arguments("AdaptiveLogSoftmaxWithLoss", in_features=in_features,
+                                                n_classes=n_classes)
         given = list(cutoffs)
         ok = (all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in given) and given
               and given == sorted(set(given)) and given[0] >= 1 and given[-1] <= n_classes - 1)

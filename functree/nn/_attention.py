@@ -23,7 +23,13 @@ from functree._random import flat_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementation, choose
-from functree.nn._check import LayerInputError, check_input, concrete
+from functree.nn._check import (
+    LayerInputError,
+    check_input,
+    concrete,
+    optional_sizes,
+    size_arguments,
+)
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
@@ -444,15 +450,20 @@ class MultiheadAttention(Layer):
         batch_first: bool = True,
         add_zero_attn: bool = False,
     ):
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        if window is not None and (not is_int(window) or window < 1):
             raise ValueError(BAD_WINDOW.format(given=window))
+        query_size, = size_arguments("MultiheadAttention", query_size=query_size)
+        key_size, value_size, output_size, qk_size, vo_size = optional_sizes(
+            "MultiheadAttention", key_size=key_size, value_size=value_size, output_size=output_size, qk_size=qk_size,
+            vo_size=vo_size)
         if not is_int(num_heads) or num_heads < 1:  # 0: ZeroDivisionError
             raise ValueError(BAD_NUM_HEADS.format(heads=num_heads, size=query_size))
+        num_heads = int(num_heads)
         if (qk_size is None or vo_size is None) and query_size % num_heads:
             raise ValueError(BAD_HEADS.format(size=query_size, heads=num_heads))
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if not isinstance(kv_heads, int) or kv_heads < 1 or num_heads % kv_heads:
-            wanted = kv_heads if isinstance(kv_heads, int) else 1
+        if not is_int(kv_heads) or kv_heads < 1 or num_heads % kv_heads:
+            wanted = kv_heads if is_int(kv_heads) else 1
             right = max(d for d in range(1, num_heads + 1) if num_heads % d == 0 and d <= max(wanted, 1))
             raise ValueError(BAD_KV_HEADS.format(kv=kv_heads, heads=num_heads, right=right))
         if not 0.0 <= dropout < 1.0:
@@ -467,7 +478,7 @@ class MultiheadAttention(Layer):
         self.key_projection = Dense(key_size, kv_heads * qk, use_bias=use_bias, key=kk, dtype=dtype)
         self.value_projection = Dense(value_size, kv_heads * vo, use_bias=use_bias, key=kv, dtype=dtype)
         self.output_projection = Dense(num_heads * vo, output_size, use_bias=use_bias, key=ko, dtype=dtype)
-        self.num_heads, self.num_kv_heads = num_heads, kv_heads
+        self.num_heads, self.num_kv_heads = num_heads, int(kv_heads)
         self.rotary = 10000.0 if rotary is True else (None if rotary is None or rotary is False else
                                                       tuple(rotary) if isinstance(rotary, (tuple, list)) else
                                                       rotary if isinstance(rotary, RopeScaling) else float(rotary))
@@ -476,7 +487,7 @@ class MultiheadAttention(Layer):
         self.causal, self.dropout = bool(causal), float(dropout)
         self.implementation = check_implementation(implementation)
         self.training = training
-        self.window = window
+        self.window = None if window is None else int(window)
         self.batch_first, self.add_zero_attn = bool(batch_first), bool(add_zero_attn)
 
     def __call__(

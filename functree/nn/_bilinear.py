@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from functree._module import field
 from functree._repr import short_array
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input
+from functree.nn._check import LayerInputError, check_input, size_arguments
 from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
 
@@ -42,6 +42,8 @@ class Bilinear(Layer):
     def __init__(self, in1_features: int, in2_features: int, out_features: int, bias: bool = True, *,
                  key: jax.Array, dtype: Any = jnp.float32, weight_initializer: Initializer | None = None,
                  bias_initializer: Initializer | None = None):
+        in1_features, = size_arguments("Bilinear", least=1, in1_features=in1_features)  # 0: torch's 1 / sqrt(0)
+        in2_features, out_features = size_arguments("Bilinear", in2_features=in2_features, out_features=out_features)
         bound = 1 / math.sqrt(in1_features)
         torch_uniform = jax.nn.initializers.uniform(2 * bound)  # [0, 2b), shifted to [-b, b) below
         kw, kb = jax.random.split(key)

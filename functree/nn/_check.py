@@ -11,8 +11,9 @@ import numpy as np
 
 from functree._paths import KeyPath, walk
 from functree._repr import short_array
+from functree.nn._window import is_int
 
-__all__ = ["LayerInputError", "check_input", "concrete"]
+__all__ = ["LayerInputError", "check_input", "concrete", "size_argument", "size_arguments", "optional_sizes"]
 
 
 def concrete(x: Any) -> np.ndarray | None:
@@ -22,6 +23,51 @@ def concrete(x: Any) -> np.ndarray | None:
         return np.asarray(x)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return None
+
+
+BAD_SIZE_ARGUMENT = """\
+ft.nn.{layer}: {name}={given} is {problem}; {name} is an int >= {least}.
+
+    wrong:  ft.nn.{layer}(..., {name}={given})
+    right:  ft.nn.{layer}(..., {name}={right}){note}"""
+
+SIZE_PROBLEMS = {  # the kind of a refused size: (what it is, the right code, a comment on it)
+    "float": ("a float", "int(d // 2)", "     # d / 2 is a float in Python 3, even for an even d"),
+    "array": ("an array", "int(n)", "     # a Python int: a layer's sizes are static"),
+    "bool": ("a bool", "n", "     # an int >= {least}"),
+    "small": ("below {least}", "n", "     # an int >= {least}"),
+    "other": ("not an int ({type})", "n", "     # an int >= {least}"),
+}
+
+
+def size_argument(layer: str, name: str, value: Any, least: int = 0) -> int:
+    """``value`` as a Python int, else :data:`BAD_SIZE_ARGUMENT` naming ``layer``'s argument
+    ``name``, the value and the fix (a TypeError; a ValueError below ``least``). A float
+    (``d / 2``), array, sequence or negative size failed deep inside ``jax.random`` or an
+    initializer, a bool built a layer of size 1. NumPy ints are ints; 0 is a size by default
+    (torch's ``Linear(0, 3)``)."""
+    if is_int(value) and value >= least:
+        return int(value)
+    kind = ("float" if isinstance(value, (float, np.floating)) else "bool" if isinstance(value, (bool, np.bool_))
+            else "small" if is_int(value) else "array" if hasattr(value, "shape") else "other")
+    problem, right, note = SIZE_PROBLEMS[kind]
+    given = short_array(value) if kind == "array" else repr(value)
+    error = ValueError if kind == "small" else TypeError
+    raise error(BAD_SIZE_ARGUMENT.format(
+        layer=layer, name=name, given=given, least=least, right=right, note=note.format(least=least),
+        problem=problem.format(least=least, type=type(value).__name__)))
+
+
+def size_arguments(layer: str, least: int = 0, **named: Any) -> tuple[int, ...]:
+    """Each of ``named`` as a Python int (:func:`size_argument`), in order: one line that
+    checks every size a layer's constructor takes."""
+    return tuple(size_argument(layer, name, value, least) for name, value in named.items())
+
+
+def optional_sizes(layer: str, least: int = 0, **named: Any) -> tuple[int | None, ...]:
+    """:func:`size_arguments` of sizes that may be None (derived from another by default)."""
+    return tuple(None if value is None else size_argument(layer, name, value, least) for name, value in named.items())
+
 
 WRONG_INPUT = """\
 {layer}{where} expects inputs {expected}, got {given}.

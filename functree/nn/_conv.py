@@ -20,7 +20,7 @@ from functree._module import field
 from functree._repr import short_array
 from functree.nn import _window as window
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input
+from functree.nn._check import LayerInputError, check_input, size_arguments
 from functree.nn._linear import Dense, Initializer, add_bias, glorot_uniform
 from functree.nn._mode import Layer
 from functree.nn._xla_conv import dilated_axes_at_risk, pads_at_risk
@@ -216,6 +216,8 @@ class Conv(Layer):
         if self._transpose and padding_mode != "zeros":
             raise ValueError(TRANSPOSE_PADDING_MODE.format(cls=type(self).__name__, given=padding_mode))
         self.padding_mode = padding_mode
+        in_channels, out_channels = size_arguments(type(self).__name__, in_channels=in_channels,
+                                                   out_channels=out_channels)
         if not window.is_int(groups) or groups < 1:  # 0 raised ZeroDivisionError, -1 an MLIRError inside XLA
             raise ValueError(GROUPS_NOT_POSITIVE.format(cls=type(self).__name__, groups=groups))
         if in_channels % groups or out_channels % groups:
@@ -232,7 +234,7 @@ class Conv(Layer):
         self.weight = initialized(weight_initializer, key, shape, dtype)  # the key's draws (functree/_random.py)
         bias_key = jax.random.fold_in(key, 1)
         self.bias = bias_initializer(bias_key, (out_channels,), dtype) if use_bias else None
-        self.groups = groups
+        self.groups = int(groups)
         self.activation = activation_argument(type(self).__name__, activation)  # None: none (Keras's)
 
     @property

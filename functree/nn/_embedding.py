@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from functree._module import field
 from functree._repr import first_index
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input, concrete
+from functree.nn._check import LayerInputError, check_input, concrete, size_arguments
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
 
@@ -97,8 +97,8 @@ class Embedding(Layer):
     ):
         if max_norm is not None:  # torch's argument: no counterpart in a forward (MAX_NORM says why)
             raise ValueError(MAX_NORM.format(max_norm=max_norm))
-        self.embeddings, self.padding_index = embedding_table(initializer, key, vocabulary_size, embedding_size,
-                                                              dtype, padding_index)
+        self.embeddings, self.padding_index = embedding_table("Embedding", initializer, key, vocabulary_size,
+                                                              embedding_size, dtype, padding_index)
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
 
     def __call__(self, indices: jax.Array) -> jax.Array:
@@ -203,11 +203,14 @@ def renormalized_rows(w: jax.Array, indices: jax.Array, max_norm: float, norm_ty
     return w - stop(w) + stop(rescaled)
 
 
-def embedding_table(initializer: Initializer, key: jax.Array, vocabulary_size: int, embedding_size: int, dtype: Any,
-                    padding_index: int | None) -> tuple[jax.Array, int | None]:
+def embedding_table(layer: str, initializer: Initializer, key: jax.Array, vocabulary_size: int,
+                    embedding_size: int, dtype: Any, padding_index: int | None) -> tuple[jax.Array, int | None]:
     """A ``[vocabulary_size, embedding_size]`` table drawn by ``initializer``, its
     ``padding_index`` row zero (torch's ``padding_idx``; negative counts from the end, as
-    torch's), and that index in ``[0, vocabulary_size)``; out of range: :data:`PADDING_INDEX`."""
+    torch's), and that index in ``[0, vocabulary_size)``; out of range: :data:`PADDING_INDEX`.
+    ``layer`` (``Embedding``, ``EmbeddingBag``) is named by a size that is no int."""
+    vocabulary_size, embedding_size = size_arguments(layer, vocabulary_size=vocabulary_size,
+                                                     embedding_size=embedding_size)
     table = initialized(initializer, key, (vocabulary_size, embedding_size), dtype)
     if padding_index is None:
         return table, None

@@ -141,8 +141,8 @@ class EmbeddingBag(Layer):
             raise ValueError(BAD_MODE.format(mode=mode))
         if mode == "max" and scale_grad_by_freq:
             raise ValueError(MAX_FREQUENCY)
-        self.embeddings, self.padding_index = embedding_table(initializer, key, vocabulary_size, embedding_size,
-                                                              dtype, padding_index)
+        self.embeddings, self.padding_index = embedding_table("EmbeddingBag", initializer, key, vocabulary_size,
+                                                              embedding_size, dtype, padding_index)
         self.mode, self.include_last_offset = mode, bool(include_last_offset)
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from functree._activations import activation_argument, identity
 from functree._module import field
 from functree.nn._abstract import initialized
-from functree.nn._check import check_input
+from functree.nn._check import check_input, size_arguments
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
 
@@ -69,6 +69,7 @@ class Dense(Layer):
         weight_initializer: Initializer = glorot_uniform,
         bias_initializer: Initializer = jax.nn.initializers.zeros,
     ):
+        input_size, output_size = size_arguments("Dense", input_size=input_size, output_size=output_size)
         self.weight = initialized(weight_initializer, key, (input_size, output_size), dtype)
         bias_key = jax.random.fold_in(key, 1)
         self.bias = initialized(bias_initializer, bias_key, (output_size,), dtype) if use_bias else None

@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from functree._tree import written_dtype
+from functree.nn._window import is_int
 
 __all__ = ["BAD_LORA_DTYPE", "BAD_RANK", "BAD_ALPHA", "BAD_DROPOUT", "NO_KEY", "check_dtype", "check_options"]
 
@@ -59,7 +60,7 @@ def check_dtype(dtype: Any, call: str) -> Any:
 def check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) -> None:
     """Raise the named error of the first bad option: ``rank`` a positive int, ``alpha`` a
     positive number, ``dropout`` in ``[0, 1)``, ``key`` given (``pattern``: the one shown)."""
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+    if not is_int(rank) or rank < 1:  # a NumPy int is a rank
         raise ValueError(BAD_RANK.format(rank=rank))
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise ValueError(BAD_ALPHA.format(alpha=alpha))

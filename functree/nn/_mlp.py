@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from functree._activations import activation_argument, identity, relu
 from functree._module import field
+from functree.nn._check import size_argument, size_arguments
 from functree.nn._dropout import Dropout
 from functree.nn._linear import Dense, glorot_uniform
 from functree.nn._mode import Layer
@@ -87,10 +88,12 @@ class MLP(Layer):
         weight_initializer: Any = glorot_uniform,
         bias_initializer: Any = jax.nn.initializers.zeros,
     ):
-        if widths is not None and width_size is None and depth is None:
-            hidden = [int(w) for w in widths]
-        elif widths is None and width_size is not None and depth is not None and depth >= 0:
-            hidden = [int(width_size)] * int(depth)
+        in_size, out_size = size_arguments("MLP", in_size=in_size, out_size=out_size)
+        if widths is not None and width_size is None and depth is None:  # int() floored a width of 2.5 to 2
+            hidden = [size_argument("MLP", "widths", w) for w in widths]
+        elif widths is None and width_size is not None and depth is not None:
+            width, depth = size_arguments("MLP", width_size=width_size, depth=depth)
+            hidden = [width] * depth
         elif widths is None and depth == 0:
             hidden = []
         else:

@@ -55,7 +55,7 @@ from functree._module import field
 from functree._random import flat_key
 from functree._repr import short_array
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input, concrete
+from functree.nn._check import LayerInputError, check_input, concrete, size_argument, size_arguments
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
@@ -155,6 +155,7 @@ class Experts(Layer):
 
     def __init__(self, d: int, hidden: int, num_experts: int, activation: Any = silu, *, key: jax.Array,
                  dtype: Any = jnp.float32, std: float = 0.02):
+        d, hidden, num_experts = _checked_sizes("Experts", d, hidden, num_experts)
         k1, k2 = jax.random.split(key)
         self.gate_up_proj = initialized(_normal(std), k1, (num_experts, d, 2 * hidden), dtype)
         self.down_proj = initialized(_normal(std), k2, (num_experts, hidden, d), dtype)
@@ -191,6 +192,12 @@ class Experts(Layer):
         h = jnp.einsum("nd,edf->enf", x, self.gate_up_proj)
         gate, up = jnp.split(h, 2, axis=-1)
         return jnp.einsum("enf,efd->end", self.activation(gate) * up, self.down_proj)
+
+
+def _checked_sizes(cls: str, d: Any, hidden: Any, num_experts: Any) -> tuple[int, int, int]:
+    """The sizes as Python ints, each named at the call when it is none (:data:`BAD_SIZE_ARGUMENT`)."""
+    d, hidden = size_arguments(cls, d=d, hidden=hidden)
+    return d, hidden, size_argument(cls, "num_experts", num_experts, 1)
 
 
 def _check_group_sizes(experts: Experts, rows: jax.Array, group_sizes: Any) -> jax.Array | None:
@@ -251,6 +258,7 @@ class SparseMoE(Layer):
     def __init__(self, d: int, hidden: int, *, num_experts: int, top_k: int = 2, activation: Any = silu,
                  renormalize: bool = True, jitter: float = 0.0, implementation: str = "auto", key: jax.Array,
                  dtype: Any = jnp.float32, std: float = 0.02):
+        d, hidden, num_experts = _checked_sizes("SparseMoE", d, hidden, num_experts)
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= num_experts:
             raise ValueError(TOP_K.format(top_k=top_k, experts=num_experts, fix=min(2, num_experts)))
         top_k = int(top_k)  # (a NumPy integer, e.g. read from an array, as the int it is)

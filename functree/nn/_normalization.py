@@ -19,12 +19,13 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from functree._module import field
 from functree._parameters import VIEW_CALLED
 from functree._repr import short_array
 from functree._traces import under_vmap
-from functree.nn._check import LayerInputError, check_input
+from functree.nn._check import LayerInputError, check_input, size_argument, size_arguments
 from functree.nn._conv import _channels_first
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
@@ -110,10 +111,12 @@ def _fewer_than_two(count: Any, cls: str, unit: str, x: jax.Array) -> bool:
         raise ValueError(SYMBOLIC_COUNT.format(cls=cls, count=count, unit=unit, given=short_array(x))) from None
 
 
-def _normalized_shape(shape: Any) -> tuple[int, ...]:
+def _normalized_shape(cls: str, shape: Any) -> tuple[int, ...]:
     """An int (NumPy's too, as torch takes ``np.int64``) or a sequence of them, as a tuple of ints
-    (``LayerNorm(np.int64(4))`` raised "'numpy.int64' object is not iterable")."""
-    return (operator.index(shape),) if is_int(shape) else tuple(operator.index(v) for v in shape)
+    (``LayerNorm(np.int64(4))`` raised "'numpy.int64' object is not iterable"); a float
+    (``d / 2``) or negative size is :data:`BAD_SIZE_ARGUMENT`, not an error inside jnp."""
+    entries = shape if isinstance(shape, Sequence) or np.ndim(shape) == 1 else (shape,)
+    return tuple(size_argument(cls, "shape", v) for v in entries)
 
 
 def _scale_and_shift(
@@ -156,7 +159,7 @@ class LayerNorm(Layer):
         *,
         dtype: Any = jnp.float32,
     ):
-        self.shape = _normalized_shape(shape)
+        self.shape = _normalized_shape("LayerNorm", shape)
         self.scale = jnp.ones(self.shape, dtype) if use_scale else None
         self.offset = jnp.zeros(self.shape, dtype) if use_offset else None
         self.epsilon = float(epsilon)
@@ -201,7 +204,7 @@ class RMSNorm(Layer):
         *,
         dtype: Any = jnp.float32,
     ):
-        self.shape = _normalized_shape(shape)
+        self.shape = _normalized_shape("RMSNorm", shape)
         self.scale = jnp.ones(self.shape, dtype) if use_scale else None
         self.epsilon = None if epsilon is None else float(epsilon)  # None: torch's eps=None ("float() ... not 'NoneType'")
 
@@ -250,7 +253,9 @@ class GroupNorm(Layer):
         *,
         dtype: Any = jnp.float32,
     ):
-        if groups < 1 or channels % groups:
+        channels, = size_arguments("GroupNorm", channels=channels)
+        groups, = size_arguments("GroupNorm", least=1, groups=groups)
+        if channels % groups:
             divisors = [g for g in range(1, channels + 1) if channels % g == 0]
             nearest = min(divisors, key=lambda g: abs(g - groups))
             raise ValueError(BAD_GROUPS.format(channels=channels, groups=groups, suggestion=nearest))
@@ -380,6 +385,7 @@ class BatchNorm(Layer):
             axis = operator.index(axis)
         except TypeError:
             raise TypeError(BN_AXIS.format(axis=axis, momentum=momentum, features=feature_count)) from None
+        feature_count, = size_arguments("BatchNorm", feature_count=feature_count)
         self.scale = jnp.ones((feature_count,), dtype) if use_scale else None
         self.offset = jnp.zeros((feature_count,), dtype) if use_offset else None
         track = bool(track_running_stats)
@@ -506,7 +512,7 @@ class _InstanceNorm(Layer):
         dtype: Any = jnp.float32,
         training: bool = False,
     ):
-        self.channels = operator.index(channels)
+        self.channels = channels = size_argument(type(self).__name__, "channels", channels)
         self.scale = jnp.ones((channels,), dtype) if affine else None
         self.offset = jnp.zeros((channels,), dtype) if affine else None
         self.running_mean = jnp.zeros((channels,), dtype) if track_running_stats else None

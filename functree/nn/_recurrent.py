@@ -24,13 +24,14 @@ from functree._random import flat_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input
+from functree.nn._check import LayerInputError, check_input, size_arguments
 from functree.nn._eager_keys import eager_program
 from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, collecting, record_under
 from functree.nn._sequential import takes_key
 from functree.nn._state import Intermediate, apply_state, threaded_state
+from functree.nn._window import is_int
 
 __all__ = ["SimpleRNNCell", "GRUCell", "LSTMCell", "LSTMState", "RNN"]
 
@@ -190,6 +191,7 @@ class SimpleRNNCell(_Cell):
         if isinstance(activation, str):  # torch's nonlinearity="relu": called at the first step, "str is not callable"
             name = activation if activation in ("tanh", "relu") else "tanh"
             raise ValueError(ACTIVATION_NAME.format(given=activation, name=name))
+        input_size, hidden_size = size_arguments("SimpleRNNCell", input_size=input_size, hidden_size=hidden_size)
         self.input_weight, self.hidden_weight = _weights(
             key, input_size, hidden_size, 1, dtype, input_initializer, hidden_initializer
         )
@@ -238,6 +240,7 @@ class GRUCell(_Cell):
     def __init__(self, input_size: int, hidden_size: int, *, key: jax.Array,
                  dtype: Any = jnp.float32, input_initializer: Initializer = _glorot,
                  hidden_initializer: Initializer = _orthogonal, use_bias: bool = True):
+        input_size, hidden_size = size_arguments("GRUCell", input_size=input_size, hidden_size=hidden_size)
         self.input_weight, self.hidden_weight = _weights(
             key, input_size, hidden_size, 3, dtype, input_initializer, hidden_initializer
         )
@@ -329,9 +332,11 @@ class LSTMCell(_Cell):
                  two_biases: bool = False):
         if two_biases and not use_bias:
             raise ValueError(TWO_BIASES_WITHOUT_BIAS)
-        if not isinstance(proj_size, int) or isinstance(proj_size, bool) or not 0 <= proj_size < hidden_size:
+        input_size, hidden_size = size_arguments("LSTMCell", input_size=input_size, hidden_size=hidden_size)
+        if not is_int(proj_size) or not 0 <= proj_size < hidden_size:
             fix = max(1, hidden_size // 2) if hidden_size > 1 else 0
             raise ValueError(BAD_PROJ_SIZE.format(given=proj_size, hidden=hidden_size, fix=fix))
+        proj_size = int(proj_size)
         self.input_weight, self.hidden_weight = _weights(
             key, input_size, hidden_size, 4, dtype, input_initializer, hidden_initializer, n_state=proj_size
         )

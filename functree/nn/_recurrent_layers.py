@@ -20,10 +20,11 @@ import jax.numpy as jnp
 
 from functree._activations import relu, tanh
 from functree._paths import ATTR, INDEX, Entry
-from functree.nn._check import LayerInputError
+from functree.nn._check import LayerInputError, size_argument, size_arguments
 from functree.nn._dropout import Dropout
 from functree.nn._mode import Layer
 from functree.nn._recurrent import RNN, GRUCell, LSTMCell, SimpleRNNCell, _show
+from functree.nn._window import is_int
 
 __all__ = ["Bidirectional", "StackedRNN", "LSTM", "GRU", "SimpleRNN"]
 
@@ -297,9 +298,13 @@ def _check_batch_first(cls: str, batch_first: Any) -> bool:
     return batch_first
 
 
-def _check_layers(cls: str, num_layers: int) -> None:
-    if not isinstance(num_layers, int) or num_layers < 1:
+def _checked_sizes(cls: str, input_size: Any, hidden_size: Any, num_layers: Any) -> tuple[int, int, int]:
+    """The sizes as Python ints (NumPy's taken), each named at the call when it is none
+    (:data:`BAD_SIZE_ARGUMENT`; :data:`BAD_NUM_LAYERS` for no layer)."""
+    if is_int(num_layers) and num_layers < 1:
         raise ValueError(BAD_NUM_LAYERS.format(cls=cls, given=num_layers))
+    input_size, hidden_size = size_arguments(cls, input_size=input_size, hidden_size=hidden_size)
+    return input_size, hidden_size, size_argument(cls, "num_layers", num_layers, 1)
 
 
 class LSTM(StackedRNN):
@@ -331,7 +336,7 @@ class LSTM(StackedRNN):
                  bias: bool = True, batch_first: bool | None = None, dropout: float = 0.0, bidirectional: bool = False,
                  proj_size: int = 0, dtype: Any = jnp.float32, forget_bias: float = 1.0,
                  two_biases: bool = False):
-        _check_layers("LSTM", num_layers)
+        input_size, hidden_size, num_layers = _checked_sizes("LSTM", input_size, hidden_size, num_layers)
         batch_first = _check_batch_first("LSTM", batch_first)
         def make(n_in: int, n_hidden: int, key: jax.Array) -> LSTMCell:
             return LSTMCell(n_in, n_hidden, key=key, dtype=dtype, forget_bias=forget_bias, use_bias=bias,
@@ -355,7 +360,7 @@ class GRU(StackedRNN):
     def __init__(self, input_size: int, hidden_size: int, num_layers: int = 1, *, key: jax.Array,
                  bias: bool = True, batch_first: bool | None = None, dropout: float = 0.0, bidirectional: bool = False,
                  dtype: Any = jnp.float32):
-        _check_layers("GRU", num_layers)
+        input_size, hidden_size, num_layers = _checked_sizes("GRU", input_size, hidden_size, num_layers)
         batch_first = _check_batch_first("GRU", batch_first)
         def make(n_in: int, n_hidden: int, key: jax.Array) -> GRUCell:
             return GRUCell(n_in, n_hidden, key=key, dtype=dtype, use_bias=bias)
@@ -380,7 +385,7 @@ class SimpleRNN(StackedRNN):
                  bidirectional: bool = False, dtype: Any = jnp.float32):
         if nonlinearity not in ("tanh", "relu"):
             raise ValueError(NONLINEARITY.format(given=nonlinearity))
-        _check_layers("SimpleRNN", num_layers)
+        input_size, hidden_size, num_layers = _checked_sizes("SimpleRNN", input_size, hidden_size, num_layers)
         batch_first = _check_batch_first("SimpleRNN", batch_first)
         activation = tanh if nonlinearity == "tanh" else relu
         def make(n_in: int, n_hidden: int, key: jax.Array) -> SimpleRNNCell:

@@ -26,7 +26,7 @@ import numpy as np
 from functree._module import field
 from functree._repr import short_array
 from functree._traces import staged
-from functree.nn._check import check_input, concrete
+from functree.nn._check import check_input, concrete, size_argument
 from functree.nn._embedding import table_rows
 from functree.nn._mode import Layer
 from functree.nn._normalization import statistics_dtype
@@ -395,6 +395,9 @@ class RotaryEmbedding(Layer):
     seq_axis: int = field(static=True, default=-2)
 
     def __init__(self, size: int, base: float = 10000.0, *, seq_axis: int = -2):
+        if not is_int(size):  # a float (d / 2), array or tuple: no int at all
+            size_argument("RotaryEmbedding", "size", size)
+        size = int(size)
         if size % 2 or size < 2:
             raise ValueError(ODD_LAYER_SIZE.format(size=size, even=max(size - 1, 2)))
         if seq_axis > -2:

@@ -30,6 +30,7 @@ from functree.nn._eager_keys import eager_program, static_key
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
 from functree.nn._sequential import Sequential, cache_pair, member_cache, takes_key
+from functree.nn._window import is_int
 
 __all__ = ["Stack"]
 
@@ -142,9 +143,9 @@ def _first_difference(first: Any, other: Any) -> tuple[str, str, str] | None:
 
 
 def _check_n(n: Any) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_int(n) or n < 1:  # a NumPy int is a count
         raise ValueError(BAD_N.format(n=n))
-    return n
+    return int(n)
 
 
 class Stack(Layer):

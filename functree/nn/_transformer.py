@@ -35,7 +35,7 @@ from functree._activations import activation_argument, gelu_exact, relu
 from functree._module import Module, field
 from functree._repr import short_array
 from functree.nn._attention import MultiheadAttention
-from functree.nn._check import LayerInputError
+from functree.nn._check import LayerInputError, size_argument, size_arguments
 from functree.nn._dropout import Dropout
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
@@ -134,6 +134,14 @@ def _decoder_hints(module: Any, tgt_mask: Any, memory_mask: Any, tgt_is_causal: 
     _causal_needs_mask(module, "tgt_is_causal", "tgt_mask", tgt_is_causal, tgt_mask, "the target's length")
     _causal_needs_mask(module, "memory_is_causal", "memory_mask", memory_is_causal, memory_mask,
                        "the target's length; memory_mask is [L, S]")
+
+
+def _checked_sizes(cls: str, d_model: Any, nhead: Any, dim_feedforward: Any) -> tuple[int, int, int]:
+    """The sizes as Python ints, each named at the call when it is none
+    (:data:`BAD_SIZE_ARGUMENT`, :data:`BAD_NHEAD`)."""
+    d_model, dim_feedforward = size_arguments(cls, d_model=d_model, dim_feedforward=dim_feedforward)
+    _check_heads(cls, d_model, nhead)
+    return d_model, int(nhead), dim_feedforward
 
 
 def _check_heads(cls: str, d_model: int, nhead: Any) -> None:
@@ -258,7 +266,7 @@ class TransformerEncoderLayer(Layer):
         activation: str | Callable[[Any], Any] = "relu", layer_norm_eps: float = 1e-5, batch_first: bool = False,
         norm_first: bool = False, bias: bool = True, *, key: jax.Array, dtype: Any = jnp.float32,
     ):
-        _check_heads(type(self).__name__, d_model, nhead)
+        d_model, nhead, dim_feedforward = _checked_sizes(type(self).__name__, d_model, nhead, dim_feedforward)
         ka, k1, k2 = jax.random.split(key, 3)
         self.self_attn = MultiheadAttention(d_model, nhead, use_bias=bias, dropout=dropout, key=ka, dtype=dtype)
         self.linear1 = Dense(d_model, dim_feedforward, use_bias=bias, key=k1, dtype=dtype)
@@ -341,7 +349,7 @@ class TransformerDecoderLayer(Layer):
         activation: str | Callable[[Any], Any] = "relu", layer_norm_eps: float = 1e-5, batch_first: bool = False,
         norm_first: bool = False, bias: bool = True, *, key: jax.Array, dtype: Any = jnp.float32,
     ):
-        _check_heads(type(self).__name__, d_model, nhead)
+        d_model, nhead, dim_feedforward = _checked_sizes(type(self).__name__, d_model, nhead, dim_feedforward)
         ks, km, k1, k2 = jax.random.split(key, 4)
         self.self_attn = MultiheadAttention(d_model, nhead, use_bias=bias, dropout=dropout, key=ks, dtype=dtype)
         self.multihead_attn = MultiheadAttention(d_model, nhead, use_bias=bias, dropout=dropout, key=km, dtype=dtype)
@@ -404,9 +412,10 @@ def _mismatch(layer: Any, first: str, second: str, a: jax.Array, b: jax.Array) -
                                  layout="N, L, E" if batch_first else "L, N, E")
 
 
-def _stacked(layer: Any, num_layers: int, key: jax.Array | None) -> Stack:
+def _stacked(cls: str, layer: Any, num_layers: int, key: jax.Array | None) -> Stack:
     """``num_layers`` members: copies of ``layer`` (torch's clones: equal weights), or
     ``layer(k)`` for ``num_layers`` keys split from ``key`` (a function: drawn apart)."""
+    num_layers = size_argument(cls, "num_layers", num_layers, 1)
     if isinstance(layer, Module):
         return Stack.from_layers([layer] * num_layers)
     if key is None:
@@ -449,7 +458,7 @@ class TransformerEncoder(Layer):
     norm: Any = None
 
     def __init__(self, encoder_layer: Any, num_layers: int, norm: Any = None, *, key: jax.Array | None = None):
-        self.layers = _stacked(encoder_layer, num_layers, key)
+        self.layers = _stacked("TransformerEncoder", encoder_layer, num_layers, key)
         self.norm = norm
 
     @property
@@ -486,7 +495,7 @@ class TransformerDecoder(Layer):
     norm: Any = None
 
     def __init__(self, decoder_layer: Any, num_layers: int, norm: Any = None, *, key: jax.Array | None = None):
-        self.layers = _stacked(decoder_layer, num_layers, key)
+        self.layers = _stacked("TransformerDecoder", decoder_layer, num_layers, key)
         self.norm = norm
 
     @property
@@ -546,7 +555,9 @@ class Transformer(Layer):
         batch_first: bool = False, norm_first: bool = False, bias: bool = True, *, key: jax.Array,
         dtype: Any = jnp.float32,
     ):
-        _check_heads(type(self).__name__, d_model, nhead)
+        d_model, nhead, dim_feedforward = _checked_sizes("Transformer", d_model, nhead, dim_feedforward)
+        num_encoder_layers, num_decoder_layers = size_arguments(
+            "Transformer", least=1, num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers)
         config: dict[str, Any] = dict(dim_feedforward=dim_feedforward, dropout=dropout, activation=activation,
                       layer_norm_eps=layer_norm_eps, batch_first=batch_first, norm_first=norm_first, bias=bias,
                       dtype=dtype)

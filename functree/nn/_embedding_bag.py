@@ -79,11 +79,12 @@ table. Make the change explicit, before each step (as ft.nn.Embedding's):
             loss, grads = ...(bag, indices, offsets)     # then the step, from the renormalized table"""
 
 
-def _broken(offsets: jax.Array, n: int) -> jax.Array:
-    """Whether traced ``offsets`` (1-D integers, checked) fail :data:`BAD_OFFSETS`: a first
-    entry other than 0, a decrease, or an entry past ``n`` (:data:`TRACED_OFFSETS`)."""
-    wide = offsets.astype(jnp.int32) if offsets.dtype.itemsize < 4 else offsets  # uint8 cannot hold 300
-    return (wide[0] != 0) | jnp.any(jnp.diff(wide) < 0) | (wide[-1] > n)
+def _broken(offsets: Any, n: int) -> Any:
+    """Whether ``offsets`` (1-D integers, at least one) fail :data:`BAD_OFFSETS`: a first entry
+    other than 0, a decrease, or an entry past ``n``. The one rule for both: NumPy offsets
+    (concrete: refused) and traced ones (:data:`TRACED_OFFSETS`: a NaN output)."""
+    wide = offsets.astype(np.int32) if offsets.dtype.itemsize < 4 else offsets  # uint8 cannot hold 300
+    return (wide[0] != 0) | (wide[1:] < wide[:-1]).any() | (wide[-1] > n)
 
 
 class EmbeddingBag(Layer):
@@ -210,7 +211,7 @@ class EmbeddingBag(Layer):
         least = 2 if self.include_last_offset else 1  # torch 2.13 crashes on include_last_offset with [0]
         ok = offsets.ndim == 1 and jnp.issubdtype(offsets.dtype, jnp.integer) and offsets.shape[0] >= least
         if ok and given is not None:
-            ok = int(given[0]) == 0 and bool(np.all(np.diff(given) >= 0)) and int(given[-1]) <= n
+            ok = not _broken(given, n)
         if not ok:
             raise ValueError(BAGS.format(why=BAD_OFFSETS.format(n=n, given=short_array(offsets) if given is None
                                                                  else given.tolist())))

@@ -218,7 +218,9 @@ def test_pattern_errors(base):
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"rank": 0}, "rank must be a positive int"),
-    ({"rank": 2, "alpha": -1.0}, "alpha must be a positive number"),
+    ({"rank": 2, "alpha": -1.0}, "alpha must be a positive finite number"),
+    ({"rank": 2, "alpha": float("inf")}, "alpha must be a positive finite number"),
+    ({"rank": 2, "alpha": True}, "alpha must be a positive finite number"),
     ({"rank": 2, "dropout": 1.0}, r"dropout must be in \[0, 1\)"),
     ({"rank": 2, "key": None}, "needs a PRNG key"),
 ])
@@ -226,6 +228,16 @@ def test_option_errors(options, message):
     dense = ft.nn.Dense(3, 3, key=jax.random.key(0))
     with pytest.raises(ValueError, match=message):
         ft.nn.lora(dense, "*", **{"key": jax.random.key(1), **options})
+
+
+def test_a_numpy_alpha_scales_as_its_float_does():
+    # np.float32(16) (a config read with NumPy) was refused as no number
+    dense, x = ft.nn.Dense(3, 3, key=jax.random.key(0)), jnp.ones((2, 3))
+    by_numpy = ft.nn.lora(dense, "*", rank=2, alpha=np.float32(16), key=jax.random.key(1))
+    by_float = ft.nn.lora(dense, "*", rank=2, alpha=16.0, key=jax.random.key(1))
+    assert by_numpy.alpha == 16.0 and type(by_numpy.alpha) is float
+    b = jnp.ones_like(by_float.lora_b)
+    np.testing.assert_array_equal(by_numpy.replace(lora_b=b)(x), by_float.replace(lora_b=b)(x))
 
 
 def test_lora_dense_needs_a_dense():

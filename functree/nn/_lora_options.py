@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from functree._tree import written_dtype
 from functree.nn._window import is_int
@@ -28,7 +30,7 @@ ft.nn.lora: rank must be a positive int (the adapters' inner size), got {rank!r}
     right:  ft.nn.lora(model, pattern, rank=8, alpha=16, key=key)"""
 
 BAD_ALPHA = """\
-ft.nn.lora: alpha must be a positive number (the adapters' output is scaled by alpha / rank), \
+ft.nn.lora: alpha must be a positive finite number (the adapters' output is scaled by alpha / rank), \
 got {alpha!r}.
     right:  ft.nn.lora(model, pattern, rank=8, alpha=16, key=key)"""
 
@@ -57,14 +59,20 @@ def check_dtype(dtype: Any, call: str) -> Any:
     return dt
 
 
+def _real(value: Any) -> bool:
+    """A Python or NumPy real number (``np.float32(16)``, a config read with NumPy), no bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 def check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) -> None:
     """Raise the named error of the first bad option: ``rank`` a positive int, ``alpha`` a
-    positive number, ``dropout`` in ``[0, 1)``, ``key`` given (``pattern``: the one shown)."""
+    positive finite number, ``dropout`` in ``[0, 1)``, ``key`` given (``pattern``: the one shown)."""
     if not is_int(rank) or rank < 1:  # a NumPy int is a rank
         raise ValueError(BAD_RANK.format(rank=rank))
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+    # an infinite alpha made alpha / rank * (x @ a @ b) = inf * 0, NaN from every adapted layer
+    if not _real(alpha) or not math.isfinite(alpha) or not alpha > 0:
         raise ValueError(BAD_ALPHA.format(alpha=alpha))
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+    if not _real(dropout) or not 0.0 <= dropout < 1.0:
         raise ValueError(BAD_DROPOUT.format(dropout=dropout))
     if key is None:
         raise ValueError(NO_KEY.format(pattern=pattern, rank=rank))

@@ -142,3 +142,21 @@ def test_eager_accumulated_steps_compile_the_scan_once():
         SCALE = 1.0
     _, _, once = opt.minimize(loss, model, opt.init(model), x, y)
     np.testing.assert_allclose(float(doubled), 2 * float(once), rtol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mean", "weighted_mean"])
+def test_bfloat16_microbatch_gradients_are_summed_in_float32(weighted):
+    """A bfloat16 model's microbatch gradients were summed in bfloat16: 256 plus seven 1s
+    stayed 256, so the mean of 8 came out 32 instead of 32.875 (33 once rounded to
+    bfloat16). The sum is float32 now, rounded to the parameter's dtype after the mean."""
+    x = jnp.asarray([256.0] + [1.0] * 7, jnp.bfloat16)
+
+    def loss(p, x):
+        value = jnp.sum(p["w"] * x).astype(jnp.float32)
+        return ft.losses.WeightedMean(value, jnp.float32(1.0)) if weighted else value
+
+    opt = ft.optim.Optimizer(ft.optim.sgd(1.0), accumulate=8)
+    w = {"w": jnp.ones((), jnp.bfloat16)}
+    _, grads = opt.compute_gradients(loss, w, x, state=opt.init(w))
+    assert grads["w"].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float32(grads["w"]), 33.0, rtol=0, atol=0)

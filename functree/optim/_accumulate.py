@@ -18,6 +18,7 @@ from functree._traces import staged
 from functree._tree import bounded_put, cached, is_array_value
 from functree.losses._weighted import WeightedMean, ratio
 from functree.nn._eager_keys import code_roots
+from functree.nn._precision import statistics_dtype
 from functree.nn._reads import library_class, reads_key
 from functree.nn._salt import salted_call
 from functree.nn._state import apply_state, threaded_state
@@ -164,26 +165,36 @@ def _accumulated(opt: Optimizer, loss_fn: Callable[..., Any], model: Any, batch:
             carried = _threaded(carried, out[1][1])
         loss = out[0] if has_aux else out
         if isinstance(loss, WeightedMean):  # weighed by its count (kept tokens): see _weighted
-            return (jax.tree.map(lambda t, g: t + g * loss.count.astype(g.dtype), total, grads), carried), out
-        return (jax.tree.map(jnp.add, total, grads), carried), out
+            return (jax.tree.map(lambda t, g: t + g.astype(t.dtype) * loss.count.astype(t.dtype), total, grads),
+                    carried), out
+        return (jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads), carried), out
 
-    zeros = jax.tree.map(jnp.zeros_like, trained_view(model, opt.wrt))
+    trained = trained_view(model, opt.wrt)
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _sum_dtype(p)), trained)
     (total, _), outs = jax.lax.scan(body, (zeros, threaded), (micro, jnp.arange(k, dtype=jnp.uint32)))
     if isinstance(outs[0] if has_aux else outs, WeightedMean):
-        return _weighted(total, outs, has_aux)
-    grads = jax.tree.map(lambda g: g / k, total)
+        return _weighted(total, outs, has_aux, trained)
+    grads = jax.tree.map(lambda g, p: (g / k).astype(jnp.result_type(p)), total, trained)
     if has_aux:
         return (jnp.mean(outs[0]), outs[1]), grads
     return jnp.mean(outs), grads
 
 
-def _weighted(total: Any, outs: Any, has_aux: bool) -> tuple[Any, Any]:
+def _sum_dtype(p: Any) -> Any:
+    """The dtype the microbatches' gradients of parameter ``p`` are summed in: float32 for a
+    bfloat16/float16 one (in bfloat16 a sum of 256 and seven 1s stays 256: the mean of 8
+    microbatches came out 32, not 32.875), rounded to ``p``'s dtype once, after the mean."""
+    dtype = jnp.result_type(p)
+    return statistics_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def _weighted(total: Any, outs: Any, has_aux: bool, trained: Any) -> tuple[Any, Any]:
     """The loss and gradients of :func:`accumulated_gradients` for a
     :class:`~functree.losses.WeightedMean` loss, from the sum ``total = Σ_i count_i ∇value_i``:
     ``total / Σ_i count_i`` (``= Σ_i ∇total_i / Σ_i count_i``, the whole minibatch's
-    gradient: the counts hold no derivative), zero when every count is 0; the loss
-    ``WeightedMean(Σ total_i, Σ count_i)``."""
+    gradient: the counts hold no derivative), zero when every count is 0, in the dtypes of
+    the ``trained`` parameters; the loss ``WeightedMean(Σ total_i, Σ count_i)``."""
     stacked = outs[0] if has_aux else outs
     loss = WeightedMean(jnp.sum(stacked.total), jnp.sum(stacked.count))
-    grads = jax.tree.map(lambda g: ratio(g, loss.count.astype(g.dtype)), total)
+    grads = jax.tree.map(lambda g, p: ratio(g, loss.count.astype(g.dtype)).astype(jnp.result_type(p)), total, trained)
     return ((loss, outs[1]) if has_aux else loss), grads

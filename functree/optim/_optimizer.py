@@ -303,7 +303,8 @@ class Optimizer:
       apply_updates: ``(model, updates) -> model``; default ``ft.move(model, along=updates)``.
       axis_name: the data-parallel axis name (for the default aggregation).
       accumulate: split each batch into this many microbatches along its leading axis and
-        average their gradients inside the step (``lax.scan``: memory of one microbatch);
+        average their gradients inside the step (``lax.scan``: memory of one microbatch;
+        a bfloat16/float16 parameter's summed in float32, rounded once after the mean);
         one optimizer step per call, ``samples_seen`` grows by the whole batch. A step
         given a ``key`` hands microbatch ``i`` the key ``jax.random.fold_in(key, i)``:
         each has its own dropout masks, as the rows of the whole batch would. Layer

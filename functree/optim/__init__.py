@@ -46,7 +46,7 @@ from functree.optim._hyper import (
     set_hyperparameters,
 )
 from functree.optim._lookahead import SlowState, lookahead
-from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState
+from functree.optim._loss_scale import LossScaleOptimizer, LossScaleState, UnscaledFloat16Warning
 from functree.optim._masked import masked
 from functree.optim._multisteps import UnappliedGradientsWarning
 from functree.optim._optimizer import Optimizer, OptimizerWrapper, StepResult
@@ -114,6 +114,7 @@ __all__ = [
     "SkipState",
     "LossScaleOptimizer",
     "LossScaleState",
+    "UnscaledFloat16Warning",
     "all_finite",
     # gradient transformations and groups
     "clip",

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._tree import all_finite, dotted_name, is_none
+from functree._warnings import warn
 from functree._where import placement_of
 from functree.nn._precision import statistics_dtype
 from functree.optim._optimizer import SCALED_HOOK, OptimizerWrapper
 from functree.optim._skip import select
 from functree.optim._subset import trained_view
 
-__all__ = ["LossScaleOptimizer", "LossScaleState"]
+__all__ = ["LossScaleOptimizer", "LossScaleState", "UnscaledFloat16Warning", "warn_unscaled_float16"]
 
 NEEDS_STATE = """\
 LossScaleOptimizer.{method} needs the optimizer state (it holds the loss scale):
@@ -91,7 +92,24 @@ gradients the scale exists to keep are lost, silently (torch's GradScaler refuse
        or:  loss_fn(ft.cast(model, jnp.float16), batch)   # inside the loss, model kept float32
 """
 
+UNSCALED_FLOAT16 = """\
+compute_dtype=float16 with {optimizer}, which scales no loss: the gradients flow back \
+through the model in float16, where every value below 6e-8 (float16's smallest) is 0, so \
+small gradients are lost, silently (torch's autocast(float16) goes with a GradScaler; Keras's \
+mixed_float16 policy wraps the optimizer in a LossScaleOptimizer). Scale the loss, or compute \
+in bfloat16 (float32's range, no scale needed):
+
+    wrong:  ft.train.Trainer(model, opt, loss_fn, compute_dtype=jnp.float16)
+    right:  ft.train.Trainer(model, ft.optim.LossScaleOptimizer(opt), loss_fn, compute_dtype=jnp.float16)
+       or:  ft.train.Trainer(model, opt, loss_fn, compute_dtype=jnp.bfloat16)
+"""
+
 _LARGEST = float(np.finfo(np.float32).max)
+
+
+class UnscaledFloat16Warning(UserWarning):
+    """A training step computes in float16 and no :class:`LossScaleOptimizer` scales its
+    loss: gradients below float16's smallest value come out 0 (:data:`UNSCALED_FLOAT16`)."""
 
 
 def _check_no_float16(model: Any, wrt: Any) -> None:
@@ -324,3 +342,21 @@ class LossScaleOptimizer(OptimizerWrapper):
         if apply_if is not None:  # a step the caller's gate closed did not happen
             scale, good, skipped = select(apply_if, (scale, good, skipped), state[:3])
         return updates, LossScaleState(scale, good, skipped, inner)
+
+
+def _scales_loss(optimizer: Any) -> bool:
+    """Whether ``optimizer`` or an optimizer it wraps is a :class:`LossScaleOptimizer`."""
+    while isinstance(optimizer, OptimizerWrapper):
+        if isinstance(optimizer, LossScaleOptimizer):
+            return True
+        optimizer = optimizer.inner
+    return False
+
+
+def warn_unscaled_float16(optimizer: Any, compute_dtype: Any) -> None:
+    """:class:`UnscaledFloat16Warning` for a training step that computes in float16 with an
+    ``optimizer`` that scales no loss: the step's gradients underflow to 0 silently (a
+    bfloat16 step, with float32's range, needs no scale)."""
+    if compute_dtype is None or np.dtype(compute_dtype) != np.float16 or _scales_loss(optimizer):
+        return
+    warn(UNSCALED_FLOAT16.format(optimizer=type(optimizer).__name__), UnscaledFloat16Warning)

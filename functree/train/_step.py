@@ -56,6 +56,7 @@ from functree.nn._state import collect_state
 from functree.optim import Optimizer, OptimizerState, context
 from functree.optim._accumulate import check_accumulation
 from functree.optim._hyper import applied_learning_rates, learning_rate_names
+from functree.optim._loss_scale import warn_unscaled_float16
 from functree.optim._optimizer import Gradients, with_axis_name
 from functree.optim._replicas import all_varying, as_varying, replica_mean, replica_weighted_mean
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
@@ -317,7 +318,8 @@ class TrainStep:
         :func:`ft.partition_specs`); without a mesh, on the default device alone.
       compute_dtype: a floating dtype the loss runs in (``jnp.bfloat16``): the model
         (``ft.cast``) and the floating inputs are cast inside the differentiated function;
-        master parameters, gradients and optimizer state keep their dtype.
+        master parameters, gradients and optimizer state keep their dtype. float16
+        without a ``LossScaleOptimizer`` warns (``ft.optim.UnscaledFloat16Warning``).
       steps_per_call: ``k`` steps per compiled call (default 1): the batch's leaves are
         ``k`` minibatches stacked along a new leading axis (:func:`ft.train.stack_batches`),
         the program is ``lax.scan`` of the one-step program over them (the same numbers
@@ -409,6 +411,7 @@ class TrainStep:
             check_batch_argument(loss_fn, "ft.train.train_step({loss}, optimizer)")
         self.loss_fn = loss_fn
         self.optimizer = as_optimizer(optimizer)
+        warn_unscaled_float16(self.optimizer, self.compute_dtype)  # its gradients would underflow silently
         self.metrics = resolve_metrics(metrics)
         self._compiled: Any = None
         self._donate = donate

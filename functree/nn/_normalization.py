@@ -329,10 +329,13 @@ class BatchNorm(Layer):
 
     Inference (the default): the running statistics replace the batch ones. Statistics
     and normalization run in float32 for bfloat16/float16 inputs; the output keeps the
-    input dtype. The running statistics are stored in ``dtype``: with
-    ``dtype=jnp.bfloat16`` their moving average stalls (momentum 0.99 rounds to 0.988,
-    and small updates round away; torch's bfloat16 BatchNorm gives the same numbers), so
-    build it in float32 and cast the model with ``ft.cast``, which keeps them float32.
+    input dtype. The running statistics are stored in ``dtype`` (a bfloat16 or float16
+    model keeps bfloat16 or float16 ones, as torch's buffers): each step's blend is
+    computed in float32 and rounded once to ``dtype`` (torch's float16 numbers exactly;
+    torch's bfloat16 CPU kernel rounds every operation, further from the true mean), but
+    with ``dtype=jnp.bfloat16`` their average still stalls: a change below half bfloat16's
+    spacing (0.4 % of the value) rounds away. Build it in float32 and cast the model with
+    ``ft.cast``, which keeps them float32.
     ``running_mean`` / ``running_variance`` are ``no_derivative`` fields (carried, not
     trained); swift-apis' defaults ``momentum=0.99, epsilon=1e-3``.
 
@@ -458,16 +461,21 @@ class BatchNorm(Layer):
         ``num_batches_tracked``)."""
         assert self.running_mean is not None and self.running_variance is not None
         dtype, count = self.running_mean.dtype, self.batches_tracked
+        wide = statistics_dtype(dtype)  # the blend in float32, rounded once to a bfloat16/float16 buffer (torch's)
         counted = {} if count is None else {"batches_tracked": count + jnp.ones((), count.dtype)}
         if self.momentum is not None:
             old, new = self.momentum, 1 - self.momentum
         elif count is None:  # built with a float momentum, then given None
             raise TypeError(NO_COUNT.format(features=self.running_mean.shape[0]))
         else:
-            new = 1 / counted["batches_tracked"].astype(dtype)  # torch's exponential_average_factor
+            new = 1 / counted["batches_tracked"].astype(wide)  # torch's exponential_average_factor
             old = 1 - new
-        record_state(self, running_mean=old * self.running_mean + new * mean.astype(dtype),
-                     running_variance=old * self.running_variance + new * variance.astype(dtype), **counted)
+
+        def blend(running: jax.Array, batch: jax.Array) -> jax.Array:
+            return (old * running.astype(wide) + new * batch.astype(wide)).astype(dtype)
+
+        record_state(self, running_mean=blend(self.running_mean, mean),
+                     running_variance=blend(self.running_variance, variance), **counted)
 
 
 def _features_at(x: Any, axis: int) -> int:

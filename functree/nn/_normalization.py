@@ -335,7 +335,7 @@ class BatchNorm(Layer):
     torch's bfloat16 CPU kernel rounds every operation, further from the true mean), but
     with ``dtype=jnp.bfloat16`` their average still stalls: a change below half bfloat16's
     spacing (0.4 % of the value) rounds away. Build it in float32 and cast the model with
-    ``ft.cast``, which keeps them float32.
+    ``ft.cast``, which keeps them float32 (:func:`ft.nn.update_bn` sums them in float32).
     ``running_mean`` / ``running_variance`` are ``no_derivative`` fields (carried, not
     trained); swift-apis' defaults ``momentum=0.99, epsilon=1e-3``.
 

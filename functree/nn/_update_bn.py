@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from functree._where import following
 from functree.nn._normalization import BatchNorm
+from functree.nn._precision import statistics_dtype
 from functree.nn._state import apply_state, collect_state
 
 __all__ = ["update_bn", "NO_BATCH_NORM", "NO_BATCHES"]
@@ -50,18 +51,23 @@ def _tracking(bn: Any) -> bool:
 def _reset(bn: BatchNorm) -> BatchNorm:
     """``bn`` counting from scratch: statistics 0 and 1 (torch's ``reset_running_stats``),
     a cumulative average (``momentum=None``) with its count at 0 (per member in a Stack), in
-    training mode."""
+    training mode. Kept in float32 for a bfloat16/float16 layer while they are summed: the
+    ``n``-th batch's share ``1/n`` of a change rounds away in bfloat16 once it is below half
+    its spacing (:func:`_restored` rounds the result once)."""
     assert bn.running_mean is not None and bn.running_variance is not None
-    return bn.replace(running_mean=jnp.zeros_like(bn.running_mean), running_variance=jnp.ones_like(bn.running_variance),
-                      batches_tracked=jnp.zeros(jnp.shape(bn.running_mean)[:-1], jnp.int32), momentum=None,
-                      training=True)
+    shape, wide = jnp.shape(bn.running_mean), statistics_dtype(bn.running_mean.dtype)
+    return bn.replace(running_mean=jnp.zeros(shape, wide), running_variance=jnp.ones(shape, wide),
+                      batches_tracked=jnp.zeros(shape[:-1], jnp.int32), momentum=None, training=True)
 
 
 def _restored(original: BatchNorm, computed: BatchNorm) -> BatchNorm:
-    """``original`` holding ``computed``'s statistics (and its count where ``original``
-    counts: momentum None)."""
+    """``original`` holding ``computed``'s statistics in its own dtype (and its count where
+    ``original`` counts: momentum None)."""
+    assert original.running_mean is not None and computed.running_mean is not None
+    assert original.running_variance is not None and computed.running_variance is not None
     count = computed.batches_tracked if original.batches_tracked is not None else None
-    return original.replace(running_mean=computed.running_mean, running_variance=computed.running_variance,
+    return original.replace(running_mean=computed.running_mean.astype(original.running_mean.dtype),
+                            running_variance=computed.running_variance.astype(original.running_variance.dtype),
                             batches_tracked=count)
 
 
@@ -94,7 +100,10 @@ def update_bn(model: Any, batches: Iterable[Any], call: Callable[[Any, Any], Any
     dropout, stays so; torch's ``update_bn`` puts the whole model in training mode) and the
     model's other state (dropout keys). A batch committed to another device than the model's
     is put on the model's (torch's ``device=``), as ``Trainer.evaluate`` puts its data. A BatchNorm with ``momentum=None`` keeps the new
-    count (torch's ``num_batches_tracked``). Each batch is one compiled call (a new batch
+    count (torch's ``num_batches_tracked``). A bfloat16 or float16 BatchNorm's statistics are
+    summed in float32 and rounded once to its dtype (kept), where torch's sum in the buffer's
+    dtype stalls: in bfloat16 a batch's ``1/n`` share of a change rounds away once below half
+    its spacing. Each batch is one compiled call (a new batch
     shape compiles again); run it eagerly, not under ``jax.jit``.
 
     Example: the statistics of averaged weights (SWA)

@@ -42,7 +42,7 @@ from functree.optim._multisteps import multisteps_in
 from functree.optim._skip import applied_in, select
 
 __all__ = ["AverageState", "ema", "uniform_average", "averaged", "averages_in", "keeps_average", "with_average",
-           "check_average_placement"]
+           "check_average_placement", "is_average", "is_slot"]
 
 NEEDS_PARAMS = """\
 {name} averages the parameters, so update needs them: pass the model.
@@ -301,8 +301,17 @@ def _both(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
     return b if a is None else a if b is None else a & b
 
 
-def _has_average(x: Any) -> bool:
+def is_average(x: Any) -> bool:
+    """Whether ``x`` is a state node keeping averaged parameters: an :class:`AverageState`
+    or a lookahead's :class:`SlowState`."""
     return isinstance(x, (AverageState, SlowState))
+
+
+def is_slot(x: Any) -> bool:
+    """A parameter's place in a per-parameter tree that holds no array: ``None`` (no
+    parameter there) or ``optax.MaskedNode`` (a parameter another group or a mask holds),
+    each one entry where a plain flatten gives none."""
+    return x is None or isinstance(x, optax.MaskedNode)
 
 
 def check_average_placement(state: Any, averaged: bool) -> None:
@@ -341,7 +350,7 @@ def _nodes(tree: Any) -> list[Any]:
 def _check_chain(chain: tuple[Any, ...]) -> None:
     accumulating = False
     for index, element in enumerate(chain):
-        found = [x for x in _nodes(element) if _has_average(x)]
+        found = [x for x in _nodes(element) if is_average(x)]
         if found:
             name = "ft.optim.lookahead" if isinstance(found[0], SlowState) else "ft.optim.ema / ft.optim.uniform_average"
             if accumulating:
@@ -353,7 +362,7 @@ def _check_chain(chain: tuple[Any, ...]) -> None:
 
 def averages_in(state: Any) -> list[Any]:
     """The averages ``state`` keeps: its :class:`AverageState` s and lookahead :class:`SlowState` s."""
-    return [x for x in jax.tree.leaves(state, is_leaf=_has_average) if _has_average(x)]
+    return [x for x in jax.tree.leaves(state, is_leaf=is_average) if is_average(x)]
 
 
 def keeps_average(state: Any) -> bool:
@@ -393,7 +402,7 @@ def averaged(state: Any, model: Any) -> Any:
     # the other groups' parameters: they have no average (the model's, as torch's ASGD keeps
     # ``ax`` for its own parameters only), and counted as no leaf the averages did not fit.
     averages = [None if isinstance(a, optax.MaskedNode) else a
-                for a in jax.tree.leaves(average, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))]
+                for a in jax.tree.leaves(average, is_leaf=is_slot)]
     leaves, treedef = jax.tree.flatten(model, is_leaf=is_none)
     if len(averages) != len(leaves) or any(
             a is not None and jnp.shape(a) != jnp.shape(m) for a, m in zip(averages, leaves)):

@@ -27,7 +27,7 @@ from functree._module import Module
 from functree._naming import broadcast
 from functree._parameters import mask as select
 from functree._tree import dotted_name
-from functree.optim._average import averages_in
+from functree.optim._average import averages_in, is_slot
 from functree.optim._lookahead import SlowState
 
 __all__ = ["masked", "partition_members", "restore_members", "is_partial", "MEMBER_MASK_IN_OPTAX",
@@ -81,15 +81,11 @@ def is_partial(m: Any) -> bool:
 
 
 def _leaves(tree: Any) -> tuple[list[Any], Any]:
-    return jax.tree.flatten(tree, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
+    return jax.tree.flatten(tree, is_leaf=is_slot)
 
 
 def _is_mark(x: Any) -> bool:
     return x is None or is_partial(x) or isinstance(x, (bool, np.bool_, optax.MaskedNode))
-
-
-def _is_slot(x: Any) -> bool:
-    return x is None or isinstance(x, optax.MaskedNode)
 
 
 def _mask_leaves(mask: Any, params: Any) -> list[Any]:
@@ -98,7 +94,7 @@ def _mask_leaves(mask: Any, params: Any) -> list[Any]:
     ``ft.optim.groups`` or ``optax.multi_transform``) has no leaves but takes a slot: its
     entry is the mask's ``MaskedNode``, which marks nothing (left out of ``adamw``'s decay
     mask, it had shifted every later entry: a crash in unflatten)."""
-    full = jax.tree.map(lambda m, p: jax.tree.map(lambda _: m, p, is_leaf=_is_slot), mask, params, is_leaf=_is_mark)
+    full = jax.tree.map(lambda m, p: jax.tree.map(lambda _: m, p, is_leaf=is_slot), mask, params, is_leaf=_is_mark)
     return jax.tree.leaves(full, is_leaf=_is_mark)
 
 
@@ -203,7 +199,7 @@ def _refuse_member_average(state: Any, params: Any, marks: list[Any]) -> None:
     found = averages_in(state)
     if not found:
         return
-    named = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_slot)[0]
+    named = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_slot)[0]
     for (path, _), m in zip(named, marks):
         if is_partial(m):
             kind = ("ft.optim.lookahead (its slow weights)" if isinstance(found[0], SlowState)

@@ -30,6 +30,7 @@ from functree._traces import staged
 from functree._tree import is_array_value, is_none
 from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of, exclude_patterns
 from functree.optim._arguments import check_argument
+from functree.optim._average import is_slot
 from functree.optim._complex import RealPair, is_pair
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
@@ -508,7 +509,7 @@ def _frozen(params: Any, patterns: tuple[str, ...]) -> Any:
     Names of non-parameters and of other groups' parameters (``optax.MaskedNode`` inside
     ``groups``, as ``None`` here) count, as for adamw's ``exclude``: no typo, nothing frozen."""
     named = jax.tree.map(lambda x: None if isinstance(x, optax.MaskedNode) else x, params,
-                         is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
+                         is_leaf=is_slot)
     leaves, treedef = jax.tree.flatten(named, is_leaf=is_none)
     chosen: list[Any] = [False] * len(leaves)
     for pattern in patterns:

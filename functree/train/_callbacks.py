@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import jax
 
 from functree.optim import hyperparameters, set_hyperparameters
-from functree.optim._average import AverageState, keeps_average
+from functree.optim._average import AverageState, averages_in, is_average, keeps_average
 from functree.optim._hyper import _entries, _keys, group_learning_rate, learning_rate_names
 from functree.optim._lookahead import SlowState
 from functree.train._direction import check_mode, direction, resolve_mode, trainer_metrics
@@ -602,7 +602,7 @@ def average_of(opt_state: Any) -> Any:
     or None."""
     if not keeps_average(opt_state):
         return None
-    (node,) = [x for x in jax.tree.leaves(opt_state, is_leaf=_keeps) if _keeps(x)]
+    (node,) = averages_in(opt_state)
     return node.average if isinstance(node, AverageState) else node.slow
 
 
@@ -612,11 +612,7 @@ def with_average_of(opt_state: Any, average: Any) -> Any:
         if isinstance(node, AverageState):
             return node.replace(average=average)
         return node.replace(slow=average) if isinstance(node, SlowState) else node
-    return jax.tree.map(put, opt_state, is_leaf=_keeps)
-
-
-def _keeps(x: Any) -> bool:
-    return isinstance(x, (AverageState, SlowState))
+    return jax.tree.map(put, opt_state, is_leaf=is_average)
 
 
 class ReduceLROnPlateau(Callback):

@@ -88,6 +88,7 @@ from functree.optim._lookahead import from_optax
 from functree.optim._masked import named_member_masks
 from functree.optim._multisteps import check_multisteps
 from functree.optim._per_tensor import check_stack_statistics
+from functree.optim._rate import check_rate_applied
 from functree.optim._replicas import (
     all_varying,
     as_varying,
@@ -529,6 +530,8 @@ class Optimizer:
                     raise
                 raise apart from None
         check_not_passed_through(grads, updates)  # optax.masked's pass-through as the last step: p + g
+        if self._adds_updates():  # optax.masked around the rate, last in a chain: p + direction
+            check_rate_applied(self._raw_transform, grads, partial)
         if partial is not None:
             updates, inner = keep_unchanged(partial, updates, inner, state.inner)
         if apply_if is not None:
@@ -617,6 +620,12 @@ class Optimizer:
         if self._apply_updates is not None:
             return self._apply_updates(model, updates)
         return move(model, along=updates)
+
+    def _adds_updates(self) -> bool:
+        """Whether the updates are added to the parameters (optax's convention, which
+        :func:`~functree.optim._rate.check_rate_applied` reads): no ``apply_updates=`` hook
+        or override, which may apply a rate of its own."""
+        return self._apply_updates is None and type(self).apply_updates is Optimizer.apply_updates
 
     # --- orchestration -------------------------------------------------------------------
     def compute_gradients(self, loss_fn: Callable[..., Any], model: Any, *batch: Any, has_aux: bool = False,

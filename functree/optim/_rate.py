@@ -1,0 +1,203 @@
+"""The refusal of an optimizer whose transform applies no learning rate to some parameters.
+
+optax's convention: a transform ends by scaling its direction by ``-learning_rate``
+(``scale_by_learning_rate``, ``scale(-lr)``, inside an alias such as ``adam``), and
+``apply_updates`` adds the update. A parameter the rate never reaches gets the direction
+itself added, ``p + adam_direction``: a step up the loss, at rate 1. The way it happens:
+``optax.masked`` around the rate, last in a chain
+(``chain(scale_by_adam(), masked(scale(-lr), mask))``), passes the parameters its mask leaves
+out through as the chain made them before it, unscaled; a transform with no rate at all
+(``Optimizer(optax.scale_by_adam())``) is the same. No update leaf is the gradient object,
+so :func:`~functree.optim._checks.check_not_passed_through` does not see it.
+
+:meth:`ft.optim.Optimizer.update` reads it from the transform's structure while the step
+traces (once per transform and parameter shapes): optax builds every transform as closures,
+and the walk opens ``optax.chain`` (and ``named_chain``), ``optax.masked``,
+``optax.partition`` (``multi_transform``), ``ft.optim.masked`` and ``ft.optim.groups``,
+evaluating their masks and labels on the gradients as they do. A parameter is refused only
+where every transform that reaches it is one of optax's that give a direction with neither
+a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``clip_by_global_norm``,
+``identity`` ...). Anything else counts as applying a rate (a rate or schedule of either
+sign, another library's or a hand-written transform, a wrapper the walk does not open, a
+mask it cannot evaluate, a member mask's partly selected leaf), so a valid optimizer is not
+refused; those ascend unseen. Not checked where the updates are not simply added
+(``Optimizer(apply_updates=...)`` or a subclass's ``apply_updates``), nor for complex
+parameters (trained as pairs of reals, a tree the walk does not see).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
+from functree.optim._average import is_slot
+from functree.optim._masked import is_partial
+
+__all__ = ["NO_LEARNING_RATE", "DIRECTIONS", "check_rate_applied"]
+
+NO_LEARNING_RATE = """\
+The optimizer's transform applies no learning rate to {paths} ({count} of {total} parameters): \
+every transform that reaches them gives a direction with neither a rate nor a minus sign \
+(optax.scale_by_adam, clip_by_global_norm, trace, identity ...), and the update is added to \
+the parameter: p + direction, a step up the loss at rate 1. optax.masked (and \
+ft.optim.masked) passes the parameters its mask leaves out through as the chain made them \
+before it: around the learning rate, last in a chain, it leaves them unscaled.
+
+    wrong:  optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(-1e-3), mask))   # the others: p + adam direction
+    right:  ft.optim.Optimizer(optax.chain(optax.scale_by_adam(), optax.scale(-1e-3)), wrt="head.*")   # the others frozen
+       or:  optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(0.1), mask), optax.scale(-1e-3))   # a 10x smaller rate on some"""
+
+# optax's transforms (the function building each, whose update is ``<name>.<locals>.update_fn``)
+# that give a direction of the incoming updates with neither a rate nor a change of sign: a
+# parameter reached by these alone is moved along its own ascent direction.
+DIRECTIONS = frozenset({
+    "identity", "scale_by_adam", "scale_by_adamax", "scale_by_amsgrad", "scale_by_belief", "scale_by_lion",
+    "scale_by_radam", "scale_by_rms", "scale_by_rss", "scale_by_stddev", "scale_by_yogi", "trace", "ema", "clip",
+    "clip_by_global_norm", "add_decayed_weights",
+})
+
+_DEPTH = 24  # one level per wrapper: chain, masked, partition ...
+_UNRATED: dict[Any, Any] = {}  # (transform, gradient signature) -> indices of parameters without a rate
+
+
+def _name(fn: Any) -> tuple[str, str]:
+    """``fn``'s top package and the function that built it (``("optax", "chain")``)."""
+    module = str(getattr(fn, "__module__", None) or "")
+    return module.split(".")[0], str(getattr(fn, "__qualname__", "")).split(".<locals>")[0]
+
+
+def _closure(fn: Any) -> dict[str, Any]:
+    try:
+        return dict(inspect.getclosurevars(fn).nonlocals)
+    except (TypeError, ValueError):  # a builtin, a callable object: nothing to open
+        return {}
+
+
+def _present(view: Any) -> frozenset[int]:
+    return frozenset(jax.tree.leaves(view))
+
+
+def _selected(view: Any, mask: Any) -> Any:
+    """``view`` with ``optax.MaskedNode`` where ``mask`` (a bool tree, a prefix) is False:
+    ``optax.masked``'s own rule."""
+    return jax.tree.map(lambda m, p: p if m else optax.MaskedNode(), mask, view)
+
+
+def _is_function(mask: Any) -> bool:
+    """``optax.masked``'s test of a mask that is a function of the updates."""
+    found = jax.tree.leaves(jax.tree.map(callable, mask))
+    return bool(found) and all(found)
+
+
+def _through_mask(update: Any, view: Any, inner_view: Any, leaves: list[Any], depth: int) -> frozenset[int]:
+    """A masked transform's parameters without a rate: those it leaves out (passed through
+    as they came) and those its inner transform (``update``) gives none."""
+    inside = _present(inner_view)
+    return (_present(view) - inside) | _unrated(update, inner_view, leaves, depth + 1)
+
+
+def _unrated(update: Any, view: Any, leaves: list[Any], depth: int = 0) -> frozenset[int]:
+    """The parameters (indices into ``leaves``, the gradient's leaves) in ``view`` (those
+    indices where ``update``'s transform receives a parameter, ``optax.MaskedNode`` where an
+    outer mask left one out) whose update from ``update`` is surely a direction without a
+    rate; empty where the walk cannot tell."""
+    package, built = _name(update)
+    if package == "optax" and built in DIRECTIONS:
+        return _present(view)
+    env = _closure(update) if depth <= _DEPTH and package in ("optax", "functree") else {}
+    try:
+        return _opened(package, built, env, view, leaves, depth)
+    except Exception:  # a mask or labels the walk cannot evaluate here: no verdict, nothing refused
+        return frozenset()
+
+
+def _opened(package: str, built: str, env: dict[str, Any], view: Any, leaves: list[Any],
+            depth: int) -> frozenset[int]:
+    """:func:`_unrated` of a chain, mask or partition whose closure ``env`` holds its parts."""
+    updates = jax.tree.map(lambda i: leaves[i], view)  # what the transform sees (its masks read it)
+    if package == "optax" and built in ("chain", "named_chain") and ("update_fns" in env or "transforms" in env):
+        fns = env["update_fns"] if "update_fns" in env else [tx.update for _, tx in env["transforms"]]
+        found = _present(view)
+        for fn in fns:
+            found &= _unrated(fn, view, leaves, depth + 1)
+        return found
+    if package == "optax" and built == "with_extra_args_support" and "tx" in env:
+        return _unrated(env["tx"].update, view, leaves, depth + 1)
+    if package == "optax" and built == "masked" and {"inner", "mask"} <= env.keys():
+        mask = env["mask"](updates) if _is_function(env["mask"]) else env["mask"]
+        return _through_mask(env["inner"].update, view, _selected(view, mask), leaves, depth)
+    if package == "optax" and built == "partition" and {"transforms", "param_labels", "make_mask"} <= env.keys():
+        labels = env["param_labels"](updates) if callable(env["param_labels"]) else env["param_labels"]
+        found = _present(view)
+        for group, tx in env["transforms"].items():
+            found &= _through_mask(tx.update, view, _selected(view, env["make_mask"](labels, group)), leaves, depth)
+        return found
+    if package == "functree" and built == "masked" and {"inner", "marks_of"} <= env.keys():
+        marks = env["marks_of"](updates)  # a member array (part of a stacked leaf): transformed
+        places, treedef = jax.tree.flatten(view, is_leaf=is_slot)
+        inner_view = treedef.unflatten([p if is_slot(p) or is_partial(m) or m else optax.MaskedNode()
+                                        for p, m in zip(places, marks)])
+        return _through_mask(env["inner"].update, view, inner_view, leaves, depth)
+    if package == "functree" and built == "groups" and {"by_leaf", "split"} <= env.keys():
+        return frozenset() if env["split"](updates) else _unrated(env["by_leaf"].update, view, leaves, depth + 1)
+    return frozenset()
+
+
+def _unrated_indices(transform: Any, grads: Any) -> tuple[int, ...]:
+    """The indices of ``grads``' leaves (flattened with ``None`` as a leaf) whose parameter
+    ``transform`` applies no rate to: once per transform and gradient signature."""
+    leaves, treedef = jax.tree.flatten(grads, is_leaf=is_none)
+    try:
+        who: Any = WeakIdentity(transform)
+    except TypeError:  # a transform taking no weak reference: walked, never cached
+        who = None
+    signature = tuple(None if g is None else (np.shape(g), jnp.result_type(g)) for g in leaves)
+    key, found = cached(_UNRATED, (who, treedef, signature))
+    if found is None:
+        view = treedef.unflatten([None if g is None else i for i, g in enumerate(leaves)])
+        found = tuple(sorted(_unrated(getattr(transform, "update", None), view, leaves)))
+        if key is not None and who is not None:
+            bounded_put(_UNRATED, key, found)
+    return found
+
+
+def _trained(missing: Any) -> bool:
+    """Whether a gradient leaf gets an update: not missing (``None``), not all its members frozen."""
+    return not bool(np.all(missing))
+
+
+def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
+    """Raise :data:`NO_LEARNING_RATE` where ``transform`` (the user's, as given to the
+    Optimizer) surely applies no learning rate to a parameter that has a gradient (``grads``:
+    what the transform receives; ``partial``: :func:`checked_gradients`' marks of missing
+    gradients and frozen members, or None).
+
+    Example:
+      >>> import optax, jax.numpy as jnp
+      >>> grads = {"body": jnp.ones(2), "head": jnp.ones(2)}
+      >>> check_rate_applied(optax.adam(1e-3), grads, None)
+      >>> try:
+      ...     check_rate_applied(optax.chain(optax.scale_by_adam(),
+      ...                                    optax.masked(optax.scale(-1e-3), {"body": False, "head": True})), grads, None)
+      ... except ValueError as e:
+      ...     print(str(e)[:78])
+      The optimizer's transform applies no learning rate to body (1 of 2 parameters)
+    """
+    if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(grads)):
+        return  # trained as pairs of reals (RealPair): another tree than the one walked here
+    unrated = _unrated_indices(transform, grads)
+    if not unrated:
+        return
+    flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+    missing = [False] * len(flat) if partial is None else list(partial[1])
+    trained = [i for i, ((_, g), m) in enumerate(zip(flat, missing)) if g is not None and _trained(m)]
+    same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in set(trained)]
+    if same:
+        shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
+        raise ValueError(NO_LEARNING_RATE.format(paths=shown, count=len(same), total=len(trained)))

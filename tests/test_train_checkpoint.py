@@ -1329,3 +1329,19 @@ def test_a_file_on_the_path_is_named_with_the_directory_to_give(tmp_path):
                      f'{what} inside the checkpoint {tmp_path / "model"}')
         with pytest.raises(CheckpointError, match=re.escape(f'right:  ft.train.load("{tmp_path / "model"}")')):
             ft.train.load(inside)
+
+
+def test_a_dot_slash_tilde_path_is_the_folder_named_tilde_here(tmp_path, monkeypatch):
+    """``"./~/old"`` (how a shell names a folder called ``~`` in the working directory, one an
+    older save or transformers' ``save_pretrained("~/m")`` left) was read as ``~/old``, the
+    home's: pathlib drops the ``./`` before ``expanduser``. An unknown ``~user`` raised
+    RuntimeError; a shell leaves it as it is."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    ft.train.save("./~/old", _w(3.0))
+    assert (tmp_path / "~" / "old").is_dir() and os.listdir(home) == []
+    np.testing.assert_array_equal(_loaded_w(str(tmp_path / "~" / "old")), np.full(4, 3.0, np.float32))
+    ft.train.save("~no-such-user-here/x", _w(4.0))
+    np.testing.assert_array_equal(_loaded_w(str(tmp_path / "~no-such-user-here" / "x")), np.full(4, 4.0, np.float32))

@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from functree._files import local_path
 from functree.train.checkpoint._treespec import CheckpointError
 
 __all__ = ["LOCK_NAME", "WriterLock", "check_directory", "check_writable", "local_path", "remove_leftovers", "step_names", "started", "to_delete",
@@ -80,13 +81,6 @@ nothing was written. Give each run its own directory:
     wrong:  CheckpointManager("{path}")                 # in two jobs at once
     right:  CheckpointManager("{path}/run_2")
 If that process is gone (e.g. it ran on another host and was killed), delete {lock}."""
-
-
-def local_path(path: str | os.PathLike[str]) -> Path:
-    """``path`` as every checkpoint call reads or writes it: ``~`` expanded as a shell does
-    (``"~/runs"`` made a folder named ``~`` in the working directory, which no read from
-    another directory found), then absolute at the call (a later ``chdir`` moves nothing)."""
-    return Path(path).expanduser().absolute()
 
 
 def check_writable(path: Path, call: str) -> None:

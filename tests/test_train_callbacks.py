@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import re
 import types
 
@@ -887,3 +888,19 @@ def test_a_misspelt_callback_keyword_names_the_closest_and_a_missing_path_is_pyt
         ft.train.CSVLogger()
     with pytest.raises(TypeError, match=r"^ModelCheckpoint\(\) missing 1 required positional argument: 'directory'$"):
         ft.train.ModelCheckpoint()
+
+
+def test_a_history_logger_under_home_or_relative_writes_where_the_call_said(tmp_path, monkeypatch):
+    """``HistoryLogger("~/log.jsonl")`` wrote ``./~/log.jsonl``, and a relative path given
+    before an ``os.chdir`` was written under the new working directory."""
+    home, work, other = tmp_path / "home", tmp_path / "work", tmp_path / "other"
+    for d in (home, work, other):
+        d.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    logs = [ft.train.HistoryLogger("~/log.jsonl"), ft.train.HistoryLogger("relative.jsonl")]
+    monkeypatch.chdir(other)
+    make().fit(data(), epochs=1, progress=False, callbacks=logs)
+    assert os.listdir(home) == ["log.jsonl"] and os.listdir(work) == ["relative.jsonl"] and os.listdir(other) == []
+    for path in (home / "log.jsonl", work / "relative.jsonl"):
+        assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["epoch"]

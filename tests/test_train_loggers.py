@@ -3,6 +3,7 @@
 import csv
 import importlib
 import itertools
+import os
 import struct
 import sys
 import types
@@ -173,3 +174,24 @@ def test_a_resumed_tensorboard_log_equals_the_uninterrupted_one(tmp_path, monkey
         assert steps == [s for s, _ in points] and len(set(steps)) == len(steps), tag
         # the same job resumed bit for bit (measured spread: 0.0), the carried points as written
         np.testing.assert_allclose([v for _, v in got[tag]], [v for _, v in points], rtol=0, atol=0)
+
+
+def test_a_log_under_home_or_relative_is_written_where_the_call_said(tmp_path, monkeypatch):
+    """``CSVLogger("~/runs/log.csv")`` wrote ``./~/runs/log.csv`` (a folder named ``~``, often
+    removed with ``rm -rf ~``), and a relative path given before a notebook's ``os.chdir``
+    was written under the new working directory: each is read at the constructor now."""
+    pytest.importorskip("tensorboardX")
+    home, work, other = tmp_path / "home", tmp_path / "work", tmp_path / "other"
+    for d in (home, work, other):
+        d.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    callbacks = [ft.train.CSVLogger("~/runs/log.csv"), ft.train.TensorBoardLogger("~/board"),
+                 ft.train.CSVLogger("relative.csv")]
+    monkeypatch.chdir(other)  # after the loggers were made, before fit writes
+    history = make().fit(data(), epochs=1, log_every=1, progress=False, callbacks=callbacks)
+    assert sorted(os.listdir(home)) == ["board", "runs"] and os.listdir(other) == []
+    assert os.listdir(work) == ["relative.csv"]
+    for path in (home / "runs" / "log.csv", work / "relative.csv"):
+        assert [float(r["loss"]) for r in read_csv(path)] == history.epochs["loss"]
+    assert read_events(home / "board")["epoch/loss"] == [(3, np.float32(history.epochs["loss"][0]))]

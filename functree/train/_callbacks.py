@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import jax
 
+from functree._files import local_path
 from functree.optim import hyperparameters, set_hyperparameters
 from functree.optim._average import AverageState, averages_in, is_average, keeps_average
 from functree.optim._hyper import _entries, _keys, group_learning_rate, learning_rate_names
@@ -1014,7 +1015,7 @@ class HistoryLogger(Callback):
     reads_model = False
 
     def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
+        self.path = local_path(path)  # ~ expanded; a later chdir moves nothing
 
     def state_dict(self) -> dict[str, Any]:
         """The file's length in bytes."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from functree._files import local_path
 from functree.train._callbacks import REQUIRED, Callback, TrainingContext, foreign_keyword, missing
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ class CSVLogger(Callback):
             raise foreign_keyword("CSVLogger", unknown, CSVLogger.__init__)
         if path is REQUIRED:
             raise missing("CSVLogger", "path")
-        self.path = Path(path)
+        self.path = local_path(path)  # ~ expanded; a later chdir moves nothing
         self.every = _check_every("CSVLogger", every)
         self.append = append
         self._columns: list[str] | None = None
@@ -241,7 +242,7 @@ class TensorBoardLogger(Callback):
         except ImportError as e:
             raise ImportError(NO_TENSORBOARDX.format(error=e)) from None
         self._writer_class = tensorboardX.SummaryWriter
-        self.logdir = Path(logdir)
+        self.logdir = local_path(logdir)
         self.every = None if every is None else _check_every("TensorBoardLogger", every)
         self._writer: Any = None
         self._purge: int | None = None

@@ -281,3 +281,31 @@ def test_a_model_read_from_other_paths_or_versions_compiles_once_and_saves_as_tr
     old = HFConfig({**b.hf_config.to_dict(), "transformers_version": "4.40.0"},
                    {**b.hf_config.generation.to_dict(), "transformers_version": "4.40.0"})
     assert old == b.hf_config and "transformers_version" not in old
+
+
+def test_a_directory_under_home_is_written_and_read_there(tmp_path, monkeypatch):
+    """``save_hf(model, "~/models/m")`` wrote ``./~/models/m`` (a folder named ``~``, often
+    removed with ``rm -rf ~``), which ``from_hf("~/models/m")`` found only from that working
+    directory. Now each reads ``~`` as the home (``with_head``'s directory too); a folder
+    named ``~`` here (transformers' ``save_pretrained("~/m")`` writes one) is named, with
+    ``"./~/m"`` to read it."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    model = ft.nn.from_hf(hf_model(gpt2_config()))
+    ft.nn.save_hf(model, "~/models/m")
+    assert os.listdir(work) == [] and "model.safetensors" in os.listdir(home / "models" / "m")
+    monkeypatch.chdir(tmp_path)  # read from another working directory
+    want = jax.tree.leaves(model)
+    for again in (ft.nn.from_hf("~/models/m"), ft.nn.from_hf(gpt2_config().to_dict(), "~/models/m/model.safetensors")):
+        for a, b in zip(jax.tree.leaves(again), want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    ft.nn.save_hf(model, "./~/literal")  # "./~": the folder named "~" here, as a shell reads it
+    assert (tmp_path / "~" / "literal" / "config.json").is_file() and not (home / "literal").exists()
+    with pytest.raises(FileNotFoundError, match=r'(?s)~/literal.*does not exist.*a folder named "~" in the working '
+                                                r"directory.*right:  ft.nn.from_hf\(\.\.\. '\./~/literal' \.\.\.\)"):
+        ft.nn.from_hf("~/literal")
+    with pytest.raises(FileNotFoundError, match=r"right:  ft.hf.with_head\(\.\.\. '\./~/literal' \.\.\.\)"):
+        ft.hf.with_head("~/literal", "ForSequenceClassification", num_labels=2, key=jax.random.key(1))
+    assert isinstance(ft.nn.from_hf("./~/literal"), type(model))

@@ -1554,3 +1554,25 @@ def test_a_training_checkpoint_around_the_state_dict_names_the_state_dict_to_pas
                                                            inner="state_dict")
     loaded = ft.nn.load_torch_state_dict(model, checkpoint["state_dict"])
     np.testing.assert_array_equal(np.asarray(loaded.weight), linear.weight.detach().numpy().T)
+
+
+def test_a_safetensors_file_under_home_is_read_there(tmp_path, monkeypatch):
+    """``load_torch_state_dict(model, "~/w.safetensors")`` looked for ``./~/w.safetensors``:
+    not found from another working directory, and a folder named ``~`` here was read as if
+    it were the home's. Now ``~`` is the home; that folder is named, with ``"./~/..."``."""
+    from safetensors.numpy import save_file
+
+    home = tmp_path / "home"
+    (tmp_path / "~").mkdir(parents=True), home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    weight, bias = np.arange(6, dtype=np.float32).reshape(2, 3), np.array([1.0, -1.0], np.float32)
+    save_file({"weight": weight, "bias": bias}, str(home / "w.safetensors"))
+    save_file({"weight": weight, "bias": bias}, str(tmp_path / "~" / "x.safetensors"))
+    template = ft.nn.Dense(3, 2, key=jax.random.key(0))
+    loaded = ft.nn.load_torch_state_dict(template, "~/w.safetensors")
+    np.testing.assert_array_equal(loaded.weight, weight.T)
+    np.testing.assert_array_equal(loaded.bias, bias)
+    with pytest.raises(FileNotFoundError, match=r"(?s)a folder named \"~\".*load_torch_state_dict\(\.\.\. '\./~/x"):
+        ft.nn.load_torch_state_dict(template, "~/x.safetensors")
+    np.testing.assert_array_equal(ft.nn.load_torch_state_dict(template, "./~/x.safetensors").weight, weight.T)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._files import local_if_path
 from functree._jit import unchecked_jit
 from functree._module import Module
 from functree._naming import matches
@@ -599,6 +600,9 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(BAD_ATTENTION.format(given=attention))
     _check_dtype(dtype)
+    same = weights is source  # (from_hf(path, path): one object stays one)
+    source = local_if_path(source, "ft.nn.from_hf")  # "~/models/m": the home's, not ./~
+    weights = source if same else local_if_path(weights, "ft.nn.from_hf")
     check_dropout_call(source, weights, dropout, key)
     named = None  # the HF model's class, where from_hf is given one
     if weights is None and hasattr(source, "config") and hasattr(source, "state_dict"):

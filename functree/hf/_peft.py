@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._files import local_path, read_path
 from functree._tree import dotted_name, join_names
 from functree._where import placed_like
 from functree.hf._causal import CausalLM
@@ -630,7 +631,7 @@ def save_lora(model: Any, directory: str | os.PathLike[str], *, base_model_name_
         "layers_pattern": None, "use_rslora": False, "use_dora": False, "lora_bias": False, "revision": None,
         "exclude_modules": None,
     }
-    _write(str(directory), tensors, config, blocks)
+    _write(os.fspath(local_path(directory)), tensors, config, blocks)  # "~/adapter": the home's, not ./~
 
 
 def _mha_output(name: str, names: TorchNames) -> str | None:
@@ -1102,7 +1103,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
       >>> bool(jnp.all(loaded(jnp.ones((1, 4))) == adapted(jnp.ones((1, 4)))))
       True
     """
-    directory = str(directory)
+    directory = os.fspath(read_path(directory, "ft.nn.load_lora"))  # "~/adapter": the home's
     config, tensors, blocks = _read_adapter(directory)
     _check_config(config, directory)
     names = torch_names(model)

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from functree._files import local_path
 from functree._tree import dotted_name
 from functree.hf._dropout import without_dropout
 from functree.hf._family import family_of
@@ -311,7 +312,7 @@ def save_hf(model: Any, directory: str | os.PathLike[str], *, max_shard_size: in
         raise ValueError(NO_CONFIG.format(given=type(model).__name__))
     _check_no_lora(model, family.hf_class)
     limit = _shard_limit(max_shard_size)
-    directory = os.fspath(directory)
+    directory = os.fspath(local_path(directory))  # "~/models/m": the home's, not ./~
     on_primary(lambda: _check_target(directory, overwrite), "ft.nn.save_hf")  # before gathering the model
     weights = to_hf_state_dict(model, numpy=True)  # every process: sharded leaves gathered
     _check_config_fits(family, model, set(weights))

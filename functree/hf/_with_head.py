@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._activations import tanh
+from functree._files import local_if_path
 from functree._module import from_fields
 from functree.hf._bert import BertModel
 from functree.hf._causal import CausalLM
@@ -190,7 +191,8 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
     """
     directory: Any = None
     if isinstance(model, (str, os.PathLike)):
-        directory, model = model, _from_directory(model, head)
+        directory = local_if_path(model, "ft.hf.with_head")  # "~/models/m": the home's
+        model = _from_directory(directory, head)
     family, body = _body_of(model, head)
     task = _task(family, head)
     labels = (num_labels, id2label, label2id)

@@ -94,6 +94,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._alias import check_stale
+from functree._files import read_path
 from functree._module import Module
 from functree._naming import fill_stars, rename_pattern
 from functree._stacked import is_stacked
@@ -853,7 +854,7 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     module the state dict is of, whose options the model's layers must have
     (:func:`~functree.interop._options.check_options`)."""
     if isinstance(state_dict, (str, os.PathLike)):
-        state_dict = load_checkpoint(state_dict)
+        state_dict = load_checkpoint(read_path(state_dict, "ft.nn.load_torch_state_dict"))  # "~/m.safetensors": the home's
     else:  # a checkpoint's tensors are read lazily, and never meta
         _check_given(state_dict)
     shapes = _shapes(flattened)

@@ -60,23 +60,26 @@ integer dtypes where they hold the values; these are of another kind (an integer
 floating leaf, or the reverse) or out of range: convert them before loading: {names}"""
 
 _BEYOND_RANGE = """\
-{names}: values beyond the largest finite value of the leaf's floating dtype (float16's is \
-65504), which the cast would turn into inf (NaN in a float8 without inf): a silently \
-different model, so they were not loaded. Load into a wider dtype and cast what fits after, \
-or clip them yourself where that is meant:
+{names}: values beyond the largest finite value of the leaf's floating dtype ({limits}), \
+which the cast would turn into inf (NaN in a float8 without inf): a silently different model, \
+so they were not loaded. Load into a wider dtype and cast what fits after, or clip them \
+yourself where that is meant:
 """
+"""The start of the range hints, formatted by :func:`range_hint`: ``{limits}`` names each
+leaf dtype's largest value, and the fix's ``{dtype}``, ``{largest}`` and ``{wider}`` are
+the first's (a float8 leaf's 448, not float16's 65504: clipped there, still NaN)."""
 
 FLOAT_RANGE_HINT = _BEYOND_RANGE + """
-    wrong:  ft.from_flat_dict(float16_model, flat, cast=True)   # float32 values beyond 65504
-    right:  ft.from_flat_dict(float32_model, flat, cast=True)
-       or:  {{k: np.clip(v, -65504, 65504) for k, v in flat.items()}}   # clipped on purpose"""
+    wrong:  ft.from_flat_dict({dtype}_model, flat, cast=True)   # values beyond {largest}
+    right:  ft.from_flat_dict({wider}_model, flat, cast=True)
+       or:  {{k: np.clip(v, -{largest}, {largest}) for k, v in flat.items()}}   # clipped on purpose"""
 """from_flat_dict's own (a checkpoint read as saved and cast into a float16 template goes
 through it): torch's ``.clamp`` is no method of the NumPy arrays it is given."""
 
 TORCH_FLOAT_RANGE_HINT = _BEYOND_RANGE + """
-    wrong:  ft.nn.load_torch_state_dict(float16_model, state_dict)   # float32 values beyond 65504
-    right:  ft.nn.load_torch_state_dict(float32_model, state_dict)
-       or:  {{k: v.clamp(-65504, 65504) for k, v in state_dict.items()}}   # clipped on purpose"""
+    wrong:  ft.nn.load_torch_state_dict({dtype}_model, state_dict)   # values beyond {largest}
+    right:  ft.nn.load_torch_state_dict({wider}_model, state_dict)
+       or:  {{k: v.clamp(-{largest}, {largest}) for k, v in state_dict.items()}}   # clipped on purpose"""
 
 META_TENSORS = """\
 {caller}: {names} are torch tensors on the "meta" device: shapes without values (a module \
@@ -98,7 +101,7 @@ once, which gives them their shapes, then save or load its state dict:
             {caller}({target}, lazy_module.state_dict(){options})"""
 
 
-_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT, "range": FLOAT_RANGE_HINT}
+_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}  # "range": range_hint
 
 
 def _spec(x: Any) -> tuple[tuple[int, ...], str]:
@@ -294,7 +297,9 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
         leaves.append(old)
     known = frozenset(names)
     unexpected = tuple(k for k in flat if k not in known)
-    hints = tuple(_HINTS[kind].format(names=_listed(names)) for kind, names in hinted.items())
+    dtypes = dict(zip(names, map(_template_dtype, olds)))
+    hints = tuple(range_hint(FLOAT_RANGE_HINT, {n: dtypes[n] for n in names}) if kind == "range"
+                  else _HINTS[kind].format(names=_listed(names)) for kind, names in hinted.items())
     report = FlatDictReport(tuple(missing), unexpected, tuple(mismatched), hints,
                             tuple((kind, tuple(names)) for kind, names in hinted.items()))
     if strict and not report.ok:
@@ -494,6 +499,24 @@ def _hint_kind(old: Any, new: Any, cast: bool) -> str | None:
         return "float" if _both_floating(given, dtype) else None
     except TypeError:  # a dtype NumPy does not know
         return None
+
+
+def _largest(dtype: Any) -> str:
+    """A floating dtype's largest finite value as code: ``65504``, ``448``, ``3.4028234663852886e+38``."""
+    largest = float(jnp.finfo(dtype).max)
+    return str(int(largest)) if largest < 2**53 else repr(largest)
+
+
+def range_hint(text: str, dtypes: Mapping[str, Any]) -> str:
+    """``text`` (:data:`FLOAT_RANGE_HINT`, :data:`TORCH_FLOAT_RANGE_HINT`) for the leaves
+    ``{name: dtype}`` whose values are beyond their dtype's range: each dtype's largest value
+    named, the fix written for the first (the bound to clip at is the leaf's, not float16's)."""
+    kinds = list(dict.fromkeys(np.dtype(d) for d in dtypes.values()))
+    first = kinds[0]
+    limits = ", ".join(f"{d.name}'s is {_largest(d)}" for d in kinds)
+    wider = "float32" if jnp.finfo(first).bits < 32 else "float64"
+    return text.format(names=_listed(list(dtypes)), limits=limits, dtype=first.name, largest=_largest(first),
+                       wider=wider)
 
 
 def _listed(names: list[str], most: int = 5) -> str:

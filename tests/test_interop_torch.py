@@ -304,6 +304,32 @@ def test_float_values_past_a_narrower_dtype_s_range_are_refused_not_made_inf():
     np.testing.assert_array_equal(np.asarray(loaded.weight, np.float32), weight.numpy().T)
 
 
+@needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them
+def test_the_range_hint_names_each_leaf_s_dtype_and_bound():
+    """The hint told every leaf to clamp at float16's 65504: a float8_e4m3fn model's tensors
+    clamped so were refused again (its largest is 448), a float32 leaf's float64 values past
+    3.4e38 were told float16. It names each leaf's dtype and largest value (a Stack member's
+    too), and writes the clamp for the first."""
+    sd = {"weight": torch.full((3, 4), 500.0), "bias": torch.zeros(3)}
+    model = ft.nn.Dense(4, 3, key=K[0], dtype=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(model, sd)
+    message = str(info.value)
+    assert "weight: values beyond the largest finite value of the leaf's floating dtype (float8_e4m3fn's is 448)" in message
+    assert "{k: v.clamp(-448, 448) for k, v in state_dict.items()}" in message and "65504" not in message
+    loaded = ft.nn.load_torch_state_dict(model, {k: v.clamp(-448, 448) for k, v in sd.items()})
+    np.testing.assert_array_equal(np.asarray(loaded.weight, np.float32), np.full((4, 3), 448.0))
+    wide = {"weight": torch.full((3, 4), 1e39, dtype=torch.float64), "bias": torch.zeros(3, dtype=torch.float64)}
+    with pytest.raises(ValueError, match=r"float32's is 3\.4028234663852886e\+38") as info:
+        ft.nn.load_torch_state_dict(ft.nn.Dense(4, 3, key=K[0]), wide)
+    assert "65504" not in str(info.value)
+    stack = {"h": ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k, dtype=jnp.float8_e4m3fn), 2, key=K[0])}
+    members = {f"h.{i}.{n}": torch.ones((2, 2) if n == "weight" else (2,)) for i in range(2) for n in ("weight", "bias")}
+    members["h.1.weight"][0, 1] = -1e3
+    with pytest.raises(ValueError, match=r"h\.1\.weight: values beyond .* \(float8_e4m3fn's is 448\)"):
+        ft.nn.load_torch_state_dict(stack, members)
+
+
 def test_integer_tensors_lists_and_kind_mismatches():
     """torch's int64 buffers go into int32 leaves where they hold the values; a float for an
     integer leaf or an int64 past int32 is refused under torch's name with a hint that names

@@ -217,6 +217,21 @@ def test_values_past_a_float16_template_s_range_hint_from_flat_dict_s_own_fix():
     np.testing.assert_array_equal(np.asarray(clipped["w"], np.float32), [1.0, 65504.0, 2.0])
 
 
+def test_values_past_a_float8_template_s_range_hint_the_leaf_s_own_bound():
+    """The range hint named float16's 65504 for every leaf: clipped there as it said, a
+    float8_e4m3fn leaf's values (largest 448) were still beyond its range. It names the
+    leaf's dtype and bound, and the clip it writes loads."""
+    template = {"w": np.zeros(3, jnp.float8_e4m3fn)}
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(template, {"w": np.array([1.0, 500.0, 2.0], np.float32)}, cast=True)
+    message = str(info.value)
+    assert "w: values beyond the largest finite value of the leaf's floating dtype (float8_e4m3fn's is 448)" in message
+    assert "wrong:  ft.from_flat_dict(float8_e4m3fn_model, flat, cast=True)   # values beyond 448" in message
+    assert "np.clip(v, -448, 448) for k, v in flat.items()" in message and "65504" not in message
+    clipped = ft.from_flat_dict(template, {"w": np.clip(np.array([1.0, 500.0, 2.0], np.float32), -448, 448)}, cast=True)
+    np.testing.assert_array_equal(np.asarray(clipped["w"], np.float32), [1.0, 448.0, 2.0])
+
+
 def test_from_flat_dict_rejects_a_template_whose_names_collide():
     with pytest.raises(ValueError, match=r"ft\.from_flat_dict: two leaves share the dotted name 'a\.b'"):
         ft.from_flat_dict({"a.b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, {"a.b": jnp.ones(1)})

@@ -106,6 +106,7 @@ from functree._state_dict import (
     castable,
     check_no_meta,
     from_flat_dict,
+    range_hint,
     to_flat_dict,
     to_numpy,
 )
@@ -872,7 +873,8 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     values, absent, mismatched = _converted(plan, given)
     _fill_ties(plan, values)
     missing = [n for rule, names in absent if not all(f in values for f in rule.ft) for n in names]
-    flat, wrong_dtypes = _stored(plan, values, to_flat_dict(model))
+    template = to_flat_dict(model)
+    flat, wrong_dtypes = _stored(plan, values, template)
     tree, fitted = from_flat_dict(model, flat, strict=False, cast=True)
     tree = replaced(tree, loaded)
     if any(any(n in values for n in _under_name(plan, tie.target)) for tie in plan.ties):
@@ -883,12 +885,13 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     torch_names = {stored: name for leaf, name in members.items()
                    for stored in [plan.leaves[leaf].stored] if stored is not None}
     refused = tuple((torch_names.get(str(n), str(n)), str(want), str(got)) for n, want, got in fitted.mismatched)
-    ranged = {torch_names.get(str(n), str(n)) for kind, names in fitted.hinted if kind == "range" for n in names}
-    ranged |= {members.get(n, n) for n, _, _, kind in wrong_dtypes if kind == "range"}
+    ranged = {torch_names.get(str(n), str(n)): template[str(n)].dtype
+              for kind, names in fitted.hinted if kind == "range" for n in names}
+    ranged |= {members.get(n, n): dtype for n, _, _, dtype in wrong_dtypes if dtype is not None}
     wrong_dtypes = [(members.get(n, n), want, got) for n, want, got, _ in wrong_dtypes]
     cast = [n for n, _, _ in refused if n not in ranged]
     hints = ((TORCH_CAST_HINT.format(names=", ".join(cast)),) if cast and fitted.hints else ()) + (
-        (TORCH_FLOAT_RANGE_HINT.format(names=", ".join(sorted(ranged))),) if ranged else ())
+        (range_hint(TORCH_FLOAT_RANGE_HINT, dict(sorted(ranged.items()))),) if ranged else ())
     report = merged(ported, FlatDictReport(
         tuple(missing), tuple(k for k in given if k not in claimed), (*mismatched, *wrong_dtypes, *refused), hints,
     ))
@@ -1121,12 +1124,12 @@ def _torch_names(plan: _Plan, ft: str) -> list[str]:
 
 
 def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str, Any]
-            ) -> tuple[dict[str, Any], list[tuple[str, str, str, str]]]:
+            ) -> tuple[dict[str, Any], list[tuple[str, str, str, Any]]]:
     """The stored leaves (``to_flat_dict`` names) with the given values put in (a Stack member's
     into its slice): fresh aligned host arrays (:mod:`functree.interop._host`) written by one
     parallel pass over the files' bytes, cast as copied, put on the device as they are. The
-    Stack members' values that do not cast: ``(name, expected, given, kind)``, ``kind``
-    "range" for floating values beyond the leaf dtype's range, else "cast"."""
+    Stack members' values that do not cast: ``(name, expected, given, dtype)``, ``dtype`` the
+    leaf's for floating values beyond its range, else None (another kind)."""
     members: dict[str, list[tuple[tuple[int, ...], np.ndarray, str]]] = {}
     for name, leaf in plan.leaves.items():
         if leaf.stored is not None and name in values:
@@ -1134,7 +1137,7 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
     flat: dict[str, Any] = {}
     filled: dict[str, np.ndarray] = {}  # ours: put on the device after the copies
     copies: list[tuple[np.ndarray, np.ndarray]] = []
-    wrong: list[tuple[str, str, str, str]] = []
+    wrong: list[tuple[str, str, str, Any]] = []
     for stored, items in members.items():
         old = template[stored]
         if items[0][0] == ():
@@ -1154,8 +1157,8 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
             if _castable(array, value):
                 copies.append((array[index], value))
             else:
-                kind = "range" if _both_floating(array.dtype, value.dtype) else "cast"
-                wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}", kind))
+                ranged = array.dtype if _both_floating(array.dtype, value.dtype) else None
+                wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}", ranged))
                 if abstract:
                     array[index] = 0  # reported; never uninitialized memory
         filled[stored] = array

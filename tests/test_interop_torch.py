@@ -330,6 +330,19 @@ def test_the_range_hint_names_each_leaf_s_dtype_and_bound():
         ft.nn.load_torch_state_dict(stack, members)
 
 
+def test_a_dtype_refusal_shows_the_given_tensor_s_shape_not_its_transpose():
+    """A Linear weight of another kind (int64 [3, 4]) was listed under torch's name with ft's
+    transposed shape, "given shape (4, 3)", which no tensor of the state dict had; a Conv1d's
+    [6, 2, 3] as [3, 2, 6]. Both shapes are the tensor's, in torch's layout."""
+    sd = {"weight": torch.ones(3, 4, dtype=torch.int64), "bias": torch.zeros(3)}
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(ft.nn.Dense(4, 3, key=K[0]), sd)
+    assert "weight: expected shape (3, 4) dtype float32, given shape (3, 4) dtype int64" in str(info.value)
+    conv = {"0.weight": torch.ones(6, 2, 3, dtype=torch.int32), "0.bias": torch.zeros(6)}
+    _, report = ft.nn.load_torch_state_dict(ft.nn.Sequential(ft.nn.Conv1D(2, 6, 3, key=K[0])), conv, strict=False)
+    assert report.mismatched == (("0.weight", "shape (6, 2, 3) dtype float32", "shape (6, 2, 3) dtype int32"),)
+
+
 def test_integer_tensors_lists_and_kind_mismatches():
     """torch's int64 buffers go into int32 leaves where they hold the values; a float for an
     integer leaf or an int64 past int32 is refused under torch's name with a hint that names

@@ -884,7 +884,8 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     members: dict[str, str] = {r.ft[0]: r.torch[0] for r in plan.rules if len(r.ft) == len(r.torch) == 1}
     torch_names = {stored: name for leaf, name in members.items()
                    for stored in [plan.leaves[leaf].stored] if stored is not None}
-    refused = tuple((torch_names.get(str(n), str(n)), str(want), str(got)) for n, want, got in fitted.mismatched)
+    refused = tuple(_in_torch_layout(torch_names.get(str(n), str(n)), str(want), str(got), given)
+                    for n, want, got in fitted.mismatched)
     ranged = {torch_names.get(str(n), str(n)): template[str(n)].dtype
               for kind, names in fitted.hinted if kind == "range" for n in names}
     ranged |= {members.get(n, n): dtype for n, _, _, dtype in wrong_dtypes if dtype is not None}
@@ -902,6 +903,16 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
         raise mismatch_error(plan.rules, plan.attentions, report, recurrent_hint(report, given) + hint(plan.ports),
                              plan.layers if ports else {})
     return tree if strict else (tree, report)
+
+
+def _in_torch_layout(name: str, want: str, got: str, given: Mapping[str, Any]) -> tuple[str, str, str]:
+    """A dtype refusal (``shape (4, 3) dtype float32``, in ft's layout: the shapes agreed) under
+    torch's name with the shape of the tensor given (``(3, 4)``, a ``Linear``'s weight), not its
+    transpose."""
+    if name not in given:
+        return name, want, got
+    shape = f"shape {_shape(name, given[name])}"
+    return name, re.sub(r"^shape \([^)]*\)", shape, want), re.sub(r"^shape \([^)]*\)", shape, got)
 
 
 def _renamed(state_dict: Mapping[str, Any], to_model: Callable[[str], str]) -> dict[str, Any]:

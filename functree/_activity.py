@@ -36,7 +36,7 @@ from functree import _compat as compat
 from functree._source import is_user_file as _is_user_file
 
 __all__ = [
-    "CALLBACKS", "WHILE_LOOPS", "EMPTY", "MARK", "SCOPE", "Op", "Origin", "State", "analyse", "cutting_at", "is_inexact",
+    "CALLBACKS", "WHILE_LOOPS", "EMPTY", "MARK", "NEVER_SELECTED", "SCOPE", "Op", "Origin", "State", "analyse", "cutting_at", "is_inexact",
     "is_known_zero", "join_all", "where",
 ]
 
@@ -66,9 +66,11 @@ _ZERO_PRESERVING = frozenset(
 # Result is zero when any operand is a known zero.
 _ANNIHILATING = frozenset({"mul", "dot_general"})
 SCOPE = "ft.without_derivative"
+NEVER_SELECTED = "a jnp.where branch its constant condition never selects"
 _MAX_ORIGINS = 16
 _MAX_FIXED_POINT = 64
 _ZERO_TEST_MAX_SIZE = 1 << 16
+_KNOWN_MAX_SIZE = 1 << 12
 
 
 
@@ -87,14 +89,32 @@ class Origin(NamedTuple):
     op: Op
 
 
+class Known:
+    """A small constant array's value, compared and hashed by its contents (a loop's fixed
+    point compares states)."""
+
+    __slots__ = ("_key", "array")
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self._key = (array.shape, array.dtype.str, array.tobytes())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Known) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+
 class State(NamedTuple):
     """What the analysis knows about one value of the program.
 
     Four bitmasks over the differentiation input leaves (bit ``k + 1`` is leaf ``k``): on
     which the value depends ``active``-ly, only through a ``cut`` (zero-derivative
     operation), only through ``ft.without_derivative`` (``quiet``), only through a product
-    with a constant zero (``zeroed``); the ``origins`` of its cuts; and whether the value
-    is a known constant zero.
+    with a constant zero or in a ``jnp.where`` branch a constant condition never selects
+    (``zeroed``); the ``origins`` of its cuts; whether the value is a known constant zero;
+    and, for a small constant, its value.
     """
 
     active: int
@@ -103,6 +123,7 @@ class State(NamedTuple):
     zeroed: int
     origins: frozenset[Origin]
     is_zero: bool
+    value: Known | None = None  # a small constant's value (a where's condition): see _folded
 
 
 MARK = 1  # bit 0 of ``quiet``: the value passed through ft.without_derivative, and nothing unstopped since
@@ -134,8 +155,24 @@ def is_known_zero(value: Any) -> bool:
         return False
 
 
+def _known(value: Any) -> Known | None:
+    """``value``'s contents when it is a small concrete array (not a tracer), else None."""
+    if isinstance(value, jax.core.Tracer) or getattr(value, "size", 1) > _KNOWN_MAX_SIZE:
+        return None
+    try:
+        array = np.asarray(value)
+    except Exception:
+        return None
+    return Known(array) if array.dtype.kind in "biuf" else None
+
+
 def _const_state(value: Any) -> State:
-    return _ZERO if is_known_zero(value) else EMPTY
+    return State(0, 0, 0, 0, frozenset(), is_known_zero(value), _known(value))
+
+
+def _opaque(s: State) -> State:
+    """``s`` as a loop's carry or slice sees it: neither a known zero nor a known value."""
+    return s._replace(is_zero=False, value=None) if s.is_zero or s.value is not None else s
 
 
 def _join(a: State, b: State) -> State:
@@ -295,6 +332,12 @@ def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
         # for its body's constants and its carry): a leaf read only there did not cause it
         reaching = ins[eqn.params["cond_nconsts"]:] if name == "while" else ins
         return [_cut(join_all(reaching) if reaching else EMPTY, eqn)] * len(eqn.outvars)
+    if ins and all(x.value is not None for x in ins):
+        folded = _folded(eqn, [x.value.array for x in ins if x.value is not None])
+        if folded is not None:
+            return [_const_state(folded)]
+    if name == "select_n" and ins[0].value is not None and is_inexact(eqn.outvars[0].aval):
+        return [_selected(eqn, ins)]
     u = join_all(ins) if ins else EMPTY
     if name == "stop_gradient":
         if scoped:  # ft.without_derivative: all of it is intentional, and marked as such
@@ -314,6 +357,50 @@ def _elementary(eqn: Any, ins: list, scoped: bool) -> list:
         # longer the one the user declared constant (Swift's withoutDerivative(at:) of it).
         out_state = out_state._replace(quiet=u.quiet & ~MARK)
     return [out_state if is_inexact(v.aval) else _cut(u, eqn) for v in eqn.outvars]
+
+
+_NUMPY = {
+    "eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+    "ge": np.greater_equal, "not": np.invert, "and": np.bitwise_and, "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+}
+
+
+def _folded(eqn: Any, values: list) -> np.ndarray | None:
+    """The value of an equation on constants that builds a condition (a broadcast
+    ``True``, ``jnp.zeros(3) > 1``), computed with NumPy; None for any other equation."""
+    name, p = eqn.primitive.name, eqn.params
+    try:
+        if name in _NUMPY:
+            return np.asarray(_NUMPY[name](*values))
+        (x,) = values
+        if name == "broadcast_in_dim":
+            shape = [1] * len(p["shape"])
+            for axis, size in zip(p["broadcast_dimensions"], x.shape):
+                shape[axis] = size
+            return np.broadcast_to(x.reshape(shape), p["shape"])
+        if name == "convert_element_type":
+            return x.astype(np.dtype(p["new_dtype"]))
+        if name in ("reshape", "squeeze"):
+            return x.reshape(eqn.outvars[0].aval.shape)
+    except Exception:  # a form NumPy does not take (a float0, a new parameter): not folded
+        return None
+    return None
+
+
+def _selected(eqn: Any, ins: list) -> State:
+    """``select_n`` with a constant condition (``jnp.where(True, a, b)``): only the cases
+    it picks somewhere reach the result; one it never picks is masked, as by a zero
+    factor (``zeroed``), its origin naming the line."""
+    picked = {int(k) for k in np.unique(ins[0].value.array)}
+    cases = ins[1:]
+    out = join_all([c for k, c in enumerate(cases) if k in picked])
+    dropped = join_all([c for k, c in enumerate(cases) if k not in picked])
+    masked = (dropped.active | dropped.cut | dropped.zeroed) & ~(out.active | out.cut)
+    if not masked:
+        return out
+    origin = Origin(masked, Op(NEVER_SELECTED, *_located(eqn)))
+    return out._replace(zeroed=out.zeroed | masked, origins=out.origins | {origin})
 
 
 def _cond(eqn: Any, ins: list, scoped: bool) -> list:
@@ -344,7 +431,7 @@ def _while(eqn: Any, ins: list, scoped: bool) -> list:
     p = eqn.params
     nc, nb = compat.while_counts(p)
     cond_consts, body_consts = ins[:nc], ins[nc : nc + nb]
-    init = [_not_zero(s) for s in ins[nc + nb :]]
+    init = [_opaque(s) for s in ins[nc + nb :]]
     body, body_c = _open(p["body_jaxpr"])
     carry = _fixed_point(lambda c: analyse(body, body_c, [*body_consts, *c], scoped), init)
     cond, cond_c = _open(p["cond_jaxpr"])
@@ -358,8 +445,8 @@ def _scan(eqn: Any, ins: list, scoped: bool) -> list:
     p = eqn.params
     nconst, ncarry = compat.scan_counts(p)
     consts = ins[:nconst]
-    init = [_not_zero(s) for s in ins[nconst : nconst + ncarry]]
-    xs = [_not_zero(s) for s in ins[nconst + ncarry :]]
+    init = [_opaque(s) for s in ins[nconst : nconst + ncarry]]
+    xs = [_opaque(s) for s in ins[nconst + ncarry :]]
     body, body_c = _open(p["jaxpr"])
     ys: list = []
 

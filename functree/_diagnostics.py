@@ -61,6 +61,7 @@ import numpy as np
 from functree._activity import (
     EMPTY,
     MARK,
+    NEVER_SELECTED,
     Op,
     Origin,
     State,
@@ -311,7 +312,16 @@ def _contains_module(x: Any) -> bool:
 
 def _ops(origins: frozenset[Origin], bits: int) -> list[Op]:
     """The zero-derivative operations that cut any of ``bits``, sorted by label and line."""
-    return sorted({o.op for o in origins if o.bits & bits})
+    return sorted({o.op for o in origins if o.bits & bits and o.op.label != NEVER_SELECTED})
+
+
+def _masked_note(origins: frozenset[Origin], bit: int) -> str:
+    """Why a leaf is masked: a jnp.where that never selects it (its line), else a zero factor."""
+    found = sorted(o.op for o in origins if o.bits & bit and o.op.label == NEVER_SELECTED)
+    if not found:
+        return "multiplied by a constant zero"
+    op = found[0]
+    return f"in {op.label}, at {op.file}:{op.line}" if op.line else f"in {op.label}"
 
 
 def _format_ops(ops: Sequence[Op]) -> str:
@@ -412,10 +422,13 @@ def _wrt_literal(patterns: Sequence[str]) -> str:
 
 
 def _unused_finding(
-    fn: str, file: str, line: int, group: _Group, statuses: Sequence[tuple[_Leaf, str]],
+    fn: str, file: str, line: int, group: _Group, statuses: Sequence[tuple[_Leaf, str]], total: State,
     stepped: bool = False,
 ) -> Finding | None:
-    unused = [(leaf.name, s) for leaf, s in statuses if s in _UNUSED]
+    unused = [
+        (leaf.name, f"   ({_masked_note(total.origins, leaf.bit)})" if s == "zero mask" else "")
+        for leaf, s in statuses if s in _UNUSED
+    ]
     if not unused:
         return None
     used = [leaf.name for leaf, s in statuses if s not in _UNUSED]
@@ -428,10 +441,7 @@ def _unused_finding(
         fix = f'ft.gradient(loss, at=model, wrt={wrt})    # differentiate what is used'
     else:
         fix = f"ft.gradient(loss, wrt={wrt})(model, ...)   # patterns select in argument 0"
-    listing = "\n".join(
-        f"    {n}" + ("   (multiplied by a constant zero)" if s == "zero mask" else "")
-        for n, s in unused
-    )
+    listing = "\n".join(f"    {n}{note}" for n, note in unused)
     message = UNUSED_PARAMETERS.format(
         fn=fn, count=len(unused), what=group.what, names=listing, fix=fix, first=unused[0][0], wrong=wrong,
     )
@@ -474,7 +484,7 @@ def _findings(
         if not group.is_module:
             continue
         found = (
-            _unused_finding(fn, file, line, group, statuses, _stood_for(f) is not None),
+            _unused_finding(fn, file, line, group, statuses, total, _stood_for(f) is not None),
             _cut_finding(fn, file, line, group, statuses, total),
         )
         out.extend(x for x in found if x is not None)
@@ -497,7 +507,7 @@ def _whole_function(
         return []
     detail = " with respect to " + what
     if total.zeroed & bits:
-        detail += " (it is multiplied by a constant zero)"
+        detail += f" (it is {_masked_note(total.origins, total.zeroed & bits)})"
     message = ZERO_DERIVATIVE.format(fn=fn, what=detail)
     return [Finding(ZeroDerivativeWarning, message, file, line, paths)]
 
@@ -782,12 +792,15 @@ def _confirmed(g: Callable[..., Any], plan: Plan, data: _CallData, outputs: int 
 def _settled(g: Callable[..., Any], plan: Plan, total: State, bits: int, outputs: int | None,
              side_effect: bool) -> State:
     """``total``, or, when a leaf reads as zero-masked and the call's data hold an all-zero
-    leaf (which may be the mask), the analysis of :func:`_confirmed`; when that cannot
+    leaf (which may be the mask) or, for a jnp.where's constant condition, a NumPy array
+    or a Python number (in the trace as a constant: it may be the condition), the
+    analysis of :func:`_confirmed`; when that cannot
     run, the masked leaves count as active (the analysis may miss a zero, never invent one)."""
     if not total.zeroed & bits & ~total.active:
         return total
     data = call_data(plan)
-    if not any(is_known_zero(x) for x in data.leaves):
+    selected = any(o.op.label == NEVER_SELECTED for o in total.origins)
+    if not any(is_known_zero(x) or (selected and not isinstance(x, jax.Array)) for x in data.leaves):
         return total
     again = None if side_effect else _confirmed(g, plan, data, outputs)
     return again if again is not None else total._replace(active=total.active | total.zeroed, zeroed=0)

@@ -452,6 +452,43 @@ def test_bias_times_constant_zero_mask(key):
     assert ft.diagnose(lambda m: m(jnp.ones(3)).sum(), at=model.replace(mask=jnp.ones(2))).ok
 
 
+class _TwoBranch(ft.Module):
+    weight: jax.Array
+    other: jax.Array
+
+
+def _where_loss(m, x, condition):
+    return jnp.sum(jnp.where(condition, m.weight * x, m.other))
+
+
+def test_branch_a_constant_where_condition_never_selects_is_unused():
+    model = _TwoBranch(jnp.ones(3), jnp.ones(3))
+    loss = lambda m, x: _where_loss(m, x, True)  # noqa: E731
+    with pytest.warns(ft.UnusedParameterWarning, match="never selects") as rec:
+        grads = ft.gradient(loss)(model, X3)
+    message = str(rec[0].message).split("Call the layers")[0]
+    assert "    other   (in a jnp.where branch" in message and "weight" not in message
+    assert f"{__file__}:{_line(_where_loss) + 1}" in message
+    np.testing.assert_array_equal(grads.other, np.zeros(3))
+    report = ft.diagnose(lambda m: _where_loss(m, X3, jnp.zeros(3) > 1), at=model)
+    assert report.findings[0].paths == ("weight",)
+    assert dict(report.activity) == {"weight": "zero mask", "other": "active"}
+    zero = ft.diagnose(lambda x: jnp.sum(jnp.where(False, x, 1.0)), at=X3).findings[0]
+    assert zero.category is ft.ZeroDerivativeWarning and "never selects" in zero.message
+
+
+def test_where_condition_from_the_call_or_mixed_is_quiet():
+    # The call's data (any form) may select the other branch on another call; a mixed
+    # constant mask (a causal one) selects both; a mask sliced per scan step is per step.
+    model = _TwoBranch(jnp.ones(3), jnp.ones(3))
+    for condition in (np.ones(3, bool), jnp.ones(3, bool), True):
+        ft.gradient(_where_loss)(model, X3, condition)
+    ft.gradient(lambda m, x: _where_loss(m, x, jnp.array([True, False, True])))(model, X3)
+    steps = jnp.array([[True] * 3, [False] * 3])
+    scanned = lambda m: lax.scan(lambda c, s: (c + jnp.where(s, m.weight, m.other), None), jnp.zeros(3), steps)  # noqa: E731
+    ft.gradient(lambda m: scanned(m)[0].sum(), at=model)
+
+
 def test_parameter_only_in_a_comparison_is_non_differentiable():
     model = Thresholded(jnp.ones((3, 2)), jnp.array(0.5))
     with pytest.warns(ft.NonDifferentiableWarning, match="threshold") as rec:

@@ -67,6 +67,9 @@ _ZERO_PRESERVING = frozenset(
 _ANNIHILATING = frozenset({"mul", "dot_general"})
 SCOPE = "ft.without_derivative"
 NEVER_SELECTED = "a jnp.where branch its constant condition never selects"
+STOP_GRADIENT = "jax.lax.stop_gradient (not ft.without_derivative)"
+"""The label of a ``stop_gradient`` that ``ft.without_derivative`` did not mark: a cut on
+purpose (a target network), which the diagnostics' fix says how to mark."""
 _MAX_ORIGINS = 16
 _MAX_FIXED_POINT = 64
 _ZERO_TEST_MAX_SIZE = 1 << 16
@@ -230,7 +233,7 @@ def _label(eqn: Any) -> str:
     if name in _COMPARISONS:
         return f"comparison `{name}`"
     if name == "stop_gradient":
-        return "jax.lax.stop_gradient (not ft.without_derivative)"
+        return STOP_GRADIENT
     return f"`{name}`"
 
 

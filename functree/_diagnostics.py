@@ -62,6 +62,7 @@ from functree._activity import (
     EMPTY,
     MARK,
     NEVER_SELECTED,
+    STOP_GRADIENT,
     Op,
     Origin,
     State,
@@ -178,11 +179,21 @@ NON_DIFFERENTIABLE_PARAMETERS = """\
 gradient is always zero:
 {names}
 Keep a differentiable path to them, or say that they are not trained:
+{example}"""
 
+CUT_EXAMPLE = """
     wrong:  jnp.where(x > self.threshold, y, 0.0)                  # no gradient for threshold
     right:  jax.nn.sigmoid((x - self.threshold) / 0.1) * y         # a smooth gate
        or:  threshold: jax.Array = ft.field(no_derivative=True)    # carried, never trained
 """
+
+STOPPED_EXAMPLE = """
+    wrong:  t = jax.lax.stop_gradient(model.target(x))       # a cut on purpose (a target network)?
+    right:  t = ft.without_derivative(at=model.target(x))    # said so: no warning
+       or:  ft.gradient(loss, at=model, wrt="online.*")      # differentiate only what trains
+"""
+"""The fix of :data:`NON_DIFFERENTIABLE_PARAMETERS` where every cut is a ``stop_gradient``:
+no smooth surrogate to offer, the cut is meant (an EMA target, a frozen encoder)."""
 
 # ----------------------------------------------------------------------------- findings
 
@@ -460,8 +471,10 @@ def _cut_finding(
     )
     ops = _ops(total.origins, functools.reduce(lambda x, y: x | y, [leaf.bit for leaf in cut]))
     where = _placed(ops, file, line)
+    stopped = all(op.label == STOP_GRADIENT for op in ops)
     message = NON_DIFFERENTIABLE_PARAMETERS.format(
-        fn=fn, count=len(cut), what=group.what, names=listing + "\n" + _format_ops(ops)
+        fn=fn, count=len(cut), what=group.what, names=listing + "\n" + _format_ops(ops),
+        example=STOPPED_EXAMPLE if stopped else CUT_EXAMPLE,
     )
     return Finding(NonDifferentiableWarning, message, *where, tuple(leaf.name for leaf in cut))
 

@@ -279,6 +279,37 @@ def test_stop_gradient_suggests_without_derivative():
     assert "ft.without_derivative" in str(rec[0].message)
 
 
+class _TargetNetwork(ft.Module):
+    online: ft.nn.Dense
+    target: ft.nn.Dense
+
+
+def test_a_target_network_cut_by_stop_gradient_is_told_to_say_so_and_both_fixes_are_quiet():
+    # the fix shown was the threshold's smooth gate, which a target network has no use for
+    m = _TargetNetwork(ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.nn.Dense(3, 2, key=jax.random.key(1)))
+    x = jnp.ones((4, 3))
+
+    def loss(m, cut=lax.stop_gradient):
+        return jnp.mean((m.online(x) - cut(m.target(x))) ** 2)
+
+    with pytest.warns(ft.NonDifferentiableWarning, match="target.weight") as rec:
+        ft.gradient(loss, at=m)
+    message = str(rec[0].message)
+    assert "ft.without_derivative(at=model.target(x))" in message and 'wrt="online.*"' in message
+    assert "threshold" not in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.gradient(lambda m: loss(m, lambda t: ft.without_derivative(at=t)), at=m)
+        ft.gradient(loss, at=m, wrt="online.*")
+
+
+def test_a_cut_other_than_stop_gradient_keeps_the_smooth_gate_fix():
+    with pytest.warns(ft.NonDifferentiableWarning, match="weight") as rec:
+        ft.gradient(lambda d: jnp.round(d.weight).sum() + lax.stop_gradient(d.weight).sum() + d.bias.sum(),
+                    at=ft.nn.Dense(3, 2, key=jax.random.key(0)))
+    assert "jax.nn.sigmoid" in str(rec[0].message) and "target" not in str(rec[0].message)
+
+
 @pytest.mark.parametrize("operator", [ft.value_with_pullback, ft.value_with_differential])
 def test_pullback_and_differential_warn_too(operator):
     with pytest.warns(ft.ZeroDerivativeWarning):

@@ -289,3 +289,87 @@ def test_deprecated_weight_norm_and_spectral_norm_state_dicts_load(given):
         got = np.asarray(ported(ours))
         np.testing.assert_allclose(got if got.ndim == 2 else np.moveaxis(got, -1, 1), expected, rtol=0,
                                    atol=1e-14 * np.abs(expected).max())
+
+
+def _deprecated_spectral_norm(module, **options):
+    """torch.nn.utils.spectral_norm (the deprecated hook form), its FutureWarning silenced."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch.nn.utils.spectral_norm(module, **options)
+
+
+DEPRECATED_SPECTRAL_CASES = [
+    (lambda: torch.nn.Linear(5, 4), {"n_power_iterations": 2}),
+    (lambda: torch.nn.Conv1d(3, 4, 2), {}),
+]
+
+
+@_float64
+def test_deprecated_spectral_norm_trains_as_torchs_and_writes_its_names():
+    """torch.nn.utils.spectral_norm (deprecated) steps v = normalize(W^T u) before u =
+    normalize(W v), the parametrization u first: loaded from its state dict, ft trained with
+    the parametrization's order, to outputs 6e-4 apart after one SGD step here, silently. Now the
+    loader sets SpectralNorm(legacy=True) for weight_orig's form: three steps in training mode
+    give torch's outputs, u, v and weights (float64, measured ~1e-15), and torch_state_dict
+    writes weight_orig, weight_u, weight_v back, which the torch module loads."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(2)
+    modules = [_deprecated_spectral_norm(make().double(), **options) for make, options in DEPRECATED_SPECTRAL_CASES]
+    blank = [ft.nn.SpectralNorm(_ft_layer(m, m.weight_orig), **options, key=KEY, legacy=i == 1)  # 1: no 15 steps
+             for i, (m, (_, options)) in enumerate(zip(modules, DEPRECATED_SPECTRAL_CASES))]
+    model = ft.nn.load_torch_state_dict(ft.nn.Sequential(*blank), torch.nn.Sequential(*modules).state_dict())
+    assert [layer.legacy for layer in model.layers] == [True, True]
+
+    def step(model, xs, cotangents):
+        def loss(model):
+            ys, updates = ft.nn.collect_state(lambda m: [layer(x) for layer, x in zip(m.layers, xs)], model)
+            return sum((y * c).sum() for y, c in zip(ys, cotangents)), (ys, updates)
+
+        (_, (ys, updates)), grads = jax.value_and_grad(loss, has_aux=True)(model)
+        return ft.nn.apply_state(jax.tree.map(lambda p, g: p - 0.5 * g, model, grads), updates), ys
+
+    model, step = ft.nn.training(model), jax.jit(step)
+    for _ in range(3):
+        inputs = [_input(module, rng) for module in modules]
+        ys_t = [module(torch.tensor(x)) for module, (x, _) in zip(modules, inputs)]
+        cotangents = [rng.standard_normal(y_t.shape) for y_t in ys_t]
+        torch.stack([(y_t * torch.tensor(c)).sum() for y_t, c in zip(ys_t, cotangents)]).sum().backward()
+        with torch.no_grad():
+            for parameter in (p for m in modules for p in m.parameters()):
+                parameter -= 0.5 * parameter.grad
+                parameter.grad = None
+        model, ys = step(model, [x for _, x in inputs], [jnp.asarray(_last(torch.tensor(c), m))
+                                                          for c, m in zip(cotangents, modules)])
+        for layer, y, y_t, module in zip(model.layers, ys, ys_t, modules):
+            assert_close = functools.partial(np.testing.assert_allclose, rtol=0, atol=1e-13)
+            assert_close(y, _last(y_t, module))  # |y| ~ 1
+            assert_close(layer.u, module.weight_u.numpy())
+            assert_close(layer.v, module.weight_v.numpy())
+            assert_close(layer.weight, module.weight_orig.detach().numpy().transpose(_perm(module)))
+    written = ft.nn.torch_state_dict(ft.nn.inference(model), numpy=True)
+    assert set(written) == set(torch.nn.Sequential(*modules).state_dict())
+    fresh = [_deprecated_spectral_norm(make().double(), **options) for make, options in DEPRECATED_SPECTRAL_CASES]
+    torch.nn.Sequential(*fresh).load_state_dict({k: torch.tensor(v) for k, v in written.items()})
+    for module, copy in zip(modules, fresh):
+        x = torch.tensor(_input(module, rng)[0])
+        np.testing.assert_allclose(copy.eval()(x).detach().numpy(), module.eval()(x).detach().numpy(), rtol=0,
+                                   atol=1e-13)
+
+
+@_float64
+def test_spectral_norm_takes_the_form_its_state_dict_holds():
+    """A legacy=True layer given the parametrization's state dict reads it as that form (its
+    order of steps); a Stack whose members come in both forms is refused
+    (SPECTRAL_FORMS_MIXED), not trained in one of them silently."""
+    torch.manual_seed(0)
+    current = parametrizations.spectral_norm(torch.nn.Linear(3, 3)).double()
+    old = _deprecated_spectral_norm(torch.nn.Linear(3, 3).double())
+    legacy = ft.nn.SpectralNorm(ft.nn.Dense(3, 3, key=KEY, dtype=jnp.float64), key=KEY, legacy=True)
+    assert not ft.nn.load_torch_state_dict(legacy, current.state_dict()).legacy
+    stack = ft.nn.Stack.from_layers([legacy, legacy])
+    given = {f"0.{i}.{k}": v for i, m in enumerate([current, old]) for k, v in m.state_dict().items()}
+    from functree.interop import _torch
+    raises_named(lambda: ft.nn.load_torch_state_dict(ft.nn.Sequential(stack), given), ValueError,
+                 _torch.SPECTRAL_FORMS_MIXED, "ft.nn.Sequential(*blocks)")

@@ -122,7 +122,9 @@ def _reparametrized(layer: WeightNorm | SpectralNorm) -> list[Local]:
     ``nn.utils.parametrizations.weight_norm`` / ``spectral_norm``): weight norm's
     ``original0`` (g, the weight's layout with size one on the other axes, or a scalar) and
     ``original1`` (v); spectral norm's ``original`` (the weight) and its power iteration's
-    ``0._u``, ``0._v`` (torch's matrix vectors, as they are). The bias is the wrapped layer's."""
+    ``0._u``, ``0._v`` (torch's matrix vectors, as they are); a ``legacy=True`` spectral norm's
+    are the deprecated ``torch.nn.utils.spectral_norm``'s ``weight_orig``, ``weight_u``,
+    ``weight_v`` (what torch's hook form loads). The bias is the wrapped layer's."""
     perm = torch_weight_axes(layer.layer)
     assert perm is not None  # (the wrappers take a Dense or a convolution)
     if isinstance(layer, WeightNorm):
@@ -130,8 +132,10 @@ def _reparametrized(layer: WeightNorm | SpectralNorm) -> list[Local]:
             "parametrizations.weight.original0", "g", perm)
         rules = [g, _permuted("parametrizations.weight.original1", "v", perm)]
     else:
-        rules = [_permuted("parametrizations.weight.original", "weight", perm),
-                 same("parametrizations.weight.0._u", "u"), same("parametrizations.weight.0._v", "v")]
+        weight, u, v = (("weight_orig", "weight_u", "weight_v") if layer.legacy else
+                        ("parametrizations.weight.original", "parametrizations.weight.0._u",
+                         "parametrizations.weight.0._v"))
+        rules = [_permuted(weight, "weight", perm), same(u, "u"), same(v, "v")]
     return rules + ([same("bias", "layer.bias")] if layer.layer.bias is not None else [])
 
 

@@ -138,6 +138,7 @@ from functree.nn._pooling import Flatten
 from functree.nn._remat import Remat
 from functree.nn._sequential import Sequential
 from functree.nn._shared import Shared
+from functree.nn._weight_norm import SpectralNorm
 
 __all__ = ["load_torch_state_dict", "torch_state_dict"]
 
@@ -330,6 +331,16 @@ class _Plan:
     # every module by its torch name, with its key path (the innermost: a Remat's layer, a Shared's model)
     nodes: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
 
+
+SPECTRAL_FORMS_MIXED = """\
+ft.nn.load_torch_state_dict: the Stack of SpectralNorm at {path!r} reads members in both of \
+torch's spectral norm forms: {legacy} in the deprecated torch.nn.utils.spectral_norm's \
+(weight_orig, weight_u, weight_v), {current} in torch.nn.utils.parametrizations.spectral_norm's \
+(parametrizations.weight.original, ...). Their power iterations train to other numbers, and a \
+Stack's members share one form (SpectralNorm's static legacy=). Hold the members apart:
+
+    wrong:  ft.nn.Stack.from_layers(blocks)
+    right:  ft.nn.Sequential(*blocks)     # each SpectralNorm takes the form its tensors are in"""
 
 ADAPTED_LAYER = """\
 {what}: {path} is an adapted layer ({kind}); a torch or Hugging Face state dict holds plain \
@@ -755,7 +766,9 @@ def load_torch_state_dict(
     ``momentum=None`` BatchNorm's ``batches_tracked`` (its cumulative average weighs batch
     ``n`` by ``1/n``) and dropped for any other layer (an exponential average reads no count). A
     ``WeightNorm`` / ``SpectralNorm`` also reads the deprecated ``torch.nn.utils.weight_norm`` /
-    ``spectral_norm``'s names (``weight_g``, ``weight_v``; ``weight_orig``, ``weight_u``, ``weight_v``).
+    ``spectral_norm``'s names (``weight_g``, ``weight_v``; ``weight_orig``, ``weight_u``, ``weight_v``);
+    a ``SpectralNorm`` comes back with ``legacy=`` the form read (the deprecated one's power
+    iteration trains to other numbers), and ``torch_state_dict`` writes that form's names.
     ``state_dict`` may be the path of a ``.safetensors`` file, of a sharded checkpoint's
     ``model.safetensors.index.json`` or of a directory holding either (read without torch,
     one tensor at a time from memory maps).
@@ -861,6 +874,7 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     shapes = _shapes(flattened)
     to_model = _renamer(rename, to_model=True)
     given = _renamed(state_dict, to_model)
+    model = _spectral_forms(model, given, shapes, layouts, ports)
     counts = {k for k in given if k.rsplit(".", 1)[-1] == "num_batches_tracked"}
     plan = _plan(model, shapes, layouts, values=False, ports=ports, complete=set(given) - counts if complete else None)
     read = {n for rule in plan.rules for n in rule.torch}  # a momentum=None BatchNorm's count; the others dropped
@@ -959,6 +973,37 @@ def _legacy_parametrizations(rules: Sequence[Any], given: dict[str, Any]) -> dic
     if not renamed:
         return given
     return {renamed.get(k, k): v for k, v in given.items()}
+
+
+# a spectral norm's weight under each of torch's forms: SpectralNorm.legacy for it
+_SPECTRAL_WEIGHT = {"weight_orig": True, "parametrizations.weight.original": False}
+
+
+def _spectral_forms(model: Any, given: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...] | None],
+                    layouts: Mapping[str, Any] | None, ports: bool) -> Any:
+    """``model`` with each ``SpectralNorm``'s ``legacy`` the form ``given`` holds under its torch
+    name: the deprecated ``torch.nn.utils.spectral_norm``'s ``weight_orig`` (its power
+    iteration's order) or the parametrization's; one not given keeps its own. A Stack of them
+    read in both forms: :data:`SPECTRAL_FORMS_MIXED`."""
+    if not any(k.endswith(tuple(_SPECTRAL_WEIGHT)) for k in given):
+        return model
+    plan = _plan(model, shapes, layouts, values=False, ports=ports)
+    forms: dict[str, list[bool]] = {}  # by the stored node's name: every member's form
+    for torch, (ft, node) in plan.nodes.items():
+        found = [legacy for name, legacy in _SPECTRAL_WEIGHT.items() if join_names(torch, name) in given]
+        stored = plan.leaves[join_names(ft, "weight")].stored if isinstance(node, SpectralNorm) else None
+        if len(found) == 1 and stored is not None:
+            forms.setdefault(stored.removesuffix("weight").removesuffix("."), []).extend(found)
+    for path, found in forms.items():
+        if len(set(found)) > 1:
+            raise ValueError(SPECTRAL_FORMS_MIXED.format(path=path, legacy=found.count(True),
+                                                         current=found.count(False)))
+
+    def set_form(path: Any, node: Any) -> Any:
+        found = forms.get(dotted_name(path)) if isinstance(node, SpectralNorm) else None
+        return node if not found else node.replace(legacy=found[0])
+
+    return jax.tree_util.tree_map_with_path(set_form, model, is_leaf=lambda x: isinstance(x, SpectralNorm))
 
 
 def _check_given(state_dict: Any) -> None:

@@ -166,22 +166,30 @@ class WeightNorm(Layer):
         return self.layer.replace(weight=self.weight)(x)
 
 
-def _power(matrix: jax.Array, u: jax.Array, v: jax.Array, steps: int, eps: float) -> tuple[jax.Array, jax.Array]:
-    """``steps`` power iterations ``u = normalize(W v), v = normalize(W^T u)``, not differentiated."""
+def _power(matrix: jax.Array, u: jax.Array, v: jax.Array, steps: int, eps: float,
+           legacy: bool = False) -> tuple[jax.Array, jax.Array]:
+    """``steps`` power iterations ``u = normalize(W v), v = normalize(W^T u)``, not differentiated;
+    ``legacy``: ``v`` first, then ``u`` (the deprecated ``torch.nn.utils.spectral_norm``'s
+    order, which leaves other ``u``, ``v``, so another sigma, after each step)."""
     matrix = jax.lax.stop_gradient(matrix)
     for _ in range(steps):
-        u = normalize(matrix @ v, eps=eps)
-        v = normalize(matrix.T @ u, eps=eps)
+        if legacy:
+            v = normalize(matrix.T @ u, eps=eps)
+            u = normalize(matrix @ v, eps=eps)
+        else:
+            u = normalize(matrix @ v, eps=eps)
+            v = normalize(matrix.T @ u, eps=eps)
     return u, v
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _start(matrix: jax.Array, key: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _start(matrix: jax.Array, key: jax.Array, eps: float, legacy: bool) -> tuple[jax.Array, jax.Array]:
     """torch's starting ``u``, ``v``: normal draws normalized, then 15 power iterations (one
-    compiled program, not 60 operations run one by one)."""
+    compiled program, not 60 operations run one by one); ``legacy``: none, as the deprecated
+    ``torch.nn.utils.spectral_norm`` starts."""
     u = normalize(jax.random.normal(key, matrix.shape[:1], matrix.dtype), eps=eps)
     v = normalize(jax.random.normal(jax.random.fold_in(key, 1), matrix.shape[1:], matrix.dtype), eps=eps)
-    return _power(matrix, u, v, _INIT_ITERATIONS, eps)
+    return (u, v) if legacy else _power(matrix, u, v, _INIT_ITERATIONS, eps)
 
 
 class SpectralNorm(Layer):
@@ -199,6 +207,14 @@ class SpectralNorm(Layer):
     BatchNorm's statistics); inference uses the stored ones. Gradients reach ``weight`` through
     ``W`` in ``sigma`` and the division, not through ``u`` and ``v`` (torch's ``no_grad``).
     ``key`` draws the starting ``u`` and ``v``, then 15 steps run, as torch's on applying it.
+
+    ``legacy=True`` is the deprecated ``torch.nn.utils.spectral_norm`` (a forward hook; buffers
+    ``weight_orig``, ``weight_u``, ``weight_v``): each step updates ``v = normalize(W^T u)``
+    first, then ``u = normalize(W v)``, so training reaches other numbers than the current
+    form's from the same tensors (inference, with the stored ``u``, ``v``, is the same), and
+    no steps run at the start (torch's hook starts from the normalized draws). ``ft.nn.
+    load_torch_state_dict`` sets it to the form the state dict holds (``weight_orig`` ...: the
+    deprecated one), and ``ft.nn.torch_state_dict`` writes that form's names back.
     Errors: :data:`NOT_WRAPPABLE`, :data:`BAD_DIM`, :data:`BAD_ITERATIONS`, :data:`WEIGHT_NOT_NONE`.
 
     Example:
@@ -222,18 +238,20 @@ class SpectralNorm(Layer):
     eps: float = field(static=True, default=1e-12)
     dim: int = field(static=True, default=0)
     training: bool = field(static=True, default=False)
+    legacy: bool = field(static=True, default=False)
 
     def __init__(self, layer: Any, n_power_iterations: int = 1, eps: float = 1e-12, dim: int | None = None, *,
-                 key: jax.Array, training: bool = False):
+                 key: jax.Array, training: bool = False, legacy: bool = False):
         perm = _torch_axes(layer, "SpectralNorm", ", key=key")
         default = 1 if isinstance(layer, ConvTranspose) else 0
         self.dim = _dim("SpectralNorm", layer, default if dim is None else dim, len(perm), default)
         if not is_int(n_power_iterations) or n_power_iterations <= 0:
             raise ValueError(BAD_ITERATIONS.format(given=n_power_iterations))
         self.n_power_iterations, self.eps, self.training = int(n_power_iterations), float(eps), training
+        self.legacy = bool(legacy)
         self.weight = layer.weight
         self.layer = layer.replace(weight=None)
-        self.u, self.v = _start(self._matrix(self.weight), key, self.eps)
+        self.u, self.v = _start(self._matrix(self.weight), key, self.eps, self.legacy)
 
     def _matrix(self, weight: jax.Array) -> jax.Array:
         """torch's ``[h, w]`` matrix of ft's ``weight``: torch's layout, ``dim`` first, flattened."""
@@ -245,7 +263,7 @@ class SpectralNorm(Layer):
         matrix = self._matrix(weight)
         u, v = self.u, self.v
         if self.training:
-            u, v = _power(matrix, u, v, self.n_power_iterations, self.eps)
+            u, v = _power(matrix, u, v, self.n_power_iterations, self.eps, self.legacy)
             record_state(self, u=u, v=v)
         u, v = jax.lax.stop_gradient(u), jax.lax.stop_gradient(v)
         return jnp.dot(u, matrix @ v)

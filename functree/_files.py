@@ -19,8 +19,8 @@ __all__ = ["LITERAL_TILDE", "local_if_path", "local_path", "read_path"]
 
 LITERAL_TILDE = """\
 {call}: {given!r} is {expanded} ("~" is your home directory, as a shell reads it), which \
-does not exist. {literal} does: a folder named "~" in the working directory, where \
-transformers' save_pretrained({given!r}) writes. Give that folder with "./":
+does not exist. {literal} does: a folder named "~" in the working directory, where a writer \
+that takes "~" literally puts it (transformers' save_pretrained({given!r}) does). Give that folder with "./":
 
     wrong:  {call}(... {given!r} ...)
     right:  {call}(... {fixed!r} ...)

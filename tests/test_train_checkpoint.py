@@ -1331,6 +1331,31 @@ def test_a_file_on_the_path_is_named_with_the_directory_to_give(tmp_path):
             ft.train.load(inside)
 
 
+def test_a_home_path_only_a_folder_named_tilde_here_holds_names_it(tmp_path, monkeypatch):
+    """``CheckpointManager("~/run")`` / ``ft.train.load("~/run")`` where only ``./~/run`` holds
+    the checkpoint (an older writer's folder named ``~``) said there was none, the manager
+    making an empty ``~/run`` in the home; each checkpoint read is LITERAL_TILDE now, naming
+    ``"./~/run"``, as the model readers (``from_hf``, ``load_torch_state_dict``) are."""
+    from functree._files import LITERAL_TILDE
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    ft.train.save("./~/tree", _w(1.0))
+    with CheckpointManager("./~/run") as manager:
+        manager.save(1, _w(2.0))
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean(m(b) ** 2))
+    for call, name, given in ((ft.train.load, "ft.train.load", "~/tree"),
+                              (CheckpointManager, "ft.train.CheckpointManager", "~/run"),
+                              (trainer.restore, "ft.train.Trainer.restore", "~/run"),
+                              (lambda p: ft.train.migrate(p, str(tmp_path / "out")), "ft.train.migrate", "~/run")):
+        raises_named(functools.partial(call, given), FileNotFoundError, LITERAL_TILDE,
+                     f"right:  {name}(... './{given}' ...)")
+    assert os.listdir(home) == []  # no empty ~/run made
+    np.testing.assert_array_equal(CheckpointManager("./~/run").restore().model["w"], np.full(4, 2.0, np.float32))
+
+
 def test_a_dot_slash_tilde_path_is_the_folder_named_tilde_here(tmp_path, monkeypatch):
     """``"./~/old"`` (how a shell names a folder called ``~`` in the working directory, one an
     older save or transformers' ``save_pretrained("~/m")`` left) was read as ``~/old``, the

@@ -88,7 +88,7 @@ from functree.train._setup import (
 from functree.train._step import TrainStep
 from functree.train._step_factories import eval_step
 from functree.train.checkpoint._checkpoint import NOTHING_SAVED, Checkpoint, CheckpointManager
-from functree.train.checkpoint._directory import local_path
+from functree.train.checkpoint._directory import read_path
 from functree.train.checkpoint._treespec import CheckpointError
 
 __all__ = ["Trainer", "NonFiniteError"]
@@ -953,7 +953,7 @@ class Trainer(Evaluation):
         its model, the rest this trainer's (with its optimizer state: :data:`MODEL_NOT_A_JOB`).
         """
         if not isinstance(manager, CheckpointManager):
-            if not local_path(manager).is_dir():  # (a manager would create it: a restore writes nothing)
+            if not read_path(manager, "ft.train.Trainer.restore").is_dir():  # (a manager would create it: a restore writes nothing)
                 raise CheckpointError(NOTHING_SAVED.format(path=manager, step=""))
             with CheckpointManager(manager) as owned:
                 return self.restore(owned, step, optimizer_state=optimizer_state, callbacks=callbacks)

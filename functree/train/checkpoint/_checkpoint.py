@@ -619,7 +619,7 @@ def load(path: str | os.PathLike[str], template: Any = None, *, mesh: Any = None
       (Dense(weight=f32[2,1], bias=f32[1], activation=identity), True)
     """
     import orbax.checkpoint as ocp  # on first use: import functree stays light
-    path = _target(path)
+    path = _target(policy.read_path(path, "ft.train.load"))  # "~/run" only ./~/run holds: LITERAL_TILDE
     if mesh is not None and template is None:
         raise CheckpointError(LOAD_NEEDS_TEMPLATE)
     target = placement({"": template}, mesh, sharding, data_axis)
@@ -780,7 +780,8 @@ class CheckpointManager:
         if max_to_keep is not None and (isinstance(max_to_keep, (bool, np.bool_)) or not isinstance(
                 max_to_keep, (int, np.integer)) or max_to_keep < 1):
             raise ValueError(BAD_MAX_TO_KEEP.format(value=max_to_keep))
-        self.directory = policy.local_path(directory)
+        # "~/run" that only ./~/run holds: LITERAL_TILDE, not an empty ~/run made and "no checkpoint"
+        self.directory = policy.read_path(directory, "ft.train.CheckpointManager")
         policy.check_directory(self.directory)
         self.best_metric, self.mode, self.max_to_keep = best_metric, mode, max_to_keep
         self._metrics: dict[int, dict[str, Any]] = {}

@@ -28,10 +28,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from functree._files import local_path
+from functree._files import local_path, read_path
 from functree.train.checkpoint._treespec import CheckpointError
 
-__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "check_writable", "local_path", "remove_leftovers", "step_names", "started", "to_delete",
+__all__ = ["LOCK_NAME", "WriterLock", "check_directory", "check_writable", "local_path", "read_path", "remove_leftovers", "step_names", "started", "to_delete",
            "best"]
 
 LOCK_NAME = ".functree-writer.lock"

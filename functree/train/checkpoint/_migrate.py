@@ -14,7 +14,7 @@ from typing import Any
 
 from functree.train.checkpoint._arrays import placement, saved_arrays
 from functree.train.checkpoint._checkpoint import save_args
-from functree.train.checkpoint._directory import STEP_DIR, local_path
+from functree.train.checkpoint._directory import STEP_DIR, local_path, read_path
 from functree.train.checkpoint._registry import public_name
 from functree.train.checkpoint._treespec import CheckpointError
 
@@ -58,7 +58,7 @@ def migrate(source: str | os.PathLike[str], destination: str | os.PathLike[str])
       functree.train.checkpoint._treespec.CheckpointError: ...new is not a format-1 functree checkpoint (its format is 'functree-checkpoint-2'); only those need migrating...
     """
     import orbax.checkpoint as ocp  # on first use: import functree stays light
-    source, destination = local_path(source), local_path(destination)
+    source, destination = read_path(source, "ft.train.migrate"), local_path(destination)
     steps = [p for p in source.iterdir() if STEP_DIR.match(p.name)] if source.is_dir() else []
     if steps and not (source / "meta").exists():
         for step in steps:

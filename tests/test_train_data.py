@@ -304,3 +304,32 @@ def test_a_list_of_example_rows_is_refused_naming_the_stacked_arrays():
     stacked = ft.train.batches(jax.tree.map(lambda *r: np.stack(r), *rows), 2, shuffle=False)
     assert stacked.num_examples == 6 and [b[0].shape for b in stacked] == [(2, 4)] * 3
     assert ft.train.batches([x, x + 1], 2).num_examples == 6  # a list of columns (bare arrays) as before
+
+
+def test_class_names_as_labels_are_refused_naming_the_class_indices():
+    """String labels (a label column, torch's default_collate of str labels) failed deep in
+    the jitted step ("Error interpreting argument ... as an abstract array"), or, in
+    evaluate, in the loss with the fix ``labels.astype(jnp.int32)``, which text has not."""
+    x = np.zeros((4, 2), np.float32)
+    names = np.array(["cat", "dog", "cat", "dog"])
+    fix = "classes, ids = np.unique(names, return_inverse=True)"
+    for labels, what in ((names, r"an array of dtype <U3 and shape \(4,\), first 'cat'"),
+                         (names.astype(object), "an array of dtype object"),  # a pandas column's to_numpy()
+                         (list(names), "a list of 4 strings, first 'cat'")):
+        with pytest.raises(ValueError, match=r"^ft\.train\.batches: leaf 1 holds text \(" + what) as raised:
+            ft.train.batches((x, labels), 2)
+        assert fix in str(raised.value)
+    with pytest.raises(ValueError, match=r"\(ft\.train\.to_arrays, .*\): leaf 1 holds text \(a tuple of 4 strings"):
+        to_arrays((x, tuple(names)))  # a torch DataLoader's minibatch of (tensor, str) items
+    with pytest.raises(ValueError, match=r"leaf y holds text \(the str 'cat'\)"):
+        to_arrays({"x": x, "y": "cat"})
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: ft.losses.softmax_cross_entropy(m(b[0]), b[1]))
+    for data in ([(x, tuple(names))], (x, list(names))):
+        with pytest.raises(ValueError, match=r"leaf 1 holds text"):
+            trainer.fit(data, epochs=1, progress=False)
+    with pytest.raises(ValueError, match=r"leaf 1 holds text"):
+        trainer.evaluate([(x, names)])
+    assert trainer.steps_run == 0
+    ids = np.unique(names, return_inverse=True)[1]
+    assert trainer.fit((x, ids), epochs=1, progress=False).epochs["epoch"] == [1]

@@ -21,9 +21,11 @@ import numpy as np
 
 from functree._naming import names as _leaf_names
 from functree._state_dict import tensor_to_numpy
+from functree._tree import dotted_name
 from functree.train._metrics import describe_batch
 
-__all__ = ["batches", "Batches", "DataContext", "to_arrays", "example_rows", "rows_error", "LIST_OF_ROWS"]
+__all__ = ["batches", "Batches", "DataContext", "to_arrays", "example_rows", "rows_error", "LIST_OF_ROWS",
+           "TEXT_LEAF", "is_text"]
 
 LENGTH_MISMATCH = """\
 ft.train.batches: all arrays must have the same number of examples (leading axis), but \
@@ -57,6 +59,53 @@ without jax_enable_x64 ({value} at index {index}): the step would get it wrapped
     right:  jax.config.update("jax_enable_x64", True)      # at startup: int64 kept
        or:  ft.train.batches((x, ids % num_buckets), 32)   # hashed ids folded into range first
        or:  ft.train.batches((x, np.unique(ids, return_inverse=True)[1]), 32)   # ids as categories"""
+
+TEXT_LEAF = """\
+{where}: leaf {name} holds text ({what}). A step computes on numbers, and JAX refuses text \
+deep inside it ("Error interpreting argument ... as an abstract array"). Class names (a label \
+column, a torch DataLoader's collated str labels) are given as class indices:
+
+    wrong:  {wrong}
+    right:  classes, ids = np.unique(names, return_inverse=True)     # class i is named classes[i]
+            {right}
+       or:  label2id = {{name: i for i, name in enumerate(classes)}}   # in a Dataset's __getitem__:
+            return x, label2id[name]
+A column of raw text the tokenizer has read already is left out of the minibatch instead \
+(dataset.remove_columns(["text"]), or a __getitem__ that does not return it)."""
+
+_TEXT_KINDS = frozenset("UST")  # NumPy's str, bytes and StringDType arrays
+
+
+def is_text(x: Any) -> bool:
+    """A string, a list or tuple of strings (torch's ``default_collate`` of str labels),
+    or a NumPy array of text (an object array of strings: a pandas column's ``to_numpy()``)."""
+    if isinstance(x, (str, bytes)):
+        return True
+    if type(x) in (list, tuple):
+        return bool(x) and all(isinstance(v, (str, bytes)) for v in x)
+    if not isinstance(x, np.ndarray):
+        return False
+    return x.dtype.kind in _TEXT_KINDS or (x.dtype.kind == "O" and x.size > 0 and isinstance(x.flat[0], (str, bytes)))
+
+
+def check_no_text(tree: Any, where: str, wrong: str, right: str) -> None:
+    """:data:`TEXT_LEAF` naming ``tree``'s first leaf of text (:func:`is_text`)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_text)[0]:
+        if is_text(x):
+            raise ValueError(TEXT_LEAF.format(where=where, name=dotted_name(path) or "(the data itself)",
+                                              what=_text_what(x), wrong=wrong, right=right))
+
+
+def _text_what(x: Any) -> str:
+    """``the str 'cat'``, ``a tuple of 4 strings, first 'cat'``, ``an array of dtype <U3 and shape (10,), first 'cat'``."""
+    if isinstance(x, (str, bytes)):
+        return f"the {type(x).__name__} {x!r:.40}"
+    first = x.flat[0] if isinstance(x, np.ndarray) else x[0]
+    first = repr(first.item() if isinstance(first, np.generic) else first)[:40]  # 'cat', not np.str_('cat')
+    if isinstance(x, np.ndarray):
+        return f"an array of dtype {x.dtype} and shape {x.shape}, first {first}"
+    return f"a {type(x).__name__} of {len(x)} strings, first {first}"
+
 
 LIST_OF_ROWS = """\
 {caller}: the data is a list of {n} rows of one example each (items of one structure, the \
@@ -214,6 +263,8 @@ class Batches:
         leaves = jax.tree.leaves(arrays)
         if not leaves:
             raise ValueError(NO_ARRAYS.format(what=repr(arrays)[:80]))
+        check_no_text(arrays, "ft.train.batches", "ft.train.batches((x, names), 32)   # names: ['cat', 'dog', ...]",
+                      "ft.train.batches((x, ids), 32)")
         names = _array_names(arrays)
         for name, x in zip(names, leaves):
             if np.ndim(x) == 0:
@@ -516,15 +567,21 @@ def to_arrays(batch: Any) -> Any:
     if isinstance(batch, _ARRAYS):
         if batch.dtype in _WIDE:
             check_integer_range(batch, "", _TO_ARRAYS)
+        elif _maybe_text(batch):
+            _check_no_text(batch)
         return batch
     if type(batch) is tuple and all(isinstance(x, _ARRAYS) for x in batch):
         for i, x in enumerate(batch):  # the common case, without a tree traversal
             if x.dtype in _WIDE:
                 check_integer_range(x, str(i), _TO_ARRAYS)
+            elif _maybe_text(x):
+                _check_no_text(batch)
         return batch
     out = jax.tree.map(_leaf_to_array, batch, is_leaf=is_number_list)
     leaves = jax.tree.leaves(out)
     for i, x in enumerate(leaves):
+        if isinstance(x, (str, bytes)) or _maybe_text(x):
+            _check_no_text(out)
         if getattr(x, "dtype", None) in _WIDE:
             try:
                 check_integer_range(x, "", _TO_ARRAYS)
@@ -534,6 +591,19 @@ def to_arrays(batch: Any) -> Any:
 
 
 _TO_ARRAYS = "A minibatch (ft.train.to_arrays, as the Trainer reads it)"
+
+_MAYBE_TEXT = _TEXT_KINDS | {"O"}  # the dtype kinds of an array that may hold text
+
+
+def _maybe_text(x: Any) -> bool:
+    """A NumPy array of a dtype that may hold text (a JAX array holds none; a key's dtype has no kind)."""
+    return isinstance(x, np.ndarray) and x.dtype.kind in _MAYBE_TEXT
+
+
+def _check_no_text(batch: Any) -> None:
+    """:data:`TEXT_LEAF` for a loader's minibatch with text (class names) in it."""
+    check_no_text(batch, _TO_ARRAYS, "trainer.fit(loader, ...)   # its labels: ('cat', 'dog', ...)",
+                  "trainer.fit(ft.train.batches((x, ids), 32), ...)")
 
 
 _ARRAYS = (jax.Array, np.ndarray)

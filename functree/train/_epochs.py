@@ -28,6 +28,7 @@ from functree.train._data import (
     batches,
     example_rows,
     is_number_list,
+    is_text,
     rows_error,
     to_arrays,
 )
@@ -307,13 +308,14 @@ def _array_like(x: Any) -> bool:
 
 def _is_array_tree(data: Any) -> bool:
     """An array, or a tuple/dict of arrays (or of lists of numbers, which :func:`batches`
-    reads as arrays): in-memory data to cut into minibatches. (A dict is never a loader:
+    reads as arrays, or of text, which it refuses naming the class indices to give):
+    in-memory data to cut into minibatches. (A dict is never a loader:
     iterating it gives its keys.)"""
     if _array_like(data):
         return True
     if isinstance(data, (tuple, Mapping)):
-        leaves = jax.tree.leaves(data, is_leaf=is_number_list)
-        return bool(leaves) and all(_array_like(x) or is_number_list(x) for x in leaves)
+        leaves = jax.tree.leaves(data, is_leaf=lambda x: is_number_list(x) or is_text(x))
+        return bool(leaves) and all(_array_like(x) or is_number_list(x) or is_text(x) for x in leaves)
     return False
 
 

@@ -82,6 +82,24 @@ def test_reduce_lr_on_plateau_counts_the_epoch_that_ends_the_cooldown_as_keras()
     assert float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]) == pytest.approx(0.05)
 
 
+def test_reduce_lr_on_plateau_never_raises_a_rate_below_min_lr():
+    """A rate already below min_lr was set to max(rate * factor, min_lr): min_lr=1e-3 on
+    sgd(1e-5) multiplied it by 100 at the first plateau. Keras reduces only a rate above
+    min_lr (torch: only where it falls); a group below it keeps its rate, the others halve."""
+    model = {"body": jnp.zeros((2, 1)), "head": jnp.zeros(1)}
+    tx = ft.optim.groups({"body": ft.optim.sgd(1e-5), "head": ft.optim.sgd(0.4)})
+    trainer = Trainer(model, ft.optim.Optimizer(tx), lambda m, b: jnp.mean((b[0] @ m["body"] + m["head"] - b[1]) ** 2))
+    reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9, min_lr=1e-3)
+    history = trainer.fit(data(), epochs=3, progress=False, callbacks=[reduce])
+    assert history.steps["body/learning_rate"] == [pytest.approx(1e-5, rel=1e-6)] * 9
+    assert history.steps["head/learning_rate"] == [pytest.approx(r) for r in [0.4] * 6 + [0.2] * 3]
+    single = make(lr=1e-5)
+    floor = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9, min_lr=1e-3)
+    history = single.fit(data(), epochs=3, progress=False, callbacks=[floor])
+    assert history.steps["learning_rate"] == [pytest.approx(1e-5, rel=1e-6)] * 9
+    assert floor.state_dict()["wait"] == 2  # Keras: no reduction, so no reset of the wait
+
+
 def test_model_checkpoint_keeps_best_and_history_logger(tmp_path):
     trainer = make()
     save = ft.train.ModelCheckpoint(tmp_path / "ckpt", max_to_keep=1, best_metric="val_loss")

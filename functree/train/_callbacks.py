@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from functree._files import local_path
 from functree.optim import hyperparameters, set_hyperparameters
@@ -625,7 +626,9 @@ class ReduceLROnPlateau(Callback):
     column ``"<group>/learning_rate"`` shows it). Of tied values the first epoch to reach
     the best is the best (a value improves only by more than ``min_delta``). ``mode`` is
     :class:`EarlyStopping`'s: left out, read from the metric (a loss falls, an accuracy
-    rises), refused before the first step where the metric does not say.
+    rises), refused before the first step where the metric does not say. ``min_lr`` is a
+    floor, as Keras's: a rate is lowered to no less than it, and one already at or below it
+    is left as it is (never raised to it).
 
     Example:
       >>> import functree as ft
@@ -673,15 +676,24 @@ class ReduceLROnPlateau(Callback):
             self._monitor.wait = 1  # the epoch that ends the cooldown counts (Keras' order)
         if improved or self._monitor.wait < self.patience:
             return
-        trainer.opt_state = self._reduced(trainer.opt_state)
+        reduced = self._reduced(trainer.opt_state)
+        if reduced is None:  # every rate at min_lr already: Keras neither resets the wait nor cools down
+            return
+        trainer.opt_state = reduced
         self._monitor.wait, self._cooling = 0, self.cooldown
 
     def _reduced(self, opt_state: Any) -> Any:
-        """``opt_state`` with the learning rate(s) multiplied by ``factor`` (at least ``min_lr``)."""
+        """``opt_state`` with the learning rate(s) above ``min_lr`` multiplied by ``factor``
+        (at least ``min_lr``), or None where none is above it. A rate at or below ``min_lr``
+        is left as it is (Keras's ``old_lr > min_lr``, torch's ``old_lr - new_lr > eps``): a
+        floor, never a rate to raise (``max(1e-5 * factor, min_lr=1e-3)`` multiplied it by 100)."""
         names = self._names(opt_state)
         now = hyperparameters(opt_state)
         try:
-            return set_hyperparameters(opt_state, {n: max(float(now[n]) * self.factor, self.min_lr) for n in names})
+            above = [n for n in names if float(now[n]) > float(np.asarray(self.min_lr, np.asarray(now[n]).dtype))]
+            if not above:
+                return None
+            return set_hyperparameters(opt_state, {n: max(float(now[n]) * self.factor, self.min_lr) for n in above})
         except (KeyError, ValueError) as e:
             raise ValueError(NO_LEARNING_RATE.format(error=e)) from None
 

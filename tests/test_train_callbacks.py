@@ -431,6 +431,30 @@ def test_early_stopping_never_stops_at_the_first_epoch_as_keras():
         assert stop.stopped_epoch == 3 and stop.best_epoch == 2
 
 
+def test_a_diverged_minus_inf_never_improves_as_the_best_checkpoint_skips_it(tmp_path):
+    """A -inf loss beat every finite one: EarlyStopping(restore_best=True) restored the
+    diverged epoch's model (and no later epoch could improve), ReduceLROnPlateau cut the
+    rate of a run improving after it, while ModelCheckpoint(best_metric=) ranked the best
+    finite epoch. Each now skips a value that is not finite, as the checkpoint manager."""
+    values = [1.0, -np.inf, 0.5, 0.4, 0.45, 0.6]
+    manager = ft.train.CheckpointManager(tmp_path / "best", max_to_keep=None, best_metric="val_loss")
+    stop = ft.train.EarlyStopping(monitor="val_loss", patience=2, restore_best=True)
+    reduce = ft.train.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=2)
+    trainer = types.SimpleNamespace(stop_training=False, model=None,
+                                    opt_state=ft.optim.Optimizer(ft.optim.sgd(0.4)).init({"w": jnp.zeros(1)}))
+    for epoch, value in enumerate(values, start=1):
+        trainer.model = {"w": jnp.full(1, float(epoch))}
+        context = ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"val_loss": value})
+        reduce.on_epoch_end(trainer, context)
+        stop.on_epoch_end(trainer, context)
+        if epoch <= 4:  # up to the best: four checkpoints
+            manager.save(epoch, trainer.model, metrics={"val_loss": value})
+    assert manager.best_step() == 4 and stop.best_epoch == 4 and stop.stopped_epoch == 6
+    assert float(ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]) == pytest.approx(0.2)  # after epoch 6 only
+    stop.on_train_end(trainer, context)
+    assert float(trainer.model["w"][0]) == 4.0
+
+
 def test_an_early_stopping_state_saved_without_the_best_average_loads():
     stop = ft.train.EarlyStopping(monitor="m", mode="min", restore_best=True)
     older = {k: v for k, v in stop.state_dict().items() if k != "best_average"}

@@ -405,7 +405,7 @@ class _Monitor:
 
     Tie-breaking (as CheckpointManager's ``best_metric``): a value improves only when it
     beats the best by more than ``min_delta``, so of tied values the first to reach the
-    best stays the best. ``mode=None`` reads the direction from the monitor's name, or at
+    best stays the best; a value that is not finite (NaN, a diverged -inf) never improves. ``mode=None`` reads the direction from the monitor's name, or at
     ``on_train_begin`` from the Trainer's metric function (``functree/train/_direction.py``),
     and raises where neither says."""
 
@@ -443,7 +443,12 @@ class _Monitor:
         return context.metrics[self.monitor]
 
     def beats(self, value: float, reference: float) -> bool:
-        """Whether ``value`` beats ``reference`` by more than ``min_delta`` (NaN never does)."""
+        """Whether ``value`` beats ``reference`` by more than ``min_delta``. A value that is
+        not finite never does: NaN, and a diverged loss's -inf, which would be the best for
+        good (every later epoch a wait) and the model restored, where ModelCheckpoint's
+        ``best_metric`` skips it (``CheckpointManager.best_step``)."""
+        if not math.isfinite(value):
+            return False
         if self.resolve() == "min":
             return value < reference - self.min_delta
         return value > reference + self.min_delta
@@ -463,7 +468,9 @@ class EarlyStopping(Callback):
     """Stop when ``monitor`` has not improved for ``patience`` epochs.
 
     An epoch improves when its value beats the best by more than ``min_delta``: of tied
-    values, the first epoch to reach the best is the best.
+    values, the first epoch to reach the best is the best. A value that is not finite
+    never improves (NaN, a diverged loss's -inf: Keras takes -inf as the best and restores
+    that model; ``ModelCheckpoint(best_metric=)`` skips it, and so does this).
 
     With ``restore_best=True`` the model of the best epoch is kept (a copy) and set back
     as ``trainer.model`` at the end of every ``fit``, whether it stopped early or ran all
@@ -479,7 +486,7 @@ class EarlyStopping(Callback):
     the run. Keras 2 (up to 2.15) restored them only when it stopped the run, so a Keras 2
     run that used all its epochs kept its last weights; there, check ``stop.stopped_epoch``
     (None: it did not stop the run) and keep the last model by leaving the keyword out.
-    As Keras 3's, when no monitored epoch improves (every value NaN) the first monitored
+    As Keras 3's, when no monitored epoch improves (every value NaN or inf) the first monitored
     epoch (past ``start_from_epoch``) counts as the best: its model is the one restored.
     Keras resets the kept weights at each ``fit``; here all state lasts across ``fit``
     calls (the restart recipe), so a later ``fit`` that never improves restores the

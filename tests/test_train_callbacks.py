@@ -431,6 +431,19 @@ def test_early_stopping_never_stops_at_the_first_epoch_as_keras():
         assert stop.stopped_epoch == 3 and stop.best_epoch == 2
 
 
+def test_early_stopping_never_stops_at_its_first_monitored_epoch_as_keras():
+    # With start_from_epoch=2 a NaN at epoch 3, the first monitored, stopped the run there
+    # (patience 0 or 1): the `epoch > 0` rule covered epoch 1 only. Keras's first monitored
+    # epoch is always its best (none before), so it never stops there.
+    trainer = types.SimpleNamespace(stop_training=False, model=None, opt_state=None)
+    for patience in (0, 1):
+        stop = ft.train.EarlyStopping(monitor="m", mode="min", patience=patience, start_from_epoch=2)
+        for epoch, value in enumerate([5.0, 5.0, float("nan"), 1.0, 2.0, 3.0], start=1):
+            if stop.stopped_epoch is None:
+                stop.on_epoch_end(trainer, ft.train.TrainingContext("epoch", epoch, epoch, 0, 1, None, {"m": value}))
+        assert stop.stopped_epoch == 5 and stop.best_epoch == 4
+
+
 def test_a_diverged_minus_inf_never_improves_as_the_best_checkpoint_skips_it(tmp_path):
     """A -inf loss beat every finite one: EarlyStopping(restore_best=True) restored the
     diverged epoch's model (and no later epoch could improve), ReduceLROnPlateau cut the

@@ -492,8 +492,9 @@ class EarlyStopping(Callback):
     calls (the restart recipe), so a later ``fit`` that never improves restores the
     earlier best.
 
-    As Keras's, it never stops at the first epoch: a first value that is NaN (no best
-    yet) with ``patience`` 0 or 1 waits for the next.
+    As Keras's, it never stops at the first epoch, nor at the first monitored one (past
+    ``start_from_epoch``): a first value that is NaN (no best yet) with ``patience`` 0 or
+    1 waits for the next.
 
     ``mode`` says which way ``monitor`` improves: ``"min"`` (a loss, an error) or ``"max"``
     (an accuracy, a score). Left out (None, Keras's ``"auto"``), it is read from the metric:
@@ -583,7 +584,8 @@ class EarlyStopping(Callback):
             if restores and self.best_model is None:  # Keras 3: never improved (NaN), the first monitored epoch's
                 self.best_epoch = context.sweep
                 self._keep(trainer)
-            if self._monitor.wait >= self.patience and context.sweep > 1:  # Keras's `epoch > 0`
+            # Keras's `epoch > 0`, and never its first monitored epoch (always its best: no best before)
+            if self._monitor.wait >= self.patience and context.sweep > max(1, self.start_from_epoch + 1):
                 trainer.stop_training = True
                 self.stopped_epoch = self._stopped_now = context.sweep
 

@@ -195,3 +195,26 @@ def test_a_log_under_home_or_relative_is_written_where_the_call_said(tmp_path, m
     for path in (home / "runs" / "log.csv", work / "relative.csv"):
         assert [float(r["loss"]) for r in read_csv(path)] == history.epochs["loss"]
     assert read_events(home / "board")["epoch/loss"] == [(3, np.float32(history.epochs["loss"][0]))]
+
+
+def test_an_epoch_row_names_the_rate_its_last_step_applied_not_one_a_callback_set_after(tmp_path):
+    pytest.importorskip("tensorboardX")
+
+    class Halve(ft.train.Callback):  # a per-step schedule ported from on_batch_end: the next step's rate
+        def on_log(self, trainer, context):
+            rate = ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]
+            trainer.opt_state = ft.optim.set_hyperparameters(trainer.opt_state, learning_rate=rate / 2)
+
+    seen = []
+    trainer = make()
+    csv_log = ft.train.CSVLogger(tmp_path / "epochs.csv")
+    history = trainer.fit(data(), epochs=2, log_every=1, progress=False,
+                          callbacks=[Halve(), csv_log, ft.train.TensorBoardLogger(tmp_path / "runs"), seen.append])
+    applied = dict(zip(history.steps["step"], history.steps["learning_rate"]))
+    np.testing.assert_allclose(history.steps["learning_rate"], [0.1 / 2**i for i in range(6)], rtol=1e-6)
+    rows = read_csv(tmp_path / "epochs.csv")
+    assert [float(r["learning_rate"]) for r in rows] == [applied[3], applied[6]]  # 0.025, 0.003125: steps 3, 6
+    scalars = read_events(tmp_path / "runs")
+    assert scalars["epoch/learning_rate"] == [(s, v) for s, v in scalars["step/learning_rate"] if s in (3, 6)]
+    assert [(c.event, c.step, c.learning_rate) for c in seen if c.event != "log"] == [
+        ("epoch", 3, applied[3]), ("epoch", 6, applied[6])]

@@ -182,8 +182,10 @@ class TrainingContext:
         1 at the first epoch's end, where Keras's 0-based ``on_epoch_end(epoch)`` passes 0.
       samples_seen: examples consumed by the optimizer steps taken.
       minibatch_size: the size of the latest minibatch.
-      learning_rate: the current learning rate (None if the state has none, or has one
-        per parameter group: see ``learning_rates``), as ``ft.optim.hyperparameters``
+      learning_rate: the learning rate step ``step`` applied, its history row's (None if
+        the state has none, or has one per parameter group: see ``learning_rates``); a
+        rate a callback set since (``ReduceLROnPlateau``, an ``on_log`` schedule) shows
+        from the next step's. As ``ft.optim.hyperparameters``
         reports it: a number in the unit it was given (``per_samples(0.1, 10)``: 0.1, the
         rate per 10 samples, as CNTK prints "learning rate per 10 samples"; a step on a
         minibatch of M applies ``0.1 · M / 10``), a schedule's value as the step applied

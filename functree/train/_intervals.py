@@ -162,6 +162,9 @@ class MetricLog:
         self.names: list[str] | None = None  # the step's metrics, in its order
         self.rates: list[str] = []  # the learning rates' names: the buffer's last columns
         self.last_context: Any = None  # the host context after the last step read, until the next step
+        # The learning rates the last step read applied (its history row's), kept for the
+        # contexts built from the state later: a callback may have set the next step's since.
+        self.last_rates: dict[str, float] | None = None
 
     def open(self, opt_state: Any, place: Any = None) -> Any:
         """The open buffer (a new one: one row per step, ``TrainStep.record`` writes it);
@@ -187,6 +190,7 @@ class MetricLog:
     def drop(self) -> None:
         """Forget every step not read (a stop, a restore)."""
         self.buffer, self.buffered, self.inflight, self.pending = None, 0, [], []
+        self.last_rates = None
 
     def close(self, steps_run: int, opt_state: Any, log: bool) -> None:
         """The open buffer's steps (all dispatched) become a pending interval; the next

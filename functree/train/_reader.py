@@ -142,6 +142,8 @@ class Reader:
         t._job.history.add_steps(r.steps[:keep], {**{k: v.tolist() for k, v in values.items() if k not in parts},
                                                   **_applied_rates(r, keep, on_nan)})
         log.last_context = None if log.pending or log.buffered else r.context  # the current one
+        if keep:
+            log.last_rates = {name: column[keep - 1] for name, column in r.rates.items()}
         terms = Means.terms(values, r.weights[:keep], r.nonfinite[:keep] == -1 if on_nan == "skip" else None)
         job = t._job
         t._job = job = job.replace(window=job.window.plus(terms), epoch_means=job.epoch_means.plus(terms))
@@ -198,11 +200,16 @@ class Reader:
     def context(self, event: str, metrics: Mapping[str, float], arrays: Any = None,
                 step: int | None = None) -> TrainingContext:
         """The :class:`TrainingContext` callbacks get: ``arrays`` (an interval's learning
-        context and rates), else the current state's (read once until the next step)."""
+        context and rates), else the current state's (read once until the next step) with
+        the rates the last step read applied, its history row's: a rate a callback set
+        since (a per-step schedule's ``on_log`` at an epoch's last step) is the next step's,
+        and the epoch's row, the progress line and ``step/learning_rate`` name the same."""
         t, log = self.trainer, self.log
         if arrays is None and log.last_context is None:  # valid until the next step
             log.last_context = to_host(snapshot(t.opt_state))
         ctx, rates = arrays or log.last_context
+        if arrays is None and log.last_rates is not None:
+            rates = log.last_rates
         rates = {name: float(v) for name, v in rates.items()}
         return TrainingContext(event=event, step=t.steps_run if step is None else step, sweep=int(ctx.sweep),
                                samples_seen=int(ctx.samples_seen), minibatch_size=int(ctx.minibatch_size),

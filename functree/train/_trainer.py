@@ -680,7 +680,7 @@ class Trainer(Evaluation):
         self._fit = fit = _Fit(cbs, bar, log_every, k, steps, sorted(
             {int(cb.every_steps) for cb in cbs if isinstance(cb, ModelCheckpoint) and cb.every_steps}),
             any(reads_model(cb) for cb in cbs))
-        self._reader.log.last_context = None
+        self._reader.log.last_context = self._reader.log.last_rates = None  # (state set between fits: its own)
         guard, start = self._guard, self.steps_run
         try:
             with guard.signals():

@@ -170,7 +170,9 @@ def _accumulated(opt: Optimizer, loss_fn: Callable[..., Any], model: Any, batch:
         return (jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads), carried), out
 
     trained = trained_view(model, opt.wrt)
-    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _sum_dtype(p)), trained)
+    # zeros_like: on a mesh the model is varying over the data axis (each device's gradients
+    # are), and scan's carry must keep that type from the start
+    zeros = jax.tree.map(lambda p: jnp.zeros_like(p, _sum_dtype(p)), trained)
     (total, _), outs = jax.lax.scan(body, (zeros, threaded), (micro, jnp.arange(k, dtype=jnp.uint32)))
     if isinstance(outs[0] if has_aux else outs, WeightedMean):
         return _weighted(total, outs, has_aux, trained)

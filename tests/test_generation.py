@@ -312,6 +312,19 @@ def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
         assert (top3 == out[:, 3:, None]).any(-1).all()
 
 
+def test_a_seed_or_several_keys_is_refused_at_the_call_and_a_raw_key_samples_as_a_typed_one(tiny):
+    model, prompt, mask = tiny
+    sample = lambda key: ft.nn.generate(model, prompt, 4, attention_mask=mask, temperature=1.5, key=key)  # noqa: E731
+    np.testing.assert_array_equal(sample(jax.random.PRNGKey(1)), sample(jax.random.key(1)))
+    with pytest.raises(TypeError, match=re.escape("got 3 (int)")) as seed:  # torch's manual_seed habit
+        sample(3)
+    assert "key=jax.random.key(3)" in str(seed.value)
+    for several in (jax.random.split(jax.random.key(1), 2), jax.random.split(jax.random.PRNGKey(1), 2)):
+        with pytest.raises(ValueError, match=re.escape("got 2 keys")) as error:  # was fold_in's, inside JAX
+            sample(several)
+        assert "key=jax.random.split(key, 2)[0]" in str(error.value)
+
+
 # filtered as one program a case (op by op, eagerly: 45 programs compiled for the cases below)
 _filtered = jax.jit(_controls.filtered, static_argnames=("temperature", "top_k", "top_p", "min_p"))
 

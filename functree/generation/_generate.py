@@ -189,6 +189,34 @@ gives the same tokens.
     wrong:  ft.nn.generate(model, input_ids, 8, temperature={temperature})
     right:  ft.nn.generate(model, input_ids, 8, temperature={temperature}, key=jax.random.key(0))"""
 
+NOT_ONE_KEY = """\
+generate: key= takes one JAX PRNG key (step t samples with jax.random.fold_in(key, t)); \
+got {given}.
+
+    wrong:  ft.nn.generate(model, input_ids, 8, temperature=0.7, key={wrong})
+    right:  ft.nn.generate(model, input_ids, 8, temperature=0.7, key={right})"""
+
+
+def _check_key(key: Any) -> None:
+    """Refuse :data:`NOT_ONE_KEY` at the call what the sampling loop's ``fold_in`` would refuse
+    inside JAX, naming no argument: an integer seed (torch's ``manual_seed``), several keys."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = dtype == jnp.uint32 and np.ndim(key) >= 1  # key data: [..., 2] for threefry
+    batch = np.shape(key) if typed else np.shape(key)[:-1] if raw else None
+    if batch == ():
+        return
+    if batch is not None:
+        n = int(np.prod(batch))
+        raise ValueError(NOT_ONE_KEY.format(given=f"{n} keys (an array of shape {np.shape(key)})",
+                                            wrong=f"jax.random.split(key, {n})",
+                                            right=f"jax.random.split(key, {n})[0]"))
+    seed = int(key) if isinstance(key, (int, np.integer)) and not isinstance(key, bool) else 0
+    given = repr(key)[:60]
+    raise TypeError(NOT_ONE_KEY.format(given=f"{given} ({type(key).__name__})", wrong=given,
+                                       right=f"jax.random.key({seed})"))
+
+
 EOS_OUTSIDE_VOCAB = """\
 generate: eos_token_id {ids} are not ids of this model's vocabulary ({vocab} tokens: 0 to {last}): \
 no row could ever end. (A list with some ids inside the vocabulary is accepted, as Hugging Face's \
@@ -526,6 +554,8 @@ def generate(
     sizes = getattr(inner, "check_generation", None)
     if callable(sizes):  # the model's own limits on these exact sizes (Phi-3's longrope switch point)
         sizes(prompt, new)
+    if key is not None:
+        _check_key(key)
     checkpoint = checkpoint_defaults(inner)
     options, sourced = _with_defaults(given, checkpoint, key)
     if attention_mask is None and checkpoint is not None:  # HF's mask from the pad id

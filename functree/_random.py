@@ -45,6 +45,13 @@ FLAT_THREEFRY = jax_random.define_prng_impl(
 )
 
 
+TRAINER_KEY = (
+    "       or:  ft.train.Trainer(model, opt, lambda m, b, key: loss_fn(m(b[0], key=key), b[1]),\n"
+    "                             key=jax.random.key(0))   # a Trainer: its key, another each step\n"
+)
+"""The line of a layer's missing-key message for a Trainer's loss: ``key=jax.random.key(step)``
+written there with a constant in place of ``step`` would draw one mask for every step."""
+
 NOT_A_KEY = """\
 A PRNG key was expected, got {given}: functree's layers, initializers and Dropout take keys \
 made by jax.random (as Equinox's do), not integer seeds (torch's manual_seed, Flax's \

@@ -45,6 +45,15 @@ def test_training_without_key_is_an_error():
         ft.nn.Dropout(0.5, training=True)(jnp.ones(3))
 
 
+@pytest.mark.parametrize("layer", [ft.nn.Dropout(0.5, training=True), ft.nn.RReLU(training=True),
+                                   ft.nn.MultiheadAttention(4, 2, dropout=0.5, key=jax.random.key(0)).replace(training=True)])
+def test_a_missing_key_names_the_trainers_key_not_a_constant_in_the_loss(layer):
+    # a Trainer's user given only key=jax.random.key(step) wrote a constant there: one mask every step
+    x = jnp.ones((2, 4))
+    with pytest.raises(ValueError, match=r"(?s)lambda m, b, key: loss_fn\(m\(b\[0\], key=key\).*key=jax\.random\.key\(0\)\)"):
+        layer(x) if not isinstance(layer, ft.nn.MultiheadAttention) else layer(x, x, x)
+
+
 def test_bad_rate_is_an_error():
     with pytest.raises(ValueError, match=r"rate must be in \[0, 1\), got 1.5"):
         ft.nn.Dropout(1.5)

@@ -19,7 +19,7 @@ import jax.core
 import jax.numpy as jnp
 
 from functree._module import Module, field
-from functree._random import flat_key
+from functree._random import TRAINER_KEY, flat_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementation, choose
@@ -95,6 +95,7 @@ attention-dropout mask.
 
     wrong:  model(x)
     right:  model(x, key=jax.random.key(step))       # a fresh key every step
+""" + TRAINER_KEY + """\
        or:  ft.nn.inferring(model, x)                 # no dropout at inference
 """
 

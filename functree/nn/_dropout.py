@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
-from functree._random import flat_key
+from functree._random import TRAINER_KEY, flat_key
 from functree._repr import short_array
 from functree.nn._check import LayerInputError
 from functree.nn._mode import Layer
@@ -22,6 +22,7 @@ Dropout (rate={rate}) is in training mode and needs a PRNG key for its mask.
 
     wrong:  model(x)
     right:  model(x, key=jax.random.key(step))       # a fresh key every step
+""" + TRAINER_KEY + """\
        or:  ft.nn.inferring(model, x)                 # no dropout at inference
 """
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from functree._activations import silu
 from functree._module import field
-from functree._random import flat_key
+from functree._random import TRAINER_KEY, flat_key
 from functree._repr import short_array
 from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input, concrete, size_argument, size_arguments
@@ -89,7 +89,7 @@ jitter noise.
 
     wrong:  model(x)
     right:  model(x, key=jax.random.key(step))       # a fresh key every step
-"""
+""" + TRAINER_KEY
 
 
 SORTED_VMAP = """\

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
-from functree._random import flat_key
+from functree._random import TRAINER_KEY, flat_key
 from functree.nn._check import check_input
 from functree.nn._mode import Layer
 
@@ -25,6 +25,7 @@ RReLU (lower={lower}, upper={upper}) is in training mode and needs a PRNG key to
 
     wrong:  model(x)
     right:  model(x, key=jax.random.key(step))       # a fresh key every step
+""" + TRAINER_KEY + """\
        or:  ft.nn.inferring(model, x)                 # the fixed slope (lower + upper) / 2
 """
 

@@ -22,7 +22,8 @@ from functree._tree import dotted_name
 from functree._warnings import user_stacklevel
 
 __all__ = [
-    "DonationGuard", "AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases", "check_stale"]
+    "DonationGuard", "AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases", "check_stale",
+    "is_donated_twice"]
 
 ALIASED = """\
 {what} holds one array object at several leaves: {pairs}. A gradient step gives each \
@@ -167,6 +168,14 @@ class DonationGuard:
                 return True
         return False
 
+    def forget(self) -> bool:
+        """Drop the previous call's outputs, so that the next call checks every input as a
+        new one (:meth:`fresh`); whether there were any. For a call XLA refused because one
+        of those outputs was passed at two places (:func:`is_donated_twice`)."""
+        had = bool(self._last)
+        self._last = ()
+        return had
+
     def remember(self, outputs: Any, given: Any = ()) -> None:
         """Hold the call's outputs (held, so their ids stay unique until the next call) and
         its donated inputs ``given`` (to name the call that donated one, if reused)."""
@@ -233,6 +242,19 @@ def is_stale_error(error: BaseException) -> bool:
     """Whether ``error`` is :func:`stale_error`'s (an inner layer's call raised it, naming the
     path from that layer: the caller's call names it again from its own model)."""
     return isinstance(error, _StaleArrayError)
+
+
+# XLA's refusals of a call that donates a buffer it also takes elsewhere (raised before the
+# program runs: nothing is deleted).
+_DONATED_TWICE = ("donate the same buffer twice", "previously donated in the same call")
+
+
+def is_donated_twice(error: BaseException) -> bool:
+    """Whether ``error`` is XLA's refusal of one buffer passed donated and again (donated or
+    not) in one call: a previous call's output given at two places, which the guard's
+    shortcut for a loop's own outputs does not look at."""
+    message = str(error)
+    return any(part in message for part in _DONATED_TWICE)
 
 
 def is_deletion_error(error: BaseException) -> bool:

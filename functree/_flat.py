@@ -56,7 +56,7 @@ from typing import Any
 
 import jax
 
-from functree._alias import LAST_DONOR
+from functree._alias import LAST_DONOR, is_donated_twice
 from functree._tree import bounded_put, cached, dotted_name
 
 __all__ = ["flat_jit", "FlatJit", "builder"]
@@ -491,11 +491,12 @@ class FlatJit:
                     except (RuntimeError, ValueError, TypeError) as e:
                         if paused:
                             _gc_enable()
-                        if self._before is not None and _INCOMPATIBLE_DEVICES in str(e):
+                        if self._before is not None and (_INCOMPATIBLE_DEVICES in str(e) or is_donated_twice(e)):
                             # (refused before it ran: nothing donated) the arguments not
                             # donated moved to other devices (a model put on device 5 for a
-                            # step that donates only its own log, still on device 2): the
-                            # full way, whose ``before`` places the step's own arguments
+                            # step that donates only its own log, still on device 2), or a
+                            # result passed back also at another place: the full way, whose
+                            # ``before`` places the step's own arguments (see _call)
                             return self._call(args, kwargs)
                         self._reraise(e, args, kwargs)
                         raise
@@ -546,6 +547,11 @@ class FlatJit:
         try:
             results = self._full(args, kwargs)
         except (RuntimeError, ValueError, TypeError) as e:
+            if self._before is not None and is_donated_twice(e) and self.guard.forget():
+                # (refused before it ran) a previous result given at two places, which
+                # ``before`` does not look into: again with every input checked as new
+                # (one array at two leaves copied apart, with AliasWarning naming both)
+                return self._call(args, kwargs)
             self._reraise(e, args, kwargs)
             raise
         if self.guard is not None:

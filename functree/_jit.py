@@ -41,6 +41,7 @@ from functree._alias import (
     DonationGuard,
     copy_aliases,
     is_deletion_error,
+    is_donated_twice,
     stale_error,
     warn_aliases,
 )
@@ -501,6 +502,8 @@ def _alias_checked(f: Callable[..., Any], jitted: Any, donated: tuple[Any, Any],
         try:
             result = jitted(*args, **kwargs)
         except (RuntimeError, ValueError, TypeError) as e:
+            if is_donated_twice(e) and guard.forget():  # a previous result at two places: all checked
+                return call(*args, **kwargs)
             better = explained(e, args, kwargs)
             if better is None:
                 raise

@@ -180,6 +180,23 @@ def test_donated_loop_checks_only_inputs_that_are_not_the_previous_outputs():
         step(a=w, b=w)  # by name
 
 
+@pytest.mark.parametrize("options", [{}, {"static_argnames": ()}])  # the flat program; jax.jit guarded
+@pytest.mark.parametrize("donate", [(0, 1), 0])
+def test_a_previous_result_passed_at_two_places_is_copied_apart_not_refused_by_xla(options, donate):
+    # The guard skips the inputs that are the previous call's outputs: one of them given
+    # twice (step(a, a)) reached XLA, which refused it ("donate the same buffer twice").
+    step = ft.jit(lambda a, b: (a + 1, b + 10), donate=donate, **options)
+    a, b = step(jnp.zeros(2), jnp.zeros(2))
+    a, b = step(a, b)
+    a, b = step(a, b)  # a loop's fast path
+    with pytest.warns(ft.AliasWarning, match=r"'a' and 'b'"):
+        a, b = step(a, a)
+    np.testing.assert_allclose(a, [4.0, 4.0], atol=1e-6)
+    np.testing.assert_allclose(b, [13.0, 13.0], atol=1e-6)
+    a, b = step(a, b)  # the loop goes on
+    np.testing.assert_allclose(b, [23.0, 23.0], atol=1e-6)
+
+
 def test_static_leaves_make_functions_static_and_return_them():
     traces = []
 

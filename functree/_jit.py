@@ -109,6 +109,13 @@ the state.
                 return ft.move(model, along=updates), opt_state
        or:  step = ft.train.train_step(loss_fn, optimizer)   # the whole step, compiled"""
 
+BAD_DONATE = """\
+ft.jit({fn}, donate={donate!r}): {problem}. donate= takes indices or names of the \
+arguments of {fn}{signature}:
+
+    wrong:  ft.jit({fn}, donate={donate!r})
+    right:  ft.jit({fn}, donate={right!r})           # by name, or by index: donate=0 (several: donate=(0, 1))"""
+
 _INTERNAL = ("/jax/", "/jaxlib/", "functree/_jit.py")
 
 
@@ -178,7 +185,8 @@ def jit(
     """``jax.jit`` for functions of Modules.
 
     ``donate`` names arguments whose buffers XLA may reuse for the outputs (argument
-    indices or names; a training step donates the model and optimizer state). Donated
+    indices or names; a training step donates the model and optimizer state; one that names
+    no argument, or ``True``, is refused here: :data:`BAD_DONATE`). Donated
     arguments holding one array at two leaves are copied apart, with an
     :class:`ft.AliasWarning` naming both key paths. ``static_leaves=True`` makes every
     leaf that is not an array static (``eqx.filter_jit``'s rule): the functions and Python
@@ -203,6 +211,7 @@ def jit(
     if donate is None:
         jitted = unchecked_jit(f, static_leaves=static_leaves, **jax_jit_options)
         return jitted if static_leaves else _leaves_explained(f, jitted)
+    _check_donate(f, donate)
     nums, names = _donated(f, donate)
     if static_leaves or jax_jit_options or not nums or min(nums) < 0:
         jitted = unchecked_jit(f, donate=donate, static_leaves=static_leaves, **jax_jit_options)
@@ -577,6 +586,33 @@ def _expose(call: Any, jitted: Any,
     for name in names:
         if hasattr(jitted, name):
             setattr(call, name, getattr(jitted, name))
+
+
+def _check_donate(f: Callable[..., Any], donate: int | str | Sequence[int | str]) -> None:
+    """Refuse a ``donate=`` item that names no argument of ``f`` (:data:`BAD_DONATE`): an index
+    past its positional arguments or a name not among its parameters would donate nothing
+    (``jax.jit`` refuses those only at the call), and ``True`` is the index 1 to Python (the
+    batch donated, the model not)."""
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):  # no signature (some builtins): nothing to check against
+        return
+    kinds = [p.kind for p in signature.parameters.values()]
+    positional = [p.name for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = [p.name for p in signature.parameters.values() if p.kind is not p.VAR_POSITIONAL and p.kind is not p.VAR_KEYWORD]
+    for item in (donate,) if isinstance(donate, (int, str)) else tuple(donate):
+        if isinstance(item, bool):
+            problem = f"{item} is the index {int(item)} to Python: argument {int(item)} would be donated, not every one"
+        elif isinstance(item, int) and inspect.Parameter.VAR_POSITIONAL not in kinds and not (
+                -len(positional) <= item < len(positional)):
+            problem = f"{item} is past its {len(positional)} positional arguments: nothing would be donated"
+        elif isinstance(item, str) and inspect.Parameter.VAR_KEYWORD not in kinds and item not in named:
+            problem = f"{item!r} is not one of its parameters"
+        else:
+            continue
+        fn = getattr(f, "__name__", "f")
+        right = named[0] if named else 0
+        raise ValueError(BAD_DONATE.format(fn=fn, donate=donate, problem=problem, signature=signature, right=right))
 
 
 def _donated(

@@ -197,6 +197,23 @@ def test_a_previous_result_passed_at_two_places_is_copied_apart_not_refused_by_x
     np.testing.assert_allclose(b, [23.0, 23.0], atol=1e-6)
 
 
+@pytest.mark.parametrize("donate", [True, 2, (0, 2), "modle"])
+def test_a_donate_item_naming_no_argument_is_refused_at_jit(donate):
+    # donate=True was the index 1 (the batch donated, the model not); an index past the
+    # arguments donated nothing, silently; a misspelt name failed only at the call.
+    def step(model, batch):
+        return model + batch
+
+    with pytest.raises(ValueError, match=r"donate=.*step\(model, batch\)") as info:
+        ft.jit(step, donate=donate)
+    assert "right:  ft.jit(step, donate='model')" in str(info.value)
+    model, batch = jnp.ones(2), jnp.ones(2)
+    ft.jit(lambda model, batch: (model + batch, batch), donate=(0, "batch"))(model, batch)  # (valid: donated)
+    assert model.is_deleted() and batch.is_deleted()
+    ft.jit(lambda *models: models, donate=3)  # *args and **kwargs take any index or name
+    ft.jit(lambda model, **rest: model, donate="other")
+
+
 def test_static_leaves_make_functions_static_and_return_them():
     traces = []
 

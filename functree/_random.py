@@ -64,11 +64,13 @@ nnx.Rngs(0)).
 
 def _check_key(key: Any) -> None:
     """Refuse what no jax.random function reads as a key (a Python or NumPy integer, a float
-    array): JAX's own error for it names no key (``'int' object has no attribute 'dtype'``)."""
+    array, a ``uint32`` scalar): JAX's own error for it names no key (``'int' object has no
+    attribute 'dtype'``)."""
     dtype = getattr(key, "dtype", None)
-    if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
-        given = f"{type(key).__name__} {key!r}" if dtype is None or not getattr(key, "shape", ()) else (
-            f"an array of {dtype}{list(key.shape)}")
+    if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or (
+            dtype == jnp.uint32 and getattr(key, "shape", ()))):
+        plain = dtype is None or not (getattr(key, "shape", ()) or isinstance(key, jax.Array))  # 0, np.int32(0)
+        given = f"{type(key).__name__} {key!r}" if plain else f"an array of {dtype}{list(key.shape)}"
         raise TypeError(NOT_A_KEY.format(given=given))
 
 
@@ -76,10 +78,35 @@ def _is_typed(key: Any) -> bool:
     return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
 
 
+SEVERAL_KEYS = """\
+One PRNG key was expected, got {n} keys ({what} of shape {shape}: a jax.random.split's whole \
+output): functree's layers, initializers and Dropout take one key and split it themselves for \
+their parts (JAX's split and draws refuse a batch of keys).
+
+    wrong:  ft.nn.Dense(4, 3, key=jax.random.split(key, {n}))      # or model(x, key=keys)
+    right:  ft.nn.Dense(4, 3, key=jax.random.split(key, {n})[0])   # one of them
+       or:  jax.vmap(lambda k: model(x, key=k))(keys)              # a call for each key"""
+
+
+def one_key(key: Any) -> Any:
+    """``key`` if it is one PRNG key (typed, or ``jax.random.PRNGKey``'s raw ``uint32`` data):
+    the check a layer runs where it first splits or draws with its ``key=``, so an integer
+    seed (:data:`NOT_A_KEY`) or a whole ``jax.random.split`` (:data:`SEVERAL_KEYS`) is named
+    at the call, not inside JAX's split (``invalid PRNG key data``). Trace-time only under
+    ``jit`` (a tracer's shape and dtype are static); a key under ``vmap`` is one key."""
+    _check_key(key)
+    typed = _is_typed(key)
+    batch = key.shape if typed else key.shape[:-1]  # (raw key data: [..., 2] for threefry)
+    if batch:
+        raise ValueError(SEVERAL_KEYS.format(n=math.prod(batch), shape=tuple(key.shape),
+                                             what="a key array" if typed else "raw uint32 key data"))
+    return key
+
+
 def flat_key(key: jax.Array) -> jax.Array:
     """``key`` as a key whose draws are hashed flat (:data:`FLAT_THREEFRY`): every draw equals
     the key's own bit for bit. A threefry key, typed (``jax.random.key``) or raw
-    (``jax.random.PRNGKey``), batched or not; a key of another generator (``rbg``) is
+    (``jax.random.PRNGKey``), under ``vmap`` or not; a key of another generator (``rbg``) is
     returned as it is. For draws made here only: never store the key it returns.
 
     Example:
@@ -88,9 +115,11 @@ def flat_key(key: jax.Array) -> jax.Array:
       >>> bool((jax.random.normal(flat_key(key), (2, 3, 4)) == jax.random.normal(key, (2, 3, 4))).all())
       True
 
-    Anything else than a key (an integer seed) raises :data:`NOT_A_KEY`.
+    Anything else than one key raises: an integer seed :data:`NOT_A_KEY`, a batch of keys
+    (a whole ``jax.random.split``, which the draw would refuse inside JAX) :data:`SEVERAL_KEYS`
+    (:func:`one_key`). Under ``vmap`` a batch of keys is one key each.
     """
-    _check_key(key)
+    one_key(key)
     if _is_typed(key):
         if str(jax.random.key_impl(key)) != _THREEFRY.name:
             return key  # another generator's key, or one flat already

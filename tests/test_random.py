@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functree as ft
-from functree._random import flat_key, normal_runs
+from functree._random import NOT_A_KEY, SEVERAL_KEYS, flat_key, normal_runs
 
 DRAWS = {
     "normal": lambda k, s: jax.random.normal(k, s),
@@ -118,3 +118,50 @@ def test_normal_runs_are_standard_normals():
     drawn = np.concatenate([np.ravel(a) for a in normal_runs(jax.random.key(0), [(300, 40), (50, 7, 9), (4000,)])])
     # 19150 standard normals: the mean's error has std 0.0072, the std's 0.0051 (margins ~5 sigma)
     assert abs(drawn.mean()) < 0.036 and abs(drawn.std() - 1) < 0.026
+
+
+_K = jax.random.key(0)
+_X = jnp.ones((2, 4))
+_GPT2 = {"model_type": "gpt2", "vocab_size": 11, "n_positions": 8, "n_embd": 8, "n_layer": 2, "n_head": 2}
+_KEY_TAKERS = {  # the containers and entry points that split or fold their key= before any draw
+    "Sequential call": lambda k: ft.nn.Sequential(ft.nn.Dense(4, 4, key=_K), ft.nn.Dropout(0.5))(_X, key=k),
+    "Stack call": lambda k: ft.nn.training(ft.nn.Stack(
+        lambda kk: ft.nn.Sequential(ft.nn.Dense(4, 4, key=kk), ft.nn.Dropout(0.5)), 2, key=_K))(_X, key=k),
+    "Stack": lambda k: ft.nn.Stack(lambda kk: ft.nn.Dense(4, 4, key=kk), 2, key=k),
+    "MLP": lambda k: ft.nn.MLP(4, 3, 8, 2, key=k),
+    "MultiheadAttention": lambda k: ft.nn.MultiheadAttention(4, 2, key=k),
+    "TransformerEncoderLayer": lambda k: ft.nn.TransformerEncoderLayer(4, 2, 8, key=k),
+    "LSTM": lambda k: ft.nn.LSTM(4, 4, batch_first=True, key=k),
+    "lora": lambda k: ft.nn.lora(ft.nn.Sequential(ft.nn.Dense(4, 4, key=_K)), "*", rank=2, key=k),
+    "from_hf": lambda k: ft.nn.from_hf(_GPT2, key=k),
+    "jitted Sequential call": lambda k: jax.jit(lambda kk: ft.nn.Sequential(ft.nn.Dense(4, 4, key=_K))(_X, key=kk))(k),
+}
+
+
+@pytest.mark.parametrize("call", list(_KEY_TAKERS))
+def test_an_integer_seed_or_several_keys_is_named_where_a_container_first_splits_it(call):
+    """Sequential(...)(x, key=0), MLP(..., key=0), from_hf(config, key=0) failed inside JAX's
+    split or fold_in ("invalid PRNG key data", "split accepts a single key"), naming no key=,
+    while Dense(..., key=0) named it: every one now raises NOT_A_KEY or SEVERAL_KEYS."""
+    make = _KEY_TAKERS[call]
+    given = "an array of int32[]" if call.startswith("jitted") else "int 0"
+    with pytest.raises(TypeError) as info:
+        make(0)
+    assert str(info.value) == NOT_A_KEY.format(given=given)
+    for keys, what in ((jax.random.split(_K, 3), "a key array"), (jax.random.split(jax.random.PRNGKey(0), 3), "raw uint32 key data")):
+        with pytest.raises(ValueError) as info:
+            make(keys)
+        assert str(info.value) == SEVERAL_KEYS.format(n=3, what=what, shape=tuple(keys.shape))
+
+
+def test_one_key_is_refused_as_a_seed_and_a_batch_under_vmap_is_one_key_each():
+    """A NumPy uint32 seed reached JAX's split as key data; a layer called under vmap over
+    keys gets one key each, and Dense(..., key=split(k, 3)) names the three keys."""
+    with pytest.raises(TypeError) as info:
+        ft.nn.Dense(4, 3, key=np.uint32(7))
+    assert str(info.value) == NOT_A_KEY.format(given="uint32 np.uint32(7)")
+    with pytest.raises(ValueError, match=r"got 3 keys \(a key array of shape \(3,\)"):
+        ft.nn.Dense(4, 3, key=jax.random.split(_K, 3))
+    drop = ft.nn.training(ft.nn.Sequential(ft.nn.Dropout(0.5)))
+    masks = jax.vmap(lambda k: drop(jnp.ones(8), key=k))(jax.random.split(_K, 3))
+    assert masks.shape == (3, 8)

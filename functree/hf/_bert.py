@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree._random import one_key
 from functree._repr import first_index, short_array
 from functree.hf._causal import (
     check_ids,
@@ -63,7 +64,7 @@ class BertEmbeddings(Module):
 
     def __init__(self, vocab: int, positions: int, types: int, d: int, epsilon: float, *, key: jax.Array,
                  dtype: Any = jnp.float32):
-        k1, k2, k3 = jax.random.split(key, 3)
+        k1, k2, k3 = jax.random.split(one_key(key), 3)
         self.word_embeddings = Embedding(vocab, d, key=k1, dtype=dtype)
         self.position_embeddings = Embedding(positions, d, key=k2, dtype=dtype)
         self.token_type_embeddings = Embedding(types, d, key=k3, dtype=dtype)
@@ -81,7 +82,7 @@ class BertLayer(Module):
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, epsilon: float, *, key: jax.Array,
                  dtype: Any = jnp.float32, attention: Any = "auto"):
-        k1, k2, k3 = jax.random.split(key, 3)
+        k1, k2, k3 = jax.random.split(one_key(key), 3)
         self.attention = MultiheadAttention(d, heads, implementation=attention, key=k1, dtype=dtype)
         self.attention_norm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
         self.intermediate = Dense(d, hidden, activation, key=k2, dtype=dtype)
@@ -137,7 +138,7 @@ class BertModel(HFModel):
                  dtype: Any = jnp.float32, attention: Any = "auto"):
         from functree._activations import gelu_exact, tanh
 
-        k1, k2, k3 = jax.random.split(key, 3)
+        k1, k2, k3 = jax.random.split(one_key(key), 3)
         act = gelu_exact if activation is None else activation
         self.embeddings = BertEmbeddings(vocab, positions, types, d, epsilon, key=k1, dtype=dtype)
         self.encoder = BertEncoder(Stack(lambda k: BertLayer(d, heads, hidden, act, epsilon, key=k,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module
+from functree._random import one_key
 from functree.hf._bert import BertEncoder, BertLayer, BertModel, _norm_name
 from functree.hf._causal import check_length, lookup_rows, padding_row
 from functree.hf._dropout import rate
@@ -86,7 +87,7 @@ class DistilBertEmbeddings(Module):
     LayerNorm: LayerNorm
 
     def __init__(self, vocab: int, positions: int, d: int, *, key: jax.Array, dtype: Any = jnp.float32):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.word_embeddings = Embedding(vocab, d, key=k1, dtype=dtype)
         self.position_embeddings = Embedding(positions, d, key=k2, dtype=dtype)
         self.LayerNorm = LayerNorm(d, epsilon=EPSILON, dtype=dtype)
@@ -120,7 +121,7 @@ class DistilBertModel(BertModel):
                  activation: Any = None, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):
         from functree._activations import gelu_exact
 
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         act = gelu_exact if activation is None else activation
         self.embeddings = DistilBertEmbeddings(vocab, positions, d, key=k1, dtype=dtype)
         self.encoder = BertEncoder(Stack(lambda k: BertLayer(d, heads, hidden, act, EPSILON, key=k, dtype=dtype,

@@ -26,6 +26,7 @@ import jax
 
 from functree._activations import relu
 from functree._module import field
+from functree._random import one_key
 from functree.hf import _models  # noqa: F401  (defines every family first: FAMILIES' order)
 from functree.hf._causal import TiedBias, _head, is_tied
 from functree.hf._config import HFConfig
@@ -92,7 +93,7 @@ class PreClassifierClassifier(_PreClassified, PooledClassifier):
 
     @classmethod
     def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         return cls(body, Dense(width, width, relu, key=k1, dtype=dtype),
                    Dense(width, num_labels(config), key=k2, dtype=dtype))
 
@@ -107,7 +108,7 @@ class PreClassifierMultipleChoice(_PreClassified, PooledMultipleChoice):
 
     @classmethod
     def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         return cls(body, Dense(width, width, relu, key=k1, dtype=dtype), Dense(width, 1, key=k2, dtype=dtype))
 
 
@@ -163,7 +164,7 @@ class VocabProjectorMaskedLM(TaskModel):
         from functree.hf._options import activation
 
         vocab = int(_tokens(body).embeddings.shape[0])
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         tied = getattr(config, "tie_word_embeddings", True)
         projector = TiedBias(vocab, dtype=dtype) if tied else Dense(width, vocab, key=k2, dtype=dtype)
         return cls(body, Dense(width, width, activation(config, "activation"), key=k1, dtype=dtype),

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field, from_fields
-from functree._random import flat_key
+from functree._random import flat_key, one_key
 from functree.hf._family import FAMILIES, HFModel
 from functree.nn._attention import MultiheadAttention
 from functree.nn._salt import salted
@@ -269,7 +269,7 @@ def _stack_with_dropout(stack: Stack, rates: Mapping[str, float], key: jax.Array
     name = next(n for n in type(block).__ft_fields__ if isinstance(getattr(block, n), MultiheadAttention))
     attention = getattr(block, name)
     values = {n: getattr(attention, n) for n in type(attention).__ft_fields__}
-    values.update(dropout=rates.get("attention", 0.0), dropout_key=_key_data(jax.random.split(key, stack.n)),
+    values.update(dropout=rates.get("attention", 0.0), dropout_key=_key_data(jax.random.split(one_key(key), stack.n)),
                   rates=(rates.get("embedding", 0.0), rates.get("attention_output", 0.0), rates.get("mlp_output", 0.0)))
     block = block.replace(**{name: from_fields(DropoutAttention, values)})
     return stack.replace(layers=block, ranks=None if stack.ranks is None else member_ranks(block))
@@ -317,7 +317,7 @@ def top_keys(blocks: Stack, key: jax.Array | None) -> tuple[float, jax.Array | N
     if attention is None or not _dropping(attention):
         return None
     if key is not None:
-        embedding, rest = jax.random.split(key)
+        embedding, rest = jax.random.split(one_key(key))
         return attention.rates[0], embedding, rest
     if attention.dropout_key is None:
         raise ValueError(NO_DROPOUT_KEY.format(cls=type(attention).__name__))

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree._random import one_key
 from functree.hf._causal import Block, CausalLM, lookup_rows, with_member_values
 from functree.hf._config import HFConfig
 from functree.hf._dropout import rate
@@ -32,7 +33,7 @@ class GPT2MLP(Module):
     c_proj: Dense
 
     def __init__(self, d: int, hidden: int, activation: Any, *, key: jax.Array, dtype: Any = jnp.float32):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.c_fc = Dense(d, hidden, activation, key=k1, dtype=dtype)
         self.c_proj = Dense(hidden, d, key=k2, dtype=dtype)
 
@@ -50,7 +51,7 @@ class GPT2Block(Block):
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, epsilon: float, *, key: jax.Array,
                  dtype: Any = jnp.float32, attention: Any = "auto"):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.ln_1 = LayerNorm(d, epsilon=epsilon, dtype=dtype)
         self.attn = MultiheadAttention(d, heads, causal=True, implementation=attention, key=k1, dtype=dtype)
         self.ln_2 = LayerNorm(d, epsilon=epsilon, dtype=dtype)
@@ -73,7 +74,7 @@ class GPT2Model(Module):
     def __init__(self, vocab: int, positions: int, d: int, heads: int, layers: int, hidden: int, activation: Any,
                  epsilon: float, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto",
                  scales: tuple[float, ...] | None = None):
-        k1, k2, k3 = jax.random.split(key, 3)
+        k1, k2, k3 = jax.random.split(one_key(key), 3)
         self.wte = Embedding(vocab, d, key=k1, dtype=dtype)
         self.wpe = Embedding(positions, d, key=k2, dtype=dtype)
         h = Stack(lambda k: GPT2Block(d, heads, hidden, activation, epsilon, key=k, dtype=dtype,
@@ -126,7 +127,7 @@ class GPT2LMHeadModel(CausalLM):
                  attention_scales: tuple[float, ...] | None = None):
         from functree._activations import gelu
 
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.transformer = GPT2Model(vocab, positions, d, heads, layers, 4 * d if hidden is None else hidden,
                                      gelu if activation is None else activation, epsilon, key=k1, dtype=dtype,
                                      attention=attention, scales=attention_scales)

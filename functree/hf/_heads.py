@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import Module, field
+from functree._random import one_key
 from functree._repr import first_index, short_array
 from functree.hf import _models  # noqa: F401  (defines every family first)
 from functree.hf._bert import BertModel
@@ -232,7 +233,7 @@ class TaskModel(HFModel):
 
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         body = cls.body_class.from_config(config, {"pooler.dense.weight"} if cls.pooled else set(), dtype, k1,
                                           attention)
         if isinstance(body, CausalLM):
@@ -317,7 +318,7 @@ class TaskModel(HFModel):
         if rate == 0.0 or attention is None or not attention.training:
             return key, None
         if key is not None:
-            body, head = jax.random.split(key)
+            body, head = jax.random.split(one_key(key))
             return body, head
         if attention.dropout_key is None:
             if _dropping(attention):
@@ -654,7 +655,7 @@ class MaskedLM(TaskModel):
         from functree.hf._options import activation
 
         vocab = int(_tokens(body).embeddings.shape[0])
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         transform = BertPredictionHeadTransform(Dense(width, width, activation(config, "hidden_act"), key=k1,
                                                       dtype=dtype),
                                                 LayerNorm(width, epsilon=config.layer_norm_eps, dtype=dtype))

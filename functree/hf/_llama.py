@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree._random import one_key
 from functree.hf._causal import (
     Block,
     CausalLM,
@@ -103,7 +104,7 @@ class LlamaMLP(Module):
 
     def __init__(self, d: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32):
-        k1, k2, k3 = jax.random.split(key, 3)
+        k1, k2, k3 = jax.random.split(one_key(key), 3)
         self.gate_proj = Dense(d, hidden, activation, use_bias=use_bias, key=k1, dtype=dtype)
         self.up_proj = Dense(d, hidden, use_bias=use_bias, key=k2, dtype=dtype)
         self.down_proj = Dense(hidden, d, use_bias=use_bias, key=k3, dtype=dtype)
@@ -122,7 +123,7 @@ class Phi3MLP(Module):
 
     def __init__(self, d: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.gate_up_proj = Dense(d, 2 * hidden, use_bias=use_bias, key=k1, dtype=dtype)
         self.down_proj = Dense(hidden, d, use_bias=use_bias, key=k2, dtype=dtype)
         self.activation = activation
@@ -175,7 +176,7 @@ def sublayers(d: int, heads: int, kv_heads: int, head_dim: int, hidden: int, act
     """A decoder block's attention and MLP (every block class of this module builds them alike,
     and Phi's, :mod:`functree.hf._phi`; the key split is the checkpoints' and HF
     initialization's: attention, MLP, output projection)."""
-    k1, k2, k3 = jax.random.split(key, 3)
+    k1, k2, k3 = jax.random.split(one_key(key), 3)
     attn = _self_attention(d, heads, kv_heads, head_dim, epsilon, rotary, attention_bias, key=k1, output_key=k3,
                            dtype=dtype, output_bias=output_bias, window=window, norm=norm, attention=attention,
                            qk_norm=qk_norm)
@@ -315,7 +316,7 @@ class LlamaModel(Module):
 
     def __init__(self, vocab: int, d: int, layers: int, make: Any, epsilon: float, *, key: jax.Array,
                  dtype: Any = jnp.float32, norm: Any = RMSNorm, embed_scale: float | None = None):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.embed_tokens = Embedding(vocab, d, key=k1, dtype=dtype)
         self.layers = Stack(make, layers, key=k2)
         self.norm = norm(d, epsilon=epsilon, dtype=dtype)
@@ -396,7 +397,7 @@ class LlamaForCausalLM(CausalLM):
                  ropes: tuple[int, ...] | None = None):
         from functree._activations import silu
 
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         head_dim = d // heads if head_dim is None else head_dim
         rotary = RopeScaling() if rotary is None else rotary
         act = silu if activation is None else activation

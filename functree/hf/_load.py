@@ -30,7 +30,7 @@ from functree._files import local_if_path
 from functree._jit import unchecked_jit
 from functree._module import Module
 from functree._naming import matches
-from functree._random import normal_runs
+from functree._random import normal_runs, one_key
 from functree._state_dict import FlatDictReport, to_numpy
 from functree._tree import dotted_name, join_names, written_dtype
 from functree._warnings import warn
@@ -604,6 +604,8 @@ def from_hf(source: Any, weights: Any = None, *, dtype: Any = jnp.float32, key: 
     source = local_if_path(source, "ft.nn.from_hf")  # "~/models/m": the home's, not ./~
     weights = source if same else local_if_path(weights, "ft.nn.from_hf")
     check_dropout_call(source, weights, dropout, key)
+    if key is not None:  # an integer seed, a whole split: named here, not inside the build's fold_in
+        one_key(key)
     named = None  # the HF model's class, where from_hf is given one
     if weights is None and hasattr(source, "config") and hasattr(source, "state_dict"):
         config, weights = source.config, source.state_dict()

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree._random import one_key
 from functree.hf._causal import Block, CausalLM
 from functree.hf._config import HFConfig
 from functree.hf._dropout import rate
@@ -31,7 +32,7 @@ class GPTNeoXMLP(Module):
     dense_4h_to_h: Dense
 
     def __init__(self, d: int, hidden: int, activation: Any, *, key: jax.Array, dtype: Any = jnp.float32):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.dense_h_to_4h = Dense(d, hidden, activation, key=k1, dtype=dtype)
         self.dense_4h_to_h = Dense(hidden, d, key=k2, dtype=dtype)
 
@@ -51,7 +52,7 @@ class GPTNeoXLayer(Block):
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, epsilon: float, rotary: RopeScaling,
                  use_bias: bool, parallel: bool, *, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.input_layernorm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
         self.post_attention_layernorm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
         self.attention = MultiheadAttention(d, heads, rotary=rotary, causal=True, use_bias=use_bias,
@@ -72,7 +73,7 @@ class GPTNeoXModel(Module):
 
     def __init__(self, vocab: int, d: int, layers: int, make: Any, epsilon: float, *, key: jax.Array,
                  dtype: Any = jnp.float32):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.embed_in = Embedding(vocab, d, key=k1, dtype=dtype)
         self.layers = Stack(make, layers, key=k2)
         self.final_layer_norm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
@@ -97,7 +98,7 @@ class GPTNeoXForCausalLM(CausalLM):
     def __init__(self, vocab: int, d: int, heads: int, hidden: int, layers: int, *, activation: Any,
                  epsilon: float = 1e-5, rotary: RopeScaling, use_bias: bool = True, parallel: bool = True,
                  tied: bool = False, key: jax.Array, dtype: Any = jnp.float32, attention: Any = "auto"):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
 
         def make(k: jax.Array) -> GPTNeoXLayer:
             return GPTNeoXLayer(d, heads, hidden, activation, epsilon, rotary, use_bias, parallel, key=k, dtype=dtype,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree._random import one_key
 from functree.hf._causal import Block, CausalLM, lookup_rows, post_norm
 from functree.hf._config import HFConfig
 from functree.hf._dropout import check_layerdrop, rate
@@ -45,7 +46,7 @@ class OPTDecoderLayer(Block):
 
     def __init__(self, d: int, heads: int, hidden: int, activation: Any, use_bias: bool, *, key: jax.Array,
                  dtype: Any = jnp.float32, attention: Any = "auto", pre_norm: bool = True, affine: bool = True):
-        k1, k2, k3 = jax.random.split(key, 3)
+        k1, k2, k3 = jax.random.split(one_key(key), 3)
         self.self_attn = MultiheadAttention(d, heads, causal=True, use_bias=use_bias, implementation=attention,
                                             key=k1, dtype=dtype)
         self.self_attn_layer_norm = _norm(d, affine, dtype)
@@ -87,7 +88,7 @@ class OPTDecoder(Module):
     def __init__(self, vocab: int, positions: int, d: int, layers: int, make: Any, *, key: jax.Array,
                  dtype: Any = jnp.float32, projection: int | None = None, final_norm: bool = True,
                  affine: bool = True):
-        k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+        k1, k2, k3, k4, k5 = jax.random.split(one_key(key), 5)
         e = d if projection is None else projection
         self.embed_tokens = Embedding(vocab, e, key=k1, dtype=dtype)
         self.embed_positions = Embedding(positions + OPT_OFFSET, d, key=k2, dtype=dtype)
@@ -138,7 +139,7 @@ class OPTForCausalLM(CausalLM):
                  activation: Any, use_bias: bool = True, tied: bool = True, key: jax.Array, dtype: Any = jnp.float32,
                  attention: Any = "auto", pre_norm: bool = True, final_norm: bool = True,
                  projection: int | None = None, affine: bool = True):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
 
         def make(k: jax.Array) -> OPTDecoderLayer:
             return OPTDecoderLayer(d, heads, hidden, activation, use_bias, key=k, dtype=dtype, attention=attention,

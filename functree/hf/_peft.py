@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._files import local_path, read_path
+from functree._random import one_key
 from functree._tree import dotted_name, join_names
 from functree._where import placed_like
 from functree.hf._causal import CausalLM
@@ -1158,7 +1159,7 @@ def load_lora(model: Any, directory: str | os.PathLike[str], *, key: jax.Array |
             raise ValueError(LOAD_ONTO_ADAPTED.format(name=layer.name, directory=directory))
         if given:
             wrapped[layer.path] = loaded_layer(layer, given, float(config.get("lora_dropout") or 0.0),
-                                               None if key is None else jax.random.fold_in(key, j))
+                                               None if key is None else jax.random.fold_in(one_key(key), j))
     for module, (layer, i) in saved.items():
         wrapped[layer.path] = _with_full(wrapped.get(layer.path, layer.node), layer, i, module,
                                          full.get(module, {}), names, directory)

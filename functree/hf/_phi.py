@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import Module, field
+from functree._random import one_key
 from functree.hf._causal import Block, CausalLM, TiedBias, lookup_rows
 from functree.hf._config import HFConfig
 from functree.hf._dropout import rate
@@ -63,7 +64,7 @@ class PhiMLP(Module):
 
     def __init__(self, d: int, hidden: int, activation: Any, use_bias: bool = True, *, key: jax.Array,
                  dtype: Any = jnp.float32):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.fc1 = Dense(d, hidden, activation, use_bias=use_bias, key=k1, dtype=dtype)
         self.fc2 = Dense(hidden, d, use_bias=use_bias, key=k2, dtype=dtype)
 
@@ -101,7 +102,7 @@ class PhiModel(Module):
 
     def __init__(self, vocab: int, d: int, layers: int, make: Any, epsilon: float, *, key: jax.Array,
                  dtype: Any = jnp.float32):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.embed_tokens = Embedding(vocab, d, key=k1, dtype=dtype)
         self.layers = Stack(make, layers, key=k2)
         self.final_layernorm = LayerNorm(d, epsilon=epsilon, dtype=dtype)
@@ -141,7 +142,7 @@ class PhiForCausalLM(CausalLM):
                  head_dim: int | None = None, activation: Any, epsilon: float = 1e-5, rotary: RopeScaling,
                  qk_layernorm: bool = False, tied: bool = False, key: jax.Array, dtype: Any = jnp.float32,
                  attention: Any = "auto"):
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         head_dim = d // heads if head_dim is None else head_dim
 
         def make(k: jax.Array) -> PhiDecoderLayer:

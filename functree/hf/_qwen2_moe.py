@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from functree._activations import silu
 from functree._module import field
+from functree._random import one_key
 from functree.hf._llama import LlamaMLP, Qwen2ForCausalLM
 from functree.hf._mixtral import (
     QWEN_EXPERTS,
@@ -85,7 +86,7 @@ class SharedExpertMoE(SparseMoE):
 
     def __init__(self, d: int, hidden: int, shared: int, *, num_experts: int, top_k: int = 2,
                  activation: Any = silu, renormalize: bool = False, key: jax.Array, dtype: Any = jnp.float32):
-        k1, k2, k3 = jax.random.split(key, 3)
+        k1, k2, k3 = jax.random.split(one_key(key), 3)
         super().__init__(d, hidden, num_experts=num_experts, top_k=top_k, activation=activation,
                          renormalize=renormalize, key=k1, dtype=dtype)
         self.shared_expert = LlamaMLP(d, shared, activation, False, key=k2, dtype=dtype)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import field
+from functree._random import one_key
 from functree.hf._bert import BertEmbeddings, BertModel, _norm_name, _token_types
 from functree.hf._causal import lookup_rows, padding_index, padding_row
 from functree.hf._family import renamed
@@ -122,7 +123,7 @@ class RobertaModel(BertModel):
                          epsilon=epsilon, pooler=pooler, key=key, dtype=dtype, attention=attention)
         # BERT's embeddings drawn from the same key, with the padding id
         self.embeddings = RobertaEmbeddings(vocab, positions, types, d, epsilon, padding_idx,
-                                            key=jax.random.split(key, 3)[0], dtype=dtype)
+                                            key=jax.random.split(one_key(key), 3)[0], dtype=dtype)
 
     def _embed(self, ids: jax.Array, token_type_ids: Any) -> jax.Array:
         """HF's ``RobertaEmbeddings``' sum before its LayerNorm: ``(word + segment) + position``,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from functree._activations import gelu_exact, tanh
 from functree._module import Module, field
+from functree._random import one_key
 from functree.hf._config import HFConfig
 from functree.hf._dropout import drop
 from functree.hf._heads import (
@@ -81,7 +82,7 @@ class FirstTokenClassifier(TaskModel):
 
     @classmethod
     def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         return cls(body, RobertaClassificationHead(Dense(width, width, tanh, key=k1, dtype=dtype),
                                                    Dense(width, num_labels(config), key=k2, dtype=dtype)))
 
@@ -137,7 +138,7 @@ class LMHeadMaskedLM(TaskModel):
     @classmethod
     def build(cls, body: Any, width: int, config: Any, dtype: Any, key: jax.Array) -> Any:
         vocab = int(_tokens(body).embeddings.shape[0])
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         decoder = None if getattr(config, "tie_word_embeddings", True) else Dense(width, vocab, key=k2, dtype=dtype)
         return cls(body, RobertaLMHead(Dense(width, width, gelu_exact, key=k1, dtype=dtype),
                                        LayerNorm(width, epsilon=config.layer_norm_eps, dtype=dtype),

@@ -26,6 +26,7 @@ import numpy as np
 from functree._activations import tanh
 from functree._files import local_if_path
 from functree._module import from_fields
+from functree._random import one_key
 from functree.hf._bert import BertModel
 from functree.hf._causal import CausalLM
 from functree.hf._config import HFConfig
@@ -203,7 +204,7 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
     config = read_config(values)
     _count(config)  # the labels' and problem_type's checks from_hf makes
     _check_pad_token(task, config)
-    k_build, k_init, k_pool = jax.random.split(key, 3)
+    k_build, k_init, k_pool = jax.random.split(one_key(key), 3)
     body = _fitted(task, body, config, k_pool)
     width = int(_tokens(body).embeddings.shape[1])  # OPT: word_embed_proj_dim
     built = task.build(body, width, config, _tokens(body).embeddings.dtype, k_build)

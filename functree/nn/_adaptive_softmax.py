@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._module import field
+from functree._random import one_key
 from functree.nn._check import LayerInputError, check_input, concrete, size_arguments
 from functree.nn._initializers import torch_default
 from functree.nn._linear import Dense
@@ -100,7 +101,7 @@ class AdaptiveLogSoftmaxWithLoss(Layer):
         self.cutoffs = (*(int(c) for c in given), n_classes)
         self.div_value, self.head_bias = float(div_value), bool(head_bias)
         init = torch_default()  # torch's Linear weights: U(±1/sqrt(fan_in))
-        keys = jax.random.split(key, 1 + 2 * len(given))
+        keys = jax.random.split(one_key(key), 1 + 2 * len(given))
         self.head = Dense(in_features, given[0] + len(given), use_bias=self.head_bias, key=keys[0], dtype=dtype,
                           weight_initializer=init)
         tail = []

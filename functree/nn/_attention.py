@@ -19,7 +19,7 @@ import jax.core
 import jax.numpy as jnp
 
 from functree._module import Module, field
-from functree._random import TRAINER_KEY, flat_key
+from functree._random import TRAINER_KEY, flat_key, one_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementation, choose
@@ -474,7 +474,7 @@ class MultiheadAttention(Layer):
         output_size = query_size if output_size is None else output_size
         qk = query_size // num_heads if qk_size is None else qk_size
         vo = query_size // num_heads if vo_size is None else vo_size
-        kq, kk, kv, ko = jax.random.split(key, 4)
+        kq, kk, kv, ko = jax.random.split(one_key(key), 4)
         self.query_projection = Dense(query_size, num_heads * qk, use_bias=use_bias, key=kq, dtype=dtype)
         self.key_projection = Dense(key_size, kv_heads * qk, use_bias=use_bias, key=kk, dtype=dtype)
         self.value_projection = Dense(value_size, kv_heads * vo, use_bias=use_bias, key=kv, dtype=dtype)

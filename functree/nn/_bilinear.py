@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
+from functree._random import one_key
 from functree._repr import short_array
 from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input, size_arguments
@@ -46,7 +47,7 @@ class Bilinear(Layer):
         in2_features, out_features = size_arguments("Bilinear", in2_features=in2_features, out_features=out_features)
         bound = 1 / math.sqrt(in1_features)
         torch_uniform = jax.nn.initializers.uniform(2 * bound)  # [0, 2b), shifted to [-b, b) below
-        kw, kb = jax.random.split(key)
+        kw, kb = jax.random.split(one_key(key))
 
         def shifted(k: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
             return torch_uniform(k, shape, dtype) - jnp.asarray(bound, dtype)

@@ -44,7 +44,7 @@ from functree import _naming
 from functree._activations import identity
 from functree._module import Module, field, from_fields
 from functree._naming import foreign_names
-from functree._random import flat_key
+from functree._random import flat_key, one_key
 from functree._tree import dotted_name, is_none
 from functree._where import placed_like
 from functree.nn._check import check_input
@@ -218,7 +218,7 @@ class LoraDense(Layer):
         lead, (n_in, n_out) = weight.shape[:-2], weight.shape[-2:]
         dtype = weight.dtype if dtype is None else dtype
         bound = 1.0 / math.sqrt(n_in)
-        a_key, drop_key = jax.random.split(key)
+        a_key, drop_key = jax.random.split(one_key(key))
         self.weight, self.bias, self.activation = weight, dense.bias, dense.activation
         self.lora_a = jax.random.uniform(flat_key(a_key), (*lead, n_in, rank), dtype, -bound, bound)
         self.lora_b = jnp.zeros((*lead, rank, n_out), dtype)

@@ -10,6 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from functree._random import one_key
 from functree._tree import written_dtype
 from functree.nn._window import is_int
 
@@ -66,7 +67,9 @@ def _real(value: Any) -> bool:
 
 def check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) -> None:
     """Raise the named error of the first bad option: ``rank`` a positive int, ``alpha`` a
-    positive finite number, ``dropout`` in ``[0, 1)``, ``key`` given (``pattern``: the one shown)."""
+    positive finite number, ``dropout`` in ``[0, 1)``, ``key`` given and one PRNG key (``pattern``: the one shown;
+    an integer seed or a whole ``jax.random.split``: :func:`functree._random.one_key`'s error
+    here, not inside JAX's ``fold_in`` of the first adapter)."""
     if not is_int(rank) or rank < 1:  # a NumPy int is a rank
         raise ValueError(BAD_RANK.format(rank=rank))
     # an infinite alpha made alpha / rank * (x @ a @ b) = inf * 0, NaN from every adapted layer
@@ -76,3 +79,4 @@ def check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) -
         raise ValueError(BAD_DROPOUT.format(dropout=dropout))
     if key is None:
         raise ValueError(NO_KEY.format(pattern=pattern, rank=rank))
+    one_key(key)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from functree._activations import activation_argument, identity, relu
 from functree._module import field
+from functree._random import one_key
 from functree.nn._check import size_argument, size_arguments
 from functree.nn._dropout import Dropout
 from functree.nn._linear import Dense, glorot_uniform
@@ -100,7 +101,7 @@ class MLP(Layer):
             given = f"widths={widths!r}, width_size={width_size!r}, depth={depth!r}"
             raise ValueError(BAD_WIDTHS.format(given=given))
         sizes = [in_size, *hidden, out_size]
-        keys = jax.random.split(key, len(sizes) - 1)
+        keys = jax.random.split(one_key(key), len(sizes) - 1)
         last = len(sizes) - 2
         self.layers = tuple(
             Dense(sizes[i], sizes[i + 1], use_bias=use_bias if i < last else use_final_bias, key=keys[i],
@@ -114,7 +115,7 @@ class MLP(Layer):
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
         hidden = len(self.layers) - 1
         drops = self.dropout.training and self.dropout.rate > 0.0 and hidden > 0
-        keys = jax.random.split(key, hidden) if drops and key is not None else [None] * hidden
+        keys = jax.random.split(one_key(key), hidden) if drops and key is not None else [None] * hidden
         for layer, k in zip(self.layers[:-1], keys):
             x = self.dropout(self.activation(layer(x)), key=k)
         return self.final_activation(self.layers[-1](x))

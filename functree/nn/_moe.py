@@ -52,7 +52,7 @@ import numpy as np
 
 from functree._activations import silu
 from functree._module import field
-from functree._random import TRAINER_KEY, flat_key
+from functree._random import TRAINER_KEY, flat_key, one_key
 from functree._repr import short_array
 from functree.nn._abstract import initialized
 from functree.nn._check import LayerInputError, check_input, concrete, size_argument, size_arguments
@@ -156,7 +156,7 @@ class Experts(Layer):
     def __init__(self, d: int, hidden: int, num_experts: int, activation: Any = silu, *, key: jax.Array,
                  dtype: Any = jnp.float32, std: float = 0.02):
         d, hidden, num_experts = _checked_sizes("Experts", d, hidden, num_experts)
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.gate_up_proj = initialized(_normal(std), k1, (num_experts, d, 2 * hidden), dtype)
         self.down_proj = initialized(_normal(std), k2, (num_experts, hidden, d), dtype)
         self.activation = activation
@@ -264,7 +264,7 @@ class SparseMoE(Layer):
         top_k = int(top_k)  # (a NumPy integer, e.g. read from an array, as the int it is)
         if implementation not in ("auto", "sorted", "dense", "gathered"):
             raise ValueError(IMPLEMENTATION.format(given=implementation))
-        k1, k2 = jax.random.split(key)
+        k1, k2 = jax.random.split(one_key(key))
         self.gate = Dense(d, num_experts, use_bias=False, key=k1, dtype=dtype, weight_initializer=_normal(std))
         self.experts = Experts(d, hidden, num_experts, activation, key=k2, dtype=dtype, std=std)
         self.top_k, self.renormalize, self.jitter = top_k, bool(renormalize), float(jitter)

@@ -20,7 +20,7 @@ from jax.core import Tracer
 from functree._activations import tanh
 from functree._module import field
 from functree._paths import ATTR, Entry, KeyPath
-from functree._random import flat_key
+from functree._random import flat_key, one_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree.nn._abstract import initialized
@@ -114,7 +114,7 @@ def _weights(key: jax.Array, n_in: int, n_hidden: int, gates: int, dtype: Any,
     # initializer's QR has no LAPACK kernel below float32, and a bfloat16 cell is then the
     # float32 cell of the same key, rounded. float32 and float64 draw as they always did.
     drawn = _drawn(dtype)
-    k_in, k_h = jax.random.split(key)
+    k_in, k_h = jax.random.split(one_key(key))
     w_in = initialized(input_init, k_in, (n_in, gates * n_hidden), drawn)  # the keys' draws (functree/_random.py)
     w_h = jnp.concatenate(
         [hidden_init(flat_key(k), (n_state or n_hidden, n_hidden), drawn) for k in jax.random.split(k_h, gates)],
@@ -465,7 +465,7 @@ class RNN(Layer):
         steps = jnp.moveaxis(xs, axis, 0)
         batch = steps.shape[1:-1]
         state = self.cell.zero_state(batch) if initial_state is None else self._checked(initial_state, batch, xs)
-        keys = jax.random.split(key, steps.shape[0]) if key is not None and takes_key(self.cell) else None
+        keys = jax.random.split(one_key(key), steps.shape[0]) if key is not None and takes_key(self.cell) else None
         real = None if lengths is None else self._real_steps(lengths, steps, xs)
         try:
             try:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from functree._activations import relu, tanh
 from functree._paths import ATTR, INDEX, Entry
+from functree._random import one_key
 from functree.nn._check import LayerInputError, size_argument, size_arguments
 from functree.nn._dropout import Dropout
 from functree.nn._mode import Layer
@@ -122,7 +123,7 @@ class Bidirectional(Layer):
     def __call__(self, xs: jax.Array, initial_state: Any = None, *, key: jax.Array | None = None,
                  return_state: bool = False, lengths: Any = None) -> Any:
         start = (None, None) if initial_state is None else _pair(self, initial_state, xs)
-        keys = (None, None) if key is None else tuple(jax.random.split(key))
+        keys = (None, None) if key is None else tuple(jax.random.split(one_key(key)))
         outs, finals = [], []
         given = {} if lengths is None else {"lengths": lengths}
         for name, state, k in zip(("forward", "backward"), start, keys):
@@ -194,7 +195,7 @@ class StackedRNN(Layer):
         starts = self._grouped(initial_state, xs)
         given = {} if lengths is None else {"lengths": lengths}
         n = len(self.layers)
-        keys: list[Any] = [None] * (2 * n) if key is None else list(jax.random.split(key, 2 * n))
+        keys: list[Any] = [None] * (2 * n) if key is None else list(jax.random.split(one_key(key), 2 * n))
         finals: list[Any] = []
         for k, (layer, start) in enumerate(zip(self.layers, starts)):
             if k:  # torch: dropout on every layer's outputs but the last's, in training
@@ -277,7 +278,7 @@ def _built(make: Callable[..., Any], input_size: int, hidden_size: int, num_laye
     """torch's layers: layer ``k``'s cells (forward, then backward) from ``split(key, 2 * num_layers)``;
     layer ``k > 0`` reads ``num_directions * output_size`` features (0: ``hidden_size``; an
     LSTM with projections: its ``proj_size``)."""
-    keys = jax.random.split(key, 2 * num_layers)
+    keys = jax.random.split(one_key(key), 2 * num_layers)
     time_axis = -2 if batch_first else 0
     rnn: Any = RNN  # its dataclass __init__ (cell, time_axis, reverse), which pyright does not see
     layers = []

@@ -10,6 +10,7 @@ import jax
 
 from functree._module import Module, field
 from functree._paths import INDEX, Entry
+from functree._random import one_key
 from functree._repr import short_array
 from functree._tree import bounded_put, is_array_value
 from functree.nn._check import LayerInputError
@@ -145,7 +146,7 @@ class Sequential(Layer):
     def __call__(self, x: Any, *args: Any, key: jax.Array | None = None, cache: Any = None,
                  **kwargs: Any) -> Any:
         needs = [takes_key(layer) for layer in self.layers]
-        keys = iter(jax.random.split(key, max(sum(needs), 1))) if key is not None else None
+        keys = iter(jax.random.split(one_key(key), max(sum(needs), 1))) if key is not None else None
         if cache is not None and (not isinstance(cache, (tuple, list)) or len(cache) != len(self.layers)):
             given = f"a {type(cache).__name__}" + (f" of {len(cache)}" if isinstance(cache, (tuple, list)) else "")
             raise ValueError(BAD_CACHES.format(n=len(self.layers), given=given))

@@ -22,6 +22,7 @@ from functree._leaf_checks import quoted
 from functree._module import Module, field, from_fields
 from functree._naming import refuse_batched_members
 from functree._paths import KeyPath, children, walk
+from functree._random import one_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree._tree import dotted_name, is_array_value
@@ -225,7 +226,7 @@ class Stack(Layer):
     def __init__(self, make: Callable[[jax.Array], Any], n: int, *, key: jax.Array, remat: Any = None):
         n = _check_n(n)
         self.remat = remat_policy(remat)
-        layers = jax.vmap(make)(jax.random.split(key, n))
+        layers = jax.vmap(make)(jax.random.split(one_key(key), n))
         if not isinstance(layers, Module):
             raise TypeError(NOT_A_MODULE.format(type=type(layers).__name__))
         self.layers = layers
@@ -257,7 +258,7 @@ class Stack(Layer):
 
     def __call__(self, x: Any, *args: Any, key: jax.Array | None = None, cache: Any = None,
                  **kwargs: Any) -> Any:
-        keys = jax.random.split(key, self.n) if key is not None and takes_key(self.layers) else None
+        keys = jax.random.split(one_key(key), self.n) if key is not None and takes_key(self.layers) else None
         if cache is not None:
             self._check_caches(cache)
         state = collecting()

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from functree._activations import activation_argument, gelu_exact, relu
 from functree._module import Module, field
+from functree._random import one_key
 from functree._repr import short_array
 from functree.nn._attention import MultiheadAttention
 from functree.nn._check import LayerInputError, size_argument, size_arguments
@@ -216,7 +217,7 @@ def _mask_dtype(m: jax.Array) -> bool:
 
 def _keys(key: jax.Array | None, n: int) -> tuple[jax.Array | None, ...]:
     """``n`` keys for the dropouts (None without a key: inference needs none)."""
-    return (None,) * n if key is None else tuple(jax.random.split(key, n))
+    return (None,) * n if key is None else tuple(jax.random.split(one_key(key), n))
 
 
 class TransformerEncoderLayer(Layer):
@@ -267,7 +268,7 @@ class TransformerEncoderLayer(Layer):
         norm_first: bool = False, bias: bool = True, *, key: jax.Array, dtype: Any = jnp.float32,
     ):
         d_model, nhead, dim_feedforward = _checked_sizes(type(self).__name__, d_model, nhead, dim_feedforward)
-        ka, k1, k2 = jax.random.split(key, 3)
+        ka, k1, k2 = jax.random.split(one_key(key), 3)
         self.self_attn = MultiheadAttention(d_model, nhead, use_bias=bias, dropout=dropout, key=ka, dtype=dtype)
         self.linear1 = Dense(d_model, dim_feedforward, use_bias=bias, key=k1, dtype=dtype)
         self.linear2 = Dense(dim_feedforward, d_model, use_bias=bias, key=k2, dtype=dtype)
@@ -350,7 +351,7 @@ class TransformerDecoderLayer(Layer):
         norm_first: bool = False, bias: bool = True, *, key: jax.Array, dtype: Any = jnp.float32,
     ):
         d_model, nhead, dim_feedforward = _checked_sizes(type(self).__name__, d_model, nhead, dim_feedforward)
-        ks, km, k1, k2 = jax.random.split(key, 4)
+        ks, km, k1, k2 = jax.random.split(one_key(key), 4)
         self.self_attn = MultiheadAttention(d_model, nhead, use_bias=bias, dropout=dropout, key=ks, dtype=dtype)
         self.multihead_attn = MultiheadAttention(d_model, nhead, use_bias=bias, dropout=dropout, key=km, dtype=dtype)
         self.linear1 = Dense(d_model, dim_feedforward, use_bias=bias, key=k1, dtype=dtype)
@@ -561,7 +562,7 @@ class Transformer(Layer):
         config: dict[str, Any] = dict(dim_feedforward=dim_feedforward, dropout=dropout, activation=activation,
                       layer_norm_eps=layer_norm_eps, batch_first=batch_first, norm_first=norm_first, bias=bias,
                       dtype=dtype)
-        ke, kd = jax.random.split(key)
+        ke, kd = jax.random.split(one_key(key))
 
         def norm() -> LayerNorm:
             return LayerNorm(d_model, layer_norm_eps, use_offset=bias, dtype=dtype)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._module import field
+from functree._random import one_key
 from functree.nn._conv import ConvTranspose, torch_weight_axes
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
@@ -251,7 +252,7 @@ class SpectralNorm(Layer):
         self.legacy = bool(legacy)
         self.weight = layer.weight
         self.layer = layer.replace(weight=None)
-        self.u, self.v = _start(self._matrix(self.weight), key, self.eps, self.legacy)
+        self.u, self.v = _start(self._matrix(self.weight), one_key(key), self.eps, self.legacy)
 
     def _matrix(self, weight: jax.Array) -> jax.Array:
         """torch's ``[h, w]`` matrix of ft's ``weight``: torch's layout, ``dim`` first, flattened."""

@@ -755,6 +755,33 @@ def test_a_batch_given_as_two_arguments_is_named():
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.parametrize("options", [{}, {"on_nan": "ignore"}, {"steps_per_call": 2}])
+def test_several_keys_or_a_seed_as_the_steps_key_are_named(options):
+    """step(model, state, batch, jax.random.split(key, 3)) failed inside JAX's fold_in ("accepts
+    a single key", naming no argument); it names key= and the fix (SEVERAL_KEYS), as an int
+    seed is named (the step's NOT_A_KEY), on every path of the call, and under jax.jit."""
+    from functree.train._data import SEVERAL_KEYS
+
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(lambda m, b, *, key: jnp.mean((m(b[0]) - b[1]) ** 2), opt, donate=False, **options)
+    lead = (2,) if "steps_per_call" in options else ()  # two minibatches stacked
+    batch = (np.ones((*lead, 2, 3), np.float32), np.ones((*lead, 2, 1), np.float32))
+    for keys, what in ((jax.random.split(jax.random.key(0), 3), "a key array"),
+                       (jax.random.split(jax.random.PRNGKey(0), 3), "raw uint32 key data")):
+        expected = SEVERAL_KEYS.format(caller="step", n=3, what=what, shape=keys.shape)
+        with pytest.raises(ValueError) as info:
+            step(model, opt.init(model), batch, keys)
+        assert str(info.value) == expected
+        with pytest.raises(ValueError) as info:
+            jax.jit(lambda m, s, k: step(m, s, batch, k))(model, opt.init(model), keys)
+        assert str(info.value) == expected
+    with pytest.raises(TypeError, match=r"fourth argument is its PRNG key, and int\[\] is none"):
+        step(model, opt.init(model), batch, 0)
+    _, _, metrics = step(model, opt.init(model), batch, jax.random.key(0))
+    assert np.isfinite(np.asarray(metrics["loss"])).all()
+
+
 # --- a step called inside the user's jax.jit / jax.vmap / lax.scan ---------------------------
 
 

@@ -393,8 +393,8 @@ NOT_A_PRNG_KEY = """\
 
 SEVERAL_KEYS = """\
 {caller}: key= is one JAX PRNG key, but it got {n} keys ({what} of shape {shape}: a \
-jax.random.split's whole output), which fold_in refused at the first epoch, inside JAX. \
-Pass one of them:
+jax.random.split's whole output), which jax.random.fold_in refuses inside JAX. Pass one of \
+them:
 
     wrong:  {caller}(..., key=jax.random.split(key, {n}))
     right:  {caller}(..., key=jax.random.split(key, {n})[0])
@@ -408,13 +408,23 @@ def checked_key(key: Any, caller: str) -> Any:
     dtype = getattr(key, "dtype", None)
     typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
     if typed or (dtype == jnp.uint32 and np.shape(key)[-1:] == (2,)):
-        batch = np.shape(key) if typed else np.shape(key)[:-1]
-        if batch:
-            raise ValueError(SEVERAL_KEYS.format(caller=caller, n=int(np.prod(batch)), shape=np.shape(key),
-                                                 what="a key array" if typed else "raw uint32 key data"))
+        several = several_keys(key, caller)
+        if several is not None:
+            raise several
         return key
     seed = int(key) if isinstance(key, (int, np.integer)) and not isinstance(key, bool) else 0
     raise TypeError(NOT_A_PRNG_KEY.format(caller=caller, given=repr(key)[:60], kind=type(key).__name__, seed=seed))
+
+
+def several_keys(key: Any, caller: str) -> ValueError | None:
+    """:data:`SEVERAL_KEYS` for a key (typed, or raw ``uint32`` data ``[..., 2]``) that is a
+    batch of keys; None for one key."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    batch = np.shape(key) if typed else np.shape(key)[:-1]
+    if not batch:
+        return None
+    return ValueError(SEVERAL_KEYS.format(caller=caller, n=int(np.prod(batch)), shape=np.shape(key),
+                                          what="a key array" if typed else "raw uint32 key data"))
 
 
 @functools.partial(jax.jit, static_argnums=2)

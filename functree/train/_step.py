@@ -71,6 +71,7 @@ from functree.parallel._step_specs import (
     stack_devices,
     without_axis,
 )
+from functree.train._data import several_keys
 from functree.train._eval_step import (
     EvalStep,
     check_batch_argument,
@@ -787,6 +788,9 @@ class TrainStep:
         key = args[3] if len(args) > 3 else None
         if key is not None and not _is_key(key):  # step(model, state, x, y): y taken as the key
             return TypeError(NOT_A_KEY.format(given=describe_batch(key)))
+        several = None if key is None else several_keys(key, "step")  # a whole split: fold_in refused it
+        if several is not None:
+            return several
         return devices_error("the train step", error, list(zip(("model", "opt_state", "batch", "key"), args)))
 
     def _check_donated(self, model: Any, opt_state: Any) -> None:

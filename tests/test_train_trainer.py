@@ -453,6 +453,27 @@ def test_restore_model_with_new_optimizer_options(tmp_path):
     assert int(ft.optim.context(sgd.opt_state).step) == 2
 
 
+def test_setting_the_optimizer_or_wrt_mid_run_is_refused_and_the_printed_fix_runs(tmp_path):
+    trainer = Trainer(mlp(), adam(), classify)
+    trainer.fit((X, LABELS), steps=2, progress=False)
+    # Each was ignored: sgd(0.0) assigned, the next fit trained on with adam (wrt= likewise).
+    with pytest.raises(AttributeError, match=r"trainer.optimizer cannot be set(.|\n)*set_hyperparameters"):
+        trainer.optimizer = ft.optim.Optimizer(ft.optim.sgd(0.0))
+    with pytest.raises(AttributeError, match=r"wrt='layers.1.\*'\)\.restore\(path, optimizer_state=False\)"):
+        trainer.wrt = "layers.1.*"
+    for name, value in [("loss_fn", classify), ("on_nan", "skip"), ("learning_rate", 1e-4)]:
+        with pytest.raises(AttributeError, match=f"trainer.{name} cannot be set"):
+            setattr(trainer, name, value)
+    trainer.steps_per_call = 2  # read by each fit: still set
+    before = trainer.model
+    trainer.save(tmp_path / "ckpt")  # the printed fix: the job continued with wrt=
+    frozen = Trainer(trainer.model, adam(), classify, wrt="layers.1.*").restore(tmp_path / "ckpt", optimizer_state=False)
+    frozen.fit((X, LABELS), steps=4, progress=False)
+    assert frozen.steps_run == 4
+    np.testing.assert_array_equal(frozen.model.layers[0].weight, before.layers[0].weight)
+    assert not np.array_equal(frozen.model.layers[1].weight, before.layers[1].weight)
+
+
 def keyed_loss(model, batch, *, key):
     """A loss written as documented: ``loss_fn(model, batch, *, key)`` (key required)."""
     x, labels = batch

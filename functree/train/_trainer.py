@@ -236,6 +236,49 @@ OTHER_ATTRIBUTE = """\
     right:  trainer.{ours}"""
 
 
+# What the Trainer's step was built with: assigned after the constructor, each was ignored
+# (`trainer.optimizer = sgd(0.0)`: the next fit trained on with the old optimizer, and its
+# checkpoints named the new one), or made an attribute nothing reads (`trainer.wrt = ...`).
+BUILT_WITH = {
+    "optimizer": "its optimizer", "train_step": "its step", "eval_step": "its evaluation step",
+    "on_nan": "its on_nan", "loss_fn": "its loss_fn", "metrics": "its metrics", "wrt": "its wrt=",
+    "mesh": "its mesh", "data_axis": "its data_axis", "sharding": "its sharding",
+    "compute_dtype": "its compute_dtype", "training": "its modes (training=)",
+    "learning_rate": "the learning rate in the optimizer state", "lr": "the learning rate in the optimizer state",
+}
+# The optimizer state goes with the optimizer: another optimizer or wrt= starts its own.
+_NEW_STATE = frozenset({"optimizer", "train_step", "wrt"})
+_RATE = frozenset({"optimizer", "learning_rate", "lr"})
+
+TRAINER_BUILT_WITH = """\
+trainer.{name} cannot be set: the Trainer's compiled step was built with {what} by \
+ft.train.Trainer(...), and the assignment would be ignored (the next fit trains on as before). \
+To continue the job (its steps, history, key, position) with {new}, save it and restore it \
+into a trainer built so:
+
+    wrong:  trainer.{name} = {value}
+    right:  trainer.save(path)
+            trainer = ft.train.Trainer(trainer.model, optimizer, loss_fn, {keyword}).restore(path{keep})
+{rate}"""
+
+_SET_RATE = """\
+       or, to change the learning rate only (the moments and step count kept, no recompilation):
+            trainer.opt_state = ft.optim.set_hyperparameters(trainer.opt_state, learning_rate=1e-4)
+"""
+
+
+def built_with(name: str, value: Any) -> AttributeError:
+    """:data:`TRAINER_BUILT_WITH` for ``trainer.<name> = value``."""
+    rate_only = name in ("learning_rate", "lr")
+    shown = "..." if callable(value) or _short(value).startswith("<") else _short(value)
+    keyword = "..." if rate_only or name in ("optimizer", "loss_fn") or shown == "..." else f"{name}={shown}"
+    return AttributeError(TRAINER_BUILT_WITH.format(
+        name=name, what=BUILT_WITH[name], value=shown, keyword=keyword,
+        new="a new optimizer" if rate_only else f"the new {name}",
+        keep=", optimizer_state=False" if name in _NEW_STATE else "",
+        rate=_SET_RATE if name in _RATE else ""))
+
+
 def no_attribute(name: str, owner: type) -> AttributeError:
     """The error for ``trainer.<name>``: another loop's name for an attribute here
     (:data:`OTHER_ATTRIBUTES`), or the closest public name of ``owner``."""
@@ -526,6 +569,12 @@ class Trainer(Evaluation):
     def __getattr__(self, name: str) -> Any:
         # Only for names normal lookup did not find (no cost to the others).
         raise no_attribute(name, type(self))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The step's setup is the constructor's: set once there, refused after (BUILT_WITH).
+        if name in BUILT_WITH and "_job" in self.__dict__:
+            raise built_with(name, value)
+        super().__setattr__(name, value)
 
     def __init__(self, model: Any, optimizer: Any = MISSING, loss_fn: Callable[..., Any] = MISSING, *,
                  metrics: Mapping[str, Any] | Sequence[Any] | None = None, key: jax.Array | None = None,

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import random as jax_random
 
 _THREEFRY = jax_random.threefry_prng_impl
@@ -62,13 +63,34 @@ nnx.Rngs(0)).
        or:  model(x, key=jax.random.fold_in(jax.random.key(0), step))   # a fresh key every step"""
 
 
+def key_batch(key: Any) -> tuple[int, ...] | None:
+    """The batch shape of ``key``: ``()`` for one PRNG key, typed (``jax.random.key``) or raw
+    ``uint32`` key data (``jax.random.PRNGKey``: ``[2]``); the leading shape of several (a
+    whole ``jax.random.split``); None for no key (an integer seed, a float array, a ``uint32``
+    scalar). The one reading of a ``key=`` that the layers', the Trainer's data's, a train
+    step's and ``generate``'s checks share, each with its own message.
+
+    Example:
+      >>> import jax
+      >>> key_batch(jax.random.key(0)), key_batch(jax.random.split(jax.random.PRNGKey(0), 3)), key_batch(0)
+      ((), (3,), None)
+    """
+    dtype = getattr(key, "dtype", None)
+    if dtype is None:
+        return None
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return tuple(np.shape(key))
+    if dtype == jnp.uint32 and np.ndim(key) >= 1:
+        return tuple(np.shape(key)[:-1])
+    return None
+
+
 def _check_key(key: Any) -> None:
     """Refuse what no jax.random function reads as a key (a Python or NumPy integer, a float
     array, a ``uint32`` scalar): JAX's own error for it names no key (``'int' object has no
     attribute 'dtype'``)."""
-    dtype = getattr(key, "dtype", None)
-    if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or (
-            dtype == jnp.uint32 and getattr(key, "shape", ()))):
+    if key_batch(key) is None:
+        dtype = getattr(key, "dtype", None)
         plain = dtype is None or not (getattr(key, "shape", ()) or isinstance(key, jax.Array))  # 0, np.int32(0)
         given = f"{type(key).__name__} {key!r}" if plain else f"an array of {dtype}{list(key.shape)}"
         raise TypeError(NOT_A_KEY.format(given=given))
@@ -95,11 +117,10 @@ def one_key(key: Any) -> Any:
     at the call, not inside JAX's split (``invalid PRNG key data``). Trace-time only under
     ``jit`` (a tracer's shape and dtype are static); a key under ``vmap`` is one key."""
     _check_key(key)
-    typed = _is_typed(key)
-    batch = key.shape if typed else key.shape[:-1]  # (raw key data: [..., 2] for threefry)
+    batch = key_batch(key)
     if batch:
         raise ValueError(SEVERAL_KEYS.format(n=math.prod(batch), shape=tuple(key.shape),
-                                             what="a key array" if typed else "raw uint32 key data"))
+                                             what="a key array" if _is_typed(key) else "raw uint32 key data"))
     return key
 
 

@@ -52,6 +52,7 @@ import numpy as np
 from jax.core import Tracer
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
+from functree._random import key_batch
 from functree._repr import first_index, short_array
 from functree._where import devices_error, following
 from functree.generation import _decode, _memory
@@ -200,10 +201,7 @@ got {given}.
 def _check_key(key: Any) -> None:
     """Refuse :data:`NOT_ONE_KEY` at the call what the sampling loop's ``fold_in`` would refuse
     inside JAX, naming no argument: an integer seed (torch's ``manual_seed``), several keys."""
-    dtype = getattr(key, "dtype", None)
-    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-    raw = dtype == jnp.uint32 and np.ndim(key) >= 1  # key data: [..., 2] for threefry
-    batch = np.shape(key) if typed else np.shape(key)[:-1] if raw else None
+    batch = key_batch(key)
     if batch == ():
         return
     if batch is not None:

@@ -8,11 +8,10 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 from functree._random import one_key
 from functree._tree import written_dtype
-from functree.nn._window import is_int
+from functree.nn._window import is_int, is_real
 
 __all__ = ["BAD_LORA_DTYPE", "BAD_RANK", "BAD_ALPHA", "BAD_DROPOUT", "NO_KEY", "check_dtype", "check_options"]
 
@@ -60,11 +59,6 @@ def check_dtype(dtype: Any, call: str) -> Any:
     return dt
 
 
-def _real(value: Any) -> bool:
-    """A Python or NumPy real number (``np.float32(16)``, a config read with NumPy), no bool."""
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-
-
 def check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) -> None:
     """Raise the named error of the first bad option: ``rank`` a positive int, ``alpha`` a
     positive finite number, ``dropout`` in ``[0, 1)``, ``key`` given and one PRNG key (``pattern``: the one shown;
@@ -73,9 +67,9 @@ def check_options(rank: Any, alpha: Any, dropout: Any, key: Any, pattern: Any) -
     if not is_int(rank) or rank < 1:  # a NumPy int is a rank
         raise ValueError(BAD_RANK.format(rank=rank))
     # an infinite alpha made alpha / rank * (x @ a @ b) = inf * 0, NaN from every adapted layer
-    if not _real(alpha) or not math.isfinite(alpha) or not alpha > 0:
+    if not is_real(alpha) or not math.isfinite(alpha) or not alpha > 0:
         raise ValueError(BAD_ALPHA.format(alpha=alpha))
-    if not _real(dropout) or not 0.0 <= dropout < 1.0:
+    if not is_real(dropout) or not 0.0 <= dropout < 1.0:
         raise ValueError(BAD_DROPOUT.format(dropout=dropout))
     if key is None:
         raise ValueError(NO_KEY.format(pattern=pattern, rank=rank))

@@ -36,6 +36,11 @@ def is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+def is_real(x: Any) -> bool:
+    """A Python or NumPy real number (``np.float32(16)``, a config read with NumPy), not a bool."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
 def _error(cls: str, name: str, given: Any, n: int, what: str, right: Any) -> ValueError:
     return ValueError(BAD_WINDOW.format(cls=cls, name=name, given=given, n=n, axes="axis" if n == 1 else "axes",
                                         what=what, right=right))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._naming import names as _leaf_names
+from functree._random import key_batch
 from functree._state_dict import tensor_to_numpy
 from functree._tree import dotted_name
 from functree.train._metrics import describe_batch
@@ -405,9 +406,7 @@ def checked_key(key: Any, caller: str) -> Any:
     """``key`` if it is one PRNG key: a typed key (``jax.random.key``) or raw ``uint32``
     key data ``[2]`` (``jax.random.PRNGKey``); else :data:`NOT_A_PRNG_KEY` (or, for
     several keys, :data:`SEVERAL_KEYS`) at the call, not deep inside the first shuffle."""
-    dtype = getattr(key, "dtype", None)
-    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-    if typed or (dtype == jnp.uint32 and np.shape(key)[-1:] == (2,)):
+    if key_batch(key) is not None:
         several = several_keys(key, caller)
         if several is not None:
             raise several
@@ -419,10 +418,10 @@ def checked_key(key: Any, caller: str) -> Any:
 def several_keys(key: Any, caller: str) -> ValueError | None:
     """:data:`SEVERAL_KEYS` for a key (typed, or raw ``uint32`` data ``[..., 2]``) that is a
     batch of keys; None for one key."""
-    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-    batch = np.shape(key) if typed else np.shape(key)[:-1]
+    batch = key_batch(key)
     if not batch:
         return None
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     return ValueError(SEVERAL_KEYS.format(caller=caller, n=int(np.prod(batch)), shape=np.shape(key),
                                           what="a key array" if typed else "raw uint32 key data"))
 

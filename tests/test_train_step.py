@@ -76,6 +76,25 @@ def test_reusing_a_donated_model_names_the_argument_the_step_and_the_fix():
     new_model, new_state, _ = step(new_model, new_state, batch)  # the returned ones work
 
 
+@pytest.mark.parametrize("name", ["optimizer", "loss_fn", "metrics", "compute_dtype"])
+def test_a_setting_its_programs_were_built_with_is_refused_after_the_step_ran(name):
+    # step.optimizer = sgd(0.0) after a call was ignored: the next call of the same shapes
+    # ran the program built with the old optimizer, which went on moving the model
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    new = {"optimizer": ft.optim.Optimizer(ft.optim.sgd(0.0)), "loss_fn": lambda m, b: 0.0 * mse(m, b),
+           "metrics": {}, "compute_dtype": jnp.bfloat16}[name]
+    before = ft.train.train_step(mse, opt, donate=False)
+    setattr(before, name, new)  # before any call: the step is still being set up
+    step = ft.train.train_step(mse, opt, donate=False)
+    state = opt.init(model)
+    model, state, _ = step(model, state, batch)
+    with pytest.raises(AttributeError, match=rf"(?s)TrainStep\.{name} cannot be set after the step has run.*"
+                                             r"step = ft\.train\.train_step\(loss_fn, optimizer"):
+        setattr(step, name, new)
+    assert getattr(step, name) is not new
+
+
 def test_optax_transform_accepted_and_no_donation_option():
     model, batch = problem()
     step = ft.train.train_step(mse, optax.sgd(0.1), donate=False)

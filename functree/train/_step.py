@@ -268,6 +268,34 @@ def _is_key(x: Any) -> bool:
     return dtype == jnp.uint32 and np.shape(x)[-1:] == (2,)
 
 
+STEP_BUILT_WITH = """\
+{cls}.{name} cannot be set after the step has run: its compiled programs were built with \
+its {name}, and the next calls of the same shapes would run them as they are (the assignment \
+ignored, silently). Build another step with the new {name}:
+
+    wrong:  step.{name} = ...
+    right:  step = ft.train.train_step(loss_fn, optimizer, ...)   # a new optimizer: opt_state = optimizer.init(model)"""
+
+
+class _BuiltWith:
+    """A :class:`TrainStep` setting its programs read while they trace (the optimizer, the
+    loss function, the metrics, the compute dtype): set freely until the step first builds
+    a program, then refused (:data:`STEP_BUILT_WITH`), where a compiled program would keep
+    the old one silently. A data descriptor on these names alone: the loop's own attribute
+    writes (``_calls``, ``_halt``) pay nothing for it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return self if obj is None else obj.__dict__[self.slot]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if obj.__dict__.get("_shared") is not None:
+            raise AttributeError(STEP_BUILT_WITH.format(cls=type(obj).__name__, name=self.name))
+        obj.__dict__[self.slot] = value
+
+
 class TrainStep:
     """``step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)``, jitted.
 
@@ -384,6 +412,11 @@ class TrainStep:
       ...         loss, aux = super().compute_loss(model, batch, key)
       ...         return loss + 1e-3 * jnp.abs(model.weight).sum(), aux
     """
+
+    optimizer: Any = _BuiltWith()
+    loss_fn: Any = _BuiltWith()
+    metrics: Any = _BuiltWith()
+    compute_dtype: Any = _BuiltWith()
 
     def __init__(
         self,

@@ -207,6 +207,18 @@ def key():
     return jax.random.key(0)
 
 
+@pytest.fixture
+def home_and_work(tmp_path, monkeypatch):
+    """``(home, work)``, two empty folders under ``tmp_path``: ``~`` expands to ``home``
+    (``HOME`` set) and ``work`` is the working directory, for the tests of paths a user
+    writes with ``~`` (one must never land in a folder named ``~`` in ``work``)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    return home, work
+
+
 @pytest.fixture(autouse=True)
 def _own_compiled_steps():
     """Each test starts with no shared compiled training steps (functree/train/_programs.py):

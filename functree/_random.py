@@ -63,12 +63,25 @@ nnx.Rngs(0)).
        or:  model(x, key=jax.random.fold_in(jax.random.key(0), step))   # a fresh key every step"""
 
 
+_RAW_SIZES: dict[str, int] = {}  # the default generator's name -> its raw key data's size
+
+
+def _raw_size() -> int:
+    """The size of raw key data of the default generator (``jax.random.PRNGKey``'s: 2 for
+    threefry), once per generator name: no computation, an abstract evaluation."""
+    impl = str(getattr(jax.config, "jax_default_prng_impl", ""))
+    size = _RAW_SIZES.get(impl)
+    if size is None:
+        size = _RAW_SIZES[impl] = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape[-1]
+    return size
+
+
 def key_batch(key: Any) -> tuple[int, ...] | None:
     """The batch shape of ``key``: ``()`` for one PRNG key, typed (``jax.random.key``) or raw
     ``uint32`` key data (``jax.random.PRNGKey``: ``[2]``); the leading shape of several (a
     whole ``jax.random.split``); None for no key (an integer seed, a float array, a ``uint32``
-    scalar). The one reading of a ``key=`` that the layers', the Trainer's data's, a train
-    step's and ``generate``'s checks share, each with its own message.
+    array of labels). The one reading of a ``key=`` that the layers', the Trainer's data's,
+    a train step's and ``generate``'s checks share, each with its own message.
 
     Example:
       >>> import jax
@@ -80,7 +93,7 @@ def key_batch(key: Any) -> tuple[int, ...] | None:
         return None
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return tuple(np.shape(key))
-    if dtype == jnp.uint32 and np.ndim(key) >= 1:
+    if dtype == jnp.uint32 and np.shape(key)[-1:] == (_raw_size(),):
         return tuple(np.shape(key)[:-1])
     return None
 

@@ -1140,14 +1140,11 @@ def test_an_adapter_on_torch_multihead_attentions_out_proj_is_refused_both_ways(
     ft.nn.save_lora(ft.nn.lora(net, "head", rank=2, key=jax.random.key(2)), tmp_path / "head")  # no refusal
 
 
-def test_an_adapter_under_home_is_written_and_read_there(tmp_path, monkeypatch):
+def test_an_adapter_under_home_is_written_and_read_there(tmp_path, monkeypatch, home_and_work):
     """``save_lora(model, "~/adapter")`` wrote ``./~/adapter`` (a folder named ``~``, often
     removed with ``rm -rf ~``), which ``load_lora(model, "~/adapter")`` found only from that
     working directory; a folder named ``~`` here is named, with ``"./~/..."`` to read it."""
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir(), work.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.chdir(work)
+    home, work = home_and_work
     model = ft.nn.Sequential(ft.nn.Dense(4, 4, key=jax.random.key(0)), ft.nn.Dense(4, 2, key=jax.random.key(1)))
     adapted = ft.set(ft.nn.lora(model, "*", rank=2, key=jax.random.key(2)), "layers.1.lora_b", jnp.ones((2, 2)))
     ft.nn.save_lora(adapted, "~/adapter")

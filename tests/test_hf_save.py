@@ -283,16 +283,13 @@ def test_a_model_read_from_other_paths_or_versions_compiles_once_and_saves_as_tr
     assert old == b.hf_config and "transformers_version" not in old
 
 
-def test_a_directory_under_home_is_written_and_read_there(tmp_path, monkeypatch):
+def test_a_directory_under_home_is_written_and_read_there(tmp_path, monkeypatch, home_and_work):
     """``save_hf(model, "~/models/m")`` wrote ``./~/models/m`` (a folder named ``~``, often
     removed with ``rm -rf ~``), which ``from_hf("~/models/m")`` found only from that working
     directory. Now each reads ``~`` as the home (``with_head``'s directory too); a folder
     named ``~`` here (transformers' ``save_pretrained("~/m")`` writes one) is named, with
     ``"./~/m"`` to read it."""
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir(), work.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.chdir(work)
+    home, work = home_and_work
     model = ft.nn.from_hf(hf_model(gpt2_config()))
     ft.nn.save_hf(model, "~/models/m")
     assert os.listdir(work) == [] and "model.safetensors" in os.listdir(home / "models" / "m")

@@ -201,35 +201,36 @@ def test_float64_numpy_arrays_need_cast_and_get_a_hint():
     assert report.mismatched == (("steps", "shape () dtype int32", "shape () dtype float32"),)
 
 
+def _range_hint_and_its_clip_loads(dtype, big, bound):
+    """The message of casting ``[1, big, 2]`` into a ``dtype`` leaf ``w``; the clip at
+    ``bound`` it shows loads, ``big`` read as ``bound``."""
+    template, given = {"w": np.zeros(3, dtype)}, np.array([1.0, big, 2.0], np.float32)
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(template, {"w": given}, cast=True)
+    clipped = ft.from_flat_dict(template, {"w": np.clip(given, -bound, bound)}, cast=True)
+    np.testing.assert_array_equal(np.asarray(clipped["w"], np.float32), [1.0, bound, 2.0])
+    return str(info.value)
+
+
 def test_values_past_a_float16_template_s_range_hint_from_flat_dict_s_own_fix():
     """The hint showed torch's loader and ``v.clamp(...)``, no method of the NumPy arrays
     from_flat_dict is given (a float32 checkpoint cast into a float16 model, as the
     checkpoint's dtype hint shows, comes here)."""
-    template = {"w": np.zeros(3, np.float16)}
-    with pytest.raises(ValueError) as info:
-        ft.from_flat_dict(template, {"w": np.array([1.0, 7e4, 2.0], np.float32)}, cast=True)
-    message = str(info.value)
+    message = _range_hint_and_its_clip_loads(np.float16, 7e4, 65504)
     assert "w: values beyond the largest finite value of the leaf's floating dtype" in message
     assert "right:  ft.from_flat_dict(float32_model, flat, cast=True)" in message
     assert "np.clip(v, -65504, 65504) for k, v in flat.items()" in message
     assert "load_torch_state_dict" not in message and ".clamp(" not in message
-    clipped = ft.from_flat_dict(template, {"w": np.clip(np.array([1.0, 7e4, 2.0], np.float32), -65504, 65504)}, cast=True)
-    np.testing.assert_array_equal(np.asarray(clipped["w"], np.float32), [1.0, 65504.0, 2.0])
 
 
 def test_values_past_a_float8_template_s_range_hint_the_leaf_s_own_bound():
     """The range hint named float16's 65504 for every leaf: clipped there as it said, a
     float8_e4m3fn leaf's values (largest 448) were still beyond its range. It names the
     leaf's dtype and bound, and the clip it writes loads."""
-    template = {"w": np.zeros(3, jnp.float8_e4m3fn)}
-    with pytest.raises(ValueError) as info:
-        ft.from_flat_dict(template, {"w": np.array([1.0, 500.0, 2.0], np.float32)}, cast=True)
-    message = str(info.value)
+    message = _range_hint_and_its_clip_loads(jnp.float8_e4m3fn, 500.0, 448)
     assert "w: values beyond the largest finite value of the leaf's floating dtype (float8_e4m3fn's is 448)" in message
     assert "wrong:  ft.from_flat_dict(float8_e4m3fn_model, flat, cast=True)   # values beyond 448" in message
     assert "np.clip(v, -448, 448) for k, v in flat.items()" in message and "65504" not in message
-    clipped = ft.from_flat_dict(template, {"w": np.clip(np.array([1.0, 500.0, 2.0], np.float32), -448, 448)}, cast=True)
-    np.testing.assert_array_equal(np.asarray(clipped["w"], np.float32), [1.0, 448.0, 2.0])
 
 
 def test_from_flat_dict_rejects_a_template_whose_names_collide():

@@ -945,14 +945,11 @@ def test_a_misspelt_callback_keyword_names_the_closest_and_a_missing_path_is_pyt
         ft.train.ModelCheckpoint()
 
 
-def test_a_history_logger_under_home_or_relative_writes_where_the_call_said(tmp_path, monkeypatch):
+def test_a_history_logger_under_home_or_relative_writes_where_the_call_said(tmp_path, monkeypatch, home_and_work):
     """``HistoryLogger("~/log.jsonl")`` wrote ``./~/log.jsonl``, and a relative path given
     before an ``os.chdir`` was written under the new working directory."""
-    home, work, other = tmp_path / "home", tmp_path / "work", tmp_path / "other"
-    for d in (home, work, other):
-        d.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.chdir(work)
+    (home, work), other = home_and_work, tmp_path / "other"
+    other.mkdir()
     logs = [ft.train.HistoryLogger("~/log.jsonl"), ft.train.HistoryLogger("relative.jsonl")]
     monkeypatch.chdir(other)
     make().fit(data(), epochs=1, progress=False, callbacks=logs)

@@ -1282,14 +1282,11 @@ def test_all_steps_sees_what_another_writer_changed(tmp_path):
 
 # --- paths as a user writes them ---------------------------------------------------------------
 
-def test_a_path_under_the_home_directory_is_read_and_written_there(tmp_path, monkeypatch):
+def test_a_path_under_the_home_directory_is_read_and_written_there(tmp_path, monkeypatch, home_and_work):
     """``"~/runs/exp"`` made a directory named ``~`` in the working directory: a later load
     from another directory (or trainer.restore, whose existence check read the path apart)
     found no checkpoint, and `rm -rf ~` is how such a folder is usually removed."""
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir(), work.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.chdir(work)
+    home, work = home_and_work
     ft.train.save("~/tree", _w(1.0))
     with CheckpointManager("~/run") as manager:
         manager.save(1, _w(2.0))
@@ -1331,16 +1328,13 @@ def test_a_file_on_the_path_is_named_with_the_directory_to_give(tmp_path):
             ft.train.load(inside)
 
 
-def test_a_home_path_only_a_folder_named_tilde_here_holds_names_it(tmp_path, monkeypatch):
+def test_a_home_path_only_a_folder_named_tilde_here_holds_names_it(tmp_path, monkeypatch, home_and_work):
     """``CheckpointManager("~/run")`` / ``ft.train.load("~/run")`` where only ``./~/run`` holds
     the checkpoint (an older writer's folder named ``~``) said there was none, the manager
     making an empty ``~/run`` in the home; each checkpoint read is LITERAL_TILDE now, naming
     ``"./~/run"``, as the model readers (``from_hf``, ``load_torch_state_dict``) are."""
     from functree._files import LITERAL_TILDE
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir(), work.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.chdir(work)
+    home, _ = home_and_work
     ft.train.save("./~/tree", _w(1.0))
     with CheckpointManager("./~/run") as manager:
         manager.save(1, _w(2.0))

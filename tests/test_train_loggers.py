@@ -176,16 +176,13 @@ def test_a_resumed_tensorboard_log_equals_the_uninterrupted_one(tmp_path, monkey
         np.testing.assert_allclose([v for _, v in got[tag]], [v for _, v in points], rtol=0, atol=0)
 
 
-def test_a_log_under_home_or_relative_is_written_where_the_call_said(tmp_path, monkeypatch):
+def test_a_log_under_home_or_relative_is_written_where_the_call_said(tmp_path, monkeypatch, home_and_work):
     """``CSVLogger("~/runs/log.csv")`` wrote ``./~/runs/log.csv`` (a folder named ``~``, often
     removed with ``rm -rf ~``), and a relative path given before a notebook's ``os.chdir``
     was written under the new working directory: each is read at the constructor now."""
     pytest.importorskip("tensorboardX")
-    home, work, other = tmp_path / "home", tmp_path / "work", tmp_path / "other"
-    for d in (home, work, other):
-        d.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.chdir(work)
+    (home, work), other = home_and_work, tmp_path / "other"
+    other.mkdir()
     callbacks = [ft.train.CSVLogger("~/runs/log.csv"), ft.train.TensorBoardLogger("~/board"),
                  ft.train.CSVLogger("relative.csv")]
     monkeypatch.chdir(other)  # after the loggers were made, before fit writes

@@ -47,6 +47,7 @@ from functree._alias import (
 from functree._flat import FlatJit, flat_jit
 from functree._host_buffers import JAX_ARRAYS, private_arrays
 from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
+from functree._random import key_batch
 from functree._source import USER_FUNCTION
 from functree._traces import CURRENT, TOP
 from functree._where import devices_error
@@ -71,6 +72,7 @@ from functree.parallel._step_specs import (
     stack_devices,
     without_axis,
 )
+from functree.train._built import BuiltWith
 from functree.train._data import several_keys
 from functree.train._eval_step import (
     EvalStep,
@@ -258,16 +260,6 @@ argument (a tuple or dict of arrays), as the loss function takes it.
     right:  step(model, state, (x, y))            # or step(model, state, batch, jax.random.key(0))"""
 
 
-def _is_key(x: Any) -> bool:
-    """A PRNG key: a typed key array, or raw ``uint32`` key data ``[..., 2]``."""
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
-    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-        return True
-    return dtype == jnp.uint32 and np.shape(x)[-1:] == (2,)
-
-
 STEP_BUILT_WITH = """\
 {cls}.{name} cannot be set after the step has run: its compiled programs were built with \
 its {name}, and the next calls of the same shapes would run them as they are (the assignment \
@@ -275,25 +267,6 @@ ignored, silently). Build another step with the new {name}:
 
     wrong:  step.{name} = ...
     right:  step = ft.train.train_step(loss_fn, optimizer, ...)   # a new optimizer: opt_state = optimizer.init(model)"""
-
-
-class _BuiltWith:
-    """A :class:`TrainStep` setting its programs read while they trace (the optimizer, the
-    loss function, the metrics, the compute dtype): set freely until the step first builds
-    a program, then refused (:data:`STEP_BUILT_WITH`), where a compiled program would keep
-    the old one silently. A data descriptor on these names alone: the loop's own attribute
-    writes (``_calls``, ``_halt``) pay nothing for it."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.slot = name, "_" + name
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        return self if obj is None else obj.__dict__[self.slot]
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        if obj.__dict__.get("_shared") is not None:
-            raise AttributeError(STEP_BUILT_WITH.format(cls=type(obj).__name__, name=self.name))
-        obj.__dict__[self.slot] = value
 
 
 class TrainStep:
@@ -413,10 +386,16 @@ class TrainStep:
       ...         return loss + 1e-3 * jnp.abs(model.weight).sum(), aux
     """
 
-    optimizer: Any = _BuiltWith()
-    loss_fn: Any = _BuiltWith()
-    metrics: Any = _BuiltWith()
-    compute_dtype: Any = _BuiltWith()
+    optimizer: Any = BuiltWith()
+    loss_fn: Any = BuiltWith()
+    metrics: Any = BuiltWith()
+    compute_dtype: Any = BuiltWith()
+
+    def _built_error(self, name: str, value: Any) -> AttributeError | None:
+        """:data:`STEP_BUILT_WITH` once the step has built a program (:class:`BuiltWith`)."""
+        if self.__dict__.get("_shared") is None:
+            return None
+        return AttributeError(STEP_BUILT_WITH.format(cls=type(self).__name__, name=name))
 
     def __init__(
         self,
@@ -819,7 +798,7 @@ class TrainStep:
         if is_deletion_error(error):  # the owner's arrays (checked only now), or a call in another
             self._check_donated(args[0], args[1])  # thread donated them after this one's check
         key = args[3] if len(args) > 3 else None
-        if key is not None and not _is_key(key):  # step(model, state, x, y): y taken as the key
+        if key is not None and key_batch(key) is None:  # step(model, state, x, y): y taken as the key
             return TypeError(NOT_A_KEY.format(given=describe_batch(key)))
         several = None if key is None else several_keys(key, "step")  # a whole split: fold_in refused it
         if several is not None:

@@ -31,6 +31,7 @@ from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._multisteps import warn_unapplied
 from functree.optim._skip import DEFAULT_ON_NAN
+from functree.train._built import BuiltWith
 from functree.train._callbacks import (
     REQUIRED,
     Callback,
@@ -279,14 +280,17 @@ def built_with(name: str, value: Any) -> AttributeError:
         rate=_SET_RATE if name in _RATE else ""))
 
 
-def no_attribute(name: str, owner: type) -> AttributeError:
+def no_attribute(name: str, obj: Any) -> AttributeError:
     """The error for ``trainer.<name>``: another loop's name for an attribute here
-    (:data:`OTHER_ATTRIBUTES`), or the closest public name of ``owner``."""
+    (:data:`OTHER_ATTRIBUTES`), or the closest public name ``obj`` has (a setting it was
+    not given, a :class:`BuiltWith` without a value, is none)."""
+    owner = type(obj)
     if name in OTHER_ATTRIBUTES:
         what, ours = OTHER_ATTRIBUTES[name]
         return AttributeError(OTHER_ATTRIBUTE.format(name=name, what=what, ours=ours))
-    close = [] if name.startswith("_") else difflib.get_close_matches(
-        name, [n for n in dir(owner) if not n.startswith("_")], n=1)
+    held = [n for n in dir(owner) if not n.startswith("_") and (
+        not isinstance(getattr(owner, n, None), BuiltWith) or "_" + n in obj.__dict__)]
+    close = [] if name.startswith("_") else difflib.get_close_matches(name, held, n=1)
     hint = f"; did you mean trainer.{close[0]}?" if close else ""
     return AttributeError(f"'{owner.__name__}' object has no attribute {name!r}{hint}")
 
@@ -568,13 +572,27 @@ class Trainer(Evaluation):
     # attribute too, made from the record below (add_readers); a name defined here wins.
     def __getattr__(self, name: str) -> Any:
         # Only for names normal lookup did not find (no cost to the others).
-        raise no_attribute(name, type(self))
+        raise no_attribute(name, self)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # The step's setup is the constructor's: set once there, refused after (BUILT_WITH).
-        if name in BUILT_WITH and "_job" in self.__dict__:
-            raise built_with(name, value)
-        super().__setattr__(name, value)
+    # The step's setup is the constructor's: set once there, refused after (BUILT_WITH).
+    optimizer: Any = BuiltWith()
+    train_step: Any = BuiltWith()
+    eval_step: Any = BuiltWith()
+    on_nan: Any = BuiltWith()
+    loss_fn: Any = BuiltWith()
+    metrics: Any = BuiltWith()
+    wrt: Any = BuiltWith()
+    mesh: Any = BuiltWith()
+    data_axis: Any = BuiltWith()
+    sharding: Any = BuiltWith()
+    compute_dtype: Any = BuiltWith()
+    training: Any = BuiltWith()
+    learning_rate: Any = BuiltWith()
+    lr: Any = BuiltWith()
+
+    def _built_error(self, name: str, value: Any) -> AttributeError | None:
+        """:data:`TRAINER_BUILT_WITH` once the Trainer is built (:class:`BuiltWith`)."""
+        return built_with(name, value) if "_job" in self.__dict__ else None
 
     def __init__(self, model: Any, optimizer: Any = MISSING, loss_fn: Callable[..., Any] = MISSING, *,
                  metrics: Mapping[str, Any] | Sequence[Any] | None = None, key: jax.Array | None = None,

@@ -93,7 +93,7 @@ __all__ = [
     "LeafInfo", "leaf_infos", "names", "member_names", "matches", "rename_pattern", "fill_stars", "selection",
     "closest", "suggestion", "check_patterns", "member_rule_names", "NothingSelected", "refuse_batched_members",
     "refuse_batched_selection", "is_tied", "resolve_alias", "tie_targets", "untransform", "TIE_SPLIT", "split_tie", "refuse_split_tie", "TIED_HEAD",
-    "tied_head", "STATIC_FIELD", "static_field",
+    "tied_head", "STATIC_FIELD", "static_field", "literal_pattern",
 ]
 
 SELECTS_NOTHING = """\
@@ -661,6 +661,20 @@ def match_kind(name: str, pattern: str, *, anywhere: bool = False) -> str | None
         if fnmatch.fnmatchcase(candidate, pattern) or fnmatch.fnmatchcase("." + candidate, pattern):
             return "direct" if direct else "suffix"
     return None
+
+
+_GLOB_CHARACTER = re.compile(r"[*?\[]")
+
+
+def literal_pattern(name: str) -> str:
+    """``name`` as a pattern that matches it alone: each glob character in a class of its own.
+
+    Example:
+      >>> from functree._naming import literal_pattern, matches
+      >>> literal_pattern("layers[0].w*"), matches("layers[0].w*", literal_pattern("layers[0].w*"))
+      ('layers[[]0].w[*]', True)
+    """
+    return _GLOB_CHARACTER.sub(lambda m: f"[{m.group()}]", name)
 
 
 def rename_pattern(pattern: str) -> Callable[[str], tuple[tuple[str, ...], str] | None]:

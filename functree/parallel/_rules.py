@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,6 +59,7 @@ from functree._naming import (
     kept_parts_fix,
     key_path_hint,
     leaf_infos,
+    literal_pattern,
     match_kind,
     member_names,
     member_rule_names,
@@ -336,11 +336,8 @@ def _misfit_fix(name: str, shape: tuple[int, ...], pattern: str, rules: Mapping[
         return f"{{{pattern!r}: P()}}   # replicated, or name the mesh's axes: {tuple(mesh.axis_names)}"
     if not others:
         return f"{{{pattern!r}: P()}}   # replicated" + (f", or a spec that divides {shape}" if shape else "")
-    own = _GLOB_CHARACTER.sub(lambda m: f"[{m.group()}]", name)  # the name as a glob matching it alone
+    own = literal_pattern(name)
     return f"{{{own!r}: P(), {pattern!r}: {kept}}}   # {name} replicated, first; the rule for the others"
-
-
-_GLOB_CHARACTER = re.compile(r"[*?\[]")
 
 
 def _trimmed(entries: list[Any]) -> list[Any]:

@@ -558,3 +558,108 @@ def test_a_mask_around_a_smaller_rate_or_a_rate_applied_elsewhere_trains():
                 ft.optim.Optimizer(optax.scale_by_adam(), apply_updates=descend)):
         moved, _, _ = opt.minimize(loss, model, opt.init(model))
         assert float(loss(moved)) < float(loss(model))
+
+
+def _ascends(learning_rate=1e-3, mask=None):
+    """The mistake: the rate masked to the head, last in a chain (the body gets p + direction)."""
+    mask = ft.mask(_body_and_head()[0], "head.*") if mask is None else mask
+    return optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(-learning_rate), mask))
+
+
+# Wrappers that give their inner transform the updates over the same parameters: the check
+# reads through them (optax's, ft.optim's, and a transform rebuilt from its hyperparameters).
+WRAPPERS = {
+    "optax.MultiSteps": lambda tx: optax.MultiSteps(tx, every_k_schedule=4),
+    "optax.MultiSteps.gradient_transformation": lambda tx: optax.MultiSteps(tx, 4).gradient_transformation(),
+    "optax.lookahead": lambda tx: optax.lookahead(tx, sync_period=2, slow_step_size=0.5),
+    "optax.apply_if_finite": lambda tx: optax.apply_if_finite(tx, max_consecutive_errors=3),
+    "optax.conditionally_mask": lambda tx: optax.conditionally_mask(tx, lambda step: step > 2),
+    "optax.inject_hyperparams": lambda tx: optax.inject_hyperparams(
+        lambda weight_decay: optax.chain(optax.add_decayed_weights(weight_decay), tx))(weight_decay=0.0),
+    "ft.optim.inject": lambda tx: fo.inject(
+        "mine", lambda weight_decay: optax.chain(optax.add_decayed_weights(weight_decay), tx), {"weight_decay": 0.0}),
+    "ft.optim.lookahead": lambda tx: fo.lookahead(tx, sync_period=2, slow_step_size=0.5),
+    "ft.optim.skip_non_finite": fo.skip_non_finite,
+    "ft.optim.per_member": fo.per_member,
+    "ft.optim.whole_stack": fo.whole_stack,
+}
+
+
+@pytest.mark.parametrize("wrap", list(WRAPPERS.values()), ids=list(WRAPPERS))
+def test_a_mask_around_the_learning_rate_inside_a_wrapper_is_refused(wrap):
+    """The refusal of a parameter without a learning rate read optax.chain, masked and
+    partition, and took every other transform for one applying a rate: the same ascending
+    chain inside optax.MultiSteps, lookahead, apply_if_finite, inject_hyperparams or
+    ft.optim's lookahead, skip_non_finite, per_member, inject trained the body up the loss
+    with no error. Each is read through (its inner transform's verdict)."""
+    model, loss, _ = _body_and_head()
+    opt = ft.optim.Optimizer(wrap(_ascends()))
+    with pytest.raises(ValueError, match=r"applies no learning rate to body\.weight, body\.bias \(2 of 4 parameters\)"):
+        jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))
+
+
+def test_a_transform_built_from_its_hyperparameters_is_read_as_the_step_builds_it():
+    """optax.inject_hyperparams and ft.optim.inject rebuild their transform at each step from
+    the hyperparameters (a schedule's value included): the factory is called as the jitted
+    step calls it (abstract values), and the chain it builds is read (a LossScaleOptimizer
+    around it too)."""
+    model, loss, _ = _body_and_head()
+    head = ft.mask(model, "head.*")
+    wrong = r"applies no learning rate to body\.weight, body\.bias \(2 of 4 parameters\)"
+    injected = optax.inject_hyperparams(lambda learning_rate: _ascends(learning_rate, head))
+    for opt in (fo.Optimizer(injected(learning_rate=1e-3)),
+                fo.Optimizer(injected(learning_rate=optax.linear_schedule(1e-3, 0.0, 10))),
+                fo.Optimizer(fo.inject("mine", lambda learning_rate: _ascends(learning_rate, head),
+                                       {"learning_rate": fo.linear_warmup(1e-3, 4)})),
+                fo.LossScaleOptimizer(fo.Optimizer(injected(learning_rate=1e-3)))):
+        with pytest.raises(ValueError, match=wrong):
+            jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))  # noqa: B023
+
+
+def _valid_optimizers(head):
+    """optax's, optax.contrib's and ft.optim's optimizers, and chains that apply a rate to
+    every parameter (a mask around a smaller rate, a decay mask, partitions, groups)."""
+    rate, contrib = 0.05, optax.contrib
+    plain = ("adabelief", "adadelta", "adafactor", "adagrad", "adam", "adamax", "adamaxw", "adamw", "adan", "amsgrad",
+             "fromage", "lamb", "lars", "lbfgs", "lion", "novograd", "optimistic_adam_v2", "optimistic_gradient_descent",
+             "radam", "rmsprop", "rprop", "sgd", "sign_sgd", "signum", "sm3", "yogi")
+    contribs = ("acprop", "ademamix", "adopt", "cocob", "dadapt_adamw", "dog", "dowg", "galore", "madgrad", "momo",
+                "momo_adam", "muon", "prodigy", "schedule_free_adamw", "schedule_free_sgd", "simplified_ademamix",
+                "sophia")
+    functree = ("sgd", "rmsprop", "adagrad", "adadelta", "adam", "adamw", "adamax", "amsgrad", "radam", "lion", "nadam",
+                "rprop", "asgd")
+    labels = jax.tree.map(lambda m: "b" if m else "a", head)
+    return ([getattr(optax, n)(rate) for n in plain] + [getattr(contrib, n)(rate) for n in contribs]
+            + [getattr(fo, n)(rate) for n in functree]
+            + [optax.noisy_sgd(rate, key=0), optax.polyak_sgd(), contrib.mechanize(optax.sgd(rate)),
+               contrib.sam(optax.sgd(rate), optax.sgd(rate)), optax.chain(contrib.differentially_private_aggregate(1.0, 0.1, key=jax.random.key(0)), optax.sgd(rate)),
+               optax.chain(optax.adam(rate), contrib.reduce_on_plateau()),
+               optax.chain(optax.adam(rate), fo.reduce_on_plateau()),
+               optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(0.1), head), optax.scale(-rate)),
+               optax.chain(optax.adamw(rate, mask=head), optax.masked(optax.scale(0.1), head)),
+               optax.chain(optax.adam(rate), optax.masked(optax.scale(0.1), lambda p: jax.tree.map(jnp.ndim, p))),
+               optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(rate)),
+               optax.partition({"a": optax.adam(rate), "b": optax.sgd(rate)}, labels),
+               fo.groups({"head.*": optax.adam(rate)}, default=fo.freeze()), fo.freeze(),
+               optax.chain(optax.clip_by_global_norm(1.0), optax.adam(rate)),
+               optax.chain(fo.masked(optax.add_decayed_weights(0.1), "head.*"), optax.sgd(rate)),
+               optax.chain(fo.weight_decay(0.1), optax.sgd(rate)),
+               optax.inject_hyperparams(optax.adam)(learning_rate=rate),
+               optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(rate, 0.0, 10), momentum=0.9),
+               optax.inject_hyperparams(optax.adamw, static_args="mask")(learning_rate=rate, mask=head),
+               fo.adam(fo.warmup_cosine_decay(0.0, rate, 2, 10)), fo.sgd(fo.per_samples(rate, 32))])
+
+
+@pytest.mark.parametrize("wrap", [lambda tx: tx, *WRAPPERS.values()], ids=["unwrapped", *WRAPPERS])
+def test_no_valid_optimizer_is_refused_for_want_of_a_learning_rate_wrapped_or_not(wrap):
+    """No false refusal: each of 78 optimizers that apply a rate to every parameter passes
+    the check as it is and inside each wrapper the check reads through."""
+    from functree.optim._rate import check_rate_applied
+
+    model = _body_and_head()[0]
+    params = ft.parameters(model)
+    grads = jax.tree.map(jnp.ones_like, params)
+    valid = _valid_optimizers(ft.mask(model, "head.*"))
+    assert len(valid) == 78
+    for tx in valid:
+        check_rate_applied(wrap(tx), grads, None)

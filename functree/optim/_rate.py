@@ -14,15 +14,22 @@ so :func:`~functree.optim._checks.check_not_passed_through` does not see it.
 traces (once per transform and parameter shapes): optax builds every transform as closures,
 and the walk opens ``optax.chain`` (and ``named_chain``), ``optax.masked``,
 ``optax.partition`` (``multi_transform``), ``ft.optim.masked`` and ``ft.optim.groups``,
-evaluating their masks and labels on the gradients as they do. A parameter is refused only
-where every transform that reaches it is one of optax's that give a direction with neither
-a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``clip_by_global_norm``,
-``identity`` ...). Anything else counts as applying a rate (a rate or schedule of either
-sign, another library's or a hand-written transform, a wrapper the walk does not open, a
-mask it cannot evaluate, a member mask's partly selected leaf), so a valid optimizer is not
-refused; those ascend unseen. Not checked where the updates are not simply added
-(``Optimizer(apply_updates=...)`` or a subclass's ``apply_updates``), nor for complex
-parameters (trained as pairs of reals, a tree the walk does not see).
+evaluating their masks and labels on the gradients as they do. It reads through the
+wrappers that give their inner transform the same updates (:data:`WRAPPERS`,
+``optax.MultiSteps``, ``ft.optim.per_member`` on parameters holding no Stack), and builds a
+transform rebuilt at each step from its hyperparameters (``optax.inject_hyperparams``,
+``ft.optim.inject`` and so ft.optim's optimizers) as the jitted step does, from abstract
+values. A parameter is refused only where every transform that reaches it is one of
+optax's that give a direction with neither a rate nor a sign (:data:`DIRECTIONS`:
+``scale_by_adam``, ``clip_by_global_norm``, ``identity`` ...). Anything else counts as
+applying a rate (a rate or schedule of either sign, another library's or a hand-written
+transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
+transform sees each member as a parameter; ``optax.flatten``, ``optax.contrib``'s; a
+factory that cannot be built from abstract values, a mask it cannot evaluate, a member
+mask's partly selected leaf), so a valid optimizer is not refused; those ascend unseen.
+Not checked where the updates are not simply added (``Optimizer(apply_updates=...)`` or a
+subclass's ``apply_updates``), nor for complex parameters (trained as pairs of reals, a
+tree the walk does not see).
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ import optax
 from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._average import is_slot
 from functree.optim._masked import is_partial
+from functree.optim._per_member import _has_stack
 
-__all__ = ["NO_LEARNING_RATE", "DIRECTIONS", "check_rate_applied"]
+__all__ = ["NO_LEARNING_RATE", "DIRECTIONS", "WRAPPERS", "check_rate_applied"]
 
 NO_LEARNING_RATE = """\
 The optimizer's transform applies no learning rate to {paths} ({count} of {total} parameters): \
@@ -62,6 +70,18 @@ DIRECTIONS = frozenset({
     "clip_by_global_norm", "add_decayed_weights",
 })
 
+# Wrappers that hand their inner transform the updates as they come, over the same
+# parameters, and give the step its updates (or zeros on a step they skip): the inner
+# transform's verdict is theirs. (package, the function building it) -> the closure variable
+# holding the inner transform. optax.conditionally_transform passes the updates through
+# unchanged on the steps it skips: the inner verdict is the least of it.
+WRAPPERS = {
+    ("optax", "with_extra_args_support"): "tx", ("optax", "lookahead"): "fast_optimizer",
+    ("optax", "apply_if_finite"): "inner", ("optax", "conditionally_mask"): "inner",
+    ("optax", "conditionally_transform"): "inner", ("functree", "lookahead"): "fast",
+    ("functree", "skip_non_finite"): "inner", ("functree", "whole_stack"): "inner",
+}
+
 _DEPTH = 24  # one level per wrapper: chain, masked, partition ...
 _UNRATED: dict[Any, Any] = {}  # (transform, gradient signature) -> indices of parameters without a rate
 
@@ -73,6 +93,9 @@ def _name(fn: Any) -> tuple[str, str]:
 
 
 def _closure(fn: Any) -> dict[str, Any]:
+    """The variables ``fn`` closes over (a bound method's: its object, as ``self``)."""
+    if inspect.ismethod(fn):  # optax.MultiSteps(...).update
+        return {"self": fn.__self__}
     try:
         return dict(inspect.getclosurevars(fn).nonlocals)
     except (TypeError, ValueError):  # a builtin, a callable object: nothing to open
@@ -119,16 +142,18 @@ def _unrated(update: Any, view: Any, leaves: list[Any], depth: int = 0) -> froze
 
 def _opened(package: str, built: str, env: dict[str, Any], view: Any, leaves: list[Any],
             depth: int) -> frozenset[int]:
-    """:func:`_unrated` of a chain, mask or partition whose closure ``env`` holds its parts."""
+    """:func:`_unrated` of a chain, mask, partition or wrapper whose closure ``env`` holds its parts."""
     updates = jax.tree.map(lambda i: leaves[i], view)  # what the transform sees (its masks read it)
+    if (inner := _wrapped(package, built, env, updates)) is not None:
+        return _unrated(inner.update, view, leaves, depth + 1)
+    if (factory := _factory(package, built, env)) is not None:
+        return _built(*factory, view, leaves, depth)
     if package == "optax" and built in ("chain", "named_chain") and ("update_fns" in env or "transforms" in env):
         fns = env["update_fns"] if "update_fns" in env else [tx.update for _, tx in env["transforms"]]
         found = _present(view)
         for fn in fns:
             found &= _unrated(fn, view, leaves, depth + 1)
         return found
-    if package == "optax" and built == "with_extra_args_support" and "tx" in env:
-        return _unrated(env["tx"].update, view, leaves, depth + 1)
     if package == "optax" and built == "masked" and {"inner", "mask"} <= env.keys():
         mask = env["mask"](updates) if _is_function(env["mask"]) else env["mask"]
         return _through_mask(env["inner"].update, view, _selected(view, mask), leaves, depth)
@@ -147,6 +172,48 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, leaves: li
     if package == "functree" and built == "groups" and {"by_leaf", "split"} <= env.keys():
         return frozenset() if env["split"](updates) else _unrated(env["by_leaf"].update, view, leaves, depth + 1)
     return frozenset()
+
+
+def _wrapped(package: str, built: str, env: dict[str, Any], updates: Any) -> Any:
+    """The inner transform of a wrapper that gives it the updates over the same parameters
+    (:data:`WRAPPERS`, ``optax.MultiSteps``, ``ft.optim.per_member`` on no Stack), or None."""
+    if (package, built) in WRAPPERS:
+        return env.get(WRAPPERS[package, built])
+    if package == "optax" and built == "MultiSteps.update" and isinstance(env.get("self"), optax.MultiSteps):
+        return env["self"].inner_opt  # (every k-th step the inner update of the summed gradients, else zeros)
+    if package == "functree" and built == "per_member" and "inner" in env and not _has_stack(updates):
+        return env["inner"]  # (on a Stack it sees each member as a parameter: another tree, not walked)
+    return None
+
+
+def _factory(package: str, built: str, env: dict[str, Any]) -> tuple[Any, list[str], dict[str, Any]] | None:
+    """``(factory, hyperparameter names, fixed arguments)`` of a transform rebuilt at each
+    step from its hyperparameters (``optax.inject_hyperparams``, ``ft.optim.inject`` and the
+    ft.optim optimizers made by it), or None."""
+    if package == "optax" and built == "inject_hyperparams" and {"inner_factory", "other_hps"} <= env.keys():
+        fixed = env["other_hps"]  # (booleans, None, static_args: the rest are numbers or schedules)
+        named = inspect.signature(env["inner_factory"]).parameters.values()
+        names = [p.name for p in named if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
+        return env["inner_factory"], names, fixed
+    if package == "functree" and built == "inject" and "step" in env:
+        made = _closure(_closure(env["step"]).get("build"))
+        if {"factory", "specs", "static"} <= made.keys():
+            return made["factory"], list(made["specs"]), made["static"]
+    return None
+
+
+def _built(factory: Any, names: list[str], fixed: dict[str, Any], view: Any, leaves: list[Any],
+           depth: int) -> frozenset[int]:
+    """:func:`_unrated` of ``factory(**fixed, **hyperparameters)``, built as the jitted step
+    builds it: each hyperparameter an abstract scalar, so its structure is the step's (a
+    factory whose structure reads a value raises here: no verdict)."""
+    found: list[frozenset[int]] = []
+
+    def build(values: dict[str, Any]) -> None:
+        found.append(_unrated(factory(**fixed, **values).update, view, leaves, depth + 1))
+
+    jax.eval_shape(build, {name: jax.ShapeDtypeStruct((), jnp.float32) for name in names})
+    return found[0]
 
 
 def _unrated_indices(transform: Any, grads: Any) -> tuple[int, ...]:

@@ -474,6 +474,42 @@ def test_setting_the_optimizer_or_wrt_mid_run_is_refused_and_the_printed_fix_run
     assert not np.array_equal(frozen.model.layers[1].weight, before.layers[1].weight)
 
 
+def test_freezing_mid_run_by_the_printed_fix_keeps_the_trained_parameters_moments_and_step_count(tmp_path):
+    """trainer.wrt = ... printed one fix, restore(path, optimizer_state=False), as the way to
+    continue the job: the optimizer state restarted (Adam's moments of the layer still trained
+    from zero, its step count from 0, so a warmup ran again) with no word of it. The message
+    says so and prints, for the same optimizer, the fix that keeps the step count and the
+    moments of the parameters trained before and now; followed, the next step is the old
+    optimizer's given a partial gradient (torch's requires_grad_(False))."""
+    opt = ft.optim.Optimizer(ft.optim.adam(ft.optim.linear_warmup(0.05, 10)))
+    trainer = Trainer(mlp(), opt, classify)
+    trainer.fit([(X, LABELS)], epochs=2, progress=False)  # two steps of one minibatch
+    with pytest.raises(AttributeError) as e:
+        trainer.wrt = "layers.1.*"
+    assert "# the optimizer state starts afresh: moments from zero, its step count (a schedule's place) from 0" in str(e.value)
+    fix = ("            kept = trainer.opt_state\n            trainer.save(path)\n            trainer = ft.train.Trainer("
+           "trainer.model, optimizer, loss_fn, wrt='layers.1.*').restore(path, optimizer_state=False)\n"
+           "            trainer.opt_state = jax.tree.map(lambda new, old: new if new is None or old is None else old,\n"
+           "                                             trainer.opt_state, kept, is_leaf=lambda x: x is None)")
+    assert fix in str(e.value)
+    model, state = jax.tree.map(jnp.copy, (trainer.model, trainer.opt_state))  # (the fit donates the kept state)
+    kept = trainer.opt_state  # the printed fix
+    trainer.save(tmp_path / "ckpt")
+    trainer = Trainer(trainer.model, opt, classify, wrt="layers.1.*").restore(tmp_path / "ckpt", optimizer_state=False)
+    trainer.opt_state = jax.tree.map(lambda new, old: new if new is None or old is None else old,
+                                     trainer.opt_state, kept, is_leaf=lambda x: x is None)
+    assert int(ft.optim.context(trainer.opt_state).step) == 2
+    trainer.fit([(X, LABELS)], epochs=3, progress=False)  # one more
+    @jax.jit  # (one program: eager, each operation compiles apart)
+    def partial_step(model, state):
+        grads = ft.gradient(lambda m: classify(m, (X, LABELS))[0], at=model, wrt="layers.1.*")
+        return opt.apply_gradients(grads, model, state)[0]
+
+    expected = partial_step(model, state)
+    np.testing.assert_array_equal(trainer.model.layers[0].weight, model.layers[0].weight)
+    np.testing.assert_allclose(trainer.model.layers[1].weight, expected.layers[1].weight, rtol=0, atol=1e-6)
+
+
 def keyed_loss(model, batch, *, key):
     """A loss written as documented: ``loss_fn(model, batch, *, key)`` (key required)."""
     x, labels = batch

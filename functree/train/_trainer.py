@@ -260,7 +260,23 @@ into a trainer built so:
     wrong:  trainer.{name} = {value}
     right:  trainer.save(path)
             trainer = ft.train.Trainer(trainer.model, optimizer, loss_fn, {keyword}).restore(path{keep})
-{rate}"""
+{fresh}{rate}{moments}"""
+
+_FRESH_STATE = """\
+            # the optimizer state starts afresh: moments from zero, its step count (a schedule's place) from 0
+"""
+
+# Another wrt= with the same optimizer: the state's layout differs only in which parameters
+# have moments, so the old state's context, hyperparameters and the moments of the parameters
+# trained before and now carry over (the others: the new state's, zeros or None).
+_KEEP_MOMENTS = """\
+       or, with the same optimizer, to keep its step count and the moments of the parameters trained before and now:
+            kept = trainer.opt_state
+            trainer.save(path)
+            trainer = ft.train.Trainer(trainer.model, optimizer, loss_fn, {keyword}).restore(path{keep})
+            trainer.opt_state = jax.tree.map(lambda new, old: new if new is None or old is None else old,
+                                             trainer.opt_state, kept, is_leaf=lambda x: x is None)
+"""
 
 _SET_RATE = """\
        or, to change the learning rate only (the moments and step count kept, no recompilation):
@@ -273,11 +289,12 @@ def built_with(name: str, value: Any) -> AttributeError:
     rate_only = name in ("learning_rate", "lr")
     shown = "..." if callable(value) or _short(value).startswith("<") else _short(value)
     keyword = "..." if rate_only or name in ("optimizer", "loss_fn") or shown == "..." else f"{name}={shown}"
+    keep = ", optimizer_state=False" if name in _NEW_STATE else ""
     return AttributeError(TRAINER_BUILT_WITH.format(
         name=name, what=BUILT_WITH[name], value=shown, keyword=keyword,
-        new="a new optimizer" if rate_only else f"the new {name}",
-        keep=", optimizer_state=False" if name in _NEW_STATE else "",
-        rate=_SET_RATE if name in _RATE else ""))
+        new="a new optimizer" if rate_only else f"the new {name}", keep=keep,
+        fresh=_FRESH_STATE if keep else "", rate=_SET_RATE if name in _RATE else "",
+        moments=_KEEP_MOMENTS.format(keyword=keyword, keep=keep) if name == "wrt" else ""))
 
 
 def no_attribute(name: str, obj: Any) -> AttributeError:

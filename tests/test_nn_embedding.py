@@ -91,6 +91,23 @@ def test_a_traced_index_outside_the_table_reads_a_nan_row_and_passes_no_gradient
     np.testing.assert_array_equal(grad(layer, ids), expected)
 
 
+def test_a_traced_int64_index_past_2_32_or_a_narrow_negative_one_reads_a_nan_row(key):
+    """XLA:CPU bounds-checks an int64 index in its low 32 bits: under x64 a traced
+    ``2**32 + 1`` read row 1 (and renormalized() rescaled it); an int8 ``-1`` on a table of
+    300 rows read row 44 (300 wrapped in int8). Both read a NaN row, as any index outside."""
+    lookup = jax.jit(lambda e, i: e(i))
+    with jax.enable_x64(True):
+        emb = ft.nn.Embedding(5, 2, key=key)
+        rows = np.asarray(lookup(emb, np.array([1, 2**32 + 1, 2**33 + 3], np.int64)))
+        np.testing.assert_array_equal(rows[0], np.asarray(emb.embeddings[1]))
+        assert np.isnan(rows[1:]).all(), rows
+        big = emb.replace(embeddings=emb.embeddings * 10)
+        kept = jax.jit(lambda e, i: e.renormalized(i, 1.0))(big, np.array([2**32 + 1], np.int64))
+        np.testing.assert_array_equal(np.asarray(kept.embeddings), np.asarray(big.embeddings))
+    wide = ft.nn.Embedding(300, 2, key=key)
+    assert np.isnan(np.asarray(lookup(wide, jnp.array([-1], jnp.int8)))).all()
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0])
 def test_renormalized_before_each_step_is_torchs_max_norm_training(key, norm_type):
     """torch's Embedding(max_norm=m) rescales the rows it looks up inside its weight at every

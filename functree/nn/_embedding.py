@@ -180,11 +180,14 @@ def table_rows(table: jax.Array, indices: jax.Array) -> jax.Array:
 
 
 def unwrapped(indices: jax.Array, size: int) -> jax.Array:
-    """``indices`` with each negative one replaced by ``size``, outside the table: JAX's
-    gathers and scatters count a negative index from the end (``take``'s fill mode too),
-    torch refuses it; past the end, a fill-mode gather reads its fill value and a
-    drop-mode scatter writes nothing."""
-    return jnp.where(indices < 0, size, indices)
+    """``indices`` (:func:`_wide`) with each one outside ``[0, size)`` replaced by ``size``,
+    just past the end, where a fill-mode gather reads its fill value and a drop-mode scatter
+    writes nothing. JAX's gathers and scatters count a negative index from the end (``take``'s
+    fill mode too; torch refuses it), and XLA:CPU bounds-checks an int64 index (under
+    ``jax_enable_x64``) in its low 32 bits: ``2**32 + 1`` read row 1. In int8, ``size`` 300
+    wrapped to 44, so ``-1`` read row 44."""
+    indices = _wide(indices)
+    return jnp.where((indices < 0) | (indices >= size), size, indices)
 
 
 def renormalized_rows(w: jax.Array, indices: jax.Array, max_norm: float, norm_type: float) -> jax.Array:
@@ -193,7 +196,7 @@ def renormalized_rows(w: jax.Array, indices: jax.Array, max_norm: float, norm_ty
     above ``max_norm`` scaled to ``max_norm / (norm + 1e-7)`` of itself; the gradient passed
     through unscaled (torch's ``no_grad``). ``Embedding.renormalized`` and
     ``EmbeddingBag.renormalized``."""
-    read = unwrapped(_wide(indices).ravel(), w.shape[0])
+    read = unwrapped(indices.ravel(), w.shape[0])
     looked = jnp.zeros(w.shape[0], bool).at[read].set(True, mode="drop")
     norms = jnp.linalg.norm(w, ord=norm_type, axis=-1)
     scale = jnp.where(looked & (norms > max_norm), max_norm / (norms + 1e-7), 1.0).astype(w.dtype)
@@ -231,7 +234,7 @@ def frequency_scaled(rows: jax.Array, read: jax.Array, vocabulary_size: int) -> 
     """``rows [..., d]`` (looked up at ``read [...]``) as they are, the cotangent of each
     divided by its index's count in ``read`` (torch's ``scale_grad_by_freq``); an index
     outside the table (a NaN row, no gradient) counts for none."""
-    read = unwrapped(_wide(read), vocabulary_size)
+    read = unwrapped(read, vocabulary_size)
     counts = jnp.zeros((vocabulary_size,), jnp.int32).at[read.ravel()].add(1, mode="drop")
     seen = jnp.take(counts, read, mode="fill", fill_value=1)
     return _tangent_scaled(rows, (1 / seen.astype(rows.dtype))[..., None])

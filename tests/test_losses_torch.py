@@ -277,6 +277,20 @@ def test_traced_invalid_inputs_make_the_loss_nan():
         assert np.isnan(np.asarray(jax.jit(loss)(bad))).tolist() == nan
 
 
+def test_traced_int64_labels_past_2_32_make_the_margin_losses_nan():
+    """Under x64 multi_margin and multilabel_margin cast traced int64 labels to int32: class
+    ``2**32 + 2`` was scored as class 2 and ``2**32 - 1`` ended a multilabel list as -1,
+    plausible losses. A label outside the classes makes its loss NaN, as nll's."""
+    with jax.enable_x64(True):
+        x = jnp.asarray(_log_probs(2, C), jnp.float64)
+        multi = jax.jit(lambda y: ft.losses.multi_margin(x, y, reduction="none"))
+        assert np.isnan(np.asarray(multi(np.array([2, 2**32 + 2], np.int64)))).tolist() == [False, True]
+        listed = jax.jit(lambda y: ft.losses.multilabel_margin(x, y, reduction="none"))
+        labels = np.full((2, C), -1, np.int64)
+        labels[:, :2] = [[0, 1], [0, 2**32 - 1]]
+        assert np.isnan(np.asarray(listed(labels))).tolist() == [False, True]
+
+
 def test_torch_names_name_the_new_losses():
     """ft.losses.nll_loss (torch's functional name) and ft.losses.CTCLoss (its class) name
     ft.losses' loss, and ft.nn.NLLLoss (torch.nn's spelling) names it too, with the call."""

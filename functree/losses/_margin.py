@@ -24,6 +24,7 @@ from functree.losses._checks import (
     class_weight,
     element_weight,
 )
+from functree.losses._classification import _wide
 from functree.losses._hinge import clamp_min_zero
 from functree.losses._reduction import (
     _array,
@@ -156,7 +157,7 @@ def _multi_margin(scores: jax.Array, labels: jax.Array, w: jax.Array | None, *, 
                   reduction: str) -> Any:
     scores = in_compute_dtype(scores)
     classes = scores.shape[-1]
-    labels = labels.astype(jnp.int32)
+    labels = _wide(labels)  # int64 under x64 (cast to int32, a traced 2**32 + 2 was class 2)
     inside = (labels >= 0) & (labels < classes)
     safe = jnp.where(inside, labels, 0)
     target = jnp.take_along_axis(scores, safe[..., None], axis=-1)
@@ -192,7 +193,7 @@ def multilabel_margin(scores: Any, labels: Any, *, reduction: str = "mean") -> A
 def _multilabel_margin(scores: jax.Array, labels: jax.Array, *, reduction: str) -> Any:
     scores = in_compute_dtype(scores)
     classes = scores.shape[-1]
-    labels = labels.astype(jnp.int32)
+    labels = _wide(labels)  # int64 under x64 (cast to int32, a traced 2**32 - 1 ended the list: -1)
     listed = jnp.cumprod(labels >= 0, axis=-1).astype(bool)  # the targets before the first -1
     inside = (labels < classes) | ~listed
     safe = jnp.where(listed & inside, labels, 0)

@@ -401,6 +401,25 @@ def test_accuracy_and_precision_parts_are_divided_in_float64_under_x64():
     np.testing.assert_allclose(epoch["accuracy"], np.mean(logits[kept].argmax(-1) == labels[kept]), rtol=0, atol=1e-12)
 
 
+def test_int64_labels_past_2_32_are_no_class_under_x64():
+    """Under x64 the metrics cast int64 labels to int32: ``2**32 + 1`` was class 1 (a hit for
+    accuracy and top-k, no TOP_K_LABEL_OUTSIDE, a true positive for precision) and
+    ``2**32 - 100`` was -100, left out. They compare in JAX's widest int: a miss, refused,
+    or NaN traced."""
+    logits = np.array([[0.0, 1.0], [0.0, 1.0]])
+    with jax.enable_x64(True):
+        past = np.array([1, 2**32 + 1], np.int64)
+        for labels in (past, np.array([1, 2**32 - 100], np.int64)):
+            assert float(ft.train.accuracy.of(logits, labels)) == 0.5, labels
+            assert float(jax.jit(ft.train.accuracy.of)(logits, labels)) == 0.5, labels
+        assert float(ft.train.precision.of(logits, past, positive=1)) == 0.5  # two predicted, one label 1
+        raises_named(lambda: ft.train.top_k_accuracy.of(logits, past, k=1), ValueError, cm.TOP_K_LABEL_OUTSIDE,
+                     "label 4294967297 at labels[1]")
+        assert np.isnan(float(jax.jit(lambda z, y: ft.train.top_k_accuracy.of(z, y, k=1))(logits, past)))
+        raises_named(lambda: ft.train.binary_accuracy.of(logits[:, 1], np.array([1, 2**32 - 100], np.int64)),
+                     ValueError, BINARY_LABEL_VALUE, "label 4294967196 at labels[1]")
+
+
 def test_keras_precision_recall_and_top_k_give_these_numbers():
     """What Keras's metrics=["precision", "recall", "top_k_categorical_accuracy"] users get:
     probabilities at Keras's 0.5 (threshold=0.5 here), multi-label elements counted, ties

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functree._repr import first_index
+from functree.losses._classification import _wide
 from functree.nn._check import concrete
 from functree.train._metrics import (
     IGNORE_INDEX,
@@ -132,7 +133,7 @@ def _check_threshold(who: str, threshold: Any) -> float:
 
 def _class_ids(who: str, logits: jax.Array, labels: jax.Array, extra: str, where: str | None = None,
                source: str = "out.aux") -> tuple[jax.Array, jax.Array]:
-    """``(ids, bad)``: ``labels`` as int32 class ids (float ones refused:
+    """``(ids, bad)``: ``labels`` as class ids in JAX's widest int (float ones refused:
     ``_metrics.FLOAT_CLASS_IDS``), or the argmax of one-hot / probability labels of the
     logits' shape, and the rows of those that hold no class (``_metrics.ONE_HOT_ROW``: raised
     where concrete; all False for class ids)."""
@@ -140,7 +141,7 @@ def _class_ids(who: str, logits: jax.Array, labels: jax.Array, extra: str, where
         return _one_hot_ids(who, labels, where, source, extra)
     if jnp.issubdtype(labels.dtype, jnp.floating):
         raise ValueError(_float_class_ids(logits, labels, None, who=who, extra=extra, name="float_ids"))
-    return labels.astype(jnp.int32), jnp.zeros(labels.shape, bool)
+    return _wide(labels), jnp.zeros(labels.shape, bool)  # int64 under x64 (int32 read 2**32 + 1 as class 1)
 
 
 def _binary(who: str, logits: jax.Array, labels: jax.Array, threshold: float, ignore_index: int | None,

@@ -38,6 +38,7 @@ from jax.core import Tracer
 from functree import _compat as compat
 from functree._repr import first_index
 from functree._warnings import user_stacklevel
+from functree.losses._classification import _wide
 from functree.losses._weighted import WeightedMean, ratio
 from functree.nn._check import concrete
 from functree.train._direction import rises
@@ -371,8 +372,8 @@ def _accuracy_counts(logits: Any, labels: Any, where: str | None = None, source:
     if _class_ids_shape(logits.shape, labels.shape):  # class indices
         if jnp.issubdtype(labels.dtype, jnp.floating):
             raise ValueError(_float_class_ids(logits, labels, where, source))
-        wide = labels.astype(jnp.int32)  # (a uint8 mask's 255 compares as 255, never as -1)
-        hits = jnp.argmax(logits, axis=-1).astype(jnp.int32) == wide  # (int64 under x64: strict promotion refuses it)
+        wide = _wide(labels)  # (a uint8 mask's 255 compares as 255, never as -1; int64 under x64, see _kept)
+        hits = jnp.argmax(logits, axis=-1).astype(wide.dtype) == wide  # (int64 under x64: strict promotion refuses it)
         if ignore_index is not None:
             counted = wide != ignore_index
             return jnp.sum(hits & counted, dtype=jnp.float32), jnp.sum(counted, dtype=jnp.float32)
@@ -637,7 +638,9 @@ def _kept(labels: jax.Array, ignore_index: int | None) -> jax.Array:
     """Per label: whether it is scored (not ``ignore_index``; None: every one)."""
     if ignore_index is None or labels.dtype == jnp.bool_:
         return jnp.ones(labels.shape, bool)
-    return labels.astype(jnp.float32 if jnp.issubdtype(labels.dtype, jnp.floating) else jnp.int32) != ignore_index
+    if jnp.issubdtype(labels.dtype, jnp.floating):
+        return labels.astype(jnp.float32) != ignore_index
+    return _wide(labels) != ignore_index  # in int32, an int64 2**32 - 100 (under x64) was -100: left out
 
 
 def _binary_counts(logits: Any, labels: Any, threshold: float = 0.0, ignore_index: int | None = IGNORE_INDEX, *,

@@ -269,6 +269,21 @@ def test_recurrent_initializers_and_forget_bias():
     assert np.any(torch_lstm.bias_ih.detach().numpy()[hidden:2 * hidden])  # forget gate: random
 
 
+def test_parameter_dtype_under_x64():
+    """With jax_enable_x64 on, Equinox's layers (dtype=None) are float64; functree's, NNX's,
+    torch's and Keras' float32, as without it (the table's row; the fix converts)."""
+    with jax.enable_x64(True):
+        assert ft.nn.Dense(2, 3, key=KEY).weight.dtype == jnp.float32
+        assert ft.nn.Dense(2, 3, key=KEY, dtype=jnp.float64).weight.dtype == jnp.float64
+        assert ft.cast(ft.nn.Dense(2, 3, key=KEY), jnp.float64).weight.dtype == jnp.float64
+        assert eqx.nn.Linear(2, 3, key=KEY).weight.dtype == jnp.float64
+        assert nnx.Linear(2, 3, rngs=nnx.Rngs(0)).kernel[...].dtype == jnp.float32
+        dense = keras.layers.Dense(3)
+        dense.build((None, 2))
+        assert dense.kernel.dtype == "float32"
+    assert torch.nn.Linear(2, 3).weight.dtype == torch.float32
+
+
 # ---- Recurrent cells -----------------------------------------------------------------
 def test_gru_call_and_biases():
     hidden, x = 4, jnp.ones(3)

@@ -253,3 +253,39 @@ def test_a_weighted_loss_that_scored_no_label_is_nan_with_a_warning_and_never_th
                               callbacks=[ft.train.ModelCheckpoint(manager)])
     assert np.isnan(history.epochs["val_loss"]).all()
     assert manager.all_steps() == [2, 4] and manager.best_step() is None  # no epoch was the best
+
+
+def test_a_weighted_mean_metric_that_scored_no_label_is_nan_with_a_warning_naming_it():
+    """A metric returning a ft.losses.WeightedMean over data whose every label is -100: each
+    minibatch's value is 0/0, given as 0, and the mean of those 0s was a perfect 0.0 in
+    evaluate and validation. It is NaN with a NoLabelWarning naming the metric and the data;
+    one scored label gives the mean over it alone, and an accuracy over nothing stays 0."""
+    from functree.train._evaluation import NO_METRIC_LABEL
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=8).astype(np.int32)
+    ignored = np.full(8, -100, np.int32)
+    model = ft.nn.Dense(4, 3, key=jax.random.key(0))
+
+    def loss_fn(m, b):
+        out = m(b[0])
+        return jnp.mean(out ** 2), out
+
+    def tok(out):
+        return ft.losses.softmax_cross_entropy(out.aux, out.batch[1], reduction="weighted")
+
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics={"tok": tok, "acc": ft.train.accuracy})
+    with pytest.warns(ft.train.NoLabelWarning) as caught:
+        got = trainer.evaluate((x, ignored), batch_size=4)
+    assert [str(w.message) for w in caught] == [NO_METRIC_LABEL.format(what="evaluate", name="tok")]
+    assert caught[0].filename == __file__  # the user's line
+    assert np.isnan(got["tok"]) and got["acc"] == 0.0 and np.isfinite(got["loss"])
+    one = ignored.copy()
+    one[5] = y[5]
+    logits = np.asarray(model(x[5]), np.float64)
+    want = np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[y[5]]
+    np.testing.assert_allclose(trainer.evaluate((x, one), batch_size=4)["tok"], want, rtol=0, atol=2e-6)
+    with pytest.warns(ft.train.NoLabelWarning, match=r"^validation \(fit's validation_data=\): the metric 'tok'"):
+        history = trainer.fit((x, y), epochs=1, batch_size=8, progress=False, validation_data=(x, ignored))
+    assert np.isnan(history.epochs["val_tok"][0]) and np.isfinite(history.epochs["tok"][0])

@@ -157,3 +157,59 @@ def test_a_log_window_or_epoch_that_scored_no_label_logs_nan_with_a_warning_not_
     plain, diverged = Means().plus(terms(0.0)), Means().plus(terms(1.0, np.nan))
     assert plain.means() == {"loss": 0.0} and not plain.no_label()  # a plain loss's parts are (0, 0): no count
     assert not diverged.no_label() and math.isnan(diverged.means()["loss"])  # a NaN total: a divergence's NaN
+
+
+def test_a_weighted_mean_metric_that_scored_no_label_logs_nan_with_a_warning_naming_it(tmp_path):
+    """A metric returning a ft.losses.WeightedMean (a token-level cross-entropy) whose every
+    label in a log window is -100: each step's value is 0 (0/0 given as 0), and the window's,
+    the epoch's, the history's and the CSV's mean of those 0s was a perfect 0.0. Each is NaN
+    with a NoLabelWarning naming the metric and the window; a window with labels is
+    Σ total / Σ count over its steps, and an accuracy that counted nothing stays 0."""
+    import csv
+
+    import jax
+    import jax.numpy as jnp
+
+    import functree as ft
+    from functree.train._evaluation import NO_METRIC_LABEL
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype(np.float32)
+    y = rng.integers(0, 3, size=16).astype(np.int32)
+    y[0], y[4:] = -100, -100  # step 1 scores 3 labels, steps 2-4 none: the window of steps 3-4 nothing
+    model = ft.nn.Dense(4, 3, key=jax.random.key(0))
+
+    def loss_fn(m, b):
+        out = m(b[0])
+        return jnp.mean(out ** 2), out
+
+    def tok(out):
+        return ft.losses.softmax_cross_entropy(out.aux, out.batch[1], reduction="weighted")
+
+    logits = np.asarray(model(x[1:4]), np.float64)
+    first = np.mean(np.log(np.exp(logits).sum(-1)) - logits[np.arange(3), y[1:4]])
+    logs = []
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics={"tok": tok, "acc": ft.train.accuracy})
+    with pytest.warns(ft.train.NoLabelWarning) as caught:
+        history = trainer.fit(ft.train.batches((x, y), 4, shuffle=False), epochs=1, log_every=2, progress=False,
+                              callbacks=[lambda c: logs.append((c.event, c.step, c.metrics["tok"]))])
+    assert [str(w.message) for w in caught] == [
+        NO_METRIC_LABEL.format(what="Training's log window ending at step 4", name="tok")]
+    assert caught[0].filename == __file__  # the user's fit line
+    (_, _, window), (_, _, empty), (_, _, epoch) = logs
+    np.testing.assert_allclose([window, epoch], first, rtol=0, atol=2e-6)  # step 1's 3 labels alone
+    assert logs[1][:2] == ("log", 4) and math.isnan(empty) and not math.isnan(history.epochs["loss"][0])
+    path = tmp_path / "epochs.csv"
+    with pytest.warns(ft.train.NoLabelWarning, match=r"^Training's epoch 2: the metric 'tok' "):
+        history = trainer.fit(ft.train.batches((x[8:], y[8:]), 4, shuffle=False), epochs=2, log_every=8,
+                              progress=False, callbacks=[ft.train.CSVLogger(path)])
+    assert math.isnan(history.epochs["tok"][1]) and history.epochs["acc"][1] == 0.0  # a ratio over nothing: 0
+    with open(path) as f:
+        assert math.isnan(float(list(csv.DictReader(f))[-1]["tok"]))
+
+    def terms(mark):
+        return Means.terms({"tok": np.zeros(2), "tok#sum": np.zeros(2), "tok#count": np.zeros(2),
+                            "tok#ratio": np.full(2, mark)}, np.ones(2))
+
+    assert Means().plus(terms(0.0)).means() == {"tok": 0.0}  # a plain metric's parts are (0, 0): no count
+    assert math.isnan(Means().plus(terms(1.0)).means()["tok"])

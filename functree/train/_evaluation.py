@@ -29,6 +29,7 @@ from functree.train._data import Batches, batches, to_arrays
 from functree.train._epochs import VALIDATION, as_data, batch_size, cut_by_batch_size, with_location
 from functree.train._metrics import (
     PART_COUNT,
+    PART_RATIO,
     PART_SUM,
     combine_parts,
     describe_batch,
@@ -36,7 +37,7 @@ from functree.train._metrics import (
 )
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature",
-           "NoLabelWarning", "NO_LABEL"]
+           "NoLabelWarning", "NO_LABEL", "NO_METRIC_LABEL"]
 
 EVAL_KEY_SALT = 0x5EED
 """Folded into the trainer's key for evaluation and prediction keys (distinct from the
@@ -152,9 +153,22 @@ labels to score:
     right:  labels = np.where(response_mask, input_ids, -100)  # the response's tokens scored"""
 
 
+NO_METRIC_LABEL = """\
+{what}: the metric {name!r} returns a ft.losses.WeightedMean whose count is 0 over every \
+minibatch: no position was scored (every label is ignore_index, -100: a collator that \
+truncated each response away, or labels shifted off the end). Its mean is 0/0, reported as \
+NaN, not its minibatches' 0s, which would read as a perfect {name!r} (EarlyStopping and \
+ModelCheckpoint monitoring it would keep this model as the best). Give data with labels to \
+score:
+
+    wrong:  labels = np.full_like(input_ids, -100)            # every position ignored
+    right:  labels = np.where(response_mask, input_ids, -100)  # the response's tokens scored"""
+
+
 class NoLabelWarning(UserWarning):
-    """An evaluation whose ``ft.losses.WeightedMean`` loss counted nothing over all of its
-    data (:data:`NO_LABEL`): its loss is NaN."""
+    """An evaluation or a training log window or epoch whose ``ft.losses.WeightedMean`` loss
+    (:data:`NO_LABEL`) or metric (:data:`NO_METRIC_LABEL`) counted nothing over all of its
+    data: its mean is NaN."""
 
 
 _WHAT = {"validation": "validation (fit's validation_data=)", "evaluate": "evaluate", "predict": "predict"}
@@ -242,10 +256,16 @@ def _no_label_nan(what: str, means: Mapping[str, float], combined: dict[str, flo
     """``combined`` with a NaN loss where the loss is a ``WeightedMean`` whose count summed to
     0 (:data:`NO_LABEL`: warned). In an eval step only such a loss records parts (a plain
     loss none), so a count of 0 is nothing scored; each minibatch's loss is 0 there, as
-    training's must be (no gradient), which the mean would report as perfect."""
+    training's must be (no gradient), which the mean would report as perfect. Likewise a
+    metric whose value is a ``WeightedMean``'s (its mark, :data:`PART_RATIO`: an accuracy
+    that counted nothing has none and stays 0) is NaN (:data:`NO_METRIC_LABEL`)."""
     if means.get("loss" + PART_COUNT) == 0.0 and "loss" + PART_SUM in means:
         warn(NO_LABEL.format(what=what), NoLabelWarning)
         combined["loss"] = math.nan
+    for name in [k[: -len(PART_RATIO)] for k in means if k.endswith(PART_RATIO)]:
+        if means.get(name + PART_COUNT) == 0.0:
+            warn(NO_METRIC_LABEL.format(what=what, name=name), NoLabelWarning)
+            combined[name] = math.nan
     return combined
 
 

@@ -138,13 +138,13 @@ class Means:
         """The means (NaN where every step added was skipped), with ``skipped`` (the steps
         left out) under ``on_nan="skip"``. A counting metric's is Σ hits / Σ counted, its
         parts' sums' ratio (:func:`~functree.train._metrics.combine_parts`), not its
-        minibatch values' size-weighted mean; a ``WeightedMean`` loss that counted nothing
-        here is NaN (:meth:`no_label`)."""
+        minibatch values' size-weighted mean; a ``WeightedMean`` loss or metric that counted
+        nothing here is NaN (:meth:`unscored`)."""
         own = self.weights
         values = {k: v / w if (w := own.get(k, self.weight)) else math.nan for k, v in self.sums.items()}
         values = combine_parts(values, self.sums if self.weight else values)
-        if self.no_label():
-            values["loss"] = math.nan
+        for name in self.unscored():
+            values[name] = math.nan
         if on_nan == "skip":
             values["skipped"] = self.skipped
         return values
@@ -154,9 +154,19 @@ class Means:
         whose count summed to 0 over these steps: nothing scored (every label -100), a mean
         of 0/0, where each step's loss is 0 (no gradient) and combine_parts would give
         those 0s as a perfect loss. A NaN total (a divergence) is not one."""
+        return self._scored_nothing("loss")
+
+    def unscored(self) -> list[str]:
+        """The loss (:meth:`no_label`) and the metrics whose value is a ``ft.losses.WeightedMean``'s
+        (a token-level metric: their mark, :data:`PART_RATIO`) that counted nothing over these
+        steps: their means are 0/0, NaN, not their steps' 0s (a perfect-looking metric)."""
+        return [name for name in (k[: -len(PART_RATIO)] for k in self.sums if k.endswith(PART_RATIO))
+                if self._scored_nothing(name)]
+
+    def _scored_nothing(self, name: str) -> bool:
         sums = self.sums
-        return (sums.get("loss" + PART_RATIO, 0.0) > 0 and sums.get("loss" + PART_COUNT) == 0.0
-                and sums.get("loss" + PART_SUM) == 0.0)
+        return (sums.get(name + PART_RATIO, 0.0) > 0 and sums.get(name + PART_COUNT) == 0.0
+                and sums.get(name + PART_SUM) == 0.0)
 
     def to_json(self) -> dict[str, Any]:
         """The means as JSON values (``weights`` only where a name has its own)."""

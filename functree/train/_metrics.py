@@ -867,7 +867,7 @@ def _weighted(metric: WeightedMean, dtype: Any) -> jax.Array:
     its parts (in ``dtype``: a bfloat16 total's parts divided in float32), so that its means
     over minibatches are ``Σ total_b / Σ count_b`` (a token mean), not size-weighted."""
     total, count = jnp.asarray(metric.total).astype(dtype), jnp.asarray(metric.count).astype(dtype)
-    return _noted(ratio(total, count), total, count)
+    return _noted(ratio(total, count), total, count, weighted=True)
 
 
 def batch_size_of(batch: Any) -> int:
@@ -917,7 +917,10 @@ PART_RATIO = "#ratio"
 where the loss is a ratio noted with its parts (a ``ft.losses.WeightedMean``), else 0. Its
 parts' count sums to 0 both over steps that scored no label and under a plain loss (parts
 ``(0, 0)``): the mark tells them apart, so that a log window or an epoch that scored nothing
-is 0/0, NaN (``Means.no_label``), not its steps' 0s, nor a plain loss's mean made NaN."""
+is 0/0, NaN (``Means.no_label``), not its steps' 0s, nor a plain loss's mean made NaN.
+A metric with parts has its own mark (``"tok#ratio"``): 1 where its value is a
+``WeightedMean``'s (a token-level metric), 0 for a counting metric (an accuracy that counted
+nothing stays 0, as torchmetrics') or a plain one; an eval step records it for the former only."""
 
 
 def _is_part(name: str) -> bool:
@@ -963,15 +966,17 @@ def step_names(metrics: Mapping[str, Callable[[StepOutput], Any]]) -> list[str]:
     (:func:`measured`): ``"loss"``, the metrics, the loss's parts (a
     ``ft.losses.WeightedMean`` loss's total and count per example; 0 for another loss,
     whose means stay size-weighted), the metrics' parts (:func:`with_parts`), then the
-    loss's mark (:data:`PART_RATIO`).
+    loss's mark and the marks of the metrics with parts (:data:`PART_RATIO`).
 
     Example:
       >>> import functree as ft
       >>> step_names({"acc": ft.train.accuracy})
-      ['loss', 'acc', 'loss#sum', 'loss#count', 'acc#sum', 'acc#count', 'loss#ratio']
+      ['loss', 'acc', 'loss#sum', 'loss#count', 'acc#sum', 'acc#count', 'loss#ratio', 'acc#ratio']
     """
     names = list(with_parts(metrics))
-    return ["loss", *metrics, "loss" + PART_SUM, "loss" + PART_COUNT, *names[len(metrics):], "loss" + PART_RATIO]
+    marks = [name + PART_RATIO for name, fn in metrics.items() if _parted(fn)]
+    return ["loss", *metrics, "loss" + PART_SUM, "loss" + PART_COUNT, *names[len(metrics):], "loss" + PART_RATIO,
+            *marks]
 
 
 INEXACT_MEAN = """The metric {name!r} reports a value computed from {what}; its parts (hits, counted labels) are not known, so its means over minibatches are size-weighted (Σ n_b·v_b / Σ n_b), not Σ hits / Σ counted. Report the counting metric's value itself, or an affine function of one (100 * acc, 1 - acc: exact), under its own name:
@@ -1037,6 +1042,7 @@ class _Frame:
 
     def __init__(self, probes: Sequence[Any] | None = None):
         self.calls: list[tuple[Any, Any]] = []
+        self.weighted: set[int] = set()  # the calls that are a WeightedMean's (its count: no label scored)
         self.known: dict[int, tuple[Any, tuple[int, float, float] | None]] = {}
         self.derived: set[str] = set()
         self.probes = probes
@@ -1064,14 +1070,17 @@ def _known(value: Any, how: tuple[int, float, float] | None, frame: _Frame | Non
     return value
 
 
-def _noted(value: jax.Array, hits: jax.Array, counted: jax.Array) -> jax.Array:
-    """``value`` (``hits / max(counted, 1)``), its parts noted in the running :func:`measured`;
-    in its probe trace, that trace's input instead (:func:`_probe_jaxpr`)."""
+def _noted(value: jax.Array, hits: jax.Array, counted: jax.Array, weighted: bool = False) -> jax.Array:
+    """``value`` (``hits / max(counted, 1)``), its parts noted in the running :func:`measured`
+    (``weighted``: a ``WeightedMean``'s, whose count of 0 is no label scored); in its probe
+    trace, that trace's input instead (:func:`_probe_jaxpr`)."""
     frame = _frame()
     if frame is None:
         return value
     i = len(frame.calls)
     frame.calls.append((hits, counted))
+    if weighted:
+        frame.weighted.add(i)
     if frame.probes is not None:
         return jnp.asarray(frame.probes[i] if i < len(frame.probes) else frame.probes[-1], value.dtype)
     return _known(value, (i, 1.0, 0.0), frame)
@@ -1240,7 +1249,7 @@ def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], o
       >>> out = ft.train.StepOutput(jnp.zeros(()), jnp.array([[2.0, 0.0]]), (None, jnp.array([0])), None)
       >>> values = measured(lambda: {"pct": 100 * ft.train.accuracy(out)}, {}, out)
       >>> {k: float(v) for k, v in values.items()}
-      {'pct': 100.0, 'pct#sum': 100.0, 'pct#count': 1.0}
+      {'pct': 100.0, 'pct#sum': 100.0, 'pct#count': 1.0, 'pct#ratio': 0.0}
     """
     with _framed(_Frame()) as frame:
         values = _values(run())
@@ -1268,6 +1277,10 @@ def measured(run: Callable[[], Mapping[str, Any]], metrics: Mapping[str, Any], o
             values[name + PART_SUM] = values[name + PART_COUNT] = jnp.zeros((), dtype)
     if listed and "loss" in values:  # whether the loss's parts are a ratio's (a count of 0: no label scored)
         values["loss" + PART_RATIO] = jnp.asarray(isinstance(how.get("loss"), tuple), dtype)
+    for name in scalars:  # a metric's: whether its parts are a WeightedMean's (listed: every parted one's)
+        is_ratio = isinstance(how[name], tuple) and how[name][0] in frame.weighted
+        if name != "loss" and name + PART_SUM in values and (listed or is_ratio):
+            values[name + PART_RATIO] = jnp.asarray(is_ratio, dtype)
     return values
 
 

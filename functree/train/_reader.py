@@ -22,7 +22,7 @@ from functree._jit import eval_shape
 from functree._warnings import warn
 from functree.train._callbacks import Callback, TrainingContext
 from functree.train._dispatch import call_hooks
-from functree.train._evaluation import NoLabelWarning
+from functree.train._evaluation import NO_METRIC_LABEL, NoLabelWarning
 from functree.train._intervals import MetricLog, Reading, snapshot, to_host
 from functree.train._means import Means
 from functree.train._metrics import part_names, step_names
@@ -46,9 +46,13 @@ skips. Give data with labels to score:
 
 def warn_no_label(means: Means, what: str) -> None:
     """:data:`NO_TRAINING_LABEL` (a :class:`NoLabelWarning`) where ``means`` (a log window's,
-    an epoch's) scored no label: its loss is NaN (:meth:`Means.no_label`)."""
-    if means.no_label():
-        warn(NO_TRAINING_LABEL.format(what=what), NoLabelWarning)
+    an epoch's) scored no label: its loss is NaN (:meth:`Means.no_label`); and
+    :data:`NO_METRIC_LABEL` for each ``WeightedMean`` metric that scored none (:meth:`Means.unscored`)."""
+    for name in means.unscored():
+        if name == "loss":
+            warn(NO_TRAINING_LABEL.format(what=what), NoLabelWarning)
+        else:
+            warn(NO_METRIC_LABEL.format(what=f"Training's {what}", name=name), NoLabelWarning)
 
 _NO_BAR = Progress(None, enabled=False)
 

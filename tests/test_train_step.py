@@ -76,14 +76,15 @@ def test_reusing_a_donated_model_names_the_argument_the_step_and_the_fix():
     new_model, new_state, _ = step(new_model, new_state, batch)  # the returned ones work
 
 
-@pytest.mark.parametrize("name", ["optimizer", "loss_fn", "metrics", "compute_dtype"])
+@pytest.mark.parametrize("name", ["optimizer", "loss_fn", "metrics", "compute_dtype", "on_nan", "steps_per_call"])
 def test_a_setting_its_programs_were_built_with_is_refused_after_the_step_ran(name):
     # step.optimizer = sgd(0.0) after a call was ignored: the next call of the same shapes
-    # ran the program built with the old optimizer, which went on moving the model
+    # ran the program built with the old optimizer, which went on moving the model (and
+    # step.on_nan = "skip" applied the next NaN step; steps_per_call = 2 ran one step)
     model, batch = problem()
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
     new = {"optimizer": ft.optim.Optimizer(ft.optim.sgd(0.0)), "loss_fn": lambda m, b: 0.0 * mse(m, b),
-           "metrics": {}, "compute_dtype": jnp.bfloat16}[name]
+           "metrics": {}, "compute_dtype": jnp.bfloat16, "on_nan": "skip", "steps_per_call": 2}[name]
     before = ft.train.train_step(mse, opt, donate=False)
     setattr(before, name, new)  # before any call: the step is still being set up
     step = ft.train.train_step(mse, opt, donate=False)
@@ -93,6 +94,23 @@ def test_a_setting_its_programs_were_built_with_is_refused_after_the_step_ran(na
                                              r"step = ft\.train\.train_step\(loss_fn, optimizer"):
         setattr(step, name, new)
     assert getattr(step, name) is not new
+
+
+@pytest.mark.parametrize("name", ["loss_fn", "metrics", "compute_dtype"])
+def test_an_eval_steps_setting_is_refused_after_it_ran(name):
+    # evaluate.loss_fn = ... after a call was ignored: the next call of the same shapes ran
+    # the program built with the old loss (its old number, silently)
+    model, batch = problem()
+    new = {"loss_fn": lambda m, b: 100.0 + mse(m, b), "metrics": {"peak": lambda out: jnp.max(out.loss)},
+           "compute_dtype": jnp.bfloat16}[name]
+    before = ft.train.eval_step(mse)
+    setattr(before, name, new)  # before any call: still being set up
+    evaluate = ft.train.eval_step(mse)
+    evaluate(model, batch)
+    with pytest.raises(AttributeError, match=rf"(?s)EvalStep\.{name} cannot be set after the step has run.*"
+                                             r"step = ft\.train\.eval_step\(loss_fn"):
+        setattr(evaluate, name, new)
+    assert getattr(evaluate, name) is not new
 
 
 def test_optax_transform_accepted_and_no_donation_option():

@@ -1,7 +1,9 @@
 """The settings a training step's compiled programs are built from.
 
-A :class:`~functree.train.TrainStep` reads its optimizer, loss function, metrics and compute
-dtype while its programs trace; a :class:`~functree.train.Trainer` builds its step from its
+A :class:`~functree.train.TrainStep` reads its optimizer, loss function, metrics, compute
+dtype, ``on_nan`` and ``steps_per_call`` while its programs trace (an
+:class:`~functree.train.EvalStep` its loss function, metrics and compute dtype); a
+:class:`~functree.train.Trainer` builds its step from its
 optimizer, ``wrt=``, ``on_nan`` ... Assigned once those programs exist, a setting was
 ignored, silently (``step.optimizer = sgd(0.0)``: the next call of the same shapes ran the
 program built with the old optimizer). :class:`BuiltWith` refuses it, with each owner's

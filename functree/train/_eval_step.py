@@ -24,6 +24,7 @@ from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.parallel._placement import Placement
 from functree.parallel._rules import check_compute_dtype
+from functree.train._built import BuiltWith
 from functree.train._metrics import (
     StepOutput,
     evaluate_metrics,
@@ -34,7 +35,16 @@ from functree.train._metrics import (
 )
 from functree.train._programs import program_key, shared, trampoline
 
-__all__ = ["EvalStep", "loss_and_aux", "placement_of_step", "check_batch_argument", "LOSS_UNPACKS_BATCH"]
+__all__ = ["EvalStep", "loss_and_aux", "placement_of_step", "check_batch_argument", "LOSS_UNPACKS_BATCH",
+           "EVAL_STEP_BUILT_WITH"]
+
+EVAL_STEP_BUILT_WITH = """\
+{cls}.{name} cannot be set after the step has run: its compiled programs were built with \
+its {name}, and the next calls of the same shapes would run them as they are (the assignment \
+ignored, silently). Build another step with the new {name}:
+
+    wrong:  step.{name} = ...
+    right:  step = ft.train.eval_step(loss_fn, metrics=..., compute_dtype=...)"""
 
 LOSS_UNPACKS_BATCH = """\
 The step calls loss_fn(model, batch) with the minibatch as one argument (the tuple (x, y) \
@@ -126,6 +136,16 @@ class EvalStep:
       >>> sorted(evaluate(model, (jnp.zeros((3, 2)), None)))
       ['loss']
     """
+
+    loss_fn: Any = BuiltWith()
+    metrics: Any = BuiltWith()
+    compute_dtype: Any = BuiltWith()
+
+    def _built_error(self, name: str, value: Any) -> AttributeError | None:
+        """:data:`EVAL_STEP_BUILT_WITH` once the step's programs exist (:class:`BuiltWith`)."""
+        if self.__dict__.get("_shared") is None:
+            return None
+        return AttributeError(EVAL_STEP_BUILT_WITH.format(cls=type(self).__name__, name=name))
 
     def __init__(
         self,

@@ -390,6 +390,12 @@ class TrainStep:
     loss_fn: Any = BuiltWith()
     metrics: Any = BuiltWith()
     compute_dtype: Any = BuiltWith()
+    # Also read per call (__call__, _check): there through their slots, _on_nan and
+    # _steps_per_call, a plain attribute read (a descriptor's __get__ is a Python call).
+    on_nan: Any = BuiltWith()
+    steps_per_call: Any = BuiltWith()
+    _on_nan: str
+    _steps_per_call: int
 
     def _built_error(self, name: str, value: Any) -> AttributeError | None:
         """:data:`STEP_BUILT_WITH` once the step has built a program (:class:`BuiltWith`)."""
@@ -736,7 +742,7 @@ class TrainStep:
             self._modes_checked = True
             if key is not None:
                 warn_step_in_inference(model)
-        steps = self.steps_per_call if steps is None else steps
+        steps = self._steps_per_call if steps is None else steps
         if steps == 1:
             program = self._compiled or self._program(model)
         else:
@@ -838,7 +844,7 @@ class TrainStep:
                     break
         else:
             batch = private_arrays(batch)
-        if self.on_nan != "stop":
+        if self._on_nan != "stop":
             if direct is None:
                 return self.run(model, opt_state, batch, key)[:3]
             self._owned_call = False
@@ -848,7 +854,7 @@ class TrainStep:
             self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
         elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
             self._check(model, opt_state, block=False)
-        self._inflight.append((self._calls * self.steps_per_call, batch, key))  # its first step
+        self._inflight.append((self._calls * self._steps_per_call, batch, key))  # its first step
         if direct is None:
             model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
         else:
@@ -875,7 +881,7 @@ class TrainStep:
             if halt.is_deleted():  # another thread's call donated it since this one read it
                 raise RuntimeError(SHARED_STOP_LOG) from None
             raise
-        k = self.steps_per_call
+        k = self._steps_per_call
         if stopped < 0:  # the first `count` steps are done: drop their inputs (held in call order)
             del self._inflight[:bisect.bisect_right(self._inflight, count - k, key=_FIRST)]
             return

@@ -356,6 +356,37 @@ def test_a_model_holding_one_array_twice_is_copied_once_before_donation():
     assert model.a is not model.b
 
 
+@pytest.mark.parametrize("on_nan", ["stop", "ignore"])
+def test_a_batch_holding_an_array_of_the_donated_model_or_state_is_copied_with_a_warning(on_nan):
+    # step(model, state, (x, model.bias)) failed in XLA ("Attempt to use a buffer that was
+    # previously donated", naming no key path), on fresh inputs and on a loop's own results
+    model, (x, _) = problem()
+    opt = ft.optim.Optimizer(ft.optim.adam(0.1))
+    step = ft.train.train_step(mse, opt, on_nan=on_nan)
+    plain = ft.train.train_step(mse, opt, on_nan=on_nan, donate=False)  # (the same program, undonated)
+    state = opt.init(model)
+    want = plain(jax.tree.map(jnp.copy, model), opt.init(model), (x, jnp.copy(model.bias)))
+    with pytest.warns(ft.AliasWarning, match=r"holds an array of the model or optimizer state it donates: "
+                                             r"batch\.1 is model\.bias\. ") as caught:
+        got = step(model, state, (x, model.bias))
+    assert caught[0].filename == __file__
+    _close(got[:2], want[:2])
+    want = plain(*want[:2], (x, want[0].bias))
+    with pytest.warns(ft.AliasWarning, match=r"batch\.1 is model\.bias"):
+        got = step(*got[:2], (x, got[0].bias))  # the previous call's results: XLA refused, checked again
+    _close(got[:2], want[:2])
+    mu = got[1].inner.inner[0][0].mu.bias  # an Adam moment as the targets
+    want = plain(*want[:2], (x, jnp.copy(mu)))
+    with pytest.warns(ft.AliasWarning, match=r"batch\.1 is opt_state\.inner\.inner\.0\.0\.mu\.bias"):
+        got = step(*got[:2], (x, mu))
+    _close(got[:2], want[:2])
+
+
+def _close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=1e-6)  # values up to ~2
+
+
 def _same(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         x, y = np.asarray(x), np.asarray(y)

@@ -39,17 +39,26 @@ import optax
 from jax.sharding import PartitionSpec
 
 from functree._alias import (
+    AliasWarning,
     DonationGuard,
+    alias_names,
     copy_aliases,
+    find_aliases,
     is_deletion_error,
     warn_aliases,
 )
 from functree._flat import FlatJit, flat_jit
 from functree._host_buffers import JAX_ARRAYS, private_arrays
-from functree._jit import explain_control_flow, has_untraceable_leaves, unchecked_jit
+from functree._jit import (
+    _argument_name,
+    explain_control_flow,
+    has_untraceable_leaves,
+    unchecked_jit,
+)
 from functree._random import key_batch
 from functree._source import USER_FUNCTION
 from functree._traces import CURRENT, TOP
+from functree._warnings import warn
 from functree._where import devices_error
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._salt import salted_keys
@@ -159,6 +168,19 @@ given an optax transformation wraps it in ft.optim.Optimizer, reachable as step.
 
 
 NO_DONATION = "ft.train.train_step(loss_fn, optimizer, donate=False)    # the inputs stay valid (more memory)"
+
+
+BATCH_ALIASES = """\
+The batch given to the train step holds an array of the model or optimizer state it \
+donates: {pairs}. XLA refuses a call that reads a buffer it reuses for the step's outputs, \
+so the batch's array was copied for this call, as it will be at every such call. Pass a \
+copy, or a step that donates nothing:
+
+    wrong:  step(model, state, batch)                           # {example}
+    right:  step(model, state, jax.tree.map(jnp.copy, batch))
+       or:  {no_donation}"""
+
+_ARGUMENTS = ["model", "opt_state", "batch", "key"]
 
 
 SHARED_STOP_LOG = """\
@@ -784,10 +806,11 @@ class TrainStep:
             self._check_donated(model, opt_state)
         if self.placement is not None:
             model, opt_state = self.placement.place(model, opt_state)
+        rest = args[2:]
         if self._donate and not owned:
             warn_aliases(model, what="The model given to the train step")
             model, opt_state = copy_aliases((model, opt_state))
-        rest = args[2:]
+            rest = _batch_copied_apart(model, opt_state, rest)
         if len(rest) > 2 and rest[2] is self._halt is not None and self.placement is None:  # (the Trainer's log: committed)
             rest = (*rest[:2], placed_as(rest[2], model), *rest[3:])  # placed as this call's model
         return (model, opt_state, *rest), kwargs
@@ -901,6 +924,25 @@ class TrainStep:
         k = "" if self.steps_per_call == 1 else f", steps_per_call={self.steps_per_call}"
         return (f"{type(self).__name__}({name}, {self.optimizer!r}, metrics={list(self.metrics)}, "
                 f"on_nan={self.on_nan!r}{where}{dtype}{k})")
+
+
+def _batch_copied_apart(model: Any, opt_state: Any, rest: tuple) -> tuple:
+    """``rest`` (batch, key, log) with each array of the batch or key that is also a leaf of
+    the donated ``model`` or ``opt_state`` copied (:data:`BATCH_ALIASES`, an AliasWarning):
+    XLA refuses a call that donates a buffer and reads it again (``step(model, state,
+    model.w)``), an error naming no key path."""
+    tree = (model, opt_state, *rest[:2])
+    donated = len(jax.tree.leaves((model, opt_state)))
+    pairs = [(a, b) for a, b in find_aliases(tree) if a < donated <= b]
+    if not pairs:
+        return rest
+    names = [(_argument_name("0." + a, _ARGUMENTS), _argument_name("0." + b, _ARGUMENTS))
+             for a, b in alias_names(tree, pairs)]
+    pairs_shown = [f"{b} is {a}" for a, b in names]
+    warn(BATCH_ALIASES.format(pairs=", ".join(pairs_shown), example=pairs_shown[0], no_donation=NO_DONATION),
+         AliasWarning)
+    copied = copy_aliases(tree, pairs)
+    return (*copied[2:], *rest[2:])
 
 
 def _calling_train(entry: Any, method: str) -> Callable[..., Any]:

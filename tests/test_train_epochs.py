@@ -309,3 +309,60 @@ def test_a_list_of_example_rows_is_refused_naming_the_stacked_arrays(call):
     assert as_data(minibatches, None, None) is minibatches
     stacked = as_data(jax.tree.map(lambda *r: np.stack(r), *rows), 4, None)  # the fix: 11 examples, cut by 4
     assert stacked.num_examples == 11 and len(stacked) == 3
+
+
+def test_data_known_never_to_end_is_refused_without_steps_and_finite_data_ends_its_epoch():
+    """fit(itertools.cycle(loader)) (or grain's MapDataset.repeat(), a DataLoader whose
+    sampler has num_epochs=None) ran its first epoch forever: an epoch ends where the data
+    does. Without steps= it is refused (ENDLESS_DATA, Keras's steps_per_epoch as steps=);
+    with steps= it trains, but validation_data, read at epoch ends, is refused
+    (ENDLESS_VALIDATION), as endless validation data is. A generator without len() still
+    ends its epoch where it runs out."""
+    import itertools
+    import types
+
+    grain = pytest.importorskip("grain")
+    from functree.train._epochs import (
+        ENDLESS_DATA,
+        ENDLESS_VALIDATION,
+        ENDLESS_VALIDATION_DATA,
+        endless,
+    )
+
+    x = np.ones((8, 2), np.float32)
+    minibatches = [(x[:4], x[:4, :1]), (x[4:], x[4:, :1])]
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+    sampler = grain.samplers.IndexSampler(2, shard_options=grain.sharding.NoSharding(), num_epochs=None)
+    kinds = {"cycle": itertools.cycle(minibatches), "repeat": itertools.repeat(minibatches[0]),
+             "RepeatMapDataset": grain.MapDataset.source(minibatches).repeat(),
+             "DataLoader": grain.DataLoader(data_source=minibatches, sampler=sampler)}
+    for kind, data in kinds.items():
+        why, fix = endless(data)
+        finite, _, note = fix.partition("  # ")
+        for given, epochs in (({}, 1), ({"epochs": 3}, 3)):
+            with pytest.raises(ValueError) as e:
+                trainer.fit(data, progress=False, **given)
+            assert str(e.value) == ENDLESS_DATA.format(epochs=epochs, kind=kind, why=why, finite=finite, note=note)
+        with pytest.raises(ValueError, match=re.escape(ENDLESS_VALIDATION.format(
+                steps=2, kind=kind, why=why, finite=finite, note=note))):
+            trainer.fit(data, steps=2, progress=False, validation_data=minibatches)
+        with pytest.raises(ValueError, match=re.escape(ENDLESS_VALIDATION_DATA.split("{")[0])):
+            trainer.fit(minibatches, epochs=1, progress=False, validation_data=data)
+    assert trainer.steps_run == 0
+    trainer.fit(itertools.cycle(minibatches), steps=3, progress=False)
+    assert (trainer.steps_run, trainer.epoch) == (3, 0)  # steps= bounds it
+
+    fresh = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                             lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+    fresh.fit((b for b in minibatches), epochs=1, progress=False)  # no len(): ends where it runs out
+    assert (fresh.steps_run, fresh.epoch) == (2, 1)
+    once = grain.samplers.IndexSampler(2, shard_options=grain.sharding.NoSharding(), num_epochs=1)
+    assert endless(grain.DataLoader(data_source=minibatches, sampler=once)) is None
+    assert endless(itertools.repeat(minibatches[0], 3)) is None and endless(grain.MapDataset.source(minibatches)) is None
+    # tf.data's Dataset.repeat(): len() raises, cardinality() is INFINITE_CARDINALITY (-1); -2 is unknown
+    tf_like = types.new_class("RepeatDataset", exec_body=lambda ns: ns.update(
+        __module__="tensorflow.python.data.ops.repeat_op", cardinality=lambda self: self.n))
+    endless_tf, unknown_tf = tf_like(), tf_like()
+    endless_tf.n, unknown_tf.n = -1, -2
+    assert "INFINITE_CARDINALITY" in endless(endless_tf)[0] and endless(unknown_tf) is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -74,6 +75,33 @@ the next one find no minibatch. Pass something re-iterable:
     wrong:  trainer.fit(data, {count}, validation_data=(b for b in val_batches))
     right:  trainer.fit(data, {count}, validation_data=list(val_batches))
        or:  trainer.fit(data, {count}, validation_data=ft.train.batches((x_val, y_val), 32, shuffle=False))"""
+
+ENDLESS_DATA = """\
+trainer.fit(data, epochs={epochs}) ends an epoch where the data ends, but the data ({kind}) \
+never ends: {why}. The first epoch would never end (fit would run until interrupted). Count \
+steps instead (Keras's steps_per_epoch=S, which an endless dataset needs there, is \
+steps=epochs * S here: the job's steps in all), or give data that ends:
+
+    wrong:  trainer.fit(data, epochs={epochs})
+    right:  trainer.fit(data, steps={epochs} * 1000)     # 1000 minibatches an epoch
+       or:  trainer.fit({finite}, epochs={epochs})    # {note}"""
+
+ENDLESS_VALIDATION = """\
+trainer.fit(data, steps={steps}, validation_data=...) evaluates validation_data at every \
+epoch's end, but the data ({kind}) never ends an epoch: {why}. validation_data would never \
+be evaluated. Evaluate it after fit, or give data that ends:
+
+    wrong:  trainer.fit(data, steps={steps}, validation_data=val)
+    right:  trainer.fit(data, steps={steps}); trainer.evaluate(val)
+       or:  trainer.fit({finite}, epochs=N, validation_data=val)    # {note}"""
+
+ENDLESS_VALIDATION_DATA = """\
+trainer.fit(data, ..., validation_data=...) evaluates all of validation_data at every epoch's \
+end, but validation_data ({kind}) never ends: {why}. The first validation would never end. \
+Give validation data that ends:
+
+    wrong:  trainer.fit(data, epochs=N, validation_data=val)
+    right:  trainer.fit(data, epochs=N, validation_data={finite})    # {note}"""
 
 ONE_SHOT_RESUME = """\
 The restored trainer is at step {step}, but {kind} is a one-shot iterator that cannot report \
@@ -357,6 +385,53 @@ def epoch_length(data: Any) -> int | None:
         return None
 
 
+def endless(data: Any) -> tuple[str, str] | None:
+    """``(why, a finite spelling of it)`` where ``data`` is known never to end (an epoch over it
+    never ends), else None: it may end, or nothing tells (a generator, a torch
+    IterableDataset end when they end). Known: ``itertools.cycle``/``count``, ``repeat``
+    without ``times``; a length of ``sys.maxsize`` (grain's ``MapDataset.repeat()``), a
+    grain ``DataLoader`` whose sampler repeats forever (``num_epochs=None``), a tf.data
+    dataset of ``INFINITE_CARDINALITY`` (``Dataset.repeat()``)."""
+    if isinstance(data, (itertools.cycle, itertools.count)):  # (count: of numbers, no minibatch)
+        return f"itertools.{type(data).__name__} never runs out", "loader  # the iterable it cycled"
+    if isinstance(data, itertools.repeat) and _hint(data) is None:
+        return "itertools.repeat without times= repeats forever", "itertools.repeat(batch, 100)  # 100 a pass"
+    length = _length(data)
+    if length is not None and length >= sys.maxsize:
+        return ("len(data) is sys.maxsize, an endless dataset's (grain's MapDataset.repeat() with no "
+                "num_epochs)", "dataset  # one pass: no .repeat()")
+    module = getattr(type(data), "__module__", None) or ""
+    if module.startswith("grain") and (_length(getattr(data, "_sampler", None)) or 0) >= sys.maxsize:
+        return ("its sampler repeats forever (grain's IndexSampler(num_epochs=None))",
+                "loader  # grain.DataLoader(..., sampler=grain.samplers.IndexSampler(..., num_epochs=1))")
+    if module.startswith("tensorflow") and _cardinality(data) == -1:  # tf.data.INFINITE_CARDINALITY
+        return "its cardinality() is tf.data.INFINITE_CARDINALITY (Dataset.repeat())", "dataset  # one pass: no .repeat()"
+    return None
+
+
+def _length(x: Any) -> int | None:
+    """``len(x)``, None where it has none (or it fails: an endless tf.data dataset's raises)."""
+    try:
+        return len(x)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _hint(it: Any) -> int | None:
+    """``it.__length_hint__()``, None where it raises (``itertools.repeat`` without times)."""
+    try:
+        return operator.index(it.__length_hint__())
+    except TypeError:
+        return None
+
+
+def _cardinality(data: Any) -> int | None:
+    try:
+        return int(data.cardinality())
+    except Exception:  # (a duck-typed read: anything else is not tf.data's)
+        return None
+
+
 def _has_position(it: Any) -> bool:
     """An iterator that reports and takes its position (grain's ``DatasetIterator``)."""
     return callable(getattr(it, "get_state", None)) and callable(getattr(it, "set_state", None))
@@ -469,6 +544,7 @@ class Epochs:
         validation data that is ``[x, y]``, or sharded batches whose last minibatch the shares
         cannot split, is refused before the first epoch, not at its end."""
         self.accumulate = accumulate
+        _check_ends(data, epochs, steps, validation_data)
         check_list_of_arrays(validation_data, VALIDATION)
         check_rows(validation_data, VALIDATION, None)
         if isinstance(validation_data, Batches):  # its last minibatch, read at the epoch's end
@@ -547,6 +623,28 @@ def _rectangular(x: list[Any]) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _check_ends(data: Any, epochs: int | None, steps: int | None, validation_data: Any) -> None:
+    """Refuse data known never to end (:func:`endless`) where fit needs an epoch's end:
+    without ``steps=`` (:data:`ENDLESS_DATA`: the first epoch never ends, fit hung), or with
+    ``validation_data`` (:data:`ENDLESS_VALIDATION`: it would never be evaluated), and
+    endless validation data (:data:`ENDLESS_VALIDATION_DATA`). Finite data without a length
+    (a generator) ends its epoch where it runs out, as before."""
+    if validation_data is not None and (ends := endless(validation_data)) is not None:
+        finite, _, note = ends[1].partition("  # ")
+        raise ValueError(ENDLESS_VALIDATION_DATA.format(kind=type(validation_data).__name__, why=ends[0],
+                                                        finite=finite, note=note))
+    ends = endless(data)
+    if ends is None:
+        return
+    why, (finite, _, note) = ends[0], ends[1].partition("  # ")
+    if steps is None:
+        raise ValueError(ENDLESS_DATA.format(epochs=epochs, kind=type(data).__name__, why=why, finite=finite,
+                                             note=note))
+    if validation_data is not None:
+        raise ValueError(ENDLESS_VALIDATION.format(steps=steps, kind=type(data).__name__, why=why, finite=finite,
+                                                   note=note))
 
 
 def _epoch_ends(data: Any, epochs: int | None, steps: int | None, job: JobState) -> int:

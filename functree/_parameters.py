@@ -19,7 +19,7 @@ import numpy as np
 from functree._module import NO_DERIVATIVE, Module, field_kind, from_fields
 from functree._naming import NothingSelected, check_patterns, selection
 from functree._paths import KeyPath, children
-from functree._tree import bounded_put, is_none
+from functree._tree import bound, bounded_put, is_none
 
 __all__ = [
     "parameters",
@@ -37,6 +37,15 @@ STRUCTURE_MISMATCH = """\
 Trees passed together must have the structure of the first one (a model's parameter view, \
 its gradient or optimizer moments). Build them from the same model, e.g. \
 `ft.gradient(loss, at=model)` or `ft.parameters(model)`."""
+
+
+# first_difference's detail where the two nodes are of two definitions of one class.
+CLASS_DEFINED_AGAIN = (
+    "the first has a {name} of {first}, the other a {name} of {other}: the `class {short}` statement "
+    "ran again (a notebook cell re-run) after one of the trees was made, and JAX tells the two classes "
+    "apart although their names, fields and shapes read alike. Make that tree again from the model of "
+    "the class defined now, or carry its leaves over: "
+    "jax.tree.unflatten(jax.tree.structure(new_tree), jax.tree.leaves(old_tree))")
 
 
 VIEW_CALLED = """\
@@ -306,12 +315,30 @@ def first_difference(a: Any, b: Any, *, none_is_leaf: bool = False) -> tuple[Key
             continue
         if sx != sy:
             return path, f"the first has {describe(x)}, the other has {describe(y)}"
+        if type(x) is not type(y) and sx != "leaf":  # two classes of one name (_node_signature's)
+            return path, _two_classes(type(x), type(y))
         kx, ky = children(x), children(y)
         for (ex, vx), (_, vy) in reversed(list(zip(kx, ky))):
             if isinstance(x, Module) and ex.key in type(x).__ft_static__:
                 continue
             stack.append((path + (ex,), vx, vy))
     return None
+
+
+def _two_classes(a: type, b: type) -> str:
+    """The difference between nodes of classes ``a`` and ``b`` whose short names match:
+    :data:`CLASS_DEFINED_AGAIN` for two definitions of one module's name, else their
+    qualified names."""
+    name, other = (f"{c.__module__}.{c.__qualname__}" for c in (a, b))
+    if name != other:
+        return f"the first has a {name}, the other a {other}"
+
+    def which(cls: type) -> str:
+        now = bound(cls.__module__, cls.__qualname__)
+        return "the class defined now" if now is cls else "an earlier definition of it" if now is not None \
+            else "another definition of it"
+
+    return CLASS_DEFINED_AGAIN.format(name=name, first=which(a), other=which(b), short=a.__name__)
 
 
 SELECT_EXCLUDE_NOTHING = """\

@@ -11,13 +11,15 @@
   array), :func:`is_array_or_numpy_scalar` (that, or a NumPy scalar),
   :func:`has_shape_and_dtype` (anything shaped, a ``jax.ShapeDtypeStruct`` too);
 * dotted names built from parts: :func:`join_names` (empty parts skipped: the root) and
-  :func:`child_name` (a child's name under a prefix, an empty key kept).
+  :func:`child_name` (a child's name under a prefix, an empty key kept);
+* :func:`bound`: the object a module's name means now (a notebook cell run again rebinds it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +40,7 @@ __all__ = [
     "is_array_value",
     "is_array_or_numpy_scalar",
     "has_shape_and_dtype",
+    "bound",
 ]
 
 CACHE_LIMIT = 4096
@@ -158,6 +161,18 @@ class WeakIdentity:
             return NotImplemented
         mine = self._ref()
         return mine is not None and mine is other._ref()
+
+
+def bound(module: str | None, qualname: str | None) -> Any:
+    """The object bound now at ``sys.modules[module].<qualname>`` (pickle's rule for what a
+    name means), or None: the module is not imported, the name is unbound, or it is local
+    (``f.<locals>.C``). Looks up attributes only; imports and calls nothing."""
+    obj: Any = sys.modules.get(module or "")
+    for part in (qualname or "<locals>").split("."):
+        if obj is None or part == "<locals>":
+            return None
+        obj = getattr(obj, "__dict__", {}).get(part)
+    return obj
 
 
 def cached(cache: dict[Any, Any], key: Any) -> tuple[Any, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 import jax
@@ -149,6 +151,50 @@ def test_tree_map_mismatch_between_modules_with_different_static_values():
     b = BatchNorm(jnp.ones(1), jnp.ones(1), jnp.ones(1), momentum=0.5)
     with pytest.raises(ValueError, match="differ first at <root>"):
         ft.tree_map(jnp.add, {"m": a}["m"], b)
+
+
+_NET_CELL = """
+class Net(ft.Module):
+    w: jax.Array
+    def __call__(self, x):
+        return x @ self.w
+"""
+
+
+def test_trees_of_a_class_defined_again_are_named_as_two_definitions(monkeypatch):
+    """A notebook: gradients of a model made before the cell with ``class Net`` ran again, passed
+    with a model of the new class. The structures differ only in the class object, which the
+    first-difference walk compared by short name: 'different structures' (opt.update) or JAX's
+    'different types ... Net ... Net' (ft.move, ft.tree_map). Now it names both definitions."""
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    ns = main.__dict__
+    for cell in ("import jax, jax.numpy as jnp, functree as ft", _NET_CELL,
+                 "old = Net(jnp.ones((2, 2)))\ngrads = ft.gradient(lambda m: m(jnp.ones((1, 2))).sum(), at=old)",
+                 _NET_CELL, "model = Net(jnp.ones((2, 2)))"):
+        exec(compile(cell, "<cell>", "exec"), ns)
+    model, grads = ns["model"], ns["grads"]
+    again = "the first has a __main__.Net of {}, the other a __main__.Net of {}: the `class Net` statement ran again"
+    now, earlier = "the class defined now", "an earlier definition of it"
+    with pytest.raises(ValueError) as e:
+        ft.move(model, along=grads)
+    assert again.format(earlier, now) in str(e.value) and "ft.move: the trees differ first at <root>" in str(e.value)
+    with pytest.raises(ValueError, match=r"ft\.tree_map: the trees differ first at <root>") as e:
+        ft.tree_map(jnp.add, model, grads)
+    assert again.format(now, earlier) in str(e.value)
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    with pytest.raises(ValueError, match="The gradient does not fit the model's parameters at <root>") as e:
+        opt.apply_gradients(grads, model, opt.init(model))
+    assert again.format(now, earlier) in str(e.value)
+    # the carry-over the message gives
+    carried = jax.tree.unflatten(jax.tree.structure(ft.parameters(model)), jax.tree.leaves(grads))
+    np.testing.assert_allclose(ft.move(model, along=carried).w, model.w + grads.w, rtol=0, atol=0)
+
+
+def test_two_classes_of_one_short_name_are_named_by_their_modules():
+    a, b = (type("Net", (ft.Module,), {"__annotations__": {"w": jax.Array}, "__module__": m}) for m in ("one", "two"))
+    with pytest.raises(ValueError, match=r"the first has a one\.Net, the other a two\.Net"):
+        ft.tree_map(jnp.add, a(jnp.ones(1)), b(jnp.ones(1)))
 
 
 @needs_float16_conversions  # float16 leaves: XLA:CPU below AVX cannot link their conversions

@@ -26,6 +26,7 @@ from typing import Any
 
 from functree._functions import builtin_functions
 from functree._module import Module
+from functree._tree import bound
 
 __all__ = ["register", "type_name", "function_name", "lookup_type", "lookup_function", "bound",
            "current_definitions"]
@@ -204,18 +205,6 @@ def _same_definition(old: Any, new: Any) -> bool:
     same module and qualified name (a notebook cell or a reloaded module run again)."""
     return (type(old) is type(new) and getattr(old, "__module__", None) == getattr(new, "__module__", 0)
             and getattr(old, "__qualname__", None) == getattr(new, "__qualname__", 0))
-
-
-def bound(module: str | None, qualname: str | None) -> Any:
-    """The object bound now at ``sys.modules[module].<qualname>`` (pickle's rule for what a
-    name means), or None: the module is not imported, the name is unbound, or it is local
-    (``f.<locals>.C``). Looks up attributes only; imports and calls nothing."""
-    obj: Any = sys.modules.get(module or "")
-    for part in (qualname or "<locals>").split("."):
-        if obj is None or part == "<locals>":
-            return None
-        obj = getattr(obj, "__dict__", {}).get(part)
-    return obj
 
 
 def _current(obj: Any) -> Any:

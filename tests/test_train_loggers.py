@@ -94,6 +94,32 @@ def test_csv_and_tensorboard_logs_read_back_to_the_history(tmp_path):
         assert (tmp_path / "epochs.csv").read_text() == before
 
 
+_FIT_CELL = """
+history = trainer.fit(ft.train.batches((X, Y), 8, key=jax.random.key(2)), epochs={epochs}, progress=False,
+                      callbacks=[ft.train.CSVLogger(path)])
+"""
+
+
+def test_a_fit_cell_run_again_with_more_epochs_keeps_the_first_fits_rows(tmp_path):
+    """A notebook: the cell making the logger and fitting, run again with ``epochs=2``. The new
+    logger wiped the file (the trainer was not restored), so it held epoch 2's row alone while
+    the history held both. A job that has run steps continues the file, as a restored one."""
+    ns = {"ft": ft, "jax": jax, "X": X, "Y": Y, "trainer": make(), "path": tmp_path / "new" / "log.csv"}
+    for epochs in (1, 2):
+        exec(compile(_FIT_CELL.format(epochs=epochs), "<cell>", "exec"), ns)
+    rows = read_csv(ns["path"])
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+    assert [float(r["loss"]) for r in rows] == ns["history"].epochs["loss"]
+    # a new job (a fresh trainer at step 0) starts the file anew
+    ns["trainer"] = make()
+    exec(compile(_FIT_CELL.format(epochs=1), "<cell>", "exec"), ns)
+    assert [int(r["epoch"]) for r in read_csv(ns["path"])] == [1]
+    # append=True into a folder not made yet (its first row failed: FileNotFoundError on log.csv.tmp)
+    ns["path"] = tmp_path / "other" / "log.csv"
+    exec(compile(_FIT_CELL.format(epochs=2).replace("CSVLogger(path)", "CSVLogger(path, append=True)"), "<cell>", "exec"), ns)
+    assert [int(r["epoch"]) for r in read_csv(ns["path"])] == [2]
+
+
 def test_logger_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r'every is "epoch" \(a row per epoch end\) or "log"'):
         ft.train.CSVLogger(tmp_path / "log.csv", every="step")

@@ -120,10 +120,12 @@ class CSVLogger(Callback):
     Values are written exactly (Python's shortest round-tripping form), so reading the
     file back gives the history's numbers. A column first seen later (``val_*`` of a
     first validation) extends the header; earlier rows leave it empty. ``append=False``
-    (default) starts the file anew at this logger's first ``fit`` of a trainer that was
-    not restored; ``append=True``, or a first ``fit`` after ``trainer.restore`` (the
-    restart recipe), continues an existing file, first dropping rows past the trainer's
-    step, so a resumed job's file equals the uninterrupted job's.
+    (default) starts the file anew at this logger's first ``fit`` of a new job (a trainer
+    that has run no step and was not restored); ``append=True``, or a first ``fit`` of a
+    job that has run steps (after ``trainer.restore``, the restart recipe, or after a fit
+    before it: a notebook cell run again makes a new logger), continues an existing file,
+    first dropping rows past the trainer's step, so the file holds each of the job's rows
+    once, as the uninterrupted job's does.
 
     Example:
       >>> import csv, tempfile, functree as ft, jax.numpy as jnp, numpy as np
@@ -156,8 +158,10 @@ class CSVLogger(Callback):
     def on_train_begin(self, trainer: Trainer) -> None:
         if jax.process_index() != 0:
             return
-        if not self._started and not self.append and trainer.checkpoint is None:  # not restored
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # A new job starts the file anew; one that has run steps (restored, or fit before:
+        # a notebook cell that makes its logger run again) continues it, as its history does.
+        if not self._started and not self.append and trainer.checkpoint is None and not trainer.steps_run:
             self.path.write_text("")
             self._columns = None
         elif self.path.exists():

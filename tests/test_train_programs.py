@@ -180,3 +180,41 @@ def test_a_reloaded_module_s_loss_gets_its_own_program(tmp_path, monkeypatch):
         moved, _, metrics = first_step(module.loss)
     assert float(metrics["loss"]) == 0.0
     np.testing.assert_array_equal(moved.weight, model.weight)
+
+
+_SCALED_CELL = """
+import jax, jax.numpy as jnp, functree as ft
+G = 1.0
+class Net(ft.Module):
+    w: jax.Array
+    def __call__(self, x):
+        return G * (x @ self.w)
+def loss_fn(m, batch):
+    return jnp.sum(m(batch))
+"""
+
+_TRAINER_CELL = """
+trainer = ft.train.Trainer(Net(jnp.ones((2, 1))), ft.optim.sgd(1.0), loss_fn)
+trainer.fit([x], epochs=1, progress=False)
+results = (trainer.model.w, trainer.evaluate([x])["loss"], trainer.predict(x))
+"""
+
+
+def test_a_trainer_cell_run_again_after_a_global_changed_runs_the_new_value():
+    """A notebook: ``G = 3.0`` in a later cell, read by the model's ``__call__``, then the cell
+    making the Trainer run again. The new Trainer's fit, evaluate and predict ran the programs
+    the first Trainer traced with ``G = 1.0`` (found by loss function and configuration): the
+    weights moved by 4 where the eager gradient says 12, evaluate and predict 3 times too
+    small. The programs are keyed by what the user's code reads too; unchanged, they are shared."""
+    ns: dict = {"x": np.ones((4, 2), np.float32)}
+    for cell in (_SCALED_CELL, _TRAINER_CELL):
+        exec(compile(cell, "<cell>", "exec"), ns)
+    with compilations() as seen:
+        exec(compile(_TRAINER_CELL, "<cell>", "exec"), ns)  # nothing changed: the same programs
+    assert seen == []
+    exec(compile("G = 3.0", "<cell>", "exec"), ns)
+    exec(compile(_TRAINER_CELL, "<cell>", "exec"), ns)
+    w, loss, out = ns["results"]
+    np.testing.assert_allclose(w, -11.0, rtol=0, atol=1e-6)  # sgd(1.0): 1 - Σ_rows x·G = 1 - 4·3
+    np.testing.assert_allclose(loss, 3.0 * 4 * 2 * -11.0, rtol=1e-6)  # eager: Σ G·x@w over 4 rows
+    np.testing.assert_allclose(out, np.full((4, 1), 3.0 * 2 * -11.0), rtol=1e-6)

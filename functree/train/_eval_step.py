@@ -33,7 +33,7 @@ from functree.train._metrics import (
     shared_batch_size,
     without_parts,
 )
-from functree.train._programs import program_key, shared, trampoline
+from functree.train._programs import NO_MODEL, program_key, shared, trampoline
 
 __all__ = ["EvalStep", "loss_and_aux", "placement_of_step", "check_batch_argument", "LOSS_UNPACKS_BATCH",
            "EVAL_STEP_BUILT_WITH"]
@@ -193,7 +193,7 @@ class EvalStep:
           >>> evaluate.metric_shapes({"w": jnp.ones(())}, jnp.arange(4.0))
           {'loss': ShapeDtypeStruct(shape=(), dtype=float32)}
         """
-        entry = self._entry()
+        entry = self._entry(model)
         table = entry.programs.setdefault("shapes", {})
         shapes = table.get(None)
         if shapes is None:  # one function per configuration: jax.eval_shape keeps its traces
@@ -232,9 +232,11 @@ class EvalStep:
             out["compensation"] = jax.tree.map(_compensated, sums["compensation"], old, terms, new)
         return out
 
-    def summing(self, static_leaves: bool = False) -> Callable[..., Any]:
+    def summing(self, static_leaves: bool = False, model: Any = NO_MODEL) -> Callable[..., Any]:
         """:meth:`summed` jitted (``sums`` donated), its programs shared by every EvalStep
-        of this configuration in the process (a new Trainer's validation compiles nothing).
+        of this configuration in the process (a new Trainer's validation compiles nothing)
+        whose code reads the same values (``model``: the model it will sum over, whose
+        user classes' reads are keyed too).
 
         Example: a weighted sum over minibatches, here one of 4 examples
           >>> import functree as ft, jax.numpy as jnp
@@ -244,7 +246,7 @@ class EvalStep:
           >>> sums["values"]["loss"], sums["weight"], sums["count"]  # 4 · mean(0, 1, 2, 3)
           (Array(6., dtype=float32), Array(4., dtype=float32), Array(1, dtype=int32))
         """
-        entry = self._entry()
+        entry = self._entry(model)
         table = entry.programs.setdefault("summed", {})
         run = table.get(static_leaves)
         if run is None:
@@ -263,9 +265,11 @@ class EvalStep:
 
         return summing
 
-    def _entry(self) -> Any:
+    def _entry(self, model: Any = NO_MODEL) -> Any:
+        """The shared programs, keyed at the first use (with what the user's code run on
+        ``model`` reads: :func:`functree.train._programs.code_reads`)."""
         if self._shared is None:
-            self._shared = shared(program_key("EvalStep", self, self._RUNTIME))
+            self._shared = shared(program_key("EvalStep", self, self._RUNTIME, model))
         return self._shared
 
     def shard_batch(self, batch: Any) -> Any:
@@ -274,7 +278,7 @@ class EvalStep:
 
     def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
-            self._entry()
+            self._entry(model)
             static = has_untraceable_leaves(model)
             # One function per configuration: ft.jit's and JAX's caches key on it (a new
             # Trainer's validation compiles nothing); a trace runs the calling step's stages.

@@ -18,8 +18,9 @@ import numpy as np
 
 from functree import nn
 from functree._alias import is_deletion_error, is_stale_error, stale_error
+from functree._jit import has_untraceable_leaves, unchecked_jit
 from functree._repr import short_array
-from functree._tree import is_array_value
+from functree._tree import bounded_put, cached, is_array_value
 from functree._warnings import warn
 from functree._where import devices_error, placement_of, put
 from functree.optim._average import averaged as averaged_parameters
@@ -35,6 +36,7 @@ from functree.train._metrics import (
     describe_batch,
     metric_dtype,
 )
+from functree.train._programs import code_reads
 
 __all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature",
            "NoLabelWarning", "NO_LABEL", "NO_METRIC_LABEL"]
@@ -443,6 +445,29 @@ def call_predict(model: Any, batch: Any, fn: Callable[..., Any], key: Any) -> An
     return fn(model, batch) if key is None else fn(model, batch, key=key)
 
 
+_PREDICTORS: dict[Any, Callable[..., Any]] = {}  # (what the code reads, static leaves) -> call_predict jitted
+
+
+def predictor(model: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`call_predict` jitted (``fn`` static), one function per what the Python of
+    ``model``'s user classes and of ``fn`` reads now (:func:`code_reads`): JAX's caches key
+    on the function, so a global that a later notebook cell changed (``G = 3.0`` read by
+    ``Net.__call__``) traces anew, where one process-wide function ran the program traced
+    with the old value; the same reads share their programs (a new Trainer compiles nothing).
+    Code whose reads cannot be keyed is traced at each call, never stale."""
+    static = has_untraceable_leaves(model)
+    reads = code_reads(model, (fn,))
+    key, found = cached(_PREDICTORS, (reads, static)) if reads is not None else (None, None)
+    if found is None:
+        def run(model: Any, batch: Any, fn: Callable[..., Any], key: Any) -> Any:
+            return call_predict(model, batch, fn, key)
+
+        found = unchecked_jit(run, static_argnums=2, static_leaves=static)
+        if key is not None:
+            bounded_put(_PREDICTORS, key, found)
+    return found
+
+
 class Evaluation:
     """A trainer's evaluation and prediction over data (the model in inference mode),
     reading ``self.model``, ``self.opt_state``, ``self.key`` and ``self.eval_step``
@@ -453,7 +478,6 @@ class Evaluation:
     key: Any
     eval_step: Any
     _eval_fused: Callable[..., Any]
-    _predict: Callable[..., Any]
 
     @property
     def inference_model(self) -> Any:
@@ -541,5 +565,5 @@ class Evaluation:
         if is_array_value(data):
             data = batches(data, batch_size or 32, shuffle=False)
         data = as_data(data, batch_size, self.key, shuffle=False, caller="trainer.predict")
-        return predict(self.eval_step, self._predict, self.inference_model, data, fn,
-                                  eval_key(fn, self.key))
+        model = self.inference_model
+        return predict(self.eval_step, predictor(model, fn), model, data, fn, eval_key(fn, self.key))

@@ -22,6 +22,15 @@ equal only when they compute the same thing.
   ``1.0`` differ), small arrays by dtype, shape and bytes; a traced value, or an object
   that can be neither compared by value nor weakly referenced, means "do not share".
 
+* What the Python of the user's code reads now (:func:`functree.nn._reads.reads_key`, as
+  an eager ``ft.nn.Stack`` keys it): the globals, class attributes and methods that the
+  model's user classes and the user functions of the configuration (the loss function, a
+  metric) name. A notebook cell that sets ``G = 3.0`` read by ``Net.__call__`` or the loss,
+  then makes a new Trainer, gets a new program, as the eager call sees the new value (the
+  shared one had ``G = 1.0`` compiled in). One entry per configuration: a new value
+  replaces the programs of the old (a step holding them keeps them, as ``jax.jit`` would);
+  code whose reads cannot be keyed cheaply (a large NumPy global) is not shared.
+
 Only the jitted programs are shared, not a step's own state (its donation guard, NaN
 halt log, the flat-leaves fast path of its latest results). While tracing, a shared
 program calls the step that called it (:attr:`Shared.owner`).
@@ -41,8 +50,10 @@ import numpy as np
 from jax.core import Tracer
 
 from functree._tree import WeakIdentity
+from functree.nn._eager_keys import code_roots
+from functree.nn._reads import reads_key
 
-__all__ = ["Shared", "shared", "program_key", "forget_programs", "Unshareable"]
+__all__ = ["Shared", "shared", "program_key", "forget_programs", "Unshareable", "code_reads", "NO_MODEL"]
 
 _MAX_DEPTH = 40
 _MAX_ARRAY_BYTES = 1 << 14  # larger arrays compare by identity
@@ -73,11 +84,12 @@ class Shared:
     :class:`functree._flat.FlatJit`), and ``owner``, a weak reference to the step whose
     call is running (a retrace calls its stages)."""
 
-    __slots__ = ("__weakref__", "owner", "programs")
+    __slots__ = ("__weakref__", "owner", "programs", "reads")
 
-    def __init__(self) -> None:
+    def __init__(self, reads: Any = None) -> None:
         self.owner: Any = None
         self.programs: dict[str, dict[Any, Any]] = {}
+        self.reads = reads  # what the user's code read when these programs were traced (code_reads)
 
 
 def forget_programs() -> None:
@@ -106,6 +118,7 @@ class _Builder:
     def __init__(self) -> None:
         self.holder: list[Any] = []
         self.active: set[int] = set()
+        self.code: list[Any] = []  # the user's functions and objects met, compared by identity: their reads too
 
     def ref(self, x: Any) -> WeakIdentity:
         return _ref(x, self.holder)
@@ -148,6 +161,7 @@ class _Builder:
             return ("partial", self.key(x.func, depth), self.key(x.args, depth), self.key(x.keywords, depth))
         if isinstance(x, types.FunctionType):
             if not _module_function(x):
+                self.code.append(x)
                 return ("function", self.ref(x))
             cells = tuple(self.key(_cell(c), depth) for c in (x.__closure__ or ()))
             return ("function", x.__module__, x.__code__, self.key(x.__defaults__, depth),
@@ -168,6 +182,7 @@ class _Builder:
         fields = _configuration(x)
         if fields is not None:
             return ("object", self.ref(kind), tuple((n, self.key(v, depth)) for n, v in fields))
+        self.code.append(x)
         return ("object", self.ref(x))
 
 
@@ -197,27 +212,41 @@ def _configuration(x: Any) -> list[tuple[str, Any]] | None:
 _LIBRARIES = ("functree", "optax")  # whose functions and records of settings compare by value
 
 
-def program_key(kind: str, owner: Any, state: tuple[str, ...]) -> Any:
+NO_MODEL = object()  # program_key without a model: its classes' reads are not keyed
+
+
+def code_reads(model: Any, code: Any = ()) -> Any:
+    """What the Python of ``model``'s user classes (and the functions it holds as static
+    values) and of ``code`` (user functions and objects) reads now: a
+    :func:`~functree.nn._reads.reads_key`, or None where a read cannot be keyed cheaply."""
+    classes, functions = code_roots(model) if model is not NO_MODEL else ((), ())
+    return reads_key(classes, (*functions, *code))
+
+
+def program_key(kind: str, owner: Any, state: tuple[str, ...], model: Any = NO_MODEL) -> Any:
     """The key of ``owner``'s (a TrainStep's) ``kind`` program: its class and every instance
-    attribute but the run-time ``state`` ones; None when it cannot be shared."""
+    attribute but the run-time ``state`` ones, with what the user's code run on ``model``
+    reads (:func:`code_reads`); None when it cannot be shared."""
     builder = _Builder()
     try:
         fields = tuple((name, builder.key(value)) for name, value in sorted(vars(owner).items())
                        if name not in state)
         key = (kind, builder.ref(type(owner)), fields)
         hash(key)
+        reads = code_reads(model, builder.code)
+        hash(reads)
     except Exception:  # Unshareable, an unhashable value, a deleted array ...: not shared
         return None
-    return _Key(key, builder.holder)
+    return None if reads is None else _Key(key, builder.holder, reads)
 
 
 class _Key:
     """A key and the holder its weak references evict it by."""
 
-    __slots__ = ("hash", "holder", "value")
+    __slots__ = ("hash", "holder", "reads", "value")
 
-    def __init__(self, value: Any, holder: list[Any]):
-        self.value, self.holder, self.hash = value, holder, hash(value)
+    def __init__(self, value: Any, holder: list[Any], reads: Any = None):
+        self.value, self.holder, self.hash, self.reads = value, holder, hash(value), reads
 
     def __hash__(self) -> int:
         return self.hash
@@ -232,9 +261,10 @@ def shared(key: Any) -> Shared:
     if key is None:
         return Shared()
     found = _PROGRAMS.get(key)
-    if found is None:
-        found = _PROGRAMS[key] = Shared()
-        key.holder.append(key)  # from now on, a collected referent evicts this entry
+    if found is None or found.reads != key.reads:  # new, or the user's code reads other values now
+        if found is None:
+            key.holder.append(key)  # from now on, a collected referent evicts this entry
+        found = _PROGRAMS[key] = Shared(key.reads)  # (the stored key, equal to this one, stays)
     return found
 
 

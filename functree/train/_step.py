@@ -700,7 +700,7 @@ class TrainStep:
         state a loop passes back are not flattened again), or with static leaves for
         Equinox submodules."""
         if self._shared is None:
-            self._shared = shared(program_key("TrainStep", self, self._RUNTIME))
+            self._shared = shared(program_key("TrainStep", self, self._RUNTIME, model))
             self._shared.owner = self._ref
         entry = self._shared
         donate = (0, 1, 4) if self._donate else (4,)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from functree._alias import warn_aliases
-from functree._jit import has_untraceable_leaves, unchecked_jit
+from functree._jit import has_untraceable_leaves
 from functree._where import placement_of, put, several_devices
 from functree.losses import OTHER_NAMES
 from functree.optim import next_sweep
@@ -55,7 +55,7 @@ from functree.train._epochs import (
     ran_out,
 )
 from functree.train._eval_step import check_batch_argument
-from functree.train._evaluation import Evaluation, call_predict
+from functree.train._evaluation import Evaluation
 from functree.train._history import History
 from functree.train._interrupts import Interrupts
 from functree.train._job import (
@@ -668,8 +668,7 @@ class Trainer(Evaluation):
         self._callbacks: list[Callback] = []  # the last fit's: their states go into checkpoints
         self._fit: _Fit | None = None  # the current fit's settings
         static = has_untraceable_leaves(model)  # Equinox submodules keep functions
-        self._eval_fused = self.eval_step.summing(static)  # one program per configuration in the process
-        self._predict = unchecked_jit(call_predict, static_argnums=2, static_leaves=static)
+        self._eval_fused = self.eval_step.summing(static, model)  # one program per configuration in the process
 
     @property
     def state(self) -> JobState:

@@ -241,3 +241,25 @@ def test_an_epoch_row_names_the_rate_its_last_step_applied_not_one_a_callback_se
     assert scalars["epoch/learning_rate"] == [(s, v) for s, v in scalars["step/learning_rate"] if s in (3, 6)]
     assert [(c.event, c.step, c.learning_rate) for c in seen if c.event != "log"] == [
         ("epoch", 3, applied[3]), ("epoch", 6, applied[6])]
+
+
+def test_an_interrupted_fit_leaves_its_tensorboard_steps_on_disk(tmp_path):
+    """Ctrl-C in a notebook, then a look at TensorBoard: the event file stayed open and
+    tensorboardX flushes every 2 minutes, so the steps since the last epoch end (here both
+    steps of the interrupted fit) were not on disk. A fit ended by an exception closes its
+    event files; the next fit writes on in another."""
+    pytest.importorskip("tensorboardX")
+
+    class Interrupt(ft.train.Callback):
+        def on_log(self, trainer, context):
+            if context.step == 2:
+                raise KeyboardInterrupt
+
+    trainer, board = make(), ft.train.TensorBoardLogger(tmp_path / "runs")
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(data(), epochs=1, log_every=1, progress=False, callbacks=[board, Interrupt()])
+    assert [s for s, _ in read_events(tmp_path / "runs")["step/loss"]] == [1, 2]  # main: no scalar
+    history = trainer.fit(data(), epochs=1, log_every=1, progress=False, callbacks=[board])
+    scalars = read_events(tmp_path / "runs")
+    assert [s for s, _ in scalars["step/loss"]] == [1, 2, 3] and [s for s, _ in scalars["epoch/loss"]] == [3]
+    np.testing.assert_array_equal([v for _, v in scalars["step/loss"]], np.asarray(history.steps["loss"], np.float32))

@@ -28,7 +28,7 @@ from functree.train._callbacks import REQUIRED, Callback, TrainingContext, forei
 if TYPE_CHECKING:
     from functree.train._trainer import Trainer
 
-__all__ = ["CSVLogger", "TensorBoardLogger"]
+__all__ = ["CSVLogger", "TensorBoardLogger", "close_event_files"]
 
 BAD_EVERY = """\
 {who}(every={every!r}): every is "epoch" (a row per epoch end) or "log" (a row per log interval).
@@ -291,3 +291,13 @@ class TensorBoardLogger(Callback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+def close_event_files(callbacks: list[Callback]) -> None:
+    """Close the event files of the :class:`TensorBoardLogger` s among ``callbacks`` (``fit``
+    ended by an exception or a Ctrl-C): tensorboardX flushes a writer every 2 minutes, so a
+    notebook's TensorBoard showed nothing of the interrupted steps since the last epoch end
+    until then (or the next fit). The next fit opens another file, as after a finished one."""
+    for cb in callbacks:
+        if isinstance(cb, TensorBoardLogger):
+            cb.close()

@@ -71,6 +71,7 @@ from functree.train._job import (
     read_job,
     save_job,
 )
+from functree.train._loggers import close_event_files
 from functree.train._means import Means
 from functree.train._metrics import counting_names, describe_batch, part_names, resolve_metrics
 from functree.train._nonfinite import NONFINITE, NonFiniteError
@@ -791,6 +792,7 @@ class Trainer(Evaluation):
             if not isinstance(data, Iterator):
                 self._epochs.forget()  # the next epoch iterator skips to the position instead
             finish_saves(cbs)  # a checkpoint being written: done before the process may end
+            close_event_files(cbs)  # what the interrupted steps logged: on disk now, not in 2 minutes
             raise
         finally:  # the last line (no terminal) holds the means of the steps after the last epoch end
             means = self._job.epoch_means

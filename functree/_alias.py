@@ -23,7 +23,7 @@ from functree._warnings import user_stacklevel
 
 __all__ = [
     "DonationGuard", "AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases", "check_stale",
-    "is_donated_twice"]
+    "is_donated_twice", "deleted_leaf"]
 
 ALIASED = """\
 {what} holds one array object at several leaves: {pairs}. A gradient step gives each \
@@ -191,7 +191,7 @@ class DonationGuard:
         been deleted or donated". Call it for fresh inputs only (:meth:`fresh`)."""
         given = self._given if isinstance(self._given, tuple) else (self._given,)
         for name, tree in named:
-            path = _deleted_leaf(tree)
+            path = deleted_leaf(tree)
             if path is None:
                 continue
             if any(tree is g for g in given):
@@ -212,7 +212,7 @@ def stale_error(named: Sequence[tuple[str, Any]], what: str = "This call's input
     (a Module call, ``ft.jit``, an evaluation step), where JAX would only say "Array has
     been deleted"."""
     for name, tree in named:
-        path = _deleted_leaf(tree)
+        path = deleted_leaf(tree)
         if path is None:
             continue
         donor = LAST_DONOR[0]
@@ -274,7 +274,7 @@ def _deleted(x: Any) -> bool:
 _CONCRETE: dict[type, bool] = {}
 
 
-def _deleted_leaf(tree: Any) -> str | None:
+def deleted_leaf(tree: Any) -> str | None:
     """The dotted key path of the first deleted array in ``tree`` (``<root>`` for the tree
     itself), or None: one pass over the leaves, paths only when one is found."""
     if not any(_deleted(x) for x in jax.tree.leaves(tree)):

@@ -76,6 +76,51 @@ def test_reusing_a_donated_model_names_the_argument_the_step_and_the_fix():
     new_model, new_state, _ = step(new_model, new_state, batch)  # the returned ones work
 
 
+_LOOP_CELL = """
+for _ in range(3):
+    model, state, out = step(model, state, batch)
+"""
+
+
+@pytest.mark.parametrize("on_nan", ["stop", "ignore"])
+def test_a_loop_cell_stopped_by_ctrl_c_names_the_stopped_call_and_the_step_goes_on(on_nan, monkeypatch):
+    """A notebook: Ctrl-C in a cell looping over ``step``, landing once the program had taken
+    (donated) the model (where a Ctrl-C lands most often: at the return of JAX's call).
+    Running the cell again said "called from two threads at once ... Its model and optimizer
+    state were not donated: they are still valid" (on_nan="stop": the step's stop log was
+    consumed too, so a fresh model got that error as well, for good), or "Use the values the
+    step returns" (they were lost). Now it names the stopped call and the fixes, and a fresh
+    model trains as with a new step."""
+    from functree import _flat
+
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.01))
+    ns = {"step": ft.train.train_step(mse, opt, on_nan=on_nan), "model": model, "state": opt.init(model),
+          "batch": batch}
+    exec(compile(_LOOP_CELL, "<cell>", "exec"), ns)
+    build = _flat._Program.build
+
+    def interrupted(self, leaves):  # after the program's call: the inputs are donated, the results lost
+        monkeypatch.setattr(_flat._Program, "build", build)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_flat._Program, "build", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        exec(compile(_LOOP_CELL, "<cell>", "exec"), ns)
+    assert ns["model"].weight.is_deleted()
+    with pytest.raises(ValueError, match="'model' holds a deleted array at weight: call 4 of the train step took it "
+                                         "and was stopped before it returned") as e:
+        exec(compile(_LOOP_CELL, "<cell>", "exec"), ns)
+    assert "ft.train.Trainer" in str(e.value) and "donate=False" in str(e.value)
+    ns["model"] = problem()[0]  # started again
+    ns["state"] = opt.init(ns["model"])
+    exec(compile(_LOOP_CELL, "<cell>", "exec"), ns)
+    reference = {"step": ft.train.train_step(mse, opt, on_nan=on_nan), "model": problem()[0], "batch": batch}
+    reference["state"] = opt.init(reference["model"])
+    exec(compile(_LOOP_CELL, "<cell>", "exec"), reference)
+    np.testing.assert_allclose(ns["model"].weight, reference["model"].weight, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["optimizer", "loss_fn", "metrics", "compute_dtype", "on_nan", "steps_per_call"])
 def test_a_setting_its_programs_were_built_with_is_refused_after_the_step_ran(name):
     # step.optimizer = sgd(0.0) after a call was ignored: the next call of the same shapes

@@ -30,6 +30,7 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from threading import get_ident
 from typing import Any
 
 import jax
@@ -43,6 +44,7 @@ from functree._alias import (
     DonationGuard,
     alias_names,
     copy_aliases,
+    deleted_leaf,
     find_aliases,
     is_deletion_error,
     warn_aliases,
@@ -194,6 +196,21 @@ their compiled programs: nothing compiles again), or share a step that keeps no 
     wrong:  step = ft.train.train_step(loss_fn, opt)       # one step, called by every thread
     right:  step = ft.train.train_step(loss_fn, opt)       # made in each thread: its own
        or:  step = ft.train.train_step(loss_fn, opt, on_nan="skip")    # no stop log: one for all"""
+
+
+STOPPED_CALL = """\
+The train step's {name!r} holds a deleted array at {path}: call {call} of the train step took \
+it and was stopped before it returned (a Ctrl-C, or an exception), after XLA had donated its \
+buffers, so that call's results were lost with it and this {name} (and every tree sharing its \
+arrays) cannot be used again. Start again from a copy or a checkpoint. To keep the model \
+across a Ctrl-C, train with ft.train.Trainer (fit defers a Ctrl-C to the end of a step: \
+trainer.model stays valid), or keep copies as you go:
+
+    wrong:  for batch in data:
+                model, state, out = step(model, state, batch)    # a Ctrl-C here: model lost
+    right:  trainer = ft.train.Trainer(model, optimizer, loss_fn);  trainer.fit(data)
+       or:  kept = jax.tree.map(jnp.copy, (model, state))       # now and then: a copy stays valid
+       or:  {no_donation}"""
 
 
 STEP_WITHOUT_PARTS = """\
@@ -467,6 +484,8 @@ class TrainStep:
         # The flat program a plain call runs without run()'s Python frame: set by run() once
         # the step is one step per call, without placement, over flat leaves (a loop's case).
         self._direct: Any = None
+        self._running: int | None = None  # the thread in __call__ (left set: that call was stopped)
+        self._stopped: Any = None  # (number, inputs) of a call stopped after donating (a Ctrl-C)
 
     @property
     def mesh(self) -> Any:
@@ -688,7 +707,7 @@ class TrainStep:
         return model, opt_state, (None if "rows" in log else without_parts(metrics)), log  # rows hold them
 
     _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call",
-                "_direct")
+                "_direct", "_running", "_stopped")
     """Instance attributes that are run-time state; every other one is configuration: a
     step equal to another in all of them (and in class) shares its compiled programs."""
 
@@ -835,9 +854,35 @@ class TrainStep:
         return devices_error("the train step", error, list(zip(("model", "opt_state", "batch", "key"), args)))
 
     def _check_donated(self, model: Any, opt_state: Any) -> None:
-        """The error naming a deleted (donated) array of ``model`` or ``opt_state``, if any."""
-        self._guard.check_donated((("model", model), ("opt_state", opt_state)), what="The train step's",
-                                  step="the train step", no_donation=NO_DONATION)
+        """The error naming a deleted (donated) array of ``model`` or ``opt_state``, if any:
+        :data:`STOPPED_CALL` after a call that a Ctrl-C stopped once it had donated them."""
+        named = (("model", model), ("opt_state", opt_state))
+        try:
+            if self._stopped is not None:
+                call, taken = self._stopped
+                for name, tree in named:
+                    path = deleted_leaf(tree) if any(tree is t for t in taken) else None
+                    if path is not None:
+                        raise ValueError(STOPPED_CALL.format(name=name, path=path, call=call, no_donation=NO_DONATION))
+            self._guard.check_donated(named, what="The train step's", step="the train step", no_donation=NO_DONATION)
+        except ValueError:
+            self._running = None  # this call ends by an error of ours, before it donated: it was not stopped
+            raise
+
+    def _was_stopped(self) -> None:
+        """This thread's previous call never returned (a Ctrl-C, or an exception, stopped it).
+        Where it had donated its inputs, its number and inputs are kept for
+        :data:`STOPPED_CALL`, and a stop log it consumed is replaced: the step would have
+        refused every later call (a deleted log reads as :data:`SHARED_STOP_LOG`, another
+        thread's call)."""
+        guard = self._guard
+        if deleted_leaf(guard._last) is not None:  # stopped in the program's call: it took the last results
+            self._stopped = (guard.calls + 1, guard._last)
+        else:  # stopped after its results were made (the guard's last), before they reached the caller
+            given = guard._given
+            self._stopped = (guard.calls, given if isinstance(given, tuple) else (given,))
+        if self._halt is not None and self._halt["halt"].is_deleted():
+            self._halt = None  # a new log below, as for a first call
 
     def _new_halt_log(self, model: Any = None) -> Any:
         if self.on_nan != "stop":
@@ -867,12 +912,19 @@ class TrainStep:
                     break
         else:
             batch = private_arrays(batch)
+        me = get_ident()
+        if self._running == me:
+            self._was_stopped()
+        self._running = me
         if self._on_nan != "stop":
             if direct is None:
-                return self.run(model, opt_state, batch, key)[:3]
-            self._owned_call = False
-            self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
-            return direct(model, opt_state, batch, key, None)[:3]
+                out = self.run(model, opt_state, batch, key)
+            else:
+                self._owned_call = False
+                self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
+                out = direct(model, opt_state, batch, key, None)
+            self._running = None
+            return out[:3]
         if self._halt is None:
             self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
         elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
@@ -885,6 +937,7 @@ class TrainStep:
             self._shared.owner = self._ref
             model, opt_state, metrics, self._halt = direct(model, opt_state, batch, key, self._halt)
         self._calls += 1
+        self._running = None
         return model, opt_state, metrics
 
     def check(self) -> None:

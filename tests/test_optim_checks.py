@@ -663,3 +663,47 @@ def test_no_valid_optimizer_is_refused_for_want_of_a_learning_rate_wrapped_or_no
     assert len(valid) == 78
     for tx in valid:
         check_rate_applied(wrap(tx), grads, None)
+
+
+def test_a_conditionally_transform_that_forwards_the_gradient_unscaled_is_refused():
+    """optax.conditionally_transform forwards the updates unchanged on the steps it skips:
+    around a whole optimizer (adam, to start it at step 100), steps 0-99 added the raw
+    gradient, p + g, a step up the loss at rate 1 (the loss 4.06 -> 195 in one skipped step,
+    4e8 in two, with no error: the update is lax.cond's output, not the gradient object).
+    Refused while the step traces; before the rate in a chain (the skipped steps take
+    -lr * g) and conditionally_mask (no update on them) are not."""
+    model, loss, _ = _body_and_head()
+    late = lambda step: step >= 100  # noqa: E731
+    wrong = (r"(?s)optax.conditionally_transform passes the updates through unchanged on the steps it skips.*"
+             r"to body\.weight, body\.bias, head\.weight, head\.bias \(4 of 4 parameters\).*p \+ g.*conditionally_mask")
+    head_only = optax.chain(optax.scale_by_adam(), optax.masked(  # the head rated only when it transforms
+        optax.conditionally_transform(optax.scale(-1e-3), late), ft.mask(model, "head.*")))
+    for tx, message in ((optax.conditionally_transform(optax.adam(1e-3), late), wrong),
+                        (optax.chain(optax.clip_by_global_norm(1.0), optax.conditionally_transform(optax.sgd(1e-3), late)),
+                         wrong),
+                        (optax.inject_hyperparams(lambda learning_rate: optax.conditionally_transform(
+                            optax.adam(learning_rate), late))(learning_rate=1e-3), wrong),
+                        (head_only, r"applies no learning rate to body\.weight, body\.bias \(2 of 4")):
+        opt = ft.optim.Optimizer(tx)
+        with pytest.raises(ValueError, match=message):
+            jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))  # noqa: B023
+    for tx in (optax.chain(optax.conditionally_transform(optax.scale_by_adam(), late), optax.scale(-1e-3)),
+               optax.conditionally_mask(optax.adam(1e-3), late),
+               optax.chain(optax.conditionally_transform(optax.clip_by_global_norm(1.0), late), optax.adam(1e-3))):
+        opt = ft.optim.Optimizer(tx)
+        jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))  # noqa: B023  (no error)
+
+
+def test_two_conditionally_transforms_are_read_one_skipping_at_a_time():
+    """Each conditionally_transform skips on its own condition: a rate in one of two that
+    skip on alternate steps is read with the other transforming, so the pair trains; the
+    one left unrated on its skipped step is named."""
+    from functree.optim._rate import check_rate_applied
+
+    grads = {"w": jnp.ones(2)}
+    even, odd = (lambda step: step % 2 == 0), (lambda step: step % 2 == 1)
+    check_rate_applied(optax.chain(optax.conditionally_transform(optax.scale(-0.1), even),
+                                   optax.conditionally_transform(optax.scale(-0.1), odd)), grads, None)
+    with pytest.raises(ValueError, match=r"steps it skips.*to w \(1 of 1 parameters\)"):
+        check_rate_applied(optax.chain(optax.conditionally_transform(optax.scale_by_adam(), even),
+                                       optax.conditionally_transform(optax.scale(-0.1), odd)), grads, None)

@@ -19,9 +19,13 @@ wrappers that give their inner transform the same updates (:data:`WRAPPERS`,
 ``optax.MultiSteps``, ``ft.optim.per_member`` on parameters holding no Stack), and builds a
 transform rebuilt at each step from its hyperparameters (``optax.inject_hyperparams``,
 ``ft.optim.inject`` and so ft.optim's optimizers) as the jitted step does, from abstract
-values. A parameter is refused only where every transform that reaches it is one of
-optax's that give a direction with neither a rate nor a sign (:data:`DIRECTIONS`:
-``scale_by_adam``, ``clip_by_global_norm``, ``identity`` ...). Anything else counts as
+values. ``optax.conditionally_transform`` forwards the updates unchanged on the steps it
+skips: read once with it transforming and once with it skipping (its parameters then reached
+by what comes after it alone), each apart, a skipped step's refusal :data:`SKIPPED_UNSCALED`
+(``conditionally_transform(adam(lr), fn)``: p + g on those steps). A parameter is refused
+only where every transform that reaches it is one of optax's that give a direction with
+neither a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``clip_by_global_norm``,
+``identity`` ...). Anything else counts as
 applying a rate (a rate or schedule of either sign, another library's or a hand-written
 transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
 transform sees each member as a parameter; ``optax.flatten``, ``optax.contrib``'s; a
@@ -34,6 +38,7 @@ tree the walk does not see).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -47,7 +52,7 @@ from functree.optim._average import is_slot
 from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
 
-__all__ = ["NO_LEARNING_RATE", "DIRECTIONS", "WRAPPERS", "check_rate_applied"]
+__all__ = ["NO_LEARNING_RATE", "SKIPPED_UNSCALED", "DIRECTIONS", "WRAPPERS", "check_rate_applied"]
 
 NO_LEARNING_RATE = """\
 The optimizer's transform applies no learning rate to {paths} ({count} of {total} parameters): \
@@ -60,6 +65,18 @@ before it: around the learning rate, last in a chain, it leaves them unscaled.
     wrong:  optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(-1e-3), mask))   # the others: p + adam direction
     right:  ft.optim.Optimizer(optax.chain(optax.scale_by_adam(), optax.scale(-1e-3)), wrt="head.*")   # the others frozen
        or:  optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(0.1), mask), optax.scale(-1e-3))   # a 10x smaller rate on some"""
+
+SKIPPED_UNSCALED = """\
+optax.conditionally_transform passes the updates through unchanged on the steps it skips (its \
+should_transform_fn False), and nothing after it applies a learning rate to {paths} ({count} \
+of {total} parameters): on each skipped step the gradient (or the direction made before it) is \
+added to the parameter as it came, p + g, a step up the loss at rate 1. Put the rate after it in \
+a chain (the skipped steps then take a plain step down), or use optax.conditionally_mask, which \
+gives the skipped steps no update.
+
+    wrong:  optax.conditionally_transform(optax.adam(1e-3), lambda step: step >= 100)   # steps 0-99: p + g
+    right:  optax.chain(optax.conditionally_transform(optax.scale_by_adam(), lambda step: step >= 100), optax.scale(-1e-3))
+       or:  optax.conditionally_mask(optax.adam(1e-3), lambda step: step >= 100)   # steps 0-99: no update"""
 
 # optax's transforms (the function building each, whose update is ``<name>.<locals>.update_fn``)
 # that give a direction of the incoming updates with neither a rate nor a change of sign: a
@@ -74,7 +91,8 @@ DIRECTIONS = frozenset({
 # parameters, and give the step its updates (or zeros on a step they skip): the inner
 # transform's verdict is theirs. (package, the function building it) -> the closure variable
 # holding the inner transform. optax.conditionally_transform passes the updates through
-# unchanged on the steps it skips: the inner verdict is the least of it.
+# unchanged on the steps it skips: the inner verdict on the steps it transforms, and none of its
+# parameters rated on those it skips (read apart, :class:`_Walk`).
 WRAPPERS = {
     ("optax", "with_extra_args_support"): "tx", ("optax", "lookahead"): "fast_optimizer",
     ("optax", "apply_if_finite"): "inner", ("optax", "conditionally_mask"): "inner",
@@ -84,6 +102,23 @@ WRAPPERS = {
 
 _DEPTH = 24  # one level per wrapper: chain, masked, partition ...
 _UNRATED: dict[Any, Any] = {}  # (transform, gradient signature) -> indices of parameters without a rate
+
+
+@dataclasses.dataclass
+class _Walk:
+    """One reading of a transform: the gradient's leaves (indexed by the views), and which
+    ``optax.conditionally_transform`` it reads on a step that one skips (``skipping``: its
+    place in the walk's order, -1 none; the others transform). ``met`` counts those seen:
+    read once per skipping one, never all skipping at once (each has its own condition)."""
+
+    leaves: list[Any]
+    skipping: int = -1
+    met: list[int] = dataclasses.field(default_factory=lambda: [0])
+
+    def skips(self) -> bool:
+        """Whether the conditionally_transform met now is the skipping one (counts it)."""
+        self.met[0] += 1
+        return self.met[0] - 1 == self.skipping
 
 
 def _name(fn: Any) -> tuple[str, str]:
@@ -118,14 +153,14 @@ def _is_function(mask: Any) -> bool:
     return bool(found) and all(found)
 
 
-def _through_mask(update: Any, view: Any, inner_view: Any, leaves: list[Any], depth: int) -> frozenset[int]:
+def _through_mask(update: Any, view: Any, inner_view: Any, walk: _Walk, depth: int) -> frozenset[int]:
     """A masked transform's parameters without a rate: those it leaves out (passed through
     as they came) and those its inner transform (``update``) gives none."""
     inside = _present(inner_view)
-    return (_present(view) - inside) | _unrated(update, inner_view, leaves, depth + 1)
+    return (_present(view) - inside) | _unrated(update, inner_view, walk, depth + 1)
 
 
-def _unrated(update: Any, view: Any, leaves: list[Any], depth: int = 0) -> frozenset[int]:
+def _unrated(update: Any, view: Any, walk: _Walk, depth: int = 0) -> frozenset[int]:
     """The parameters (indices into ``leaves``, the gradient's leaves) in ``view`` (those
     indices where ``update``'s transform receives a parameter, ``optax.MaskedNode`` where an
     outer mask left one out) whose update from ``update`` is surely a direction without a
@@ -135,42 +170,44 @@ def _unrated(update: Any, view: Any, leaves: list[Any], depth: int = 0) -> froze
         return _present(view)
     env = _closure(update) if depth <= _DEPTH and package in ("optax", "functree") else {}
     try:
-        return _opened(package, built, env, view, leaves, depth)
+        return _opened(package, built, env, view, walk, depth)
     except Exception:  # a mask or labels the walk cannot evaluate here: no verdict, nothing refused
         return frozenset()
 
 
-def _opened(package: str, built: str, env: dict[str, Any], view: Any, leaves: list[Any],
+def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Walk,
             depth: int) -> frozenset[int]:
     """:func:`_unrated` of a chain, mask, partition or wrapper whose closure ``env`` holds its parts."""
-    updates = jax.tree.map(lambda i: leaves[i], view)  # what the transform sees (its masks read it)
+    updates = jax.tree.map(lambda i: walk.leaves[i], view)  # what the transform sees (its masks read it)
     if (inner := _wrapped(package, built, env, updates)) is not None:
-        return _unrated(inner.update, view, leaves, depth + 1)
+        skipped = package == "optax" and built == "conditionally_transform" and walk.skips()
+        found = _unrated(inner.update, view, walk, depth + 1)  # (walked either way: the count of those met)
+        return _present(view) if skipped else found  # a skipped step: the updates forwarded as they came
     if (factory := _factory(package, built, env)) is not None:
-        return _built(*factory, view, leaves, depth)
+        return _built(*factory, view, walk, depth)
     if package == "optax" and built in ("chain", "named_chain") and ("update_fns" in env or "transforms" in env):
         fns = env["update_fns"] if "update_fns" in env else [tx.update for _, tx in env["transforms"]]
         found = _present(view)
         for fn in fns:
-            found &= _unrated(fn, view, leaves, depth + 1)
+            found &= _unrated(fn, view, walk, depth + 1)
         return found
     if package == "optax" and built == "masked" and {"inner", "mask"} <= env.keys():
         mask = env["mask"](updates) if _is_function(env["mask"]) else env["mask"]
-        return _through_mask(env["inner"].update, view, _selected(view, mask), leaves, depth)
+        return _through_mask(env["inner"].update, view, _selected(view, mask), walk, depth)
     if package == "optax" and built == "partition" and {"transforms", "param_labels", "make_mask"} <= env.keys():
         labels = env["param_labels"](updates) if callable(env["param_labels"]) else env["param_labels"]
         found = _present(view)
         for group, tx in env["transforms"].items():
-            found &= _through_mask(tx.update, view, _selected(view, env["make_mask"](labels, group)), leaves, depth)
+            found &= _through_mask(tx.update, view, _selected(view, env["make_mask"](labels, group)), walk, depth)
         return found
     if package == "functree" and built == "masked" and {"inner", "marks_of"} <= env.keys():
         marks = env["marks_of"](updates)  # a member array (part of a stacked leaf): transformed
         places, treedef = jax.tree.flatten(view, is_leaf=is_slot)
         inner_view = treedef.unflatten([p if is_slot(p) or is_partial(m) or m else optax.MaskedNode()
                                         for p, m in zip(places, marks)])
-        return _through_mask(env["inner"].update, view, inner_view, leaves, depth)
+        return _through_mask(env["inner"].update, view, inner_view, walk, depth)
     if package == "functree" and built == "groups" and {"by_leaf", "split"} <= env.keys():
-        return frozenset() if env["split"](updates) else _unrated(env["by_leaf"].update, view, leaves, depth + 1)
+        return frozenset() if env["split"](updates) else _unrated(env["by_leaf"].update, view, walk, depth + 1)
     return frozenset()
 
 
@@ -202,7 +239,7 @@ def _factory(package: str, built: str, env: dict[str, Any]) -> tuple[Any, list[s
     return None
 
 
-def _built(factory: Any, names: list[str], fixed: dict[str, Any], view: Any, leaves: list[Any],
+def _built(factory: Any, names: list[str], fixed: dict[str, Any], view: Any, walk: _Walk,
            depth: int) -> frozenset[int]:
     """:func:`_unrated` of ``factory(**fixed, **hyperparameters)``, built as the jitted step
     builds it: each hyperparameter an abstract scalar, so its structure is the step's (a
@@ -210,15 +247,16 @@ def _built(factory: Any, names: list[str], fixed: dict[str, Any], view: Any, lea
     found: list[frozenset[int]] = []
 
     def build(values: dict[str, Any]) -> None:
-        found.append(_unrated(factory(**fixed, **values).update, view, leaves, depth + 1))
+        found.append(_unrated(factory(**fixed, **values).update, view, walk, depth + 1))
 
     jax.eval_shape(build, {name: jax.ShapeDtypeStruct((), jnp.float32) for name in names})
     return found[0]
 
 
-def _unrated_indices(transform: Any, grads: Any) -> tuple[int, ...]:
+def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The indices of ``grads``' leaves (flattened with ``None`` as a leaf) whose parameter
-    ``transform`` applies no rate to: once per transform and gradient signature."""
+    ``transform`` applies no rate to at any step, and those it applies none to on the steps
+    an ``optax.conditionally_transform`` skips: once per transform and gradient signature."""
     leaves, treedef = jax.tree.flatten(grads, is_leaf=is_none)
     try:
         who: Any = WeakIdentity(transform)
@@ -228,10 +266,19 @@ def _unrated_indices(transform: Any, grads: Any) -> tuple[int, ...]:
     key, found = cached(_UNRATED, (who, treedef, signature))
     if found is None:
         view = treedef.unflatten([None if g is None else i for i, g in enumerate(leaves)])
-        found = tuple(sorted(_unrated(getattr(transform, "update", None), view, leaves)))
+        found = _unrated_walks(getattr(transform, "update", None), view, leaves)
         if key is not None and who is not None:
             bounded_put(_UNRATED, key, found)
     return found
+
+
+def _unrated_walks(update: Any, view: Any, leaves: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`_unrated_indices` walked: once with every conditionally_transform transforming,
+    then once per one of them skipping."""
+    first = _Walk(leaves)
+    always = _unrated(update, view, first)
+    skipped = frozenset().union(*(_unrated(update, view, _Walk(leaves, k)) for k in range(first.met[0])))
+    return tuple(sorted(always)), tuple(sorted(skipped - always))
 
 
 def _trained(missing: Any) -> bool:
@@ -258,13 +305,14 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
     """
     if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(grads)):
         return  # trained as pairs of reals (RealPair): another tree than the one walked here
-    unrated = _unrated_indices(transform, grads)
-    if not unrated:
+    always, skipped = _unrated_indices(transform, grads)
+    if not always and not skipped:
         return
     flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
     missing = [False] * len(flat) if partial is None else list(partial[1])
-    trained = [i for i, ((_, g), m) in enumerate(zip(flat, missing)) if g is not None and _trained(m)]
-    same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in set(trained)]
-    if same:
-        shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
-        raise ValueError(NO_LEARNING_RATE.format(paths=shown, count=len(same), total=len(trained)))
+    trained = {i for i, ((_, g), m) in enumerate(zip(flat, missing)) if g is not None and _trained(m)}
+    for unrated, message in ((always, NO_LEARNING_RATE), (skipped, SKIPPED_UNSCALED)):
+        same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in trained]
+        if same:
+            shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
+            raise ValueError(message.format(paths=shown, count=len(same), total=len(trained)))

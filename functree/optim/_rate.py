@@ -16,7 +16,9 @@ and the walk opens ``optax.chain`` (and ``named_chain``), ``optax.masked``,
 ``optax.partition`` (``multi_transform``), ``ft.optim.masked`` and ``ft.optim.groups``,
 evaluating their masks and labels on the gradients as they do. It reads through the
 wrappers that give their inner transform the same updates (:data:`WRAPPERS`,
-``optax.MultiSteps``, ``ft.optim.per_member`` on parameters holding no Stack), and builds a
+``optax.MultiSteps``, ``ft.optim.per_member`` on parameters holding no Stack, ``optax.contrib``'s
+``schedule_free``, ``sam``, ``mechanize``), ``optax.flatten`` (its inner transform on one
+vector: a rate for all of them or none), and builds a
 transform rebuilt at each step from its hyperparameters (``optax.inject_hyperparams``,
 ``ft.optim.inject`` and so ft.optim's optimizers) as the jitted step does, from abstract
 values. ``optax.conditionally_transform`` forwards the updates unchanged on the steps it
@@ -28,8 +30,8 @@ neither a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``clip_by_glob
 ``identity`` ...). Anything else counts as
 applying a rate (a rate or schedule of either sign, another library's or a hand-written
 transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
-transform sees each member as a parameter; ``optax.flatten``, ``optax.contrib``'s; a
-factory that cannot be built from abstract values, a mask it cannot evaluate, a member
+transform sees each member as a parameter; ``optax.contrib``'s others (``galore``'s
+low-rank base); a factory that cannot be built from abstract values, a mask it cannot evaluate, a member
 mask's partly selected leaf), so a valid optimizer is not refused; those ascend unseen.
 Not checked where the updates are not simply added (``Optimizer(apply_updates=...)`` or a
 subclass's ``apply_updates``), nor for complex parameters (trained as pairs of reals, a
@@ -84,7 +86,7 @@ gives the skipped steps no update.
 DIRECTIONS = frozenset({
     "identity", "scale_by_adam", "scale_by_adamax", "scale_by_amsgrad", "scale_by_belief", "scale_by_lion",
     "scale_by_radam", "scale_by_rms", "scale_by_rss", "scale_by_stddev", "scale_by_yogi", "trace", "ema", "clip",
-    "clip_by_global_norm", "add_decayed_weights",
+    "clip_by_global_norm", "add_decayed_weights", "reduce_on_plateau",  # (contrib's: a factor in (0, 1])
 })
 
 # Wrappers that hand their inner transform the updates as they come, over the same
@@ -98,6 +100,11 @@ WRAPPERS = {
     ("optax", "apply_if_finite"): "inner", ("optax", "conditionally_mask"): "inner",
     ("optax", "conditionally_transform"): "inner", ("functree", "lookahead"): "fast",
     ("functree", "skip_non_finite"): "inner", ("functree", "whole_stack"): "inner",
+    ("functree", "reduce_on_plateau"): "tx",
+    # optax.contrib's: z (and so the step) moves by the base's updates; the outer step by the
+    # outer optimizer's (the adversarial steps ascend by design); mechanic's learned scale >= 0
+    ("optax", "schedule_free"): "base_optimizer", ("optax", "sam"): "optimizer",
+    ("optax", "mechanize"): "base_optimizer",
 }
 
 _DEPTH = 24  # one level per wrapper: chain, masked, partition ...
@@ -185,6 +192,8 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
         return _present(view) if skipped else found  # a skipped step: the updates forwarded as they came
     if (factory := _factory(package, built, env)) is not None:
         return _built(*factory, view, walk, depth)
+    if package == "optax" and built == "flatten" and "inner" in env:
+        return _flattened(env["inner"].update, view, walk, depth)
     if package == "optax" and built in ("chain", "named_chain") and ("update_fns" in env or "transforms" in env):
         fns = env["update_fns"] if "update_fns" in env else [tx.update for _, tx in env["transforms"]]
         found = _present(view)
@@ -209,6 +218,19 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
     if package == "functree" and built == "groups" and {"by_leaf", "split"} <= env.keys():
         return frozenset() if env["split"](updates) else _unrated(env["by_leaf"].update, view, walk, depth + 1)
     return frozenset()
+
+
+def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> frozenset[int]:
+    """:func:`_unrated` of ``optax.flatten``'s inner transform, which sees one vector, the
+    parameters it receives raveled end to end: it gives them all a rate or none. Read on an
+    abstract vector (its masks evaluated on that, as optax evaluates them on the vector)."""
+    present = _present(view)
+    if not present:
+        return frozenset()
+    size = sum(int(np.size(walk.leaves[i])) for i in present)
+    flat = jax.ShapeDtypeStruct((size,), jnp.result_type(*(walk.leaves[i] for i in present)))
+    inner = _Walk([flat], walk.skipping, walk.met)  # (the count of conditionally_transforms shared)
+    return present if _unrated(update, 0, inner, depth + 1) else frozenset()
 
 
 def _wrapped(package: str, built: str, env: dict[str, Any], updates: Any) -> Any:

@@ -87,6 +87,18 @@ Cannot assign to field {field!r} of {cls}: modules are immutable values.
        or:  model = ft.set(model, ".{field}", value)
 """
 
+NOT_A_FIELD = """\
+Cannot set {name!r} on {cls}: it is not one of its fields ({fields}), and a constructed \
+module is an immutable value (state kept on the module between calls, as in NNX or torch, \
+has no place to go). Declare the field on the class and build a new model with it, or \
+return the value from the call:
+
+    wrong:  model.{name} = value
+    right:  {name}: jax.Array = ft.field(no_derivative=True)   # in class {cls}, then
+            model = model.replace({name}=value)
+       or:  return out, value                                   # from __call__, beside its output
+"""
+
 UNHASHABLE_STATIC = """\
 Static field {cls}.{field} holds an unhashable {type} ({error}). Static fields live in \
 the tree definition, which JAX hashes and compares on every jit call.
@@ -244,6 +256,17 @@ def _non_differentiable_type_name(value: Any) -> str | None:
 _ANNOTATION_TYPES = {bool: "bool", int: "int", str: "str"}
 
 
+def _frozen(module: Any, name: str) -> FrozenModuleError:
+    """The error for assigning (or deleting) ``name`` on a constructed module: a field's shows
+    the functional update; another name's (an attribute NNX or torch would keep) says it is
+    no field, since ``model.replace(name=...)`` would fail too."""
+    cls = type(module)
+    if name in cls.__ft_field_set__:
+        return FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=cls.__name__))
+    fields = ", ".join(f.name for f in dataclasses.fields(cls)) or "none"
+    return FrozenModuleError(NOT_A_FIELD.format(name=name, cls=cls.__name__, fields=fields))
+
+
 def _user_stacklevel() -> int:
     """The ``stacklevel`` that lands a warning on the user's line: the first frame
     outside this module (the class statement, or the constructor call)."""
@@ -340,7 +363,7 @@ class Module:
                 raise not_a_field(self, name, value, Module)
             self.__dict__[name] = value
             return
-        raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
+        raise _frozen(self, name)
 
     if not typing.TYPE_CHECKING:  # hidden from type checkers: `model.weigth` stays an error there
 
@@ -353,7 +376,7 @@ class Module:
             raise missing_attribute(self, name)
 
     def __delattr__(self, name: str) -> None:
-        raise FrozenModuleError(FROZEN_MESSAGE.format(field=name, cls=type(self).__name__))
+        raise _frozen(self, name)
 
     def __eq__(self, other: object) -> bool:
         """Identity, except for modules without leaves (a module used as a static value: an

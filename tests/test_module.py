@@ -178,6 +178,19 @@ def test_assignment_raises_and_shows_the_functional_fix():
         del d.bias
 
 
+def test_assigning_a_name_that_is_no_field_says_so_and_shows_the_declaration():
+    # An NNX or torch habit (self.cache = h in __call__): model.replace(cache=...) would fail
+    # too, so the message must not offer it as the fix for a name the class lacks.
+    d = make_dense()
+    for act in (lambda: setattr(d, "cache", jnp.zeros(2)), lambda: delattr(d, "cache")):
+        with pytest.raises(ft.FrozenModuleError) as info:
+            act()
+        message = str(info.value)
+        assert "'cache'" in message and "not one of its fields" in message
+        assert "cache: jax.Array = ft.field(no_derivative=True)" in message
+        assert "Cannot assign to field" not in message
+
+
 def test_custom_init_assigns_fields_like_a_normal_class():
     calls = []
 

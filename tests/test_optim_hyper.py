@@ -555,3 +555,19 @@ def test_minimize_refuses_a_per_samples_rate_on_a_batch_whose_leading_axes_disag
     plain = ft.optim.Optimizer(fo.sgd(0.01))
     p, _, _ = plain.minimize(loss_fn, _params(), plain.init(_params()), x, y)
     np.testing.assert_allclose(p["w"], -0.01 * np.mean(x.sum(0) * y), rtol=0, atol=1e-5)
+
+
+def test_an_update_that_reads_the_parameters_without_the_model_names_the_model():
+    # AdamW's weight decay reads the parameters: optax's error names its `params`, while
+    # functree's update takes the model (as its third argument).
+    model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+    grads = ft.gradient(lambda m: m(jnp.ones((3, 2))).sum(), at=model)
+    for tx, where in ((fo.adamw(1e-3), "ft.optim.adamw"),
+                      (fo.Optimizer(optax.adamw(1e-3)), "ft.optim.Optimizer.update")):
+        state = tx.init(model)
+        with pytest.raises(ValueError) as info:
+            tx.update(grads, state)
+        message = str(info.value)
+        assert message.startswith(where) and "no model was given" in message
+        assert "right:  updates, state = tx.update(grads, state, model)" in message
+        tx.update(grads, state, model)  # the fix runs

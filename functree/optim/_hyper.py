@@ -44,6 +44,8 @@ from functree.optim._schedules import piecewise, values_of
 
 __all__ = [
     "HyperState",
+    "NEEDS_MODEL",
+    "model_not_given",
     "Rate",
     "per_minibatch",
     "per_samples",
@@ -142,6 +144,26 @@ tell parameters without a gradient (no update) from non-parameters ({error}). Pa
     wrong:  updates, state = tx.update(grads, state)
     right:  updates, state = tx.update(grads, state, model)
 """
+
+NEEDS_MODEL = """\
+{where}: its update reads the parameters' values (AdamW's weight decay, a trust ratio ...), \
+but no model was given ({error}). Pass the model as the third argument:
+
+    wrong:  updates, state = tx.update(grads, state)
+    right:  updates, state = tx.update(grads, state, model)
+"""
+
+# optax's words for a transformation given params=None that reads them (optax.add_decayed_weights)
+_OPTAX_NEEDS_PARAMS = "requires the current value of parameters"
+
+
+def model_not_given(where: str, error: ValueError, params: Any) -> ValueError | None:
+    """NEEDS_MODEL in place of optax's error when ``params`` is None and a transformation read
+    them: optax names its ``params`` argument, not the model functree's update takes."""
+    if params is not None or _OPTAX_NEEDS_PARAMS not in str(error):
+        return None
+    return ValueError(NEEDS_MODEL.format(where=where, error=error))
+
 
 BAD_HYPERPARAMETER_SHAPE = """\
 set_hyperparameters: {name!r} takes a scalar, or one value per member of a stacked state \
@@ -619,6 +641,8 @@ def inject(
                 new_updates, inner = tx.update(updates, state.inner, params, **extra)
             except ValueError as e:  # a partial gradient without the model: which are parameters?
                 if params is not None or not any(x is None for x in jax.tree.leaves(updates, is_leaf=is_none)):
+                    if (unread := model_not_given(where, e, params)) is not None:
+                        raise unread from None
                     raise
                 raise ValueError(PARTIAL_WITHOUT_MODEL.format(where=where, error=e)) from None
         # float32 hyperparameters must not promote bfloat16 moments or updates: a state

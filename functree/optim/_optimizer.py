@@ -82,7 +82,7 @@ from functree.optim._hooks import (
     takes_keyword,
     takes_scale,
 )
-from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_source
+from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_source, model_not_given
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
 from functree.optim._masked import named_member_masks
@@ -526,6 +526,8 @@ class Optimizer:
             except GroupStateChanged as e:  # its recipe's key paths from this state's root
                 raise ValueError(e.message(_partition_path(state.inner, e.labels), optimizer=True)) from None
             except ValueError as e:  # eager: a state (or grads) committed to other devices than the model's
+                if (unread := model_not_given("ft.optim.Optimizer.update", e, params)) is not None:
+                    raise unread from None
                 if (apart := devices_error("ft.optim.Optimizer.update", e, named)) is None:
                     raise
                 raise apart from None

@@ -296,6 +296,29 @@ def test_per_member_set_with_the_wrong_shape_names_the_path():
         ft.set(m, "blocks.2", Block(d=4, key=jax.random.key(0)))
 
 
+def test_member_key_paths_on_an_abstract_template():
+    # jax.eval_shape's template: a member is read as a ShapeDtypeStruct of one member's shape
+    # (ft.get, stack[i], iteration, slices, unstack=True); an abstract leaf holds no values to
+    # set one member in (refused, naming both names), the whole stacked leaf may be set.
+    template = jax.eval_shape(functools.partial(build, N))
+    assert ft.get(template, "blocks.3.up.weight") == jax.ShapeDtypeStruct((D, 4 * D), jnp.float32)
+    assert template.blocks[1].down.weight.shape == (4 * D, D)
+    assert [type(b) for b in template.blocks] == [Block] * N
+    assert template.blocks[1:3].layers.up.bias.shape == (2, 4 * D)
+    assert ft.to_flat_dict(template, unstack=True)["blocks.2.norm.scale"].shape == (D,)
+    restored = ft.from_flat_dict(template, ft.to_flat_dict(model(), unstack=True))
+    np.testing.assert_array_equal(restored.blocks.layers.up.weight, model().blocks.layers.up.weight)
+    mesh = AbstractMesh((1,), ("data",))
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, P(*[None] * (a.ndim - 1), "data"))), template)
+    assert ft.get(placed, "blocks.0.up.weight").sharding.spec == P(None, "data")   # the layer axis's entry dropped
+    with pytest.raises(ValueError, match=r'"blocks.2.up.bias" is in member 2 of a Stack whose leaf '
+                                         r'"blocks.layers.up.bias" is abstract \(f32\[4,32\]'):
+        ft.set(template, "blocks.2.up.bias", jnp.zeros(4 * D))
+    whole = ft.set(template, "blocks.layers.up.bias", jnp.zeros((N, 4 * D)))
+    assert whole.blocks.layers.up.bias.shape == (N, 4 * D)
+
+
 def _right_code(message):
     """The code of an error message's ``right:`` line, as the user would paste it."""
     return next(line for line in message.splitlines() if "right:" in line).split("right:", 1)[1].split("#")[0].strip()

@@ -25,7 +25,7 @@ from functree._paths import KeyPath, children, walk
 from functree._random import one_key
 from functree._repr import short_array
 from functree._traces import staged
-from functree._tree import dotted_name, is_array_value
+from functree._tree import dotted_name, is_array_value, join_names
 from functree.nn._check import LayerInputError
 from functree.nn._eager_keys import eager_program, static_key
 from functree.nn._mode import Layer
@@ -89,6 +89,14 @@ ft.set({path}): a member of this Stack is a {expected}; given {given} (at {where
 the Stack, {other} given). Stacked members share one structure: the same types, static \
 fields, leaf shapes and dtypes.
     right:  ft.set(model, {name}, block)   # a block of the same structure and shapes"""
+
+ABSTRACT_MEMBER = """\
+ft.set: {name} is in member {index} of a Stack whose leaf {stacked} is abstract ({leaf}, from \
+jax.eval_shape): it holds no values to write one member's into. Set the member on the built model, or the whole \
+stacked leaf on the template:
+    wrong:  ft.set(template, {name}, value)
+    right:  model = ft.set(jax.jit(build)(key), {name}, value)
+       or:  template = ft.set(template, {stacked}, jnp.stack(values))   # one value per member"""
 
 
 def _describe(tree: Any) -> str:
@@ -329,7 +337,7 @@ class Stack(Layer):
             if not members:
                 raise IndexError(f"stack[{index.start}:{index.stop}:{index.step}] selects no member of {self.n}.")
             picked = jnp.asarray(list(members), jnp.int32)
-            return self._with_layers(jax.tree.map(lambda a: a[picked], self.layers))
+            return self._with_layers(jax.tree.map(lambda a: _take(a, picked), self.layers))
         if not isinstance(index, int) or isinstance(index, bool) or not -self.n <= index < self.n:
             raise IndexError(OUT_OF_RANGE.format(index=index, n=self.n, last=self.n - 1))
         return self._member(index)
@@ -386,6 +394,7 @@ class Stack(Layer):
         """A copy with member ``i`` replaced by ``value`` (``where``: the Stack's key path
         in the tree ``ft.set`` was given, for the error's fix)."""
         self._check_unbatched(f"[{i}]")
+        _refuse_abstract(self, i, value, where)
         diff = _first_difference(self._member(i), value)
         if diff is not None:
             path = KeyPath(where) + KeyPath.parse(f"[{i}]")
@@ -394,7 +403,7 @@ class Stack(Layer):
         return self._with_layers(jax.tree.map(lambda a, v: a.at[i].set(v), self.layers, value))
 
     def _with_layers(self, layers: Any) -> Stack:
-        n = len(jax.tree.leaves(layers)[0]) if jax.tree.leaves(layers) else self.n
+        n = jnp.shape(jax.tree.leaves(layers)[0])[0] if jax.tree.leaves(layers) else self.n
         return from_fields(type(self), {"layers": layers, "n": n, "remat": self.remat, "ranks": self.ranks})
 
 
@@ -414,8 +423,40 @@ def _item(a: Any, i: int) -> Any:
     """Member ``i`` of a stacked leaf; a value without a stack axis is every member's."""
     if not jnp.ndim(a):
         return a
+    if isinstance(a, jax.ShapeDtypeStruct):  # a template of jax.eval_shape: a member's shape
+        return _abstract_members(a, a.shape[1:])
     x = a[i]
     return bool(x) if isinstance(x, np.bool_) else x
+
+
+def _take(a: Any, picked: jax.Array) -> Any:
+    """The members ``picked`` of a stacked leaf (``stack[1:3]``)."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return _abstract_members(a, (len(picked), *a.shape[1:]), keep_axis=True)
+    return a[picked]
+
+
+def _abstract_members(a: jax.ShapeDtypeStruct, shape: tuple[int, ...], keep_axis: bool = False) -> Any:
+    """An abstract stacked leaf's members (one, or a slice with ``keep_axis``) as a
+    ``jax.ShapeDtypeStruct`` of ``shape``: the dtype kept, a ``NamedSharding`` without the
+    layer axis's entry for one member."""
+    sharding = a.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding) and not keep_axis:
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
+    return jax.ShapeDtypeStruct(shape, a.dtype, sharding=sharding, weak_type=a.weak_type)
+
+
+def _refuse_abstract(stack: Stack, i: int, value: Any, where: Any) -> None:
+    """:data:`ABSTRACT_MEMBER` where a value is set into an abstract stacked leaf (a member
+    of a ``jax.eval_shape`` template): no values to write it into."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(stack.layers)
+    given = jax.tree.leaves(value)
+    for (path, a), v in zip(pairs, given):
+        if isinstance(a, jax.ShapeDtypeStruct) and not isinstance(v, jax.ShapeDtypeStruct):
+            base, leaf = KeyPath(where).name, dotted_name(path)
+            name, stacked = join_names(base, str(i), leaf), join_names(base, "layers", leaf)
+            raise ValueError(ABSTRACT_MEMBER.format(name=quoted(name), index=i, stacked=quoted(stacked),
+                                                    leaf=short_array(a)))
 
 
 # An eager call's compiled scan, one per structure and abstract signature of its inputs

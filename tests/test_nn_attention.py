@@ -69,6 +69,12 @@ def test_self_attention_matches_jax(key):
     np.testing.assert_allclose(jax.jit(lambda m, x: m(x))(mha, x), _reference(mha, x, x, x), rtol=1e-5, atol=1e-5)
 
 
+def test_an_ensembles_attention_called_outside_vmap_is_refused(key):
+    layers = jax.vmap(lambda k: ft.nn.MultiheadAttention(8, 2, key=k))(jax.random.split(key, 3))
+    with pytest.raises(ft.nn.LayerInputError, match=r"Dense holds weight f32\[3,8,8\], but one Dense's weight"):
+        layers(jnp.ones((2, 5, 8)))             # was "expects inputs [..., queries, 3]", the models' count
+
+
 def test_cross_attention_with_mask_and_sizes(key):
     mha = ft.nn.MultiheadAttention(6, 3, key_size=4, value_size=5, output_size=7, qk_size=2, vo_size=3, key=key)
     q = _normal(1, (2, 4, 6))

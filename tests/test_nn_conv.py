@@ -58,6 +58,12 @@ def test_conv1d_matches_loops(key, strides, padding, pads):
     np.testing.assert_allclose(conv(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_an_ensembles_conv_called_outside_vmap_is_refused(key):
+    convs = jax.vmap(lambda k: ft.nn.Conv2D(3, 4, 3, key=k))(jax.random.split(key, 2))
+    with pytest.raises(ft.nn.LayerInputError, match=r"Conv2D holds weight f32\[2,3,3,3,4\], but one Conv2D's weight has 4"):
+        convs(jnp.ones((1, 8, 8, 3)))          # was JAX's "lhs and rhs ndim to be equal"
+
+
 def test_conv2d_matches_loops_with_strides(key):
     conv = ft.nn.Conv2D(2, 4, (3, 2), strides=(2, 1), padding="VALID", activation=jax.nn.relu, key=key)
     x = _normal(1, (2, 7, 5, 2))

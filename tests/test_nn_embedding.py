@@ -16,6 +16,13 @@ def test_lookup_matches_indexing(key):
     assert float(jnp.std(ft.nn.Embedding(1000, 64, key=key).embeddings)) == pytest.approx(1.0, rel=0.03)
 
 
+def test_an_ensembles_embedding_called_outside_vmap_is_refused(key):
+    tables = jax.vmap(lambda k: ft.nn.Embedding(10, 4, key=k))(jax.random.split(key, 3))
+    with pytest.raises(ft.nn.LayerInputError, match=r"Embedding holds embeddings f32\[3,10,4\], but one Embedding's "
+                                                    r"embeddings has 2 axes(.|\n)*jax.vmap\(lambda m: m\(x\)\)\(models\)"):
+        tables(jnp.zeros((2, 5), jnp.int32))    # was "too many values to unpack"
+
+
 def test_gradient_scatter_adds_into_rows(key):
     emb = ft.nn.Embedding(5, 2, key=key)
     idx = jnp.array([1, 3, 1])

@@ -54,6 +54,18 @@ def test_wrong_trailing_shape_names_layer_and_shapes(key):
         layer(jnp.ones((4, 3)))
 
 
+def test_an_ensemble_called_outside_vmap_is_refused_naming_the_fix(key):
+    # 3 models of 3 inputs called on a batch of 3: x @ weight [3, 3, 4] broadcast over the
+    # models and the biases over the rows, silently; 4 inputs read "expects inputs [..., 3]".
+    models = jax.vmap(lambda k: ft.nn.Sequential(ft.nn.Dense(3, 4, key=k)))(jax.random.split(key, 3))
+    x = jnp.ones((3, 3))
+    with pytest.raises(ft.nn.LayerInputError, match=r"Dense at .layers\[0\] holds weight f32\[3,3,4\], but one "
+                                                    r"Dense's weight has 2 axes: the leading axes are a batch"):
+        models(x)
+    right = jax.vmap(lambda m: m(x))(models)       # the error's fix
+    np.testing.assert_allclose(right[1], x @ models.layers[0].weight[1] + models.layers[0].bias[1], rtol=1e-6)
+
+
 def test_wrong_dtype_is_an_error_at_trace_time(key):
     layer = ft.nn.Dense(2, 4, key=key)
     with pytest.raises(ft.nn.LayerInputError, match=r"(?s)got i32\[4,2\].*astype\(jnp.float32\)"):

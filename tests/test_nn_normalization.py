@@ -46,6 +46,15 @@ def test_layer_norm_gradient_and_error():
         ft.nn.LayerNorm(3)(np.ones((2, 4), np.float32))
 
 
+def test_an_ensembles_norms_called_outside_vmap_are_refused():
+    # scale [3, 4] on a batch of 3 rows: row i was scaled by model i's scale, silently
+    layer_norms = jax.vmap(lambda s: ft.nn.LayerNorm(4).replace(scale=s))(jnp.arange(12.0).reshape(3, 4))
+    rms_norms = jax.vmap(lambda s: ft.nn.RMSNorm(4).replace(scale=s))(jnp.arange(12.0).reshape(3, 4))
+    for norms, name in ((layer_norms, "LayerNorm"), (rms_norms, "RMSNorm")):
+        with pytest.raises(ft.nn.LayerInputError, match=rf"{name} holds scale f32\[3,4\], but one {name}'s scale has 1 axis"):
+            norms(jnp.ones((3, 4)))
+
+
 def test_batch_norm_training_matches_reference_and_records_statistics():
     bn = ft.nn.BatchNorm(3, momentum=0.9, epsilon=1e-3)
     bn = bn.replace(scale=jnp.array([1.0, 2.0, 3.0]), offset=jnp.array([0.0, 1.0, -1.0]))

@@ -704,6 +704,16 @@ def test_member_key_paths_and_patterns_on_an_ensemble_are_refused(size):
             ens.blocks[index]
 
 
+@pytest.mark.parametrize("size", [3, 2])
+def test_an_ensemble_of_stacks_called_outside_vmap_is_refused(size):
+    # 2 models: the scan's "length argument of 3 which disagrees with leading axis sizes [2, 2]";
+    # 3 models (as many as members): the scan ran over the models, each Dense given [3, 2, 2].
+    with pytest.raises(ft.nn.LayerInputError, match=rf"Stack holds layers.d.weight of shape \({size}, 3, 2, 2\), but one "
+                                                    r"Stack's leaves are \[3, ...\] \(layers.d.weight: 3 axes\)"):
+        ensemble(size)(X2)
+    assert jax.vmap(lambda m: m(X2))(ensemble(size)).shape == (size, 4, 2)   # the fix
+
+
 def test_member_patterns_inside_vmap_are_exact_and_the_ensemble_is_still_refused_after():
     # The right code: the pattern inside jax.vmap, one model at a time. A selection cached by
     # that call (same tree structure) must not let the ensemble through afterwards.

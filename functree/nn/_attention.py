@@ -26,6 +26,7 @@ from functree.nn._attention_kernel import CUDNN_DOES_NOT_APPLY, check_implementa
 from functree.nn._check import (
     LayerInputError,
     check_input,
+    check_unbatched,
     concrete,
     optional_sizes,
     size_arguments,
@@ -521,6 +522,7 @@ class MultiheadAttention(Layer):
         self_attention = keys is None and values is None
         keys = query if keys is None else keys
         values = keys if values is None else values
+        check_unbatched(self.query_projection, weight=2)  # an ensemble's layer outside jax.vmap
         check_input(self, query, ("queries", self.query_projection.weight.shape[0]))
         check_input(self, keys, ("keys", self.key_projection.weight.shape[0]))
         check_input(self, values, ("keys", self.value_projection.weight.shape[0]))

@@ -13,7 +13,8 @@ from functree._paths import KeyPath, walk
 from functree._repr import short_array
 from functree.nn._window import is_int
 
-__all__ = ["LayerInputError", "check_input", "concrete", "size_argument", "size_arguments", "optional_sizes"]
+__all__ = ["LayerInputError", "BatchedLayerError", "FIX_BATCHED", "check_input", "check_unbatched", "concrete",
+           "size_argument", "size_arguments", "optional_sizes"]
 
 
 def concrete(x: Any) -> np.ndarray | None:
@@ -77,6 +78,17 @@ FIX_FLOAT = "Pass a floating array, e.g. layer(x.astype(jnp.float32))."
 FIX_INT = "Pass integer indices, e.g. layer(tokens.astype(jnp.int32))."
 FIX_SHAPE = "Pass a batch whose last axes are {pattern}, or build the layer for the size you have ({given_last})."
 
+BATCHED_LAYER = """\
+{layer}{where} holds {given}, but {expected}: the leading axes are a batch of \
+layers, as in models built with jax.vmap (an ensemble), which a call outside jax.vmap would mix \
+or misread. Call the models inside jax.vmap, one at a time:
+{fix}"""
+
+FIX_BATCHED = """\
+    wrong:  models(x)
+    right:  jax.vmap(lambda m: m(x))(models)            # the same x for every model
+       or:  jax.vmap(lambda m, x: m(x))(models, xs)     # each model its own x"""
+
 
 class LayerInputError(ValueError):
     """A batch with the wrong shape or dtype for a layer (raised at trace time).
@@ -97,6 +109,8 @@ class LayerInputError(ValueError):
       Pass a batch whose last axes are [3], or build the layer for the size you have (last axis 5).
     """
 
+    template = WRONG_INPUT
+
     def __init__(
         self, layer: Any, expected: str, given: str, fix: str, path: Any = None
     ) -> None:
@@ -105,14 +119,14 @@ class LayerInputError(ValueError):
         )
         where = "" if path is None else f" at {path}"
         super().__init__(
-            WRONG_INPUT.format(
+            self.template.format(
                 layer=type(layer).__name__, where=where, expected=expected, given=given, fix=fix
             )
         )
 
     def at(self, path: Any) -> LayerInputError:
         """The same error with the layer's key path set to ``path``."""
-        return LayerInputError(self.layer, self.expected, self.given, self.fix, path)
+        return type(self)(self.layer, self.expected, self.given, self.fix, path)
 
     def under(self, prefix: Any) -> LayerInputError:
         """The same error with ``prefix`` prepended to the key path."""
@@ -127,6 +141,26 @@ class LayerInputError(ValueError):
             if found is not None:
                 return self.at(found).under(prefix)
         return self.under(prefix)
+
+
+class BatchedLayerError(LayerInputError):
+    """A layer whose parameters have more axes than its kind holds: a batch of layers (models
+    built with ``jax.vmap``) called outside ``jax.vmap`` (:func:`check_unbatched`)."""
+
+    template = BATCHED_LAYER
+
+
+def check_unbatched(layer: Any, **ranks: int) -> None:
+    """Raise :class:`BatchedLayerError` where a parameter of ``layer`` (named by ``ranks``,
+    None skipped) has more axes than its rank: an ensemble's layer called outside
+    ``jax.vmap``. Its first check read the batch size as the input size (``Dense expects
+    inputs [..., 5]`` for 5 models of 4 inputs), and where the two were equal ``x @ weight``
+    broadcast over the models and the biases over the batch rows, silently."""
+    for name, rank in ranks.items():
+        value = getattr(layer, name)
+        if value is not None and jnp.ndim(value) > rank:
+            expected = f"one {type(layer).__name__}'s {name} has {rank} ax{'i' if rank == 1 else 'e'}s"
+            raise BatchedLayerError(layer, expected, f"{name} {short_array(value)}", FIX_BATCHED)
 
 
 def _pattern(trailing: Sequence[int | str | None], leading: str) -> str:

@@ -20,7 +20,7 @@ from functree._module import field
 from functree._repr import short_array
 from functree.nn import _window as window
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input, size_arguments
+from functree.nn._check import LayerInputError, check_input, check_unbatched, size_arguments
 from functree.nn._linear import Dense, Initializer, add_bias, glorot_uniform
 from functree.nn._mode import Layer
 from functree.nn._xla_conv import dilated_axes_at_risk, pads_at_risk
@@ -251,6 +251,7 @@ class Conv(Layer):
     def _apply(self, x: jax.Array, padding: Any) -> jax.Array:
         n = self._rank
         spatial = SPATIAL[n]
+        check_unbatched(self, weight=n + 2, bias=1)  # an ensemble's layer outside jax.vmap
         try:
             check_input(self, x, (*spatial, self.in_channels), leading="...")
         except LayerInputError as e:
@@ -329,6 +330,7 @@ class ConvTranspose(Conv):
         ignores its ``output_padding``."""
         if output_size is None:
             return self._apply(x, self.padding)
+        check_unbatched(self, weight=self._rank + 2, bias=1)
         check_input(self, x, (*SPATIAL[self._rank], self.in_channels), leading="...")
         return self._apply(x, self._picked(x, output_size))
 

@@ -11,7 +11,13 @@ import jax.numpy as jnp
 from functree._module import field
 from functree._repr import first_index
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input, concrete, size_arguments
+from functree.nn._check import (
+    LayerInputError,
+    check_input,
+    check_unbatched,
+    concrete,
+    size_arguments,
+)
 from functree.nn._linear import Initializer
 from functree.nn._mode import Layer
 
@@ -102,6 +108,7 @@ class Embedding(Layer):
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
 
     def __call__(self, indices: jax.Array) -> jax.Array:
+        check_unbatched(self, embeddings=2)  # an ensemble's layer outside jax.vmap
         check_input(self, indices, (), kind="int")
         check_rows(self, indices)
         rows = table_rows(self.embeddings, indices)

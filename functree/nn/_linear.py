@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from functree._activations import activation_argument, identity
 from functree._module import field
 from functree.nn._abstract import initialized
-from functree.nn._check import check_input, size_arguments
+from functree.nn._check import check_input, check_unbatched, size_arguments
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
 
@@ -76,6 +76,7 @@ class Dense(Layer):
         self.activation = activation_argument("Dense", activation)  # None: none (Keras's)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_unbatched(self, weight=2, bias=1)  # an ensemble's layer outside jax.vmap
         check_input(self, x, (self.weight.shape[0],))
         y = x @ self.weight
         if self.bias is not None:

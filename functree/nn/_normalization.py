@@ -25,7 +25,13 @@ from functree._module import field
 from functree._parameters import VIEW_CALLED
 from functree._repr import short_array
 from functree._traces import under_vmap
-from functree.nn._check import LayerInputError, check_input, size_argument, size_arguments
+from functree.nn._check import (
+    LayerInputError,
+    check_input,
+    check_unbatched,
+    size_argument,
+    size_arguments,
+)
 from functree.nn._conv import _channels_first
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
@@ -165,6 +171,7 @@ class LayerNorm(Layer):
         self.epsilon = float(epsilon)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_unbatched(self, scale=len(self.shape), offset=len(self.shape))  # an ensemble's layer outside jax.vmap
         check_input(self, x, self.shape)
         axes = tuple(range(x.ndim - len(self.shape), x.ndim))
         xs = x.astype(statistics_dtype(x.dtype))
@@ -209,6 +216,7 @@ class RMSNorm(Layer):
         self.epsilon = None if epsilon is None else float(epsilon)  # None: torch's eps=None ("float() ... not 'NoneType'")
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_unbatched(self, scale=len(self.shape))  # an ensemble's layer outside jax.vmap
         check_input(self, x, self.shape)
         axes = tuple(range(x.ndim - len(self.shape), x.ndim))
         xs = x.astype(statistics_dtype(x.dtype))

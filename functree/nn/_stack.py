@@ -26,7 +26,7 @@ from functree._random import one_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree._tree import dotted_name, is_array_value, join_names
-from functree.nn._check import LayerInputError
+from functree.nn._check import FIX_BATCHED, BatchedLayerError, LayerInputError
 from functree.nn._eager_keys import eager_program, static_key
 from functree.nn._mode import Layer
 from functree.nn._remat import call_collecting, checkpointed, collecting, record_under, remat_policy
@@ -266,6 +266,7 @@ class Stack(Layer):
 
     def __call__(self, x: Any, *args: Any, key: jax.Array | None = None, cache: Any = None,
                  **kwargs: Any) -> Any:
+        self._check_called_unbatched()
         keys = jax.random.split(one_key(key), self.n) if key is not None and takes_key(self.layers) else None
         if cache is not None:
             self._check_caches(cache)
@@ -386,6 +387,15 @@ class Stack(Layer):
         jax.vmap-ed ensemble of E models), where :attr:`ranks` tells them apart."""
         _, shape, rank = self._batched_leaf() or ("", (), None)
         return () if rank is None else shape[: len(shape) - 1 - rank]
+
+    def _check_called_unbatched(self) -> None:
+        """:class:`BatchedLayerError` for a batch of stacks (an ensemble) called outside
+        ``jax.vmap``: the scan's own error named only a length and axis sizes."""
+        bad = self._batched_leaf()
+        if bad is not None:
+            name, shape, rank = bad
+            expected = f"one Stack's leaves are [{self.n}, ...]" + ("" if rank is None else f" (layers.{name}: {rank + 1} axes)")
+            raise BatchedLayerError(self, expected, f"layers.{name} of shape {shape}", FIX_BATCHED)
 
     def _check_unbatched(self, member: str) -> None:
         refuse_batched_members(self, f"stack{member}", "")

@@ -24,6 +24,30 @@ def problem(seed=0):
     return ft.nn.Dense(3, 1, key=km), (x, y)
 
 
+def test_an_ensembles_losses_are_summed_as_the_error_says_and_train_each_model_alone():
+    # A loss per model of a jax.vmap ensemble is refused; the error's jnp.mean would divide each
+    # model's SGD step by their number, its .sum() gives each model its own step (a loop's).
+    model, batch = problem()
+    rng = np.random.default_rng(1)  # 3 models' leaves stacked, as jax.vmap builds them (no eager vmap to compile)
+    models = model.replace(weight=rng.normal(size=(3, 3, 1)).astype(np.float32), bias=np.zeros((3, 1), np.float32))
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    per_model = lambda ms, b: jax.vmap(mse, in_axes=(0, None))(ms, b)  # noqa: E731
+    with pytest.raises(ValueError, match=r"shape \(3,\)(.|\n)*jax.vmap\(loss, in_axes=\(0, None\)\)\(models, batch\).sum\(\)"):
+        ft.train.train_step(per_model, opt, donate=False)(models, opt.init(models), batch)
+    step = ft.train.train_step(lambda ms, b: per_model(ms, b).sum(), opt, donate=False)
+    trained, state = models, opt.init(models)
+    for _ in range(3):
+        trained, state, _ = step(trained, state, batch)
+    x, y = (np.asarray(a, np.float64) for a in batch)
+    for i in range(3):  # each model alone, by hand: SGD on the mean squared error of x @ w + b
+        w, b = np.asarray(models.weight[i], np.float64), np.asarray(models.bias[i], np.float64)
+        for _ in range(3):
+            r = 2 * (x @ w + b - y) / len(x)
+            w, b = w - 0.1 * x.T @ r, b - 0.1 * r.sum(0)
+        np.testing.assert_allclose(trained.weight[i], w, rtol=0, atol=1e-5)   # weights ~1
+        np.testing.assert_allclose(trained.bias[i], b, rtol=0, atol=1e-5)
+
+
 def test_step_equals_optimizer_minimize_and_converges():
     model, batch = problem()
     opt = ft.optim.Optimizer(ft.optim.adam(0.1))

@@ -59,7 +59,9 @@ LOSS_NOT_SCALAR = """\
 The loss function must return a scalar loss (or (loss, aux)); got a loss of shape {shape}.
 
     wrong:  return (model(x) - y) ** 2
-    right:  return jnp.mean((model(x) - y) ** 2)"""
+    right:  return jnp.mean((model(x) - y) ** 2)
+       or:  return jax.vmap(loss, in_axes=(0, None))(models, batch).sum()   # one loss per model of a \
+jax.vmap ensemble: summed, each model's gradient its own (a mean divides each by the number of models)"""
 
 
 def _split_output(out: Any) -> tuple[Any, Any]:

@@ -29,10 +29,35 @@ from typing import Any
 import jax
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
+from functree._repr import short_array
+from functree._tree import abstract_leaf
 
 __all__ = ["label_aware", "label_calls", "is_label_tree", "LAYOUT"]
 
 _LABEL_TYPES = (str, bool, int)
+
+ABSTRACT_CALLED = """\
+{cls} called with abstract leaves: {path} is {leaf}, a jax.ShapeDtypeStruct (jax.eval_shape's \
+template), which holds a shape and dtype but no values to compute with. Build the model, or load \
+its weights into the template, then call it; or trace the call abstractly too:
+    wrong:  template = jax.eval_shape(lambda: build(key)); template(x)
+    right:  model = jax.jit(build)(key); model(x)             # or ft.train.load(path, template)
+       or:  jax.eval_shape(lambda m, x: m(x), template, x)    # the output's shape and dtype only"""
+
+
+class AbstractModelError(TypeError):
+    """A module whose leaves include ``jax.ShapeDtypeStruct`` (a ``jax.eval_shape`` template)
+    was called: JAX's own error named an operand type (``unsupported operand type(s) for @``)."""
+
+
+def _abstract_error(model: Any) -> AbstractModelError | None:
+    """:data:`ABSTRACT_CALLED` naming ``model``'s first abstract leaf, or None: read on a
+    failed call only (each enclosing call builds its own, so the user's model names the path)."""
+    found = abstract_leaf(model)
+    if found is None:
+        return None
+    path, leaf = found
+    return AbstractModelError(ABSTRACT_CALLED.format(cls=type(model).__name__, path=path or "it", leaf=short_array(leaf)))
 
 # How labels are laid onto the definition of the parameters they are called with when the
 # two differ (in static layer modes: ``ft.nn.training(model)``'s labels, the Optimizer's
@@ -88,6 +113,11 @@ def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
             return LAYOUT[0](self, args[0]) if LAYOUT else self
         try:
             return call(self, *args, **kwargs)
+        except TypeError:  # jax.eval_shape's template called: JAX names only an operand type
+            abstract = _abstract_error(self)
+            if abstract is None:
+                raise
+            raise abstract from None
         except (RuntimeError, ValueError) as e:  # a donated model used again: name the key path
             # JAX's error, or an inner layer's (``model.weight`` of the layer): the outermost
             # call's names the path from the model the user called (``model.conv.weight``)

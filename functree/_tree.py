@@ -41,6 +41,7 @@ __all__ = [
     "is_array_or_numpy_scalar",
     "has_shape_and_dtype",
     "bound",
+    "abstract_leaf",
 ]
 
 CACHE_LIMIT = 4096
@@ -123,6 +124,20 @@ def has_shape_and_dtype(x: Any) -> bool:
       (True, False)
     """
     return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def abstract_leaf(tree: Any) -> tuple[str, Any] | None:
+    """``(dotted name, leaf)`` of the first ``jax.ShapeDtypeStruct`` leaf of ``tree`` (a
+    ``jax.eval_shape`` template's), or None: for the error paths of a call given a template
+    where values are needed (JAX names only an operand type).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> abstract_leaf({"w": jnp.ones(2), "b": jax.ShapeDtypeStruct((2,), jnp.float32)})[0]
+      'b'
+    """
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return next(((dotted_name(p), x) for p, x in pairs if isinstance(x, jax.ShapeDtypeStruct)), None)
 
 
 def bounded_put(cache: dict[Any, Any], key: Any, value: Any) -> None:

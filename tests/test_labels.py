@@ -170,3 +170,29 @@ def test_a_module_can_also_be_an_abstract_base_class():
     Net.__call__ = label_aware(lambda self, x: (x @ self.w) @ self.v)  # a later cell's call, by hand
     _updates_match_optax_on_a_dict(model)
     np.testing.assert_allclose(model(x), (x @ model.w) @ model.v, rtol=0, atol=1e-6)
+
+
+def test_calling_an_abstract_template_names_the_leaf_and_the_fixes():
+    # jax.eval_shape's template called: JAX said "unsupported operand type(s) for @:
+    # 'ArrayImpl' and 'ShapeDtypeStruct'" from inside the first Dense.
+    class Net(ft.Module):
+        body: ft.nn.Sequential
+
+        def __call__(self, x):
+            return self.body(x)
+
+    template = jax.eval_shape(lambda: Net(_net()))
+    x = jnp.ones((3, 2))
+    with pytest.raises(TypeError, match=r"Net called with abstract leaves: body.layers.0.weight is f32\[2,4\], a "
+                                        r"jax.ShapeDtypeStruct(.|\n)*jax.eval_shape\(lambda m, x: m\(x\), template, x\)"):
+        template(x)
+    assert jax.eval_shape(lambda m, x: m(x), template, x).shape == (3, 1)   # the fix
+
+    class Picky(ft.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            raise TypeError("the user's own")
+
+    with pytest.raises(TypeError, match="the user's own"):      # a model with values: its error as it was
+        Picky(jnp.ones(2))(x)

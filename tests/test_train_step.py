@@ -48,6 +48,20 @@ def test_an_ensembles_losses_are_summed_as_the_error_says_and_train_each_model_a
         np.testing.assert_allclose(trained.bias[i], b, rtol=0, atol=1e-5)
 
 
+def test_a_template_not_filled_is_refused_naming_the_leaf_and_the_fix():
+    # jax.eval_shape's model (a template meant for ft.train.load or trainer.restore) given to
+    # a step: JAX said "unsupported operand type(s) for +: 'ShapeDtypeStruct' and 'DynamicJaxprTracer'".
+    template = jax.eval_shape(lambda: problem()[0])
+    _, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    refused = r"The train step's model holds abstract leaves: weight is f32\[3,1\], a jax.ShapeDtypeStruct" \
+              r"(.|\n)*right:  model = ft.train.load\(path, template\)"
+    with pytest.raises(TypeError, match=refused):
+        ft.train.train_step(mse, opt)(template, opt.init(template), batch)
+    with pytest.raises(TypeError, match=refused):
+        ft.train.Trainer(template, opt, mse).fit([batch], steps=1, progress=False)
+
+
 def test_step_equals_optimizer_minimize_and_converges():
     model, batch = problem()
     opt = ft.optim.Optimizer(ft.optim.adam(0.1))

@@ -58,8 +58,10 @@ from functree._jit import (
     unchecked_jit,
 )
 from functree._random import key_batch
+from functree._repr import short_array
 from functree._source import USER_FUNCTION
 from functree._traces import CURRENT, TOP
+from functree._tree import abstract_leaf
 from functree._warnings import warn
 from functree._where import devices_error
 from functree.losses._weighted import WeightedMean, loss_value
@@ -136,6 +138,14 @@ ft.optim.Optimizer.
     wrong:  ft.train.train_step(loss_fn, tx, {name}={value})
     right:  ft.train.train_step(loss_fn, ft.optim.Optimizer(tx, {name}={value}))
             # tx: the optax transformation, e.g. ft.optim.adam(1e-3)"""
+
+ABSTRACT_STEP_INPUT = """\
+The train step's {arg} holds abstract leaves: {path} is {leaf}, a jax.ShapeDtypeStruct \
+(jax.eval_shape's template), which has a shape and dtype but no values to train. Fill the \
+template first (or build the model):
+    wrong:  step(template, jax.eval_shape(opt.init, template), batch)
+    right:  model = ft.train.load(path, template); step(model, opt.init(model), batch)   # or trainer.restore(path)
+       or:  model = jax.jit(build)(key); step(model, opt.init(model), batch)"""
 
 UNKNOWN_STEP_OPTION = """\
 ft.train.train_step got an unexpected keyword argument {name!r}{why}.
@@ -806,6 +816,11 @@ class TrainStep:
         (model, opt_state, batch, key, log), _ = self._before((model, opt_state, batch, key, log), {})  # static leaves
         try:
             out = program(model, opt_state, batch, key, log)
+        except TypeError as e:  # a jax.eval_shape template given as the model or state
+            abstract = _abstract_input(e, (model, opt_state))
+            if abstract is None:
+                raise
+            raise abstract from None
         except (RuntimeError, ValueError) as e:
             self._explain(e, (model, opt_state), {})
             raise
@@ -845,6 +860,9 @@ class TrainStep:
             return RuntimeError(SHARED_STOP_LOG)
         if is_deletion_error(error):  # the owner's arrays (checked only now), or a call in another
             self._check_donated(args[0], args[1])  # thread donated them after this one's check
+        abstract = _abstract_input(error, args)
+        if abstract is not None:
+            return abstract
         key = args[3] if len(args) > 3 else None
         if key is not None and key_batch(key) is None:  # step(model, state, x, y): y taken as the key
             return TypeError(NOT_A_KEY.format(given=describe_batch(key)))
@@ -996,6 +1014,19 @@ def _batch_copied_apart(model: Any, opt_state: Any, rest: tuple) -> tuple:
          AliasWarning)
     copied = copy_aliases(tree, pairs)
     return (*copied[2:], *rest[2:])
+
+
+def _abstract_input(error: Exception, args: tuple) -> TypeError | None:
+    """:data:`ABSTRACT_STEP_INPUT` for a step that failed with a TypeError on a model or
+    state holding ``jax.ShapeDtypeStruct`` leaves (a template not restored: JAX said
+    "unsupported operand type(s) for +: 'ShapeDtypeStruct' and 'DynamicJaxprTracer'")."""
+    if not isinstance(error, TypeError):
+        return None
+    for arg, tree in zip(("model", "opt_state"), args):
+        found = abstract_leaf(tree)
+        if found is not None:
+            return TypeError(ABSTRACT_STEP_INPUT.format(arg=arg, path=found[0] or "it", leaf=short_array(found[1])))
+    return None
 
 
 def _calling_train(entry: Any, method: str) -> Callable[..., Any]:

@@ -292,10 +292,16 @@ def _where_trap(x):
 
 
 def test_the_where_trap_is_the_derivative_of_the_guarded_log():
-    """The forward is finite (the -inf is masked); the gradient is 0 · (1/0) = NaN."""
-    report = ft.diagnose(_where_trap, at=jnp.array([0.0, 1.0]), nan=True)
+    """The forward is finite (the -inf is masked); the gradient is 0 · (1/0) = NaN.
+
+    docs/guides/debugging-nans.md says so: "the derivative of `log`" (nan), not of `sqrt`.
+    """
+    x = jnp.array([0.0, 1.0])
+    assert np.isfinite(float(_where_trap(x)))
+    report = ft.diagnose(_where_trap, at=x, nan=True)
     _check(report, _where_trap, "<- where trap", "log", "backward")
     assert report.value == "nan (1 of 2 elements)"
+    assert "the derivative of `log`" in report.summary()
 
 
 # ----------------------------------------------------------------------------- must not report

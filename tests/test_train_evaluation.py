@@ -289,3 +289,38 @@ def test_a_weighted_mean_metric_that_scored_no_label_is_nan_with_a_warning_namin
     with pytest.warns(ft.train.NoLabelWarning, match=r"^validation \(fit's validation_data=\): the metric 'tok'"):
         history = trainer.fit((x, y), epochs=1, batch_size=8, progress=False, validation_data=(x, ignored))
     assert np.isnan(history.epochs["val_tok"][0]) and np.isfinite(history.epochs["tok"][0])
+
+
+def test_evaluate_and_predict_of_data_known_never_to_end_are_refused_with_the_islice_fix():
+    """trainer.evaluate(itertools.cycle(loader)) (or grain's MapDataset.repeat(), a
+    DataLoader whose sampler has num_epochs=None) read forever: they take no step count.
+    Refused (ENDLESS_EVAL_DATA, fit's ENDLESS_DATA test's `endless`); the printed fix,
+    itertools.islice(data, n), reads those minibatches."""
+    import itertools
+
+    grain = pytest.importorskip("grain")
+    from functree.train._epochs import endless
+    from functree.train._evaluation import ENDLESS_EVAL_DATA
+
+    x = np.arange(16, dtype=np.float32).reshape(8, 2) / 8
+    minibatches = [(x[:4], x[:4, :1]), (x[4:], x[4:, :1])]
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+    sampler = grain.samplers.IndexSampler(2, shard_options=grain.sharding.NoSharding(), num_epochs=None)
+    kinds = {"cycle": itertools.cycle(minibatches), "repeat": itertools.repeat(minibatches[0]),
+             "RepeatMapDataset": grain.MapDataset.source(minibatches).repeat(),
+             "DataLoader": grain.DataLoader(data_source=minibatches, sampler=sampler)}
+    for kind, data in kinds.items():
+        why, fix = endless(data)
+        finite, _, note = fix.partition("  # ")
+        for method in ("evaluate", "predict"):
+            with pytest.raises(ValueError) as e:
+                getattr(trainer, method)(data)
+            assert str(e.value) == ENDLESS_EVAL_DATA.format(method=method, kind=kind, why=why, finite=finite,
+                                                            note=note)
+    whole = trainer.evaluate(minibatches)["loss"]  # the fix: two minibatches of the cycle, the data once
+    np.testing.assert_allclose(trainer.evaluate(itertools.islice(itertools.cycle(minibatches), 2))["loss"],
+                               whole, rtol=1e-6, atol=1e-6 * abs(whole))
+    out = trainer.predict(itertools.islice(itertools.cycle(minibatches), 3), lambda m, b: m(b[0]))
+    assert out.shape == (12, 1)
+    np.testing.assert_array_equal(out[8:], out[:4])

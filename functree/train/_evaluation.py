@@ -27,7 +27,14 @@ from functree.optim._average import averaged as averaged_parameters
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.train._data import Batches, batches, to_arrays
-from functree.train._epochs import VALIDATION, as_data, batch_size, cut_by_batch_size, with_location
+from functree.train._epochs import (
+    VALIDATION,
+    as_data,
+    batch_size,
+    cut_by_batch_size,
+    endless,
+    with_location,
+)
 from functree.train._metrics import (
     PART_COUNT,
     PART_RATIO,
@@ -38,8 +45,8 @@ from functree.train._metrics import (
 )
 from functree.train._programs import code_reads
 
-__all__ = ["Evaluation", "EVAL_KEY_SALT", "eval_key", "evaluate", "predict", "key_parameter", "signature",
-           "NoLabelWarning", "NO_LABEL", "NO_METRIC_LABEL"]
+__all__ = ["Evaluation", "EVAL_KEY_SALT", "ENDLESS_EVAL_DATA", "check_ends", "eval_key", "evaluate", "predict",
+           "key_parameter", "signature", "NoLabelWarning", "NO_LABEL", "NO_METRIC_LABEL"]
 
 EVAL_KEY_SALT = 0x5EED
 """Folded into the trainer's key for evaluation and prediction keys (distinct from the
@@ -119,6 +126,26 @@ def no_eval_minibatch(which: str, data: Any) -> ValueError:
     what = "predict" if which == "predict" else "evaluate"
     return ValueError(EMPTY_EVAL_DATA.format(which=name, what=what, kind=type(data).__name__, why=why,
                                              wrong=wrong, right=right, other=other))
+
+
+ENDLESS_EVAL_DATA = """\
+trainer.{method}(data) reads all of data, but the data ({kind}) never ends: {why}. \
+{method} would never return. It takes no step count (Keras's steps=): give it the \
+minibatches to read, or data that ends:
+
+    wrong:  trainer.{method}(data)
+    right:  trainer.{method}(itertools.islice(data, 100))    # its first 100 minibatches
+       or:  trainer.{method}({finite})    # {note}"""
+
+
+def check_ends(method: str, data: Any) -> None:
+    """:data:`ENDLESS_EVAL_DATA` for data known never to end (:func:`endless`): evaluate
+    and predict read all of it, and hung (a generator may end: read as it comes)."""
+    ends = endless(data)
+    if ends is not None:
+        finite, _, note = ends[1].partition("  # ")
+        raise ValueError(ENDLESS_EVAL_DATA.format(method=method, kind=type(data).__name__, why=ends[0],
+                                                  finite=finite, note=note))
 
 
 MALFORMED_EVAL_MINIBATCH = """\
@@ -529,6 +556,7 @@ class Evaluation:
         if which == "validation" and not cut_by_batch_size(data):
             batch_size = None  # fit's batch_size= cuts its training arrays; a loader validates as it is
         caller = VALIDATION if which == "validation" else "trainer.evaluate"
+        check_ends("evaluate", data)  # (fit refuses endless validation data with its own message)
         data = as_data(data, batch_size, self.key, shuffle=False, caller=caller)
         model = self.averaged_model if averaged else self.inference_model
         key = eval_key(self.eval_step.loss_fn, self.key)
@@ -562,6 +590,7 @@ class Evaluation:
         each twice.
         """
         fn = fn or default_predict
+        check_ends("predict", data)
         if is_array_value(data):
             data = batches(data, batch_size or 32, shuffle=False)
         data = as_data(data, batch_size, self.key, shuffle=False, caller="trainer.predict")

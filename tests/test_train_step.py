@@ -159,15 +159,24 @@ def test_a_loop_cell_stopped_by_ctrl_c_names_the_stopped_call_and_the_step_goes_
     np.testing.assert_allclose(ns["model"].weight, reference["model"].weight, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["optimizer", "loss_fn", "metrics", "compute_dtype", "on_nan", "steps_per_call"])
+def one_device_placement():
+    from functree.train._eval_step import placement_of_step
+
+    return placement_of_step(jax.make_mesh((1,), ("data",)), "data", "fsdp", "ft.train.train_step")
+
+
+@pytest.mark.parametrize("name", ["optimizer", "loss_fn", "metrics", "compute_dtype", "on_nan", "steps_per_call",
+                                  "placement"])
 def test_a_setting_its_programs_were_built_with_is_refused_after_the_step_ran(name):
     # step.optimizer = sgd(0.0) after a call was ignored: the next call of the same shapes
     # ran the program built with the old optimizer, which went on moving the model (and
-    # step.on_nan = "skip" applied the next NaN step; steps_per_call = 2 ran one step)
+    # step.on_nan = "skip" applied the next NaN step; steps_per_call = 2 ran one step;
+    # step.placement = <a mesh's> ran the unmeshed program on the default device)
     model, batch = problem()
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
     new = {"optimizer": ft.optim.Optimizer(ft.optim.sgd(0.0)), "loss_fn": lambda m, b: 0.0 * mse(m, b),
-           "metrics": {}, "compute_dtype": jnp.bfloat16, "on_nan": "skip", "steps_per_call": 2}[name]
+           "metrics": {}, "compute_dtype": jnp.bfloat16, "on_nan": "skip", "steps_per_call": 2,
+           "placement": one_device_placement()}[name]
     before = ft.train.train_step(mse, opt, donate=False)
     setattr(before, name, new)  # before any call: the step is still being set up
     step = ft.train.train_step(mse, opt, donate=False)
@@ -179,13 +188,14 @@ def test_a_setting_its_programs_were_built_with_is_refused_after_the_step_ran(na
     assert getattr(step, name) is not new
 
 
-@pytest.mark.parametrize("name", ["loss_fn", "metrics", "compute_dtype"])
+@pytest.mark.parametrize("name", ["loss_fn", "metrics", "compute_dtype", "placement"])
 def test_an_eval_steps_setting_is_refused_after_it_ran(name):
     # evaluate.loss_fn = ... after a call was ignored: the next call of the same shapes ran
-    # the program built with the old loss (its old number, silently)
+    # the program built with the old loss (its old number, silently), and placement the
+    # program built without the mesh's sharding constraints
     model, batch = problem()
     new = {"loss_fn": lambda m, b: 100.0 + mse(m, b), "metrics": {"peak": lambda out: jnp.max(out.loss)},
-           "compute_dtype": jnp.bfloat16}[name]
+           "compute_dtype": jnp.bfloat16, "placement": one_device_placement()}[name]
     before = ft.train.eval_step(mse)
     setattr(before, name, new)  # before any call: still being set up
     evaluate = ft.train.eval_step(mse)

@@ -1,8 +1,9 @@
 """The settings a training step's compiled programs are built from.
 
 A :class:`~functree.train.TrainStep` reads its optimizer, loss function, metrics, compute
-dtype, ``on_nan`` and ``steps_per_call`` while its programs trace (an
-:class:`~functree.train.EvalStep` its loss function, metrics and compute dtype); a
+dtype, ``on_nan``, ``steps_per_call`` and ``placement`` (its mesh, data axis and sharding)
+while its programs trace (an :class:`~functree.train.EvalStep` its loss function, metrics,
+compute dtype and placement); a
 :class:`~functree.train.Trainer` builds its step from its
 optimizer, ``wrt=``, ``on_nan`` ... Assigned once those programs exist, a setting was
 ignored, silently (``step.optimizer = sgd(0.0)``: the next call of the same shapes ran the

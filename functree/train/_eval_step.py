@@ -142,6 +142,8 @@ class EvalStep:
     loss_fn: Any = BuiltWith()
     metrics: Any = BuiltWith()
     compute_dtype: Any = BuiltWith()
+    placement: Any = BuiltWith()  # (read per minibatch through its slot, _placement)
+    _placement: Placement | None
 
     def _built_error(self, name: str, value: Any) -> AttributeError | None:
         """:data:`EVAL_STEP_BUILT_WITH` once the step's programs exist (:class:`BuiltWith`)."""
@@ -276,7 +278,7 @@ class EvalStep:
 
     def shard_batch(self, batch: Any) -> Any:
         """The global batch from this process's share, on the step's mesh (else the batch)."""
-        return batch if self.placement is None else self.placement.shard_batch(batch, whole=True)
+        return batch if self._placement is None else self._placement.shard_batch(batch, whole=True)
 
     def __call__(self, model: Any, batch: Any, key: jax.Array | None = None) -> dict[str, jax.Array]:
         if self._compiled is None:  # built on first use: Equinox submodules need static leaves
@@ -290,8 +292,8 @@ class EvalStep:
             self._compiled = unchecked_jit(run, static_leaves=static)
         self._shared.owner = self._ref
         batch = private_arrays(batch)  # runs after the call returns: not from a buffer the caller refills
-        if self.placement is not None:
-            model, batch = self.placement.place(model), self.placement.shard_batch(batch, whole=True)
+        if self._placement is not None:
+            model, batch = self._placement.place(model), self._placement.shard_batch(batch, whole=True)
         try:
             return self._compiled(model, batch, key)
         except (RuntimeError, ValueError) as e:  # a donated model evaluated, or arguments apart: name the key paths

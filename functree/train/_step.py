@@ -76,6 +76,7 @@ from functree.optim._replicas import all_varying, as_varying, replica_mean, repl
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
 from functree.parallel._mesh import is_array
+from functree.parallel._placement import Placement
 from functree.parallel._rules import check_compute_dtype, partition_specs
 from functree.parallel._step_specs import (
     is_spec,
@@ -439,12 +440,15 @@ class TrainStep:
     loss_fn: Any = BuiltWith()
     metrics: Any = BuiltWith()
     compute_dtype: Any = BuiltWith()
-    # Also read per call (__call__, _check): there through their slots, _on_nan and
-    # _steps_per_call, a plain attribute read (a descriptor's __get__ is a Python call).
+    # Also read per call (__call__, run, _check): there through their slots, _on_nan,
+    # _steps_per_call and _placement, a plain attribute read (a descriptor's __get__ is a
+    # Python call).
     on_nan: Any = BuiltWith()
     steps_per_call: Any = BuiltWith()
+    placement: Any = BuiltWith()
     _on_nan: str
     _steps_per_call: int
+    _placement: Placement | None
 
     def _built_error(self, name: str, value: Any) -> AttributeError | None:
         """:data:`STEP_BUILT_WITH` once the step has built a program (:class:`BuiltWith`)."""
@@ -800,8 +804,8 @@ class TrainStep:
             check_stacked(batch, steps)
             program = self._scan_program(model)
         self._owned_call = owned
-        if self.placement is not None:
-            where = self.placement
+        if self._placement is not None:
+            where = self._placement
             if steps == 1:
                 batch = where.shard_batch(batch)
             else:  # (its rows set `earlier`, as shard_batch's do: a short last minibatch is named)
@@ -810,7 +814,7 @@ class TrainStep:
         if self._shared is not None:  # a shared program traces (new shapes) with this step's stages
             self._shared.owner = self._ref
         if program.__class__ is FlatJit:  # it runs _before, _explain and the guard off a loop's fast path
-            if steps == 1 == self.steps_per_call and self.placement is None and not owned and type(self).run is TrainStep.run:
+            if steps == 1 == self._steps_per_call and self._placement is None and not owned and type(self).run is TrainStep.run:
                 self._direct = program  # __call__ goes straight to it from now on (run not overridden)
             return program(model, opt_state, batch, key, log)
         (model, opt_state, batch, key, log), _ = self._before((model, opt_state, batch, key, log), {})  # static leaves
@@ -838,14 +842,14 @@ class TrainStep:
         owned = self._owned_call
         if not owned:  # (the owner's arrays are live: a deleted one is named if the call fails)
             self._check_donated(model, opt_state)
-        if self.placement is not None:
-            model, opt_state = self.placement.place(model, opt_state)
+        if self._placement is not None:
+            model, opt_state = self._placement.place(model, opt_state)
         rest = args[2:]
         if self._donate and not owned:
             warn_aliases(model, what="The model given to the train step")
             model, opt_state = copy_aliases((model, opt_state))
             rest = _batch_copied_apart(model, opt_state, rest)
-        if len(rest) > 2 and rest[2] is self._halt is not None and self.placement is None:  # (the Trainer's log: committed)
+        if len(rest) > 2 and rest[2] is self._halt is not None and self._placement is None:  # (the Trainer's log: committed)
             rest = (*rest[:2], placed_as(rest[2], model), *rest[3:])  # placed as this call's model
         return (model, opt_state, *rest), kwargs
 
@@ -903,15 +907,15 @@ class TrainStep:
             self._halt = None  # a new log below, as for a first call
 
     def _new_halt_log(self, model: Any = None) -> Any:
-        if self.on_nan != "stop":
+        if self._on_nan != "stop":
             return None
-        return self._place_log(new_halt_log()) if self.placement is not None else placed_as(new_halt_log(), model)
+        return self._place_log(new_halt_log()) if self._placement is not None else placed_as(new_halt_log(), model)
 
     def _place_log(self, log: Any) -> Any:
         """A new log where the step's program returns it (replicated over the mesh), so the
         second call finds the first call's program (a log on the default device compiled the
         step again on every mesh)."""
-        return log if self.placement is None else self.placement.replicate(log)
+        return log if self._placement is None else self._placement.replicate(log)
 
     def __call__(self, model: Any, opt_state: Any, batch: Any, key: jax.Array | None = None) -> Any:
         # What run() does for a plain call, inline once run() has set _direct: the program's

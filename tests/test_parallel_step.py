@@ -243,6 +243,79 @@ report({"diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
         "specs": [str(x.sharding.spec) for x in jax.tree.leaves(model)],
         "samples": int(ft.optim.context(state).samples_seen)})
 """,
+    'several_keys_on_a_mesh_differ_per_device_where_documented_and_match_the_step_by_hand': """
+import jax, jax.numpy as jnp, numpy as np
+import functree as ft
+
+@jax.jit  # one program builds each fresh copy (eager, every initializer compiles apart)
+def make():
+    k = jax.random.split(jax.random.key(0), 3)
+    lora = ft.nn.LoraDense(ft.nn.Dense(8, 1, key=k[1]), rank=2, dropout=0.5, key=k[2])
+    lora = lora.replace(lora_b=jnp.full((2, 1), 0.5))  # the adapter (its stored-key dropout) counts from step 1
+    return ft.nn.training(ft.nn.Sequential(ft.nn.Dense(3, 8, jax.nn.relu, key=k[0]), ft.nn.Dropout(0.5), lora))
+
+def noise(keys):  # each example's augmentation noise, from its own key in the batch
+    return jax.vmap(lambda k: jax.random.normal(k, (3,)))(keys)
+
+def loss_fn(model, batch, *, key, lora_key=None):
+    x, y, keys = batch
+    h = model.layers[0](x + 0.1 * noise(keys))
+    mask = model.layers[1](jnp.ones_like(h), key=key)  # the step key's dropout mask (0 or 2)
+    out = model.layers[2](h * mask, key=lora_key)  # the adapter's mask: from its stored dropout_key
+    return jnp.mean((out - y) ** 2), {"mask": mask, "noise": noise(keys), "out": out}
+
+def by_hand(devices, k):
+    # The mesh step's loss, unmeshed: microbatch j of device i's share with the step key
+    # fold_in(fold_in(key, j), i) and the adapter's stored key salted with j, then i (on one
+    # device the step key with 0, the stored key not at all); the key it records, unsalted.
+    def loss(model, batch, *, key):
+        lora = model.layers[2]
+        drawn, following = jax.random.split(jax.random.wrap_key_data(lora.dropout_key))
+        ft.nn.record_state(lora, dropout_key=jax.random.key_data(following))
+        n, parts = batch[0].shape[0] // (devices * k), []
+        for i in range(devices):
+            for j in range(k):
+                part = jax.tree.map(lambda a: a[(i * k + j) * n:(i * k + j + 1) * n], batch)
+                step_key, stored = (key, drawn) if k == 1 else (jax.random.fold_in(key, j), jax.random.fold_in(drawn, j))
+                stored = stored if devices == 1 else jax.random.fold_in(stored, i)
+                parts.append(loss_fn(model, part, key=jax.random.fold_in(step_key, i), lora_key=stored))
+        return (sum(p[0] for p in parts) / len(parts), jax.tree.map(lambda *a: jnp.concatenate(a), *[p[1] for p in parts]))
+    return loss
+
+def fingerprint(a):  # one number per minibatch that tells its rows apart
+    return jnp.sum(a * jnp.arange(1, a.size + 1, dtype=a.dtype).reshape(a.shape))
+
+half = lambda a, i: a[i * (len(a) // 2):(i + 1) * (len(a) // 2)]
+METRICS = {name: (lambda o, name=name: fingerprint(o.aux[name])) for name in ("mask", "noise", "out")}
+METRICS.update({name + "_alike": (lambda o, name=name: jnp.all(half(o.aux[name], 0) == half(o.aux[name], 1)).astype(jnp.float32))
+                for name in ("mask", "noise", "out")})
+
+rng = np.random.default_rng(0)
+rows = rng.normal(size=(4, 3)).astype(np.float32)
+x = np.concatenate([rows, rows])  # the replicas' rows alike: only their keys tell their masks apart
+y = rng.normal(size=(8, 1)).astype(np.float32)
+row_keys = jax.random.split(jax.random.key(7), 4)
+keys = jnp.concatenate([row_keys, row_keys])  # each example's own key: the same wherever it lands
+res = {}
+for devices, sharding, k in ((1, None, 1), (2, None, 1), (2, "fsdp", 2)):
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1), accumulate=k, wrt="*")
+    ref_opt = ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="*")
+    step = ft.train.TrainStep(loss_fn, opt, mesh=mesh, sharding=sharding, donate=False, metrics=METRICS)
+    plain = ft.train.TrainStep(by_hand(devices, k), ref_opt, donate=False, metrics=METRICS)
+    a = b = make()
+    sa, sb = opt.init(a), ref_opt.init(b)
+    got = []
+    for _ in range(2):  # the second step draws from the stored key the first recorded
+        a, sa, ma = step(a, sa, (x, y, keys), jax.random.key(3))
+        b, sb, mb = plain(b, sb, (x, y, keys), jax.random.key(3))
+        got.append({n: [float(ma[n]), float(mb[n])] for n in ma})
+    res[f"{devices}-{sharding}-{k}"] = {
+        "metrics": got, "stored": [np.asarray(m.layers[2].dropout_key).tolist() for m in (a, b)],
+        "params": [[np.asarray(u, np.float32).tolist(), np.asarray(v, np.float32).tolist()]
+                   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)) if jnp.issubdtype(u.dtype, jnp.floating)]}
+report(res)
+""",
     'a_data_axis_of_one_device_beside_a_model_axis_trains_as_one_device': """
 import numpy as np, jax.numpy as jnp, functree as ft
 from jax.sharding import PartitionSpec as P
@@ -580,6 +653,27 @@ def test_aux_rows_merge_and_what_cannot_be_combined_is_refused(eight_devices):
     for key in ("table64", "table32"):
         assert "aux['table'] has shape (4,) (float32) per device" in out[key], out[key]
     assert "[0] has 64 rows, [2] has 4. Split over the 8 devices of mesh axis 'data'" in out["mixed"], out["mixed"]
+
+
+def test_several_keys_on_a_mesh_differ_per_device_where_documented_and_match_the_step_by_hand(eight_devices):
+    """A step with three PRNG keys (a Dropout's key= from the step's key, a LoRA adapter's
+    stored dropout_key, a key per example in the batch for augmentation noise) on a 1- and
+    a 2-device mesh (replicated; fsdp with accumulate=2) was untested. It equals the
+    unmeshed step of a loss that does by hand what docs/guides/scale.md says: device i's
+    share gets fold_in(key, i) (a 1-device mesh 0), stored keys salted with i (not on one
+    device), microbatch j folded in before; each example's own key is used as it is; the
+    recorded dropout_key is not salted. Rows alike on both devices show it: the step key's
+    masks differ between the devices, the batch keys' noise does not."""
+    out = part(eight_devices, "several_keys_on_a_mesh_differ_per_device_where_documented_and_match_the_step_by_hand")
+    for name, r in out.items():
+        for got in r["metrics"]:
+            for metric, (mesh, hand) in got.items():  # a loss near 10, fingerprints near 100
+                np.testing.assert_allclose(mesh, hand, rtol=0, atol=1e-6 * max(1.0, abs(hand)), err_msg=f"{name} {metric}")
+            assert got["noise_alike"] == [1.0, 1.0], name  # each example's key, wherever it lands
+            assert got["mask_alike"] == [0.0, 0.0] and got["out_alike"] == [0.0, 0.0], name  # (rows alike)
+        assert r["stored"][0] == r["stored"][1], name  # the next stored key: unsalted, as unmeshed
+        for mesh, hand in r["params"]:  # parameters of magnitude < 2 after two steps of 0.1
+            np.testing.assert_allclose(mesh, hand, rtol=0, atol=1e-6, err_msg=name)
 
 
 # The largest difference measured between the Equinox MLP's losses and weights trained on a

@@ -1,5 +1,8 @@
 """Schedules of the learning context: piecewise (CNTK), optax schedules by unit."""
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -206,3 +209,92 @@ def test_a_warmup_of_a_fraction_of_a_count_is_refused(make, message):
     for step in (0, 468, 469, 1000):
         at = fo.initial_context().replace(step=step)
         np.testing.assert_allclose(float(ramp(at)), 1e-3 * min(step, 468.9) / 468.9, rtol=0, atol=1e-9)
+
+
+# optax calls a schedule with its int32 update count: functree's schedules in steps take one.
+def _steps_schedules():
+    return {
+        "constant": fo.constant(0.3),
+        "piecewise": fo.piecewise([(2, 1.0), (3, 0.5), (1, 0.25)]),
+        "exponential_decay": fo.exponential_decay(1.0, 4, 0.5),
+        "cosine_decay": fo.cosine_decay(1.0, 10, alpha=0.1),
+        "linear_warmup": fo.linear_warmup(1.0, 4),
+        "warmup_cosine_decay": fo.warmup_cosine_decay(0.0, 1.0, 3, 12),
+        "inverse_time_decay": fo.inverse_time_decay(1.0, 0.5),
+        "one_cycle": fo.one_cycle(1.0, 10),
+        "one_cycle_momentum": fo.one_cycle_momentum(10),
+        "cyclic": fo.cyclic(0.1, 0.5, 2, mode="triangular2"),
+        "cyclic_momentum": fo.cyclic_momentum(step_size_up=3),
+        "cosine_warm_restarts": fo.cosine_warm_restarts(1.0, 2, period_mult=2),
+        "schedule": fo.schedule(optax.polynomial_schedule(1.0, 0.1, 2, 8)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_steps_schedules()))
+def test_schedule_takes_a_step_count_as_optax_passes(name):
+    lr, ctx = _steps_schedules()[name], fo.initial_context()
+    counts = [0, 1, 3, 7, 12, 25]
+    expected = np.asarray([lr(ctx.replace(step=n)) for n in counts])
+    for given in (lambda n: n, np.int32, np.int64, lambda n: jnp.asarray(n, jnp.int32)):
+        got = np.asarray([lr(given(n)) for n in counts])
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+    traced = jax.vmap(jax.jit(lr))(jnp.asarray(counts, jnp.int32))  # a traced count, and a batch of them
+    np.testing.assert_allclose(traced, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("make, ours, theirs", [
+    (optax.sgd, lambda: fo.cosine_decay(0.5, 4), lambda: optax.cosine_decay_schedule(0.5, 4)),
+    (optax.adam, lambda: fo.warmup_cosine_decay(0.0, 0.1, 2, 6), lambda: optax.warmup_cosine_decay_schedule(0.0, 0.1, 2, 6)),
+    (optax.adam, lambda: fo.exponential_decay(0.1, 2, 0.5), lambda: optax.exponential_decay(0.1, 2, 0.5)),
+])
+def test_schedule_inside_an_optax_optimizer(make, ours, theirs):
+    # optax.sgd(ft.optim.cosine_decay(...)) failed in update: 'ArrayImpl' object has no attribute 'step'
+    w = {"w": jnp.asarray([1.0, -2.0, 0.5])}
+    grad = jax.grad(lambda p: jnp.sum(p["w"] ** 2 + jnp.sin(p["w"])))
+    runs = []
+    for tx in (make(ours()), make(theirs())):
+        p, state, step = w, tx.init(w), jax.jit(tx.update)
+        with jax.numpy_dtype_promotion("standard"):  # optax's adam and schedules mix int counts and floats
+            for _ in range(5):
+                updates, state = step(grad(p), state)
+                p = optax.apply_updates(p, updates)
+        runs.append(p["w"])
+    np.testing.assert_allclose(runs[0], runs[1], rtol=0, atol=1e-6 * float(jnp.abs(runs[1]).max()))
+
+
+@pytest.mark.parametrize("unit", ["samples", "sweeps"])
+def test_schedule_in_samples_or_sweeps_refuses_a_step_count(unit):
+    # optax passes a count of steps: read as samples or sweeps, silently wrong rates
+    lr = fo.cosine_decay(1.0, 10, unit=unit)
+    with pytest.raises(TypeError, match=f"counts {unit} \\(unit='{unit}'\\).*an int \\(3\\)") as e:
+        lr(3)
+    assert f"ft.optim.adam(ft.optim.cosine_decay(1.0, 10, unit='{unit}'))" in str(e.value)
+    tx, w = optax.sgd(lr), {"w": jnp.ones(2)}
+    with pytest.raises(TypeError, match=f"counts {unit}"):
+        tx.update(w, tx.init(w))
+    # the fixes it names run, and read the context's count in that unit
+    inject = fo.inject("adam", lambda learning_rate: optax.adam(learning_rate), {"learning_rate": lr})
+    for fix in (fo.adam(lr), inject):
+        assert float(fo.hyperparameters(fix.init(w))["learning_rate"]) == pytest.approx(1.0)
+        fix.update(w, fix.init(w), minibatch_size=2)
+    with pytest.raises(TypeError, match="counts samples"):  # the decorator's schedules too
+        fo.schedule(optax.linear_schedule(0.0, 1.0, 10), unit="samples")(jnp.int32(3))
+
+
+@pytest.mark.parametrize("given, words", [
+    (0.5, "a float (0.5)"), ({"step": 3}, "a dict ({'step': 3})"), (True, "a bool (True)"),
+    (jnp.float32(2.0), "an array of dtype float32 and shape ()"),
+])
+def test_schedule_given_neither_context_nor_count(given, words):
+    # a float failed deep inside: AttributeError: 'float' object has no attribute 'step'
+    for lr in (fo.cosine_decay(1.0, 10), fo.piecewise([(2, 1.0), (1, 0.5)]), fo.constant(0.1)):
+        with pytest.raises(TypeError, match="was called with " + re.escape(words)) as e:
+            lr(given)
+        assert "lr(ft.optim.initial_context().replace(step=100))" in str(e.value)
+
+
+def test_step_count_past_int32_is_refused():
+    with pytest.raises(ValueError, match=re.escape("ft.optim.cosine_decay(1.0, 10) was called with the step count 4294967301")):
+        fo.cosine_decay(1.0, 10)(2**32 + 5)  # would wrap to step 5, silently
+    with pytest.raises(ValueError, match="step count -1"):
+        fo.one_cycle(1.0, 10)(-1)

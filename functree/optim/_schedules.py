@@ -2,7 +2,9 @@
 
 A schedule maps a :class:`~functree.optim.LearningContext` to a value. ``unit`` picks the
 counter that drives it: ``"steps"`` (optimizer steps), ``"samples"`` (examples seen) or
-``"sweeps"`` (epochs, advanced by :func:`~functree.optim.next_sweep`).
+``"sweeps"`` (epochs, advanced by :func:`~functree.optim.next_sweep`). A schedule in steps
+also takes a plain step count, as optax's optimizers call one (``optax.sgd(ft.optim.cosine_decay(0.1, 1000))``):
+``lr(n)`` is ``lr(initial_context().replace(step=n))`` (:func:`_as_context`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.core import Tracer
 
 from functree.optim._arguments import check_argument
 from functree.optim._context import LOW_BITS, LearningContext, samples_float32, samples_int64, x64
@@ -67,6 +70,81 @@ ft.optim.{where}: warmup_steps={given!r} is not a whole number; the learning con
 
     wrong:  ft.optim.{where}({before}{given!r}{after})
     right:  {right}"""
+
+
+NOT_A_COUNT = """\
+{code} was called with {given}. A schedule takes a ft.optim.LearningContext or, as optax's \
+schedules do, the count of steps taken: a whole number (a Python or NumPy int, an integer JAX \
+array, traced too):
+
+    wrong:  lr({wrong})
+    right:  lr(100)                                                   # after 100 steps
+       or:  lr(ft.optim.initial_context().replace(step=100))
+"""
+
+COUNT_OUT_OF_RANGE = """\
+{code} was called with the step count {given}, outside the learning context's int32 steps \
+[0, 2147483647] (it would wrap around, silently). Give the count of steps taken:
+
+    right:  lr(100)
+"""
+
+COUNT_OF_ANOTHER_UNIT = """\
+{code} counts {unit} (unit={unit!r}), and was called with a plain count ({given}), as optax's \
+optimizers call a schedule: with the count of steps taken, not of {unit}; that count read as \
+{unit} would give the wrong values, silently. Give the schedule to a functree optimizer, which \
+passes the learning context (its {unit} counted), or count in steps:
+
+    wrong:  optax.adam({code})
+    right:  ft.optim.adam({code})
+       or:  ft.optim.inject("adam", lambda learning_rate: optax.adam(learning_rate),
+                            {{"learning_rate": {code}}})   # any optax optimizer
+       or:  optax.adam(...)   # the schedule built in steps: its lengths in steps, unit="steps"{per}
+"""
+
+_PER_STEP = {"sweeps": " (a sweep is steps_per_sweep steps)", "samples": " (minibatch_size samples a step)"}
+
+
+def _code(fn: Any) -> str:
+    """``fn``'s constructor call as code (its recorded one, or :func:`schedule`'s name)."""
+    recorded = values_of(fn)
+    if recorded is not None:
+        return recorded[1](repr)
+    name = getattr(fn, "__qualname__", "lr")
+    return f"ft.optim.{name}" if name.startswith("schedule(") else name
+
+
+def _given(x: Any) -> str:
+    """What a schedule was called with, in words (its type, and value or shape)."""
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    if dtype is not None and shape is not None:
+        return f"an array of dtype {dtype} and shape {tuple(shape)}"
+    text = repr(x)
+    kind = type(x).__name__
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} ({text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def _as_context(x: Any, unit: str, fn: Any) -> LearningContext:
+    """``x`` if a learning context; an integer count (optax's call: the steps taken) as the
+    context :func:`~functree.optim.initial_context` ``.replace(step=x)``, stacked along a
+    count's axes. :data:`COUNT_OF_ANOTHER_UNIT` for a schedule in samples or sweeps (the
+    count is of steps), :data:`NOT_A_COUNT` for anything else (a float, a dict), where the
+    schedule failed deep inside with an attribute error."""
+    if isinstance(x, LearningContext):
+        return x
+    dtype = np.dtype(np.int64) if isinstance(x, int) else getattr(x, "dtype", None)
+    if isinstance(x, (bool, np.bool_)) or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(NOT_A_COUNT.format(code=_code(fn), given=_given(x), wrong=repr(x) if len(repr(x)) <= 30 else "..."))
+    if unit != "steps":
+        raise TypeError(COUNT_OF_ANOTHER_UNIT.format(code=_code(fn), unit=unit, given=_given(x), per=_PER_STEP[unit]))
+    if not isinstance(x, Tracer):
+        host = [x] if isinstance(x, int) else np.asarray(x).ravel().tolist()
+        if any(not 0 <= n <= np.iinfo(np.int32).max for n in host):
+            raise ValueError(COUNT_OUT_OF_RANGE.format(code=_code(fn), given=x))
+    steps = jnp.asarray(x).astype(jnp.int32)
+    zero = jnp.zeros_like(steps)
+    loss = jnp.full(steps.shape, np.nan, jnp.result_type(float))
+    return LearningContext(jnp.stack([steps, zero, zero, zero + 1, zero], axis=-1), loss)
 
 
 def _check_warmup(where: str, warmup_steps: Any, unit: str, before: str, after: str,
@@ -221,6 +299,7 @@ def schedule(fn: Callable[[Any], Any], unit: str = "steps") -> Callable[[Learnin
     _check_unit(unit)
 
     def at(ctx: LearningContext) -> Any:
+        ctx = _as_context(ctx, unit, at)
         # JAX's default int (int64 under x64): optax divides the count by Python numbers,
         # in float32 from an int32 count, in float64 from an int64 one. Samples past 2³¹ − 1
         # come as float32 without x64 (by_count): optax's schedules are float arithmetic.
@@ -240,7 +319,11 @@ def constant(value: float) -> Callable[[LearningContext], Any]:
       >>> lr(ft.optim.initial_context().replace(step=1000))
       Array(0.1, dtype=float32)
     """
-    return _recorded(lambda ctx: jnp.asarray(value, _float()), (value,), lambda w: f"ft.optim.constant({w(value)})")
+    def at(ctx: LearningContext) -> jax.Array:
+        _as_context(ctx, "steps", at)
+        return jnp.asarray(value, _float())
+
+    return _recorded(at, (value,), lambda w: f"ft.optim.constant({w(value)})")
 
 
 def piecewise(pairs: Sequence[tuple[int, float]], unit: str = "steps") -> Callable[[LearningContext], Any]:
@@ -271,6 +354,7 @@ def piecewise(pairs: Sequence[tuple[int, float]], unit: str = "steps") -> Callab
     int_ends = np.minimum(ends, np.iinfo(np.int32).max).astype(np.int32)
 
     def at(ctx: LearningContext) -> jax.Array:
+        ctx = _as_context(ctx, unit, at)
         if unit == "samples":
             low, high = ctx.counters[..., 2:3], ctx.counters[..., 4:5]
             reached = (high > high_ends) | ((high == high_ends) & (low >= low_ends))
@@ -428,6 +512,7 @@ def inverse_time_decay(init_value: float, decay: float, *, unit: str = "steps") 
     ahead = 1.0 if unit == "steps" else 0.0
 
     def rate(ctx: LearningContext) -> jax.Array:
+        ctx = _as_context(ctx, unit, rate)
         return by_count(ctx, unit, lambda count: init_value / (1.0 + decay * (count.astype(_float()) + ahead)))
 
     return _recorded(rate, (init_value,), lambda w: f"ft.optim.inverse_time_decay({w(init_value)}, {decay!r}{_unit(unit)})")
@@ -483,7 +568,7 @@ def _phased(ends: list[float], starts: list[Any], stops: list[Any], anneal_strat
     dtype = _float()
 
     def at(ctx: LearningContext) -> jax.Array:
-        return by_count(ctx, unit, value)
+        return by_count(_as_context(ctx, unit, at), unit, value)
 
     def value(count: jax.Array) -> jax.Array:
         step = jnp.minimum(count.astype(dtype), total_steps - 1)
@@ -605,7 +690,7 @@ def _cycled(low: float, high: float, step_size_up: float, step_size_down: float 
     whole = total.is_integer()  # whole step sizes (torch's ints): the cycle and its position in integers
 
     def at(ctx: LearningContext) -> jax.Array:
-        return by_count(ctx, unit, value)
+        return by_count(_as_context(ctx, unit, at), unit, value)
 
     def value(raw: jax.Array) -> jax.Array:
         count = raw.astype(dtype)
@@ -751,7 +836,7 @@ def cosine_warm_restarts(
             return count - jnp.asarray(reached, count.dtype)[index], jnp.asarray(lengths, dtype)[index]
 
     def at(ctx: LearningContext) -> jax.Array:
-        return by_count(ctx, unit, value)
+        return by_count(_as_context(ctx, unit, at), unit, value)
 
     def value(count: jax.Array) -> jax.Array:
         since, length = position(count)

@@ -154,7 +154,7 @@ def test_tree_map_mismatch_between_modules_with_different_static_values():
 
 
 _NET_CELL = """
-class Net(ft.Module):
+class CellNet(ft.Module):
     w: jax.Array
     def __call__(self, x):
         return x @ self.w
@@ -166,15 +166,18 @@ def test_trees_of_a_class_defined_again_are_named_as_two_definitions(monkeypatch
     with a model of the new class. The structures differ only in the class object, which the
     first-difference walk compared by short name: 'different structures' (opt.update) or JAX's
     'different types ... Net ... Net' (ft.move, ft.tree_map). Now it names both definitions."""
+    # (CellNet, not Net: the classes this test leaves in a "__main__" made a later doctest's
+    # __main__.Net ambiguous to a checkpoint load without a template, in the same process)
     main = types.ModuleType("__main__")
     monkeypatch.setitem(sys.modules, "__main__", main)
     ns = main.__dict__
     for cell in ("import jax, jax.numpy as jnp, functree as ft", _NET_CELL,
-                 "old = Net(jnp.ones((2, 2)))\ngrads = ft.gradient(lambda m: m(jnp.ones((1, 2))).sum(), at=old)",
-                 _NET_CELL, "model = Net(jnp.ones((2, 2)))"):
+                 "old = CellNet(jnp.ones((2, 2)))\ngrads = ft.gradient(lambda m: m(jnp.ones((1, 2))).sum(), at=old)",
+                 _NET_CELL, "model = CellNet(jnp.ones((2, 2)))"):
         exec(compile(cell, "<cell>", "exec"), ns)
     model, grads = ns["model"], ns["grads"]
-    again = "the first has a __main__.Net of {}, the other a __main__.Net of {}: the `class Net` statement ran again"
+    again = ("the first has a __main__.CellNet of {}, the other a __main__.CellNet of {}: "
+             "the `class CellNet` statement ran again")
     now, earlier = "the class defined now", "an earlier definition of it"
     with pytest.raises(ValueError) as e:
         ft.move(model, along=grads)

@@ -219,6 +219,19 @@ def _taker(indices: tuple[int, ...]) -> Callable[[tuple], tuple]:
     return operator.itemgetter(*indices)
 
 
+def _loop_taker(nargs: int, donate: tuple[int, ...], loop: tuple[int, ...],
+                gather: Callable[[Sequence[Any]], tuple]) -> Callable[[tuple, tuple, Sequence[Any]], tuple | None]:
+    """``take(args, results, leaves)``: the donated leaves (``gather(leaves)``) when ``args``
+    has ``nargs`` items and the one at each donated position ``donate[k]`` *is* result
+    ``loop[k]`` of the previous call, else None; generated once per program as straight-line
+    identity tests (no tuples built, no C calls but the gather)."""
+    tests = "".join(f" and a[{i}] is r[{j}]" for i, j in zip(donate, loop))
+    source = f"def take(a, r, L):\n    if len(a) == {nargs}{tests}:\n        return _gather(L)\n"
+    names: dict[str, Any] = {"_gather": gather}
+    exec(source, names)  # only integers are formatted into it
+    return names["take"]
+
+
 def _gatherer(spans: Sequence[tuple[int, int]]) -> Callable[[Sequence[Any]], tuple]:
     """``leaves -> tuple(leaves[i] for each (start, stop) in spans, start <= i < stop)`` as
     one C call (``itemgetter`` of several indices returns a tuple; of one, the item): a
@@ -233,8 +246,8 @@ def _gatherer(spans: Sequence[tuple[int, int]]) -> Callable[[Sequence[Any]], tup
 class _Program:
     """One ``jax.jit`` of the flat function, for one set of input tree definitions."""
 
-    __slots__ = ("build", "carry", "donated", "gather", "jitted", "loop", "loops", "nargs", "other_treedef",
-                 "others", "out_treedef", "parts", "passed", "pause", "returned", "several", "spans")
+    __slots__ = ("build", "carry", "gather", "jitted", "loop", "loops", "nargs", "other_treedef", "others",
+                 "out_treedef", "parts", "passed", "pause", "several", "spans", "take")
 
     def __init__(self, fn: Callable[..., Any], nargs: int, donate: tuple[int, ...], donated_treedef: Any,
                  other_treedef: Any, options: dict[str, Any], owned: tuple[int, ...] = ()):
@@ -253,11 +266,10 @@ class _Program:
         self.spans: tuple[tuple[int, int], ...] = ()  # leaves of each top-level result
         self.carry: tuple[bool, ...] = ()  # results whose leaves may be passed back as they are
         self.loop: tuple[int, ...] | None = None  # the result each donated argument is, in a loop
-        # Set with ``loop``: the donated arguments, the results they must be, and the
-        # result leaves that are the donated leaves (the flat program takes them as a tuple).
-        self.donated: Callable[[tuple], tuple] = _taker(())
-        self.returned: Callable[[tuple], tuple] = _taker(())
+        # Set with ``loop``: the result leaves that are the donated leaves (the flat program
+        # takes them as a tuple), and :func:`_loop_taker`'s function of the call.
         self.gather: Callable[[Sequence[Any]], tuple] = _gatherer(())
+        self.take: Callable[[tuple, tuple, Sequence[Any]], tuple | None] | None = None
 
         def flat(donated: tuple, others: tuple) -> list[Any]:
             # ``others``: the arguments not donated, as they are (JAX flattens them in C++
@@ -463,20 +475,20 @@ class FlatJit:
             if j < 0 or not (program.carry[j] or i in self._owned):
                 return
             loop.append(j)
-        program.donated, program.returned = _taker(self._donate), _taker(tuple(loop))
         program.gather = _gatherer([program.spans[j] for j in loop])
+        program.take = _loop_taker(program.nargs, self._donate, tuple(loop), program.gather)
         program.loop = tuple(loop)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         last = self._last
         if last is not None and not kwargs:
             program, results, leaves = last
-            if program.loop is not None and len(args) == program.nargs:
-                if all(map(operator.is_, program.donated(args), program.returned(results))):
-                    # The loop's common case: the donated leaves are the previous results'
-                    # (a train step's metrics between them skipped), taken in one C call.
-                    donated = program.gather(leaves)
-                else:
+            take = program.take
+            if take is not None:
+                # The loop's common case: the donated arguments are the previous results,
+                # their leaves taken from those results' (a train step's metrics skipped).
+                donated = take(args, results, leaves)
+                if donated is None and len(args) == program.nargs:
                     donated = self._replaced(program, args, results, leaves)
                 if donated is not None:
                     paused = program.pause and _gc_isenabled()  # (see _Program.pause)

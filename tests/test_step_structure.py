@@ -332,22 +332,23 @@ def _python_calls(call, *args) -> tuple[list[str], object]:
     return entered, out
 
 
-def test_a_donating_loop_step_runs_one_python_frame_and_the_result_builder():
+def test_a_donating_loop_step_runs_its_call_and_two_generated_functions():
     # The host side of a loop step under ft.jit(donate=...): the flat program's own call
-    # (the donation guard inside it, not a wrapper around it) and the generated builder.
+    # (the donation guard inside it, not a wrapper around it), its generated test that the
+    # donated arguments are the previous results (taking their leaves) and the generated builder.
     step, (model, state) = _minimize_step()
     x, y = _batch()
     for _ in range(3):
         model, state, _ = step(model, state, x, y)
     entered, (model, state, loss) = _python_calls(step, model, state, x, y)
-    assert entered == ["__call__", "build"]
+    assert entered == ["__call__", "take", "build"]
     assert isinstance(model, ft.nn.Sequential) and bool(jnp.isfinite(loss))
 
 
 @pytest.mark.parametrize("on_nan", ["stop", "ignore"])
-def test_a_train_step_call_in_a_loop_runs_two_python_frames_and_the_builder(on_nan):
+def test_a_train_step_call_in_a_loop_runs_two_calls_and_the_generated_functions(on_nan):
     # TrainStep.__call__ goes straight to its flat program (no run() frame), which runs
-    # the donation guard inside; then the generated builder of the results.
+    # the donation guard inside; then the generated loop test and builder of the results.
     opt = ft.optim.Optimizer(ft.optim.adam(LR))
     step = ft.train.train_step(lambda m, b: _loss(m, *b), opt, on_nan=on_nan)  # "stop": the default
     model, batch = _model(), _batch()
@@ -355,7 +356,7 @@ def test_a_train_step_call_in_a_loop_runs_two_python_frames_and_the_builder(on_n
     for _ in range(3):
         model, state, _ = step(model, state, batch)
     entered, (model, state, metrics) = _python_calls(step, model, state, batch)
-    assert entered == ["__call__", "__call__", "build"]
+    assert entered == ["__call__", "__call__", "take", "build"]
     step.check()
     assert bool(jnp.isfinite(metrics["loss"]))
 

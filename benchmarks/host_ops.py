@@ -105,7 +105,8 @@ def program_alone(runner: Any, build: bool = False) -> Any:
     leaves; with ``build``, each call's results rebuilt by the program's generated builder too."""
     runner.block(8)
     step = runner.step
-    flat = getattr(step, "_direct", None) or step  # a TrainStep's program, or ft.jit's FlatJit
+    direct = getattr(step, "_direct", None)  # a TrainStep's program's bound __call__
+    flat = step if direct is None else direct.__self__  # its FlatJit, or ft.jit's
     program, _, leaves = flat._last
     others = program.others((*runner.carry, *runner.args, None, None)[:program.nargs])
     state = {"leaves": leaves}

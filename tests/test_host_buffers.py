@@ -21,7 +21,7 @@ Y = RNG.normal(size=(STEPS, ROWS, 1)).astype(np.float32)
 
 
 def loss_fn(model, batch):
-    x, y = batch
+    x, y = (batch["x"], batch["y"]) if isinstance(batch, dict) else batch
     return jnp.mean((x @ model["w"] - y) ** 2)
 
 
@@ -40,7 +40,8 @@ def buffers():
     return x, y
 
 
-def train(step, opt, refill):
+def train(step, opt, refill, kind=tuple):
+    """``kind``: the batch's container, a tuple or a dict (both looked at inline by a step's call)."""
     model = {"w": jnp.zeros((FEATURES, 1))}
     state = opt.init(model)
     bx, by = buffers()
@@ -50,18 +51,21 @@ def train(step, opt, refill):
             batch = (bx, by)
         else:
             batch = (X[i].copy(), Y[i].copy())
+        if kind is dict:
+            batch = {"x": batch[0], "y": batch[1]}
         model, state, _ = step(slowly(model), state, batch)
         if refill:  # the next batch's values written while this step waits for its model
             bx[...], by[...] = 100.0, -100.0
     return np.asarray(model["w"])
 
 
+@pytest.mark.parametrize("kind", [tuple, dict], ids=["tuple", "dict"])
 @pytest.mark.parametrize("on_nan", ["stop", "ignore"])
-def test_a_refilled_batch_buffer_trains_as_fresh_batches(on_nan):
+def test_a_refilled_batch_buffer_trains_as_fresh_batches(on_nan, kind):
     opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
     step = ft.train.train_step(loss_fn, opt, on_nan=on_nan)
-    fresh = train(step, opt, refill=False)
-    np.testing.assert_array_equal(train(step, opt, refill=True), fresh)
+    fresh = train(step, opt, refill=False, kind=kind)
+    np.testing.assert_array_equal(train(step, opt, refill=True, kind=kind), fresh)
 
 
 def test_an_eval_step_reads_the_batch_it_was_given():

@@ -815,7 +815,9 @@ class TrainStep:
             self._shared.owner = self._ref
         if program.__class__ is FlatJit:  # it runs _before, _explain and the guard off a loop's fast path
             if steps == 1 == self._steps_per_call and self._placement is None and not owned and type(self).run is TrainStep.run:
-                self._direct = program  # __call__ goes straight to it from now on (run not overridden)
+                # __call__ goes straight to it from now on (run not overridden), by its bound
+                # method: Python calls a method inline, an object through its type's slot
+                self._direct = program.__call__
             return program(model, opt_state, batch, key, log)
         (model, opt_state, batch, key, log), _ = self._before((model, opt_state, batch, key, log), {})  # static leaves
         try:
@@ -927,12 +929,11 @@ class TrainStep:
         # buffer the caller refills for the next batch (functree/_host_buffers.py). A batch of
         # device arrays is looked at here, inline: a loop's call runs no Python frame for it.
         kind = batch.__class__
-        if kind is tuple or kind is dict:
-            for x in (batch.values() if kind is dict else batch):
-                if x.__class__ not in JAX_ARRAYS:
-                    batch = private_arrays(batch)
-                    break
+        if kind is tuple:
+            plain = JAX_ARRAYS.issuperset(map(type, batch))  # (one C call: no Python loop)
         else:
+            plain = kind is dict and JAX_ARRAYS.issuperset(map(type, batch.values()))
+        if not plain:
             batch = private_arrays(batch)
         me = get_ident()
         if self._running == me:

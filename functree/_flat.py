@@ -93,7 +93,8 @@ is back under the threshold when the collector is on again. Smaller results (the
 family's step: 48 nodes) never pause: their fast path tests this flag only."""
 
 PENDING = "__ft_pending__"
-"""Instance-dict key of a field built on first read: ``(build, leaves)`` (see ``__ft_lazy__``)."""
+"""Instance-dict key of the fields built on first read: ``(((name, build), ...), leaves)``
+(see ``__ft_lazy__``)."""
 
 
 def builder(treedef: Any, offset: int = 0) -> Callable[[Sequence[Any]], Any]:
@@ -103,9 +104,11 @@ def builder(treedef: Any, offset: int = 0) -> Callable[[Sequence[Any]], Any]:
     records registered by :func:`functree._tree.register_record` are filled inline, as
     are tuples, named tuples, lists, dicts and ``None``; any other node is rebuilt by its
     own registered unflatten (its one-level tree definition). A record class that names
-    one field in ``__ft_lazy__`` gets that field built on first read: its instance dict
-    holds ``(build, leaves)`` under :data:`PENDING` until then (the class's
-    ``__getattr__`` builds it), so a loop that passes the record back never builds it.
+    data fields in ``__ft_lazy__`` (a tuple) gets them built on first read: its instance
+    dict holds ``(((name, build), ...), leaves)`` under :data:`PENDING` until then (the
+    class's ``__getattr__`` builds them), so a loop that passes the record back never
+    builds them (an optimizer state's learning context and moment trees: one object a
+    call instead of two, and none of the trees).
     ``offset``: the index in ``leaves`` of the tree's first leaf.
 
     Example:
@@ -155,17 +158,18 @@ def builder(treedef: Any, offset: int = 0) -> Callable[[Sequence[Any]], Any]:
         lines.extend(_filled(obj, constant(kind), entries))
         return obj
 
-    def emit_lazy(node: Any, kind: type, aux: Any, lazy: str) -> str:
+    def emit_lazy(node: Any, kind: type, aux: Any, lazy: tuple[str, ...]) -> str:
         data_names, meta_names = kind.__ft_record__  # type: ignore[attr-defined]
         counter[1] += 1
         obj = f"o{counter[1]}"
-        filled = []
+        filled, parts = [], []
         for name, child in zip(data_names, node.children()):
-            if name == lazy:
-                filled.append((PENDING, f"({constant(builder(child, counter[0]))}, L)"))
+            if name in lazy:
+                parts.append((name, builder(child, counter[0])))
                 counter[0] += child.num_leaves
             else:
                 filled.append((name, emit(child)))
+        filled.append((PENDING, f"({constant(tuple(parts))}, L)"))
         lines.extend(_filled(obj, constant(kind), filled + [(n, constant(v)) for n, v in zip(meta_names, aux)]))
         return obj
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import gc
 import inspect
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree._flat import CHANGED_OUTPUT, PAUSE_NODES, builder, flat_jit
+from functree._flat import CHANGED_OUTPUT, PAUSE_NODES, PENDING, builder, flat_jit
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
 
@@ -82,6 +83,26 @@ def test_a_loop_runs_the_numbers_of_jax_jit():
         m2, s2, loss2 = plain(m2, s2, x, y)
         np.testing.assert_array_equal(loss1, loss2)
     for a, b in zip(jax.tree.leaves((m1, s1)), jax.tree.leaves((m2, s2))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_loops_optimizer_state_is_built_on_first_read_with_the_steps_values():
+    # A loop passes the state back by its leaves: neither its learning context nor its
+    # transform's state is built per call (one object, not their trees), and the first
+    # read of any field (by name, jax.tree, pickle) builds both, with the step's values.
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    x, y = jnp.ones((5, 3)), jnp.zeros((5, 1))
+    flat, plain = flat_jit(_sgd, donate=(0, 1)), jax.jit(_sgd)
+    m1, m2 = _model(), _model()
+    s1, s2 = opt.init(m1), opt.init(m2)
+    for _ in range(3):
+        m1, s1, _ = flat(m1, s1, x, y)
+        m2, s2, _ = plain(m2, s2, x, y)
+    assert set(vars(s1)) == {PENDING}  # nothing built yet
+    read = pickle.loads(pickle.dumps(s1))  # pickle reads the fields: built now
+    assert ft.optim.context(read).step == 3 and set(vars(s1)) == {"context", "inner"}
+    assert int(ft.optim.context(s1).step) == int(ft.optim.context(s2).step) == 3
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -64,21 +64,26 @@ class OptimizerState:
     context: LearningContext
     inner: Any
 
-    # A step's result is rebuilt with ``inner`` pending (functree._flat): a training loop
-    # passes the state back by its leaves and never builds the moment trees; the first
-    # read of ``inner`` (by name, by jax.tree, pickle, repr ...) builds it.
-    __ft_lazy__: ClassVar[str] = "inner"
+    # A step's result is rebuilt with both fields pending (functree._flat): a training loop
+    # passes the state back by its leaves and never builds the context or the moment
+    # trees; the first read of either (by name, by jax.tree, pickle, repr ...) builds both.
+    __ft_lazy__: ClassVar[tuple[str, ...]] = ("context", "inner")
 
     def __getattr__(self, name: str) -> Any:  # only for a field not yet in the instance dict
-        pending = self.__dict__.pop(PENDING, None)
+        d = self.__dict__
+        pending = d.get(PENDING)
         if pending is None:
-            inner = self.__dict__.get("inner")
+            inner = d.get("inner")
             if name.startswith("_") or inner is None:  # Python's and libraries' probes (copy, pickle)
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             holder = f"; its .inner, a {type(inner).__name__}, has {name!r}" if hasattr(inner, name) else ""
             raise AttributeError(OPTAX_STATE_FIELD.format(name=name, holder=holder))
-        build, leaves = pending
-        self.__dict__[self.__ft_lazy__] = build(leaves)
+        parts, leaves = pending
+        for field, build in parts:
+            d[field] = build(leaves)
+        # Dropped only now: a read from another thread meanwhile builds them again (the
+        # same leaves) instead of finding neither the fields nor the pending entry.
+        d.pop(PENDING, None)
         return getattr(self, name)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -30,7 +30,6 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from threading import get_ident
 from typing import Any
 
 import jax
@@ -498,7 +497,6 @@ class TrainStep:
         # The flat program a plain call runs without run()'s Python frame: set by run() once
         # the step is one step per call, without placement, over flat leaves (a loop's case).
         self._direct: Any = None
-        self._running: int | None = None  # the thread in __call__ (left set: that call was stopped)
         self._stopped: Any = None  # (number, inputs) of a call stopped after donating (a Ctrl-C)
 
     @property
@@ -721,7 +719,7 @@ class TrainStep:
         return model, opt_state, (None if "rows" in log else without_parts(metrics)), log  # rows hold them
 
     _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call",
-                "_direct", "_running", "_stopped")
+                "_direct", "_stopped")
     """Instance attributes that are run-time state; every other one is configuration: a
     step equal to another in all of them (and in class) shares its compiled programs."""
 
@@ -881,24 +879,24 @@ class TrainStep:
         """The error naming a deleted (donated) array of ``model`` or ``opt_state``, if any:
         :data:`STOPPED_CALL` after a call that a Ctrl-C stopped once it had donated them."""
         named = (("model", model), ("opt_state", opt_state))
-        try:
-            if self._stopped is not None:
-                call, taken = self._stopped
-                for name, tree in named:
-                    path = deleted_leaf(tree) if any(tree is t for t in taken) else None
-                    if path is not None:
-                        raise ValueError(STOPPED_CALL.format(name=name, path=path, call=call, no_donation=NO_DONATION))
-            self._guard.check_donated(named, what="The train step's", step="the train step", no_donation=NO_DONATION)
-        except ValueError:
-            self._running = None  # this call ends by an error of ours, before it donated: it was not stopped
-            raise
+        if self._stopped is not None:
+            call, taken = self._stopped
+            for name, tree in named:
+                path = deleted_leaf(tree) if any(tree is t for t in taken) else None
+                if path is not None:
+                    raise ValueError(STOPPED_CALL.format(name=name, path=path, call=call, no_donation=NO_DONATION))
+        self._guard.check_donated(named, what="The train step's", step="the train step", no_donation=NO_DONATION)
 
-    def _was_stopped(self) -> None:
-        """This thread's previous call never returned (a Ctrl-C, or an exception, stopped it).
-        Where it had donated its inputs, its number and inputs are kept for
-        :data:`STOPPED_CALL`, and a stop log it consumed is replaced: the step would have
-        refused every later call (a deleted log reads as :data:`SHARED_STOP_LOG`, another
-        thread's call)."""
+    def _was_stopped(self, error: BaseException) -> None:
+        """A call stopped by ``error``: a Ctrl-C (or SystemExit), or XLA failing as it ran,
+        may land once the program has donated its inputs (most often at the return of
+        JAX's call), so the call's results are lost with them; an error of the step's own
+        checks comes before any donation and records nothing. Where it had donated its
+        inputs, its number and inputs are kept for :data:`STOPPED_CALL`, and a stop log it
+        consumed is replaced: the step would have refused every later call (a deleted log
+        reads as :data:`SHARED_STOP_LOG`, another thread's call)."""
+        if isinstance(error, Exception) and not isinstance(error, jax.errors.JaxRuntimeError):
+            return
         guard = self._guard
         if deleted_leaf(guard._last) is not None:  # stopped in the program's call: it took the last results
             self._stopped = (guard.calls + 1, guard._last)
@@ -935,32 +933,33 @@ class TrainStep:
             plain = kind is dict and JAX_ARRAYS.issuperset(map(type, batch.values()))
         if not plain:
             batch = private_arrays(batch)
-        me = get_ident()
-        if self._running == me:
-            self._was_stopped()
-        self._running = me
+        # (try costs a loop's call nothing: Python 3.11's exception tables)
         if self._on_nan != "stop":
-            if direct is None:
-                out = self.run(model, opt_state, batch, key)
-            else:
+            try:
+                if direct is None:
+                    return self.run(model, opt_state, batch, key)[:3]
                 self._owned_call = False
                 self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
-                out = direct(model, opt_state, batch, key, None)
-            self._running = None
-            return out[:3]
+                return direct(model, opt_state, batch, key, None)[:3]
+            except BaseException as e:
+                self._was_stopped(e)
+                raise
         if self._halt is None:
             self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
         elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
             self._check(model, opt_state, block=False)
         self._inflight.append((self._calls * self._steps_per_call, batch, key))  # its first step
-        if direct is None:
-            model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
-        else:
-            self._owned_call = False
-            self._shared.owner = self._ref
-            model, opt_state, metrics, self._halt = direct(model, opt_state, batch, key, self._halt)
+        try:
+            if direct is None:
+                model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
+            else:
+                self._owned_call = False
+                self._shared.owner = self._ref
+                model, opt_state, metrics, self._halt = direct(model, opt_state, batch, key, self._halt)
+        except BaseException as e:
+            self._was_stopped(e)
+            raise
         self._calls += 1
-        self._running = None
         return model, opt_state, metrics
 
     def check(self) -> None:

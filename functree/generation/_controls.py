@@ -49,6 +49,7 @@ from functree.generation._logits import (
     prompt_tokens,
     word_matches,
 )
+from functree.nn._window import is_int
 
 BAD_TOP_K = """\
 generate: top_k must be an int >= 0 (k: keep the k most likely tokens, all of them when k is \
@@ -896,10 +897,6 @@ def filtered(logits: jax.Array, temperature: Any, **options: Any) -> jax.Array:
 
 
 # ---- option checks shared with generate ---------------------------------------------------------
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
 
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)

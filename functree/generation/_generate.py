@@ -64,7 +64,6 @@ from functree.generation._controls import (
     token_ids,
     token_sequences,
 )
-from functree.generation._controls import is_int as _is_int
 from functree.generation._controls import is_number as _is_number
 from functree.generation._decode import beam_search, generate_loop
 from functree.generation._defaults import (
@@ -79,6 +78,7 @@ from functree.generation._defaults import (
 )
 from functree.generation._logits import check_in_vocabulary
 from functree.nn._shared import Shared
+from functree.nn._window import is_int as _is_int
 
 __all__ = ["generate"]
 

@@ -154,6 +154,20 @@ class UnsupportedJaxError(RuntimeError):
     """A jaxpr equation whose parameters have a form functree does not know."""
 
 
+def _invalid_input() -> type[Exception]:
+    """The error JAX raises for an argument that is no JAX type (a ``jax.ShapeDtypeStruct``
+    passed to ``jnp`` or a jitted function): ``InvalidInputException``, a TypeError from jax
+    0.10, a bare Exception in 0.9."""
+    from jax._src import dtypes
+
+    return getattr(dtypes, "InvalidInputException", TypeError)
+
+
+NOT_A_JAX_TYPE: tuple[type[Exception], ...] = (TypeError, _invalid_input())
+"""What a computation given a ``jax.eval_shape`` template's leaves raises: Python's operand
+TypeError (``x @ ShapeDtypeStruct``) or JAX's invalid-input error (every version)."""
+
+
 def jax_version() -> tuple[int, ...]:
     """JAX's version as integers (``"0.10.2"`` -> ``(0, 10, 2)``; suffixes dropped)."""
     parts = []

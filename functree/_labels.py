@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from functree._alias import is_deletion_error, is_stale_error, stale_error
+from functree._compat import NOT_A_JAX_TYPE
 from functree._repr import short_array
 from functree._tree import abstract_leaf
 
@@ -113,7 +114,7 @@ def label_aware(call: Callable[..., Any]) -> Callable[..., Any]:
             return LAYOUT[0](self, args[0]) if LAYOUT else self
         try:
             return call(self, *args, **kwargs)
-        except TypeError:  # jax.eval_shape's template called: JAX names only an operand type
+        except NOT_A_JAX_TYPE:  # jax.eval_shape's template called: JAX names only an operand type
             abstract = _abstract_error(self)
             if abstract is None:
                 raise

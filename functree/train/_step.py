@@ -48,6 +48,7 @@ from functree._alias import (
     is_deletion_error,
     warn_aliases,
 )
+from functree._compat import NOT_A_JAX_TYPE
 from functree._flat import FlatJit, flat_jit
 from functree._host_buffers import JAX_ARRAYS, private_arrays
 from functree._jit import (
@@ -820,7 +821,7 @@ class TrainStep:
         (model, opt_state, batch, key, log), _ = self._before((model, opt_state, batch, key, log), {})  # static leaves
         try:
             out = program(model, opt_state, batch, key, log)
-        except TypeError as e:  # a jax.eval_shape template given as the model or state
+        except NOT_A_JAX_TYPE as e:  # a jax.eval_shape template given as the model or state
             abstract = _abstract_input(e, (model, opt_state))
             if abstract is None:
                 raise
@@ -1024,7 +1025,7 @@ def _abstract_input(error: Exception, args: tuple) -> TypeError | None:
     """:data:`ABSTRACT_STEP_INPUT` for a step that failed with a TypeError on a model or
     state holding ``jax.ShapeDtypeStruct`` leaves (a template not restored: JAX said
     "unsupported operand type(s) for +: 'ShapeDtypeStruct' and 'DynamicJaxprTracer'")."""
-    if not isinstance(error, TypeError):
+    if not isinstance(error, NOT_A_JAX_TYPE):
         return None
     for arg, tree in zip(("model", "opt_state"), args):
         found = abstract_leaf(tree)

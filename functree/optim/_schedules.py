@@ -20,7 +20,14 @@ import optax
 from jax.core import Tracer
 
 from functree.optim._arguments import check_argument
-from functree.optim._context import LOW_BITS, LearningContext, samples_float32, samples_int64, x64
+from functree.optim._context import (
+    LOW_BITS,
+    LearningContext,
+    initial_context,
+    samples_float32,
+    samples_int64,
+    x64,
+)
 
 __all__ = [
     "schedule",
@@ -141,10 +148,11 @@ def _as_context(x: Any, unit: str, fn: Any) -> LearningContext:
         host = [x] if isinstance(x, int) else np.asarray(x).ravel().tolist()
         if any(not 0 <= n <= np.iinfo(np.int32).max for n in host):
             raise ValueError(COUNT_OUT_OF_RANGE.format(code=_code(fn), given=x))
-    steps = jnp.asarray(x).astype(jnp.int32)
-    zero = jnp.zeros_like(steps)
-    loss = jnp.full(steps.shape, np.nan, jnp.result_type(float))
-    return LearningContext(jnp.stack([steps, zero, zero, zero + 1, zero], axis=-1), loss)
+    steps = jnp.asarray(x)
+    start = initial_context()  # (its counters' layout and defaults, stacked along the count's axes)
+    stacked = LearningContext(jnp.broadcast_to(start.counters, (*steps.shape, start.counters.shape[-1])),
+                              jnp.broadcast_to(start.loss, steps.shape))
+    return stacked.replace(step=steps)
 
 
 def _check_warmup(where: str, warmup_steps: Any, unit: str, before: str, after: str,

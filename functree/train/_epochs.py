@@ -379,9 +379,10 @@ def _kind(data: Any) -> str:
 
 
 def epoch_length(data: Any) -> int | None:
+    """``len(data)``, None where it has none (or it fails: an endless tf.data dataset's raises)."""
     try:
         return len(data)
-    except TypeError:
+    except (TypeError, ValueError, OverflowError):
         return None
 
 
@@ -396,25 +397,17 @@ def endless(data: Any) -> tuple[str, str] | None:
         return f"itertools.{type(data).__name__} never runs out", "loader  # the iterable it cycled"
     if isinstance(data, itertools.repeat) and _hint(data) is None:
         return "itertools.repeat without times= repeats forever", "itertools.repeat(batch, 100)  # 100 a pass"
-    length = _length(data)
+    length = epoch_length(data)
     if length is not None and length >= sys.maxsize:
         return ("len(data) is sys.maxsize, an endless dataset's (grain's MapDataset.repeat() with no "
                 "num_epochs)", "dataset  # one pass: no .repeat()")
     module = getattr(type(data), "__module__", None) or ""
-    if module.startswith("grain") and (_length(getattr(data, "_sampler", None)) or 0) >= sys.maxsize:
+    if module.startswith("grain") and (epoch_length(getattr(data, "_sampler", None)) or 0) >= sys.maxsize:
         return ("its sampler repeats forever (grain's IndexSampler(num_epochs=None))",
                 "loader  # grain.DataLoader(..., sampler=grain.samplers.IndexSampler(..., num_epochs=1))")
     if module.startswith("tensorflow") and _cardinality(data) == -1:  # tf.data.INFINITE_CARDINALITY
         return "its cardinality() is tf.data.INFINITE_CARDINALITY (Dataset.repeat())", "dataset  # one pass: no .repeat()"
     return None
-
-
-def _length(x: Any) -> int | None:
-    """``len(x)``, None where it has none (or it fails: an endless tf.data dataset's raises)."""
-    try:
-        return len(x)
-    except (TypeError, ValueError, OverflowError):
-        return None
 
 
 def _hint(it: Any) -> int | None:

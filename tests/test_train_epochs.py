@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.train._epochs import Epochs, as_data, check_list_of_arrays
+from functree.train._epochs import Epochs, as_data, check_list_of_arrays, check_row_minibatch
 from functree.train._job import JobState
 
 ITEMS = [(np.full((2, 1), i, np.float32),) for i in range(5)]
@@ -309,6 +309,55 @@ def test_a_list_of_example_rows_is_refused_naming_the_stacked_arrays(call):
     assert as_data(minibatches, None, None) is minibatches
     stacked = as_data(jax.tree.map(lambda *r: np.stack(r), *rows), 4, None)  # the fix: 11 examples, cut by 4
     assert stacked.num_examples == 11 and len(stacked) == 3
+
+
+class _RowDataset:
+    """A map-style dataset (torch's Dataset protocol): __getitem__ gives one example."""
+
+    def __init__(self, x, labels):
+        self.x, self.labels = x, labels
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i >= len(self.x):
+            raise IndexError(i)
+        return self.x[i], int(self.labels[i])
+
+
+@pytest.mark.parametrize("call", ["fit", "validation", "evaluate", "predict"])
+def test_a_loader_of_example_rows_is_refused_showing_both_readings(call):
+    """A map-style Dataset given for its DataLoader (or a generator of records) yields rows
+    (x_i, y_i), which fit read as minibatches with no error: 11 steps of one example each,
+    samples_seen 33 (each row's 3 features counted as examples), its label riding along
+    whole. Refused at the first item, before any step; the fixes batch the rows."""
+    from functree.train._epochs import ROWS_FROM_LOADER
+
+    x, _, trainer = _pairs()
+    labels = np.arange(11) % 3
+    args = (lambda m, b: b[0],) if call == "predict" else ()
+    caller = "trainer.fit(validation_data=...)" if call == "validation" else f"trainer.{call}"
+    for data in (_RowDataset(x, labels), (row for row in _RowDataset(x, labels))):
+        with pytest.raises(ValueError) as raised:
+            if call == "validation":
+                trainer.fit((x, x), epochs=1, progress=False, validation_data=data)
+            else:
+                getattr(trainer, call)(data, *args)
+        text = str(raised.value)
+        assert text.startswith(f"{caller}: the data ({type(data).__name__}) gives rows of one example each"), text
+        assert "leaf [1] 0-d (a label) beside leaf [0] of 3 values (features)" in text
+        assert "this row is a minibatch of 3 examples" in text and "it is 1 example" in text
+        assert "DataLoader(dataset, batch_size=32)" in text and "jax.tree.map(lambda *r: np.stack(r), *rows)" in text
+    assert trainer.steps_run == (1 if call == "validation" else 0)  # (validation: after the epoch's step)
+    assert ROWS_FROM_LOADER.startswith("{caller}: the data ({kind}) gives rows")
+    if call != "fit":
+        return
+    rows = list(_RowDataset(x, labels))
+    stacked = as_data(jax.tree.map(lambda *r: np.stack(r), *rows), 4, None)  # the fix: 11 examples
+    assert stacked.num_examples == 11 and [b[1].shape for b in stacked] == [(4,), (4,), (3,)]
+    check_row_minibatch((x, jax.random.key(0)), [], "trainer.fit")  # a per-minibatch key is no label
+    check_row_minibatch({"ids": [[1, 2], [3]], "mask": np.ones(2)}, [], "trainer.fit")  # lists: arrays, no label
 
 
 def test_data_known_never_to_end_is_refused_without_steps_and_finite_data_ends_its_epoch():

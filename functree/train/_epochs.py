@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from functree._tree import is_array_value
@@ -37,7 +38,7 @@ from functree.train._job import JobState
 from functree.train._metrics import describe_batch, shared_batch_size
 from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
 
-__all__ = ["Epochs", "as_data", "cut_by_batch_size", "epoch_length", "ran_out"]
+__all__ = ["Epochs", "as_data", "check_row_minibatch", "cut_by_batch_size", "epoch_length", "ran_out"]
 
 BAD_LENGTH = """\
 {what} must be a positive int, got {value!r}.
@@ -294,6 +295,54 @@ def check_rows(data: Any, caller: str, size: int | None) -> None:
         other = _called(caller, "rows") + "   # items that are minibatches: no batch_size="
     wrong = _called(caller, "rows" if size is None else f"rows, batch_size={size}")
     raise rows_error(caller, rows, how, wrong, right, other)
+
+
+ROWS_FROM_LOADER = """\
+{caller}: the data ({kind}) gives rows of one example each, not minibatches: its first item \
+is {shapes}, leaf {label} 0-d (a label) beside leaf {features} of {size} values (features). \
+Every item is read as one minibatch, its examples counted along every leaf's first axis. \
+Read so, this row is a minibatch of {size} examples (the {size} features; {counted}) sharing \
+the one label, and each step computes on one example, with no error. Read as a row (a \
+map-style Dataset's item, a generator's record) it is 1 example: batch the rows into \
+minibatches, every leaf with a leading (example) axis:
+
+    wrong:  {wrong}                # items (x_i, y_i): one example each
+    right:  {right}
+       or:  {other}   # rows = list(dataset)"""
+
+
+def check_row_minibatch(batch: Any, data: Any, caller: str) -> None:
+    """:data:`ROWS_FROM_LOADER` for a loader's first minibatch (as given, or converted by
+    :func:`~functree.train.to_arrays`) that is one example: a 0-d leaf (not a PRNG key: a
+    label) beside a leaf with an axis (its features), what a torch ``Dataset`` given for its
+    ``DataLoader`` or a generator of records yields. Read as a minibatch it trained one
+    example a step, its features counted as examples (lists of such rows are
+    :func:`check_rows`'s)."""
+    leaves = [(p, x, _rank(x)) for p, x in jax.tree_util.tree_flatten_with_path(batch, is_leaf=is_number_list)[0]]
+    label = next((p for p, x, rank in leaves if rank == 0 and not _is_key(x)), None)
+    features = next(((p, x) for p, x, rank in leaves if rank), None)
+    if label is None or features is None:
+        return
+    size = len(features[1]) if is_number_list(features[1]) else np.shape(features[1])[0]
+    name = jax.tree_util.keystr
+    raise ValueError(ROWS_FROM_LOADER.format(
+        caller=caller, kind=type(data).__name__, shapes=describe_batch(batch), label=name(label),
+        features=name(features[0]) or "the item", size=size,
+        counted=_ROWS_COUNTED.get(caller, "the means weigh each minibatch by them"),
+        wrong=_called(caller, "dataset"), right=_called(caller, "torch.utils.data.DataLoader(dataset, batch_size=32)"),
+        other=_called(caller, STACKED)))
+
+
+def _rank(x: Any) -> int:
+    """A leaf's number of axes (a list of numbers, ragged too, has one at least)."""
+    if is_number_list(x):
+        return 1
+    return np.ndim(x) if hasattr(x, "ndim") or isinstance(x, (int, float, complex)) else -1  # (-1: no number)
+
+
+def _is_key(x: Any) -> bool:
+    """A typed PRNG key (a per-minibatch key is no label)."""
+    return jnp.issubdtype(getattr(x, "dtype", np.float32), jax.dtypes.prng_key)
 
 
 def _shapes(items: list[Any]) -> str:

@@ -31,6 +31,7 @@ from functree.train._epochs import (
     VALIDATION,
     as_data,
     batch_size,
+    check_row_minibatch,
     cut_by_batch_size,
     endless,
     with_location,
@@ -262,6 +263,8 @@ def evaluate(step: Any, summing: Callable[..., Any], model: Any, data: Any, key:
     sums: Any = None
     what = _WHAT[which]  # (a validation minibatch's error says so, as its empty data's does)
     for i, given, first in _numbered(data):
+        if not i and not isinstance(data, Batches):
+            check_row_minibatch(given, data, VALIDATION if which == "validation" else "trainer.evaluate")
         with _located(what, i, given, first):
             batch = step.shard_batch(to_arrays(given))
             _check_not_empty(what, i, batch)
@@ -331,6 +334,8 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
         fn = InDtype(fn, dtype)
     outputs = []
     for i, given, first in _numbered(data):
+        if not i and not isinstance(data, Batches):
+            check_row_minibatch(given, data, "trainer.predict")
         with _located("predict", i, given, first):
             batch = step.shard_batch(to_arrays(given))
             rows = _predict_examples(batch)  # (an ambiguous batch is refused before its program runs)

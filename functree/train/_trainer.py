@@ -49,6 +49,7 @@ from functree.train._epochs import (
     Epochs,
     as_data,
     batch_signature,
+    check_row_minibatch,
     cut_by_batch_size,
     epoch_length,
     no_minibatch,
@@ -863,6 +864,8 @@ class Trainer(Evaluation):
             batch = to_arrays(batch)
             size = self._epochs.minibatch_size(batch, self._job, len(group))
             if log.names is None:
+                if not isinstance(data, Batches):  # the trainer's first minibatch (a Batches' have the axis)
+                    check_row_minibatch(batch, data, "trainer.fit")
                 self._epochs.first_shapes = describe_batch(batch)
                 names = self._reader.metric_names(batch)
                 if self._names_unchecked is not None:  # a mid-epoch restore: its means' names, now known

@@ -306,6 +306,35 @@ def test_a_list_of_example_rows_is_refused_naming_the_stacked_arrays():
     assert ft.train.batches([x, x + 1], 2).num_examples == 6  # a list of columns (bare arrays) as before
 
 
+def test_torch_tensors_on_the_meta_device_are_refused_naming_the_leaf():
+    """A torch tensor on the "meta" device (made under torch.device("meta")) in the data, or in
+    a DataLoader's minibatch, failed inside torch with "Cannot copy out of meta tensor; no
+    data!", naming no leaf: ft.train.batches, fit, evaluate and predict all crashed so."""
+    torch = pytest.importorskip("torch")
+    from functree.train._data import META_LEAF
+
+    with torch.device("meta"):
+        empty = torch.zeros(4, 2)
+    labels = torch.zeros(4, 1)
+    what = r"is a torch tensor on the \"meta\" device \(torch\.float32 of shape \([24], 2\)\)"
+    with pytest.raises(ValueError, match=r"^ft\.train\.batches: leaf 0 " + what):
+        ft.train.batches((empty, labels), 2)
+    with pytest.raises(ValueError, match=r"^A minibatch \(ft\.train\.to_arrays, .*\): leaf inputs\.x " + what):
+        to_arrays({"inputs": {"x": empty}, "y": labels})
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1),
+                               lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(labels, labels), batch_size=2,
+                                         collate_fn=lambda items: (empty[:2], labels[:2]))  # its minibatches: meta
+    for call in (lambda: trainer.fit(loader, epochs=1, progress=False), lambda: trainer.evaluate(loader),
+                 lambda: trainer.predict(empty)):
+        with pytest.raises(ValueError, match=r"leaf (0|\(the data itself\)) " + what) as raised:
+            call()
+        assert "right:  x = torch.tensor(values)" in str(raised.value)
+    assert trainer.steps_run == 0
+    assert META_LEAF.startswith("{where}: leaf {name} is a torch tensor on the \"meta\" device")
+    np.testing.assert_array_equal(to_arrays((labels, torch.ones(4)))[1], np.ones(4, np.float32))  # others as before
+
+
 def test_class_names_as_labels_are_refused_naming_the_class_indices():
     """String labels (a label column, torch's default_collate of str labels) failed deep in
     the jitted step ("Error interpreting argument ... as an abstract array"), or, in

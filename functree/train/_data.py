@@ -108,6 +108,31 @@ def _text_what(x: Any) -> str:
     return f"a {type(x).__name__} of {len(x)} strings, first {first}"
 
 
+META_LEAF = """\
+{where}: leaf {name} is a torch tensor on the "meta" device ({what}): a shape without values \
+(made under torch.device("meta") or torch.set_default_device("meta"), as an empty-weights \
+model's are), nothing to compute on; torch's own error ("Cannot copy out of meta tensor") \
+names no leaf. Make the data's tensors outside the meta device, with their values:
+
+    wrong:  with torch.device("meta"): x = torch.tensor(values)     # a shape, no values
+    right:  x = torch.tensor(values)                                 # on the CPU: values"""
+
+
+def converted(tree: Any, where: str) -> Any:
+    """``tree`` with its leaves made arrays (:func:`_leaf_to_array`); a torch tensor on the
+    "meta" device, whose conversion fails in torch naming no leaf, is :data:`META_LEAF`
+    naming its key path (looked for only once torch has refused: no cost per minibatch)."""
+    try:
+        return jax.tree.map(_leaf_to_array, tree, is_leaf=is_number_list)
+    except (NotImplementedError, RuntimeError):
+        plain = jax.tree.map(lambda x: dict(x) if isinstance(x, Mapping) else x, tree, is_leaf=is_number_list)
+        for path, x in jax.tree_util.tree_flatten_with_path(plain, is_leaf=is_number_list)[0]:
+            if getattr(x, "is_meta", False) is True:
+                raise ValueError(META_LEAF.format(where=where, name=dotted_name(path) or "(the data itself)",
+                                                  what=f"{x.dtype} of shape {tuple(x.shape)}")) from None
+        raise
+
+
 LIST_OF_ROWS = """\
 {caller}: the data is a list of {n} rows of one example each (items of one structure, the \
 first {first}): {how}. Stack the rows into arrays with a leading (example) axis{ragged}:
@@ -260,7 +285,7 @@ class Batches:
             raise rows_error("ft.train.batches", rows, _ROWS_AS_COLUMNS, "ft.train.batches(rows, 32)",
                              f"ft.train.batches({STACKED}, 32)",
                              "ft.train.batches((np.stack([x for x, _ in rows]), np.array([y for _, y in rows])), 32)")
-        arrays = jax.tree.map(_leaf_to_array, arrays, is_leaf=is_number_list)  # to_arrays' reading
+        arrays = converted(arrays, "ft.train.batches")  # to_arrays' reading
         leaves = jax.tree.leaves(arrays)
         if not leaves:
             raise ValueError(NO_ARRAYS.format(what=repr(arrays)[:80]))
@@ -586,7 +611,7 @@ def to_arrays(batch: Any) -> Any:
             elif _maybe_text(x):
                 _check_no_text(batch)
         return batch
-    out = jax.tree.map(_leaf_to_array, batch, is_leaf=is_number_list)
+    out = converted(batch, _TO_ARRAYS)
     leaves = jax.tree.leaves(out)
     for i, x in enumerate(leaves):
         if isinstance(x, (str, bytes)) or _maybe_text(x):

@@ -274,13 +274,34 @@ def _leaves_explained(f: Callable[..., Any], jitted: Any) -> Callable[..., Any]:
 
 
 def named_arguments(f: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
-    """``[(name, argument)]`` by ``f``'s parameter names (``args[i]`` past them), then ``kwargs``."""
+    """``[(name, argument)]`` by ``f``'s parameter names (:func:`positional_name`), then ``kwargs``."""
+    params = positional_parameters(f)
+    return [*((positional_name(i, params), a) for i, a in enumerate(args)), *kwargs.items()]
+
+
+def positional_parameters(f: Callable[..., Any]) -> tuple[list[str], str | None]:
+    """The names of ``f``'s positional parameters and of its ``*args`` (None without one):
+    what names a call's positional arguments (:func:`positional_name`). A keyword-only
+    parameter or ``**kwargs`` takes none (read by index, ``def f(model, *args, scale)``
+    named argument 2 ``scale``); ``([], None)`` without a signature."""
     try:
-        params = list(inspect.signature(f).parameters)
+        parameters = inspect.signature(f).parameters.values()
     except (TypeError, ValueError):
-        params = []
-    named = [(params[i] if i < len(params) else f"args[{i}]", a) for i, a in enumerate(args)]
-    return [*named, *kwargs.items()]
+        return [], None
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in parameters if p.kind is p.VAR_POSITIONAL), None)
+    return positional, star
+
+
+def positional_name(i: int, params: tuple[Sequence[str], str | None]) -> str:
+    """Positional argument ``i`` of a call by :func:`positional_parameters` ``params``: its
+    parameter's name (``model``), ``args[j]`` for the ``j``-th one ``f``'s ``*args`` takes
+    (as ``f`` reads it: ``def f(model, *args)`` gets argument 2 as ``args[1]``), else
+    ``args[i]`` (past them, or no signature)."""
+    names, star = params
+    if i < len(names):
+        return names[i]
+    return f"{star}[{i - len(names)}]" if star else f"args[{i}]"
 
 
 def untraceable_leaf(f: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[str, Any] | None:
@@ -532,10 +553,7 @@ def _guarded(f: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...
     that hold one array at two leaves, for inputs that are not the guard's previous
     results; ``explain(error, args, kwargs)`` is :func:`_explained` (or None when not
     ``explain``)."""
-    try:
-        params = list(inspect.signature(f).parameters)
-    except (TypeError, ValueError):
-        params = []
+    params = positional_parameters(f)
     fname = getattr(f, "__name__", "f")
     what = f"The arguments of {fname}"
     step = f"ft.jit({fname}, donate={nums or names})"
@@ -563,20 +581,19 @@ def _guarded(f: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...
 
 
 def _named(args: tuple, kwargs: dict[str, Any], nums: tuple[int, ...], names: tuple[str, ...],
-           params: list[str]) -> list[tuple[str, Any]]:
-    """The donated arguments given, each with its name (``args[i]`` without a signature)."""
-    named = [(params[i] if i < len(params) else f"args[{i}]", args[i]) for i in nums if i < len(args)]
+           params: tuple[list[str], str | None]) -> list[tuple[str, Any]]:
+    """The donated arguments given, each with its name (:func:`positional_name`)."""
+    named = [(positional_name(i % len(args), params), args[i]) for i in nums if -len(args) <= i < len(args)]
     return named + [(n, kwargs[n]) for n in names if n in kwargs]
 
 
-def _argument_name(dotted: str, params: list[str]) -> str:
-    """``0.1.weight`` of the ``(args, kwargs)`` tree → ``model.weight`` (argument 1's name)."""
+def _argument_name(dotted: str, params: list[str] | tuple[list[str], str | None]) -> str:
+    """``0.1.weight`` of the ``(args, kwargs)`` tree → ``model.weight`` (argument 1's name:
+    :func:`positional_name` of ``params``, a list of names or :func:`positional_parameters`)."""
     kind, _, rest = dotted.partition(".")
     head, _, tail = rest.partition(".")
-    if kind == "0" and head.isdigit() and int(head) < len(params):
-        head = params[int(head)]
-    elif kind == "0":
-        head = f"args[{head}]"
+    if kind == "0" and head.isdigit():
+        head = positional_name(int(head), params if isinstance(params, tuple) else (params, None))
     return f"{head}.{tail}" if tail else head
 
 

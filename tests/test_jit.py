@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -318,6 +319,41 @@ def test_reusing_a_donated_argument_names_it_and_the_fix():
     with pytest.raises(ValueError, match="'state' holds a deleted array"):
         jitted(new_model, state=state, x=1.0)
     np.testing.assert_array_equal(jitted(new_model, new_state, 1.0)[0]["w"], 3.0)
+
+
+def test_a_deleted_array_passed_through_star_args_is_named_as_the_function_reads_it():
+    """Arguments past a function's named parameters were named by the call's position among
+    all parameters: def step(model, *args) with args[0] deleted said 'args' (the whole
+    tuple), args[1] 'args[2]', and def k(model, *args, scale) named argument 2 'scale' (a
+    keyword-only parameter, or **kwargs). Each is now f's own spelling, args[j]; an array
+    argument past them, or of a function without a signature, args[i] as before."""
+
+    def step(model, *args, scale=1.0, **options):
+        return jax.tree.map(lambda w: w + scale * sum(jnp.sum(a["x"]) for a in args), model)
+
+    model = {"w": jnp.ones(2)}
+    for donate, name in (((1,), "args[0]"), ((2,), "args[1]"), ((3,), "args[2]")):
+        jitted = ft.jit(step, donate=donate)
+        given = [{"x": jnp.ones(2)} for _ in range(3)]
+        jitted(model, *given)
+        with pytest.raises(ValueError, match=re.escape(f"The argument '{name}' holds a deleted array at x: "
+                                                       f"the previous call of ft.jit(step, donate={donate})")):
+            jitted(model, *given)
+    given = [{"x": jnp.ones(2)} for _ in range(2)]
+    ft.jit(lambda t: t, donate=0)(given[1])  # donated by another function: the plain ft.jit's error
+    with pytest.raises(ValueError, match=r"holds a deleted array at args\[1\]\.x: call 1 of ft\.jit\(<lambda>"):
+        ft.jit(step)(model, *given)
+
+    def pair(*args):
+        return args[0] + args[1]
+
+    jitted, x, y = ft.jit(pair, donate=0), jnp.ones(2), jnp.ones(2)
+    jitted(x, y)
+    with pytest.raises(ValueError, match=re.escape("The argument 'args[0]' holds a deleted array at <root>")):
+        jitted(x, y)
+    shared = {"x": jnp.ones(2)}
+    with pytest.warns(ft.AliasWarning, match=re.escape("'args[0].x' and 'args[1].x'")):  # aliases named alike
+        ft.jit(lambda model, *args: (model, args), donate=(1, 2))(model, shared, {"x": shared["x"]})
 
 
 def test_a_function_kept_as_a_leaf_names_static_leaves_and_sequential():

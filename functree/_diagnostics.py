@@ -74,6 +74,7 @@ from functree._activity import (
 )
 from functree._config import config
 from functree._diagnostics_key import cache_key
+from functree._jit import positional_name, positional_parameters
 from functree._module import DifferentiationWarning, Module
 from functree._nan import nan_report
 from functree._parameters import parameters
@@ -309,11 +310,12 @@ def _stood_for(f: Any) -> Any:
 
 
 def _argument_name(f: Any, index: int) -> str:
-    try:  # a library wrapper's argument ``index`` is its user's function's (the model)
-        names = list(inspect.signature(_stood_for(f) or f).parameters)
-        return f"argument {index} (`{names[index]}`)"
-    except (TypeError, ValueError, IndexError):
+    # a library wrapper's argument ``index`` is its user's function's (the model); past the
+    # named parameters, as the function reads it (``args[1]`` of its ``*args``)
+    params = positional_parameters(_stood_for(f) or f)
+    if not params[0] and params[1] is None:
         return f"argument {index}"
+    return f"argument {index} (`{positional_name(index, params)}`)"
 
 
 def _contains_module(x: Any) -> bool:

@@ -927,6 +927,16 @@ def test_no_private_jax_imports_and_no_import_cycle():
     assert "functree._diagnostics" not in imported["_activity"]  # the analysis is a leaf
 
 
+def test_diagnose_names_an_argument_of_star_args_as_the_function_reads_it():
+    # argument 2 is args[1] (not `args`, not a keyword-only parameter's name)
+    def loss(extra: jax.Array, *args: jax.Array, scale: float = 1.0) -> jax.Array:
+        return scale * jnp.sum(extra) + jnp.sum(jnp.floor(args[1]))
+
+    report = ft.diagnose(loss, wrt=(0, 2))(jnp.ones(2), jnp.ones(2), jnp.ones(3))
+    (finding,) = report.findings
+    assert "argument 2 (`args[1]`)" in finding.message
+
+
 def test_diagnose_reports_a_custom_derivative_that_does_not_cover_the_argument():
     @ft.differentiable
     def norm(x: jax.Array, scale: jax.Array) -> jax.Array:

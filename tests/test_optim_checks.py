@@ -14,6 +14,7 @@ import torch
 import functree as ft
 import functree.optim as fo
 from functree.optim._checks import check_state_fits
+from functree.optim._rate import check_rate_applied
 
 
 class Net(ft.Module):
@@ -685,21 +686,25 @@ def _valid_optimizers(head):
                optax.inject_hyperparams(optax.adam)(learning_rate=rate),
                optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(rate, 0.0, 10), momentum=0.9),
                optax.inject_hyperparams(optax.adamw, static_args="mask")(learning_rate=rate, mask=head),
-               fo.adam(fo.warmup_cosine_decay(0.0, rate, 2, 10)), fo.sgd(fo.per_samples(rate, 32))])
+               fo.adam(fo.warmup_cosine_decay(0.0, rate, 2, 10)), fo.sgd(fo.per_samples(rate, 32)),
+               # sign-keeping scalers before the rate; sam's documented (ascending) adversary
+               optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale_by_learning_rate(rate)),
+               optax.normalize_by_update_norm(scale_factor=-rate),
+               optax.chain(optax.trace(0.9), optax.scale_by_sign(), optax.scale(-rate)),
+               contrib.sam(optax.sgd(rate), optax.chain(contrib.normalize(), optax.sgd(rate))),
+               contrib.sam(optax.adam(rate), optax.chain(contrib.normalize(), optax.sgd(rate)), opaque_mode=True)])
 
 
 @pytest.mark.parametrize("wrap", [lambda tx: tx, *WRAPPERS.values(), optax.flatten],
                          ids=["unwrapped", *WRAPPERS, "optax.flatten"])
 def test_no_valid_optimizer_is_refused_for_want_of_a_learning_rate_wrapped_or_not(wrap):
-    """No false refusal: each of 81 optimizers that apply a rate to every parameter passes
+    """No false refusal: each of 86 optimizers that apply a rate to every parameter passes
     the check as it is and inside each wrapper the check reads through (and optax.flatten)."""
-    from functree.optim._rate import check_rate_applied
-
     model = _body_and_head()[0]
     params = ft.parameters(model)
     grads = jax.tree.map(jnp.ones_like, params)
     valid = _valid_optimizers(ft.mask(model, "head.*"))
-    assert len(valid) == 81
+    assert len(valid) == 86
     for tx in valid:
         check_rate_applied(wrap(tx), grads, None)
 
@@ -737,8 +742,6 @@ def test_two_conditionally_transforms_are_read_one_skipping_at_a_time():
     """Each conditionally_transform skips on its own condition: a rate in one of two that
     skip on alternate steps is read with the other transforming, so the pair trains; the
     one left unrated on its skipped step is named."""
-    from functree.optim._rate import check_rate_applied
-
     grads = {"w": jnp.ones(2)}
     even, odd = (lambda step: step % 2 == 0), (lambda step: step % 2 == 1)
     check_rate_applied(optax.chain(optax.conditionally_transform(optax.scale(-0.1), even),
@@ -746,3 +749,94 @@ def test_two_conditionally_transforms_are_read_one_skipping_at_a_time():
     with pytest.raises(ValueError, match=r"steps it skips.*to w \(1 of 1 parameters\)"):
         check_rate_applied(optax.chain(optax.conditionally_transform(optax.scale_by_adam(), even),
                                        optax.conditionally_transform(optax.scale(-0.1), odd)), grads, None)
+
+
+# --- transforms that keep the direction's sign and apply no rate --------------------------------
+_Q = {"w": jnp.array([[1.0, -2.0], [0.5, 0.3], [0.7, -1.1]]), "v": jnp.array([[0.4, -0.9], [1.5, 0.2]])}
+
+
+def _quadratic(p):
+    return 0.5 * sum(jnp.sum((x - 0.25) ** 2) for x in jax.tree.leaves(p))
+
+
+def _two_raw_steps(tx):
+    """The loss before and after two plain optax steps of ``tx`` on the quadratic (two: adopt's
+    first update is zero; sam's second is its outer step, its first the adversarial one)."""
+    tx = optax.with_extra_args_support(tx)  # (sam's opaque mode takes the gradient function)
+    grad = jax.grad(_quadratic)
+
+    @jax.jit  # one program (eager: one per op)
+    def steps(p):
+        state = tx.init(p)
+        for _ in range(2):
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes float literals and int counts
+                updates, state = tx.update(grad(p), state, p, grad_fn=lambda q, _: grad(q))
+            p = optax.apply_updates(p, updates)
+        return _quadratic(p)
+
+    return float(_quadratic(_Q)), float(steps(_Q))
+
+
+def _sam(outer, **kwargs):
+    """optax's documented SAM: an adversarial normalized sgd step (sam negates it: it ascends)."""
+    return optax.contrib.sam(outer, optax.chain(optax.contrib.normalize(), optax.sgd(0.05)), sync_period=2, **kwargs)
+
+
+_SIGN_KEEPING = {  # each on its own, or with others of its kind: no rate, no minus sign
+    "chain(scale_by_adam, scale_by_trust_ratio)": lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio()),
+    "scale_by_trust_ratio(trust_coefficient=1e-3)": lambda: optax.chain(
+        optax.scale_by_adam(), optax.scale_by_trust_ratio(trust_coefficient=1e-3)),
+    "normalize_by_update_norm": optax.normalize_by_update_norm,
+    "chain(trace, scale_by_sign)": lambda: optax.chain(optax.trace(0.9), optax.scale_by_sign()),
+    "scale_by_adadelta": optax.scale_by_adadelta, "scale_by_adan": optax.scale_by_adan,
+    "scale_by_novograd": optax.scale_by_novograd, "scale_by_sm3": optax.scale_by_sm3,
+    "scale_by_factored_rms": lambda: optax.scale_by_factored_rms(min_dim_size_to_factor=1),
+    "scale_by_lbfgs": lambda: optax.scale_by_lbfgs(memory_size=2), "scale_by_param_block_norm": optax.scale_by_param_block_norm,
+    "scale_by_param_block_rms": optax.scale_by_param_block_rms, "centralize": optax.centralize,
+    "zero_nans": optax.zero_nans, "clip_by_block_rms": lambda: optax.clip_by_block_rms(1.0),
+    "adaptive_grad_clip": lambda: optax.adaptive_grad_clip(0.1), "contrib.normalize": optax.contrib.normalize,
+    "contrib.scale_by_acprop": optax.contrib.scale_by_acprop, "contrib.scale_by_ademamix": optax.contrib.scale_by_ademamix,
+    "contrib.scale_by_simplified_ademamix": optax.contrib.scale_by_simplified_ademamix,
+    "contrib.scale_by_adopt": optax.contrib.scale_by_adopt,
+    "contrib.scale_by_muon": lambda: optax.contrib.scale_by_muon(  # (each leaf a matrix, as muon's partition makes it)
+        ns_steps=1, weight_dimension_numbers=lambda p: jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(), p)),
+    "sam(outer without a rate)": lambda: _sam(optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio())),
+    "sam(outer without a rate, opaque_mode)": lambda: _sam(optax.normalize_by_update_norm(), opaque_mode=True),
+}
+
+
+@pytest.mark.parametrize("make", list(_SIGN_KEEPING.values()), ids=list(_SIGN_KEEPING))
+def test_a_sign_keeping_scaler_without_a_rate_is_refused(make):
+    """scale_by_trust_ratio, normalize_by_update_norm, scale_by_sign, optax's other moment
+    scalers (adadelta, adan, novograd, sm3, factored rms, lbfgs ...) and optax.contrib's
+    (normalize, acprop, ademamix, adopt, muon) were taken for transforms applying a rate:
+    chain(scale_by_adam(), scale_by_trust_ratio()) (lamb without its rate), and sam around
+    it, trained up the loss with no error. Each is a direction now; its climb is measured."""
+    tx = make()
+    before, after = _two_raw_steps(tx)
+    assert after > before  # optax's own steps: up the loss
+    with pytest.raises(ValueError, match=r"(?s)applies no learning rate to v, w \(2 of 2 parameters\).*"
+                                         r"optax.scale_by_learning_rate\(1e-3\)\)"):
+        check_rate_applied(tx, _Q, None)  # (what Optimizer.update calls while the step traces)
+
+
+_RATED_AFTER = {
+    "lamb": lambda: optax.lamb(0.05), "lars": lambda: optax.lars(0.05),
+    "chain(scale_by_adam, scale_by_trust_ratio, scale_by_learning_rate)": lambda: optax.chain(
+        optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale_by_learning_rate(0.05)),
+    "normalize_by_update_norm(scale_factor=-0.05)": lambda: optax.normalize_by_update_norm(scale_factor=-0.05),
+    "chain(trace, scale_by_sign, scale_by_learning_rate)": lambda: optax.chain(
+        optax.trace(0.9), optax.scale_by_sign(), optax.scale_by_learning_rate(0.05)),
+    "sam": lambda: _sam(optax.sgd(0.05)), "sam(opaque_mode)": lambda: _sam(optax.sgd(0.05), opaque_mode=True),
+}
+
+
+@pytest.mark.parametrize("make", list(_RATED_AFTER.values()), ids=list(_RATED_AFTER))
+def test_a_sign_keeping_scaler_with_a_rate_and_sam_s_ascending_adversary_train(make):
+    """The rate after the sign-keeping scalers (lamb, lars, their chain, normalize_by_update_norm
+    with a negative factor) passes, and so does sam's adversarial optimizer, which ascends by
+    design (not read: only the outer optimizer is); each goes down the loss."""
+    tx = make()
+    before, after = _two_raw_steps(tx)
+    assert after < before
+    check_rate_applied(tx, _Q, None)  # no error

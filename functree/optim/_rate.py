@@ -26,8 +26,11 @@ skips: read once with it transforming and once with it skipping (its parameters 
 by what comes after it alone), each apart, a skipped step's refusal :data:`SKIPPED_UNSCALED`
 (``conditionally_transform(adam(lr), fn)``: p + g on those steps). A parameter is refused
 only where every transform that reaches it is one of optax's that give a direction with
-neither a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``clip_by_global_norm``,
-``identity`` ...). Anything else counts as
+neither a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``scale_by_sign``,
+``clip_by_global_norm``, ``identity``, ``optax.contrib.normalize`` ...; :data:`FACTORED`:
+``scale_by_trust_ratio`` and ``normalize_by_update_norm`` with a factor that is no rate).
+``optax.contrib.sam`` is read through its outer optimizer only: its adversarial optimizer's
+steps ascend by design (sam negates them) and are undone at the outer step. Anything else counts as
 applying a rate (a rate or schedule of either sign, another library's or a hand-written
 transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
 transform sees each member as a parameter; ``optax.contrib``'s others (``galore``'s
@@ -54,16 +57,20 @@ from functree.optim._average import is_slot
 from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
 
-__all__ = ["NO_LEARNING_RATE", "SKIPPED_UNSCALED", "DIRECTIONS", "WRAPPERS", "check_rate_applied"]
+__all__ = ["NO_LEARNING_RATE", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
 
 NO_LEARNING_RATE = """\
 The optimizer's transform applies no learning rate to {paths} ({count} of {total} parameters): \
 every transform that reaches them gives a direction with neither a rate nor a minus sign \
-(optax.scale_by_adam, clip_by_global_norm, trace, identity ...), and the update is added to \
-the parameter: p + direction, a step up the loss at rate 1. optax.masked (and \
-ft.optim.masked) passes the parameters its mask leaves out through as the chain made them \
-before it: around the learning rate, last in a chain, it leaves them unscaled.
+(optax.scale_by_adam, scale_by_sign, scale_by_trust_ratio, normalize_by_update_norm, \
+clip_by_global_norm, trace, identity ...), and the update is added to the parameter: \
+p + direction, a step up the loss at rate 1. A chain of such transforms needs the rate last: \
+optax.scale_by_learning_rate(lr) scales by -lr. optax.masked (and ft.optim.masked) passes the \
+parameters its mask leaves out through as the chain made them before it: around the learning \
+rate, last in a chain, it leaves them unscaled.
 
+    wrong:  optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio())   # no rate: p + direction
+    right:  optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale_by_learning_rate(1e-3))
     wrong:  optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(-1e-3), mask))   # the others: p + adam direction
     right:  ft.optim.Optimizer(optax.chain(optax.scale_by_adam(), optax.scale(-1e-3)), wrt="head.*")   # the others frozen
        or:  optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(0.1), mask), optax.scale(-1e-3))   # a 10x smaller rate on some"""
@@ -87,7 +94,22 @@ DIRECTIONS = frozenset({
     "identity", "scale_by_adam", "scale_by_adamax", "scale_by_amsgrad", "scale_by_belief", "scale_by_lion",
     "scale_by_radam", "scale_by_rms", "scale_by_rss", "scale_by_stddev", "scale_by_yogi", "trace", "ema", "clip",
     "clip_by_global_norm", "add_decayed_weights", "reduce_on_plateau",  # (contrib's: a factor in (0, 1])
+    # moments, signs, preconditioners and positive factors of the updates (no rate argument)
+    "scale_by_sign", "scale_by_adadelta", "scale_by_adan", "scale_by_novograd", "scale_by_sm3",
+    "scale_by_factored_rms", "scale_by_lbfgs", "scale_by_param_block_norm", "scale_by_param_block_rms",
+    "centralize", "zero_nans", "clip_by_block_rms", "adaptive_grad_clip",
+    # optax.contrib's (normalize: sam's adversarial direction, unit norm)
+    "normalize", "scale_by_acprop", "scale_by_ademamix", "scale_by_simplified_ademamix", "scale_by_adopt",
+    "scale_by_muon",
 })
+
+# optax's transforms that scale the direction by a factor they close over: the function
+# building each -> (the variable, whether any positive value of it applies no rate). A direction
+# without a rate where the factor is concretely 1 (the default), or for a trust ratio's
+# coefficient any positive value (LARS's 0.001 scales the ratio, its rate comes after it);
+# another value (normalize_by_update_norm(scale_factor=-lr), a traced hyperparameter, a
+# schedule) is a rate of either sign, as optax.scale's is.
+FACTORED = {"scale_by_trust_ratio": ("trust_coefficient", True), "normalize_by_update_norm": ("scale_factor", False)}
 
 # Wrappers that hand their inner transform the updates as they come, over the same
 # parameters, and give the step its updates (or zeros on a step they skip): the inner
@@ -185,6 +207,8 @@ def _unrated(update: Any, view: Any, walk: _Walk, depth: int = 0) -> frozenset[i
 def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Walk,
             depth: int) -> frozenset[int]:
     """:func:`_unrated` of a chain, mask, partition or wrapper whose closure ``env`` holds its parts."""
+    if package == "optax" and built in FACTORED:
+        return _present(view) if _rate_free(env, *FACTORED[built]) else frozenset()
     updates = jax.tree.map(lambda i: walk.leaves[i], view)  # what the transform sees (its masks read it)
     if (inner := _wrapped(package, built, env, updates)) is not None:
         skipped = package == "optax" and built == "conditionally_transform" and walk.skips()
@@ -218,6 +242,17 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
     if package == "functree" and built == "groups" and {"by_leaf", "split"} <= env.keys():
         return frozenset() if env["split"](updates) else _unrated(env["by_leaf"].update, view, walk, depth + 1)
     return frozenset()
+
+
+def _rate_free(env: dict[str, Any], name: str, any_positive: bool) -> bool:
+    """Whether the factor ``env[name]`` (:data:`FACTORED`) is concretely one that applies no
+    rate: 1, or any positive value where ``any_positive``. A traced value (an injected
+    hyperparameter), a schedule or an array is taken for a rate: no refusal on a guess."""
+    try:
+        value = float(np.asarray(env[name]))
+    except Exception:  # absent, traced, callable, not one number
+        return False
+    return value > 0 if any_positive else value == 1
 
 
 def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> frozenset[int]:

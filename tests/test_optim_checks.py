@@ -692,19 +692,20 @@ def _valid_optimizers(head):
                optax.normalize_by_update_norm(scale_factor=-rate),
                optax.chain(optax.trace(0.9), optax.scale_by_sign(), optax.scale(-rate)),
                contrib.sam(optax.sgd(rate), optax.chain(contrib.normalize(), optax.sgd(rate))),
-               contrib.sam(optax.adam(rate), optax.chain(contrib.normalize(), optax.sgd(rate)), opaque_mode=True)])
+               contrib.sam(optax.adam(rate), optax.chain(contrib.normalize(), optax.sgd(rate)), opaque_mode=True),
+               contrib.scale_by_galore(base_optimizer=optax.adam(rate)), contrib.scale_by_galore(scale=-rate)])
 
 
 @pytest.mark.parametrize("wrap", [lambda tx: tx, *WRAPPERS.values(), optax.flatten],
                          ids=["unwrapped", *WRAPPERS, "optax.flatten"])
 def test_no_valid_optimizer_is_refused_for_want_of_a_learning_rate_wrapped_or_not(wrap):
-    """No false refusal: each of 86 optimizers that apply a rate to every parameter passes
+    """No false refusal: each of 88 optimizers that apply a rate to every parameter passes
     the check as it is and inside each wrapper the check reads through (and optax.flatten)."""
     model = _body_and_head()[0]
     params = ft.parameters(model)
     grads = jax.tree.map(jnp.ones_like, params)
     valid = _valid_optimizers(ft.mask(model, "head.*"))
-    assert len(valid) == 86
+    assert len(valid) == 88
     for tx in valid:
         check_rate_applied(wrap(tx), grads, None)
 
@@ -800,6 +801,7 @@ _SIGN_KEEPING = {  # each on its own, or with others of its kind: no rate, no mi
     "contrib.scale_by_adopt": optax.contrib.scale_by_adopt,
     "contrib.scale_by_muon": lambda: optax.contrib.scale_by_muon(  # (each leaf a matrix, as muon's partition makes it)
         ns_steps=1, weight_dimension_numbers=lambda p: jax.tree.map(lambda _: optax.contrib.MuonDimensionNumbers(), p)),
+    "contrib.scale_by_galore": lambda: optax.contrib.scale_by_galore(rank=1),  # (its default base: scale_by_adam)
     "sam(outer without a rate)": lambda: _sam(optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio())),
     "sam(outer without a rate, opaque_mode)": lambda: _sam(optax.normalize_by_update_norm(), opaque_mode=True),
 }
@@ -827,6 +829,12 @@ _RATED_AFTER = {
     "normalize_by_update_norm(scale_factor=-0.05)": lambda: optax.normalize_by_update_norm(scale_factor=-0.05),
     "chain(trace, scale_by_sign, scale_by_learning_rate)": lambda: optax.chain(
         optax.trace(0.9), optax.scale_by_sign(), optax.scale_by_learning_rate(0.05)),
+    "contrib.scale_by_galore(base_optimizer=adam)": lambda: optax.contrib.scale_by_galore(
+        rank=1, base_optimizer=optax.adam(0.05)),
+    "contrib.scale_by_galore(scale=-0.05)": lambda: optax.contrib.scale_by_galore(rank=1, scale=-0.05),
+    "contrib.scale_by_galore(a mask read on the low-rank updates)": lambda: optax.contrib.scale_by_galore(
+        rank=1, base_optimizer=optax.chain(optax.scale_by_adam(), optax.masked(
+            optax.scale(-0.05), lambda u: jax.tree.map(lambda x: x.shape[0] == 1, u)))),  # (1, 2) each: all
     "sam": lambda: _sam(optax.sgd(0.05)), "sam(opaque_mode)": lambda: _sam(optax.sgd(0.05), opaque_mode=True),
 }
 
@@ -835,7 +843,9 @@ _RATED_AFTER = {
 def test_a_sign_keeping_scaler_with_a_rate_and_sam_s_ascending_adversary_train(make):
     """The rate after the sign-keeping scalers (lamb, lars, their chain, normalize_by_update_norm
     with a negative factor) passes, and so does sam's adversarial optimizer, which ascends by
-    design (not read: only the outer optimizer is); each goes down the loss."""
+    design (not read: only the outer optimizer is), and GaLore with a rate in its base or its
+    scale (a mask in its base read on the low-rank updates, as the base gets them: on the
+    full (3, 2) and (2, 2) gradients it would select neither); each goes down the loss."""
     tx = make()
     before, after = _two_raw_steps(tx)
     assert after < before

@@ -18,7 +18,8 @@ evaluating their masks and labels on the gradients as they do. It reads through 
 wrappers that give their inner transform the same updates (:data:`WRAPPERS`,
 ``optax.MultiSteps``, ``ft.optim.per_member`` on parameters holding no Stack, ``optax.contrib``'s
 ``schedule_free``, ``sam``, ``mechanize``), ``optax.flatten`` (its inner transform on one
-vector: a rate for all of them or none), and builds a
+vector: a rate for all of them or none), ``optax.contrib.scale_by_galore`` (its base on the
+low-rank updates it gets), and builds a
 transform rebuilt at each step from its hyperparameters (``optax.inject_hyperparams``,
 ``ft.optim.inject`` and so ft.optim's optimizers) as the jitted step does, from abstract
 values. ``optax.conditionally_transform`` forwards the updates unchanged on the steps it
@@ -33,8 +34,7 @@ neither a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``scale_by_sig
 steps ascend by design (sam negates them) and are undone at the outer step. Anything else counts as
 applying a rate (a rate or schedule of either sign, another library's or a hand-written
 transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
-transform sees each member as a parameter; ``optax.contrib``'s others (``galore``'s
-low-rank base); a factory that cannot be built from abstract values, a mask it cannot evaluate, a member
+transform sees each member as a parameter; ``optax.contrib``'s others; a factory that cannot be built from abstract values, a mask it cannot evaluate, a member
 mask's partly selected leaf), so a valid optimizer is not refused; those ascend unseen.
 Not checked where the updates are not simply added (``Optimizer(apply_updates=...)`` or a
 subclass's ``apply_updates``), nor for complex parameters (trained as pairs of reals, a
@@ -214,6 +214,8 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
         skipped = package == "optax" and built == "conditionally_transform" and walk.skips()
         found = _unrated(inner.update, view, walk, depth + 1)  # (walked either way: the count of those met)
         return _present(view) if skipped else found  # a skipped step: the updates forwarded as they came
+    if package == "optax" and built == "scale_by_galore" and "base_optimizer" in env:
+        return _galore(env, view, updates, walk, depth)
     if (factory := _factory(package, built, env)) is not None:
         return _built(*factory, view, walk, depth)
     if package == "optax" and built == "flatten" and "inner" in env:
@@ -253,6 +255,39 @@ def _rate_free(env: dict[str, Any], name: str, any_positive: bool) -> bool:
     except Exception:  # absent, traced, callable, not one number
         return False
     return value > 0 if any_positive else value == 1
+
+
+def _galore(env: dict[str, Any], view: Any, updates: Any, walk: _Walk, depth: int) -> frozenset[int]:
+    """:func:`_unrated` of ``optax.contrib.scale_by_galore``: its base transform's verdict,
+    read on the low-rank updates it gets (each projected matrix; its masks read those), where
+    its ``scale`` is 1 (the default; another is a rate of either sign). The projection and its
+    transpose keep the direction's sign: with ``scale_by_adam``, its default base, it climbs."""
+    if not _rate_free(env, "scale", False):
+        return frozenset()
+    leaves = list(walk.leaves)
+    for i, low in zip(jax.tree.leaves(view), jax.tree.leaves(_low_rank(env, updates))):
+        leaves[i] = low
+    return _unrated(env["base_optimizer"].update, view, _Walk(leaves, walk.skipping, walk.met), depth + 1)
+
+
+def _low_rank(env: dict[str, Any], updates: Any) -> Any:
+    """The updates (abstract) that ``scale_by_galore`` hands its base: a copy of it, with
+    the same rank and dimension numbers, traced around a base that records them."""
+    seen: list[Any] = []
+
+    def record(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        seen.append(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), updates))
+        return updates, state
+
+    def empty(params: Any) -> Any:
+        return optax.EmptyState()
+
+    numbers = _closure(env["_get_dim_nums"])["weight_dimension_numbers"]
+    copy = optax.contrib.scale_by_galore(rank=env["rank"], update_proj_gap=env["update_proj_gap"],
+                                         base_optimizer=optax.GradientTransformation(empty, record),
+                                         weight_dimension_numbers=numbers)
+    jax.eval_shape(lambda u: copy.update(u, copy.init(u))[0], updates)
+    return seen[0]
 
 
 def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> frozenset[int]:

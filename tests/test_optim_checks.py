@@ -693,19 +693,20 @@ def _valid_optimizers(head):
                optax.chain(optax.trace(0.9), optax.scale_by_sign(), optax.scale(-rate)),
                contrib.sam(optax.sgd(rate), optax.chain(contrib.normalize(), optax.sgd(rate))),
                contrib.sam(optax.adam(rate), optax.chain(contrib.normalize(), optax.sgd(rate)), opaque_mode=True),
-               contrib.scale_by_galore(base_optimizer=optax.adam(rate)), contrib.scale_by_galore(scale=-rate)])
+               contrib.scale_by_galore(base_optimizer=optax.adam(rate)), contrib.scale_by_galore(scale=-rate),
+               optax.conditionally_transform(optax.adam(rate), lambda step: step >= 0)])  # (never skips)
 
 
 @pytest.mark.parametrize("wrap", [lambda tx: tx, *WRAPPERS.values(), optax.flatten],
                          ids=["unwrapped", *WRAPPERS, "optax.flatten"])
 def test_no_valid_optimizer_is_refused_for_want_of_a_learning_rate_wrapped_or_not(wrap):
-    """No false refusal: each of 88 optimizers that apply a rate to every parameter passes
+    """No false refusal: each of 89 optimizers that apply a rate to every parameter passes
     the check as it is and inside each wrapper the check reads through (and optax.flatten)."""
     model = _body_and_head()[0]
     params = ft.parameters(model)
     grads = jax.tree.map(jnp.ones_like, params)
     valid = _valid_optimizers(ft.mask(model, "head.*"))
-    assert len(valid) == 88
+    assert len(valid) == 89
     for tx in valid:
         check_rate_applied(wrap(tx), grads, None)
 
@@ -850,3 +851,43 @@ def test_a_sign_keeping_scaler_with_a_rate_and_sam_s_ascending_adversary_train(m
     before, after = _two_raw_steps(tx)
     assert after < before
     check_rate_applied(tx, _Q, None)  # no error
+
+
+_NEVER_SKIPS = {"step >= 0": lambda step: step >= 0, "True": lambda step: True, "step > -1": lambda step: step > -1,
+                "~(step < 0)": lambda step: ~(step < 0), "step >= 0.0": lambda step: step >= 0.0,
+                "(step >= 0) | (step < 3)": lambda step: (step >= 0) | (step < 3)}
+_MAY_SKIP = {"step >= 1": lambda step: step >= 1, "step % 2 == 0": lambda step: step % 2 == 0,
+             "step < 2**31 - 1": lambda step: step < 2**31 - 1,  # (the count saturates there: skips for good)
+             "(step >= 5) | (step < 5)": lambda step: (step >= 5) | (step < 5)}  # (never skips; read apart: may)
+
+
+@pytest.mark.parametrize("condition", list(_NEVER_SKIPS.values()), ids=list(_NEVER_SKIPS))
+def test_a_conditionally_transform_whose_condition_never_skips_trains(condition):
+    """conditionally_transform(adam, lambda step: step >= 0) never skips, yet was refused with
+    SKIPPED_UNSCALED: the walk read every conditionally_transform as skipping. The condition
+    is read from its jaxpr on the count's range (0 to int32's largest): a constant, a
+    comparison with a constant, and/or/not of those; one true throughout passes, and trains."""
+    tx = optax.conditionally_transform(optax.adam(0.05), condition)
+    before, after = _two_raw_steps(tx)
+    assert after < before
+    with jax.numpy_dtype_promotion("standard"):  # (JAX's default: step >= 0.0 compares an int32 with a float)
+        check_rate_applied(tx, _Q, None)  # no error
+
+
+@pytest.mark.parametrize("condition", list(_MAY_SKIP.values()), ids=list(_MAY_SKIP))
+def test_a_conditionally_transform_whose_condition_may_skip_is_still_refused(condition):
+    """A condition false at some count, or one the check cannot read (arithmetic, a correlated
+    pair), is still taken to skip; the message gives the fix for one that never does."""
+    tx = optax.conditionally_transform(optax.adam(0.05), condition)
+    with pytest.raises(ValueError, match=r"(?s)steps it skips.*to v, w \(2 of 2 parameters\).*"
+                                         r"use its inner optimizer alone.*or:  optax.adam\(1e-3\)"):
+        check_rate_applied(tx, _Q, None)
+    forwarded = optax.conditionally_transform(optax.adam(0.05), lambda step, **_: step >= 0, forward_extra_args=True)
+    with pytest.raises(ValueError, match=r"steps it skips"):  # (a condition on the extra arguments: not read)
+        check_rate_applied(forwarded, _Q, None)
+
+
+def test_a_skipped_first_step_climbs_on_the_real_numbers():
+    """What SKIPPED_UNSCALED refuses: step >= 1 forwards the gradient at step 0, p + g."""
+    before, after = _two_raw_steps(optax.conditionally_transform(optax.adam(0.05), lambda step: step >= 1))
+    assert after > before

@@ -25,7 +25,8 @@ transform rebuilt at each step from its hyperparameters (``optax.inject_hyperpar
 values. ``optax.conditionally_transform`` forwards the updates unchanged on the steps it
 skips: read once with it transforming and once with it skipping (its parameters then reached
 by what comes after it alone), each apart, a skipped step's refusal :data:`SKIPPED_UNSCALED`
-(``conditionally_transform(adam(lr), fn)``: p + g on those steps). A parameter is refused
+(``conditionally_transform(adam(lr), fn)``: p + g on those steps); not read as skipping where
+its condition surely never skips (:func:`_never_skips`: ``step >= 0``, a constant True). A parameter is refused
 only where every transform that reaches it is one of optax's that give a direction with
 neither a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``scale_by_sign``,
 ``clip_by_global_norm``, ``identity``, ``optax.contrib.normalize`` ...; :data:`FACTORED`:
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 from typing import Any
 
 import jax
@@ -81,11 +83,15 @@ should_transform_fn False), and nothing after it applies a learning rate to {pat
 of {total} parameters): on each skipped step the gradient (or the direction made before it) is \
 added to the parameter as it came, p + g, a step up the loss at rate 1. Put the rate after it in \
 a chain (the skipped steps then take a plain step down), or use optax.conditionally_mask, which \
-gives the skipped steps no update.
+gives the skipped steps no update. A condition is taken to never skip only where it reads as \
+true at every step count (0 up to int32's largest): a constant, or a comparison of the step with \
+a constant (step >= 0) and and/or/not of those; if yours never skips, the wrapper changes \
+nothing: use its inner optimizer alone.
 
     wrong:  optax.conditionally_transform(optax.adam(1e-3), lambda step: step >= 100)   # steps 0-99: p + g
     right:  optax.chain(optax.conditionally_transform(optax.scale_by_adam(), lambda step: step >= 100), optax.scale(-1e-3))
-       or:  optax.conditionally_mask(optax.adam(1e-3), lambda step: step >= 100)   # steps 0-99: no update"""
+       or:  optax.conditionally_mask(optax.adam(1e-3), lambda step: step >= 100)   # steps 0-99: no update
+       or:  optax.adam(1e-3)   # a condition true on every step"""
 
 # optax's transforms (the function building each, whose update is ``<name>.<locals>.update_fn``)
 # that give a direction of the incoming updates with neither a rate nor a change of sign: a
@@ -211,7 +217,8 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
         return _present(view) if _rate_free(env, *FACTORED[built]) else frozenset()
     updates = jax.tree.map(lambda i: walk.leaves[i], view)  # what the transform sees (its masks read it)
     if (inner := _wrapped(package, built, env, updates)) is not None:
-        skipped = package == "optax" and built == "conditionally_transform" and walk.skips()
+        skipped = (package == "optax" and built == "conditionally_transform" and not _never_skips(env)
+                   and walk.skips())
         found = _unrated(inner.update, view, walk, depth + 1)  # (walked either way: the count of those met)
         return _present(view) if skipped else found  # a skipped step: the updates forwarded as they came
     if package == "optax" and built == "scale_by_galore" and "base_optimizer" in env:
@@ -288,6 +295,76 @@ def _low_rank(env: dict[str, Any], updates: Any) -> Any:
                                          weight_dimension_numbers=numbers)
     jax.eval_shape(lambda u: copy.update(u, copy.init(u))[0], updates)
     return seen[0]
+
+
+class _Ends(frozenset):
+    """The ends of a range of integers (the step count): a comparison with a constant takes
+    its values over the range at the ends; no other operation reads it."""
+
+
+_STEPS = _Ends({0, int(np.iinfo(np.int32).max)})  # conditionally_transform's count: from 0, saturating
+_ORDERED = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+_LOGICAL = {"and": operator.and_, "or": operator.or_, "xor": operator.xor}
+
+
+def _never_skips(env: dict[str, Any]) -> bool:
+    """Whether ``optax.conditionally_transform``'s condition (its closure ``env``) is True at
+    every step count it can be given (0 to int32's largest: optax counts from 0 and
+    saturates), read from its jaxpr on an abstract count: a constant, a comparison of the
+    count with a constant (``step >= 0``), and/or/not of those. Anything else (a condition
+    on the extra arguments, Python control flow, arithmetic on the count) may skip."""
+    fn = env.get("should_transform_fn")
+    if not callable(fn) or env.get("forward_extra_args") is not False:
+        return False
+    try:
+        closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((), jnp.int32))
+        return _condition_values(closed) == {True}
+    except Exception:  # traced Python control flow, an output not one scalar: may skip
+        return False
+
+
+def _condition_values(closed: Any) -> Any:
+    """The values a one-argument jaxpr's output takes over :data:`_STEPS` (a set, or None
+    where an operation is not one :func:`_possible` reads)."""
+    from jax.extend import core as jcore
+
+    jaxpr = closed.jaxpr
+    known: dict[Any, Any] = {v: _scalar(c) for v, c in zip(jaxpr.constvars, closed.consts)}
+    known[jaxpr.invars[0]] = _STEPS
+
+    def read(atom: Any) -> Any:
+        return _scalar(atom.val) if isinstance(atom, jcore.Literal) else known.get(atom)
+
+    for eqn in jaxpr.eqns:
+        known[eqn.outvars[0]] = _possible(eqn.primitive.name, [read(a) for a in eqn.invars], eqn.params)
+    (out,) = jaxpr.outvars
+    return read(out)
+
+
+def _scalar(value: Any) -> Any:
+    """A constant's one possible value, or None (an array: not read)."""
+    array = np.asarray(value)
+    return frozenset({array.item()}) if array.size == 1 else None
+
+
+def _possible(name: str, args: list[Any], params: dict[str, Any]) -> Any:
+    """The values an operation's output can take given its inputs' (None: unknown). A
+    comparison with the count's ends gives its values over the whole range (monotone);
+    and/or/not combine booleans' values apart, so a correlated pair may read as both: a
+    refusal, never a pass on a guess."""
+    if any(a is None for a in args):
+        return None
+    if name in _ORDERED and len(args) == 2:
+        return frozenset(_ORDERED[name](x, y) for x in args[0] for y in args[1])
+    booleans = all(not isinstance(a, _Ends) and all(isinstance(x, bool) for x in a) for a in args)
+    if name in _LOGICAL and len(args) == 2 and booleans:
+        return frozenset(_LOGICAL[name](x, y) for x in args[0] for y in args[1])
+    if name == "not" and len(args) == 1 and booleans:
+        return frozenset(not x for x in args[0])
+    if name == "convert_element_type" and len(args) == 1:  # monotone: the count's ends stay its ends
+        converted = frozenset(np.asarray(x, params["new_dtype"]).item() for x in args[0])
+        return _Ends(converted) if isinstance(args[0], _Ends) else converted
+    return None
 
 
 def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> frozenset[int]:

@@ -5,12 +5,17 @@ leaves that happen to hold the same array: the first gradient step writes two di
 arrays back (the tie is gone), and a donated step fails because XLA cannot donate one
 buffer twice. The supported tie is :class:`ft.nn.Shared` (one leaf, placed at every use);
 an accidental alias is found here once, when a model or optimizer state is created for a
-donated step, and copied so that each leaf owns its buffer.
+donated step, and copied so that each leaf owns its buffer. A hand-written loop
+(``opt.init(model)``, ``ft.gradient``, ``ft.move``) is told at its optimizer's ``init`` (or
+at the first ``ft.move`` of a model of that structure): each tie is named once, by the
+first of these calls that finds it (:func:`warn_aliases`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.core import Tracer
 
-from functree._tree import dotted_name
+from functree._tree import bounded_put, dotted_name
 from functree._warnings import user_stacklevel
 
 __all__ = [
@@ -27,14 +32,20 @@ __all__ = [
 
 ALIASED = """\
 {what} holds one array object at several leaves: {pairs}. A gradient step gives each \
-leaf its own new array, so the two are trained as independent copies from here on (they \
-have been copied now, so that donation can reuse each buffer).
+leaf its own new array, so the two are trained as independent copies from here on{copied}.
 To tie them (one parameter used at both places, trained once with the summed gradient):
 
     wrong:  layer = ft.nn.Dense(4, 4, key=key); model = Model(a=layer, b=layer)
     right:  model = ft.nn.Shared(Model(a=layer, b=layer), {{"{second}": "{first}"}})
 
 To keep them independent, build them apart (or copy one with jnp.copy) to silence this."""
+
+# ALIASED's note where the call copies the repeated leaves (a donated step, ft.jit's donation).
+COPIED = " (they have been copied now, so that donation can reuse each buffer)"
+
+# The repeated arrays an AliasWarning named (id -> weak reference): a tie is named once, by
+# the first call that finds it (an optimizer's init), not again by the step given that model.
+_NAMED: dict[int, Any] = {}
 
 
 DONATED = """\
@@ -68,7 +79,9 @@ class AliasWarning(UserWarning):
     """A model holds one array object at two leaves (PyTorch-style tying).
 
     Such a tie does not survive a training step; the message names both key paths and
-    shows :class:`ft.nn.Shared`, the tie that does.
+    shows :class:`ft.nn.Shared`, the tie that does. It is raised once per tie, by the first
+    call that finds it: an optimizer's ``init`` (a hand-written loop), the first ``ft.move``
+    of a model of that structure, a train step, the Trainer, a donating ``ft.jit``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, warnings
@@ -106,26 +119,46 @@ def alias_names(tree: Any, pairs: Sequence[tuple[int, int]]) -> list[tuple[str, 
     return [(paths[a], paths[b]) for a, b in pairs]
 
 
-def warn_aliases(tree: Any, *, what: str = "The model",
-                 rename: Callable[[str], str] | None = None) -> list[tuple[int, int]]:
+def warn_aliases(tree: Any, *, what: str = "The model", rename: Callable[[str], str] | None = None,
+                 copied: bool = True) -> list[tuple[int, int]]:
     """Warn (:class:`AliasWarning`) naming both key paths of every aliased leaf of ``tree``;
     returns :func:`find_aliases`' pairs (empty, and no warning, when there are none).
-    ``rename`` turns a dotted key path into the name shown (an argument's name).
+    ``rename`` turns a dotted key path into the name shown (an argument's name); ``copied``
+    says the caller copies the repeated leaves (:func:`copy_aliases`).
 
-    Call it where a model enters a donated step, not per step (:class:`DonationGuard`).
+    Call it where a model enters a donated step or an optimizer's ``init``, not per step
+    (:class:`DonationGuard`). An array named by an earlier warning is not named again (the
+    hand loop's ``opt.init(model)`` warns, its train step given that model does not).
     """
     pairs = find_aliases(tree)
-    if pairs:
+    if pairs and _first_named(tree, pairs):
         names = alias_names(tree, pairs)
         if rename is not None:
             names = [(rename(a), rename(b)) for a, b in names]
         listed = ", ".join(f"{a!r} and {b!r}" for a, b in names)
         warnings.warn(
-            ALIASED.format(what=what, pairs=listed, first=names[0][0], second=names[0][1]),
+            ALIASED.format(what=what, pairs=listed, first=names[0][0], second=names[0][1],
+                           copied=COPIED if copied else ""),
             AliasWarning,
             stacklevel=user_stacklevel(),
         )
     return pairs
+
+
+def _first_named(tree: Any, pairs: Sequence[tuple[int, int]]) -> bool:
+    """Whether an array of ``pairs`` was not named by an earlier :class:`AliasWarning` (all
+    are remembered now)."""
+    leaves = jax.tree.leaves(tree)
+    new = False
+    for _, repeat in pairs:
+        x = leaves[repeat]
+        ref = _NAMED.get(id(x))
+        if ref is not None and ref() is x:
+            continue
+        new = True
+        with contextlib.suppress(TypeError):  # no weak reference: named every time
+            bounded_put(_NAMED, id(x), weakref.ref(x))
+    return new
 
 
 class DonationGuard:

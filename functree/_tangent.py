@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._alias import warn_aliases
 from functree._parameters import (
     STRUCTURE_MISMATCH,
     ShapeMismatch,
@@ -148,13 +149,18 @@ def move(x: Any, *, along: Any) -> Any:
     tangent. Each parameter keeps its dtype. A value at a non-parameter (a
     ``no_derivative`` field, an integer leaf), as in the full-structure tree ``jax.grad``
     returns, is an error naming its key path (see :func:`check_tangent`): never written.
+    One array object at two parameters (one layer put at two fields) is untied by the move:
+    the first move of a model of each structure warns (:class:`ft.AliasWarning`), unless
+    an optimizer's ``init`` named that tie already.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.move({"w": jnp.ones(2), "n": 3}, along={"w": -0.5 * jnp.ones(2), "n": None})
       {'n': 3, 'w': Array([0.5, 0.5], dtype=float32)}
     """
-    check_tangent("ft.move", along, x, advice=_MOVE)
+    if check_tangent("ft.move", along, x, advice=_MOVE):  # the first move of this structure
+        # a hand loop with a plain optax init: one array at two parameters is untied now
+        warn_aliases(parameters(x), what="The model given to ft.move", copied=False)
     try:
         return map_checked("ft.move", move_leaf, along, x, is_leaf=is_none)
     except ShapeMismatch as e:
@@ -185,14 +191,15 @@ _CHECKED: dict[Any, bool] = {}
 def check_tangent(
     what: str, tangent: Any, x: Any, view: Any = None, *, advice: Advice,
     cache: bool = True, structure: bool = False, allow_float0: bool = False,
-) -> None:
+) -> bool:
     """Refuse a tangent with a value where ``view`` (by default ``ft.parameters(x)``) has
     ``None``: a no-derivative field, an integer leaf, a parameter not differentiated.
 
     The one check of every operation that takes a tangent (``ft.move``, the optimizers'
     ``move``, ``ft.differential``'s tangents). It reads tree definitions only, once per
     pair of them (a jitted step pays it at trace time); trees of other structures are left
-    to the operation's own structure check.
+    to the operation's own structure check. Returns whether it checked (False: these tree
+    definitions were checked before), for a caller's own once-per-structure check.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -214,7 +221,7 @@ def check_tangent(
          allow_float0 and tuple(map(_is_float0, jax.tree.leaves(tangent)))),
     )
     if known and cache:
-        return
+        return False
     view = parameters(x) if view is None else view
     t_leaves, t_def = jax.tree_util.tree_flatten_with_path(tangent, is_leaf=is_none)
     v_leaves, v_def = jax.tree.flatten(view, is_leaf=is_none)
@@ -232,6 +239,7 @@ def check_tangent(
                 raise ValueError(TANGENT_AT_NON_PARAMETER.format(what=what, path=where, why=why, **advice._asdict()))
     if key is not None:
         bounded_put(_CHECKED, key, True)
+    return True
 
 
 def _is_python_number(t: Any) -> bool:

@@ -5,6 +5,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import functree as ft
@@ -138,6 +139,72 @@ def test_no_warning_for_distinct_arrays():
         warnings.simplefilter("error")
         ft.train.Trainer(Pair(ft.nn.Dense(2, 2, key=jax.random.key(0)), ft.nn.Dense(2, 2, key=jax.random.key(1))),
                          ft.optim.sgd(0.1), lambda m, batch: jnp.mean(m(batch) ** 2))
+
+
+def _pair_loss(m, x):
+    return jnp.mean(m(x) ** 2)
+
+
+@pytest.mark.parametrize("make", [lambda: ft.optim.adam(1e-3), lambda: ft.optim.Optimizer(optax.adam(1e-3))],
+                         ids=["adam", "Optimizer"])
+def test_a_hand_loop_is_told_of_an_accidental_alias_at_init_once(make, request):
+    # The hand loop (init, gradient, update, ft.move) untied the two fields at its first
+    # move without a word; only the train step and the Trainer warned.
+    first, second = f"init_{request.node.callspec.id}_a", f"init_{request.node.callspec.id}_b"  # (new to ft.move)
+    layer = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    model, opt, x = {first: layer, second: layer}, make(), jnp.ones((4, 2))
+    with pytest.warns(ft.AliasWarning, match=rf"\.init holds one array object at several leaves: "
+                                             rf"'{first}.weight' and '{second}.weight'") as caught:
+        state = opt.init(model)
+    assert len(caught) == 1 and caught[0].filename == __file__  # the user's init line, named once
+    message = str(caught[0].message)
+    assert "copied now" not in message and f'{{"{second}.weight": "{first}.weight"}}' in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the loop's first (eager) move, its alias check, says nothing more
+        updates, state = jax.jit(lambda m, s: opt.update(
+            ft.gradient(lambda m: _pair_loss(lambda v: m[second](m[first](v)), x), at=m), s, m))(model, state)
+        model = ft.move(model, along=updates)
+    assert not np.array_equal(model[first].weight, model[second].weight)  # what the warning is about
+
+
+def test_a_train_step_after_init_does_not_warn_again_and_still_copies_apart():
+    layer = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    model, opt = Pair(layer, layer), ft.optim.Optimizer(ft.optim.sgd(0.1))
+    with pytest.warns(ft.AliasWarning, match=r"ft\.optim\.Optimizer\.init holds") as caught:
+        state = opt.init(model)
+    assert len(caught) == 1  # (the Optimizer's init, not again by the sgd inside it)
+    step = ft.train.train_step(_pair_loss, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, state, _ = step(model, state, jnp.ones((4, 2)))  # donated: copied apart, no second warning
+    assert model.a.weight is not model.b.weight
+
+
+def test_a_plain_optax_hand_loop_is_told_at_its_first_move():
+    layer = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    model = {"tied_move_a": layer, "tied_move_b": layer}  # (a structure ft.move has not seen)
+    tx = optax.sgd(0.1)
+    state = tx.init(ft.parameters(model))
+    updates, state = tx.update(jax.tree.map(jnp.ones_like, ft.parameters(model)), state)
+    with pytest.warns(ft.AliasWarning, match=r"The model given to ft\.move holds one array object at several "
+                                             r"leaves: 'tied_move_a.weight' and 'tied_move_b.weight'") as caught:
+        moved = ft.move(model, along=updates)
+    assert len(caught) == 1 and caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ft.move(moved, along=updates)  # once per structure: no cost on the loop's later moves
+
+
+def test_no_hand_loop_warning_for_shared_or_for_equal_distinct_arrays():
+    layer = ft.nn.Dense(2, 2, key=jax.random.key(0))
+    tied = ft.nn.Shared(Pair(layer, layer), {"b": "a"})
+    equal = {"equal_move_a": layer, "equal_move_b": jax.tree.map(jnp.copy, layer)}  # (new to ft.move)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for model in (tied, equal):
+            ft.optim.adam(1e-3).init(model)
+            ft.optim.Optimizer(optax.sgd(0.1)).init(model)
+            ft.move(model, along=jax.tree.map(jnp.zeros_like, ft.parameters(model)))
 
 
 def _right_code(message):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from functree._alias import check_stale
+from functree._alias import check_stale, warn_aliases
 from functree._host_buffers import private
 from functree._parameters import parameters
 from functree._tree import is_none, register_record
@@ -610,6 +610,8 @@ def inject(
         # kept mode-free, as an Optimizer's state: it serves the model in either mode
         # (NNX's order, the state built before ft.nn.training(model), works)
         params = mode_free(parameters(params))
+        # One array at two parameters: the hand loop's first ft.move unties it, silently (once, here)
+        warn_aliases(params, what=f"The model given to {where}(...).init", copied=False)
         ctx = initial_context()
         given = [specs[n].rate.value for n in names]
         dtype = hyper_dtype(params)

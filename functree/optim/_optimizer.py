@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import optax
 from jax.core import Tracer
 
-from functree._alias import copy_aliases
+from functree._alias import copy_aliases, warn_aliases
 from functree._foreign_methods import OPTIMIZER_METHODS, missing_attribute
 from functree._module import Module
 from functree._operators import value_with_gradient
-from functree._parameters import with_parameters
+from functree._parameters import parameters, with_parameters
 from functree._source import USER_FUNCTION
 from functree._tangent import move
 from functree._tree import bounded_put, cached, dotted_name
@@ -443,11 +443,14 @@ class Optimizer:
         A model holding LoRA adapters with no ``wrt=`` warns
         (:class:`~functree.nn.LoraBaseWarning`): its base weights would train too, which
         ``ft.hf.save_lora`` does not write; ``wrt="*.lora_*"`` trains the adapters alone,
-        ``wrt="*"`` everything.
+        ``wrt="*"`` everything. One array object at two parameters (one layer at two fields)
+        warns (:class:`~functree.AliasWarning`): the first update unties them.
         """
         if (apart := several_devices(model, "ft.optim.Optimizer.init", "model")) is not None:
             raise apart  # (the state went to the first leaf's devices; the step then refused the leaf's moments)
         check_base_untrained(model, self.wrt)  # LoRA without wrt=: save_lora would lose the base's training
+        # One array at two parameters: the hand loop's first ft.move unties it, silently (once, here)
+        warn_aliases(parameters(model), what="The model given to ft.optim.Optimizer.init", copied=False)
         params = mode_free(trained_view(model, self.wrt))
         # optax mixes floats and ints; its masks' errors named (a tree of another structure,
         # a Stack's member mask in optax.masked)

@@ -95,3 +95,18 @@ def test_torchs_in_place_names_name_the_function():
         ft.nn.initializers.uniform_  # noqa: B018  # pyright: ignore[reportAttributeAccessIssue]
     with pytest.raises(AttributeError, match=r"^module 'functree.nn.initializers' has no attribute 'nothing_'$"):
         ft.nn.initializers.nothing_  # noqa: B018  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_torchs_initializers_draw_float64_in_float64_under_x64():
+    """A float64 model's init under jax_enable_x64: trunc_normal drew in float32 and cast, so
+    every weight was a float32 number (float32's resolution); each of functree's torch-style
+    initializers' float64 values now are not all float32 numbers (JAX's own draw in the dtype
+    asked for), and a bfloat16 one still draws in float32 and rounds once."""
+    ours = ("kaiming_normal", "kaiming_uniform", "xavier_normal", "xavier_uniform", "trunc_normal", "torch_default")
+    with jax.enable_x64(True):
+        for name in ours:
+            w = getattr(ft.nn.initializers, name)()(jax.random.key(0), (8, 4), jnp.float64)
+            assert w.dtype == jnp.float64, name
+            assert np.any(np.asarray(w) != np.asarray(w.astype(jnp.float32), np.float64)), name
+        low = ft.nn.initializers.trunc_normal()(jax.random.key(0), (8, 4), jnp.bfloat16)
+    assert low.dtype == jnp.bfloat16

@@ -44,6 +44,8 @@ from jax.nn.initializers import (
     zeros,
 )
 
+from functree.nn._precision import statistics_dtype
+
 __all__ = [
     "calculate_gain",
     "kaiming_normal",
@@ -168,10 +170,19 @@ def trunc_normal(std: float = 1.0, mean: float = 0.0, a: float = -2.0, b: float 
     """
     def init(key: jax.Array, shape: Any, dtype: Any = jnp.float32) -> jax.Array:
         lower, upper = (a - mean) / std, (b - mean) / std
-        draws = jax.random.truncated_normal(key, lower, upper, shape, jnp.float32)
+        draws = jax.random.truncated_normal(key, lower, upper, shape, _drawn_in(dtype))
         return (mean + std * draws).astype(dtype)
 
     return init
+
+
+def _drawn_in(dtype: Any) -> Any:
+    """The real dtype to draw ``dtype``'s values in: at least float32 (a bfloat16 weight's
+    draws keep float32's resolution until the cast), float64 for a float64 or complex128 one
+    (under x64 a float64 model's init has float64's resolution, not float32's)."""
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.dtype(jnp.float32)
+    return statistics_dtype(jnp.finfo(dtype).dtype)
 
 
 def torch_default() -> Initializer:

@@ -277,6 +277,31 @@ def test_num_batches_tracked_dropped_and_float64_cast():
     assert loaded.running_variance.dtype == jnp.float32
 
 
+def test_num_batches_tracked_is_written_as_torchs_int64_and_read_without_wrapping():
+    """A momentum=None BatchNorm's count (int32 here) was written as an int32 tensor where
+    torch's num_batches_tracked is int64: load_state_dict copies it into torch's, but
+    load_state_dict(assign=True) kept the int32 tensor. It is written int64 (torch's dtype);
+    torch's int64 count is read into the int32 leaf where it fits, and one past int32's range is
+    refused by name (never wrapped), with x64 or without; an int64 leaf under x64 holds it."""
+    bn = ft.nn.BatchNorm(3, momentum=None).replace(batches_tracked=jnp.asarray(3, jnp.int32))
+    written = ft.nn.torch_state_dict(bn)
+    assert written["num_batches_tracked"].dtype == torch.int64 == nn.BatchNorm1d(3).num_batches_tracked.dtype
+    assert ft.nn.torch_state_dict(bn, numpy=True)["num_batches_tracked"].dtype == np.int64
+    module = nn.BatchNorm1d(3, momentum=None)
+    module.load_state_dict(written, assign=True)
+    assert module.num_batches_tracked.dtype == torch.int64 and int(module.num_batches_tracked) == 3
+    sd = dict(module.state_dict())
+    assert int(ft.nn.load_torch_state_dict(bn, sd).batches_tracked) == 3
+    sd["num_batches_tracked"] = torch.tensor(2**31 + 5)
+    for x64 in (False, True):
+        with jax.enable_x64(x64), pytest.raises(ValueError, match=r"num_batches_tracked: expected shape \(\) dtype "
+                                                                r"int32, given shape \(\) dtype int64(?s:.*)out of range"):
+            ft.nn.load_torch_state_dict(bn, sd)
+    with jax.enable_x64(True):
+        wide = ft.nn.load_torch_state_dict(bn.replace(batches_tracked=jnp.asarray(0, jnp.int64)), sd)
+        assert wide.batches_tracked.dtype == jnp.int64 and int(wide.batches_tracked) == 2**31 + 5
+
+
 @needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them
 def test_float_values_past_a_narrower_dtype_s_range_are_refused_not_made_inf():
     """A float32 running variance of 7e4 into a float16 BatchNorm (float16's largest is

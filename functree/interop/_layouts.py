@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from functree._naming import matches
 from functree.nn._attention import MultiheadAttention
@@ -146,8 +147,20 @@ def _norm(layer: LayerNorm | GroupNorm | RMSNorm | BatchNorm | _InstanceNorm) ->
     if isinstance(layer, (BatchNorm, _InstanceNorm)) and layer.track_running_stats:
         rules += [same("running_mean", "running_mean"), same("running_var", "running_variance")]
     if isinstance(layer, BatchNorm) and layer.batches_tracked is not None:  # momentum=None's count: it weighs batches
-        rules.append(same("num_batches_tracked", "batches_tracked"))
+        rules.append(_COUNT)
     return rules
+
+
+def _as_long(a: Any) -> Any:
+    """A count as torch holds it, int64 (``torch.long``), whatever the leaf's integer dtype (an
+    int32 ``batches_tracked``): torch's ``load_state_dict(assign=True)`` keeps the tensor given,
+    and an int32 count went on as int32. A tracer (the torch shapes traced) is left as it is."""
+    return a if isinstance(a, Tracer) else np.asarray(a).astype(np.int64)
+
+
+# BatchNorm(momentum=None)'s count: torch's int64 num_batches_tracked ↔ the layer's batches_tracked
+# (loading casts it to the leaf's integer dtype where it holds the value, else refuses it)
+_COUNT: Local = ("num_batches_tracked",), ("batches_tracked",), lambda a: (a,), lambda a: (_as_long(a),)
 
 
 @functools.lru_cache(maxsize=1024)

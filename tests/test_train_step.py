@@ -658,6 +658,32 @@ def test_bfloat16_compute_with_batch_norm_in_training_mode():
     jax.tree.map(np.testing.assert_array_equal, trainer.model, half)  # the same step
 
 
+def test_a_float64_compute_dtype_s_loss_is_float64_under_x64():
+    """compute_dtype=jnp.float64 under jax_enable_x64 (a float32 model computed in float64):
+    the step and the eval step rounded the loss to float32 (2e-7 off a loss of ~1, reported in
+    a float64 metric); both now give the float64 loss the loss function computed, a WeightedMean's
+    parts too, and a bfloat16 compute_dtype's loss stays float32."""
+    def loss(m, batch):
+        return jnp.mean((batch[0] @ m["w"] - batch[1]) ** 2)
+
+    def weighted(m, batch):
+        return ft.losses.WeightedMean(jnp.sum((batch[0] @ m["w"] - batch[1]) ** 2), jnp.float64(batch[1].size))
+
+    rng = np.random.default_rng(0)
+    with jax.enable_x64(True):
+        w, x, y = rng.normal(size=3).astype(np.float32), rng.normal(size=(8, 3)), rng.normal(size=8)
+        model, batch = {"w": jnp.asarray(w)}, (jnp.asarray(x), jnp.asarray(y))
+        want = np.mean((x @ w.astype(np.float64) - y) ** 2)
+        step = ft.train.train_step(loss, ft.optim.Optimizer(ft.optim.sgd(0.1)), compute_dtype=jnp.float64)
+        got = [step.compute_loss(model, batch)[0], *(ft.train.eval_step(fn, compute_dtype=jnp.float64).compute_loss(
+            model, batch)[0] for fn in (loss, weighted))]  # (the stage each step's program traces)
+        for value in (got[0], got[1], got[2].total / got[2].count):
+            assert value.dtype == jnp.float64
+            np.testing.assert_allclose(np.asarray(value), want, rtol=1e-14, atol=0)
+        half = ft.train.eval_step(loss, compute_dtype=jnp.bfloat16)
+        assert half.compute_loss(model, batch)[0].dtype == jnp.float32
+
+
 def test_a_tracing_error_in_the_step_names_the_models_key_path():
     class Cell(ft.Module):
         w: jax.Array

@@ -20,6 +20,7 @@ from functree._host_buffers import private_arrays
 from functree._jit import _hide, _show, has_untraceable_leaves, unchecked_jit
 from functree._where import devices_error
 from functree.losses._weighted import WeightedMean, loss_value
+from functree.nn._precision import statistics_dtype
 from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.parallel._placement import Placement
@@ -101,7 +102,8 @@ def loss_and_aux(loss_fn: Callable[..., Any], compute_dtype: Any, model: Any, ba
                  key: jax.Array | None = None) -> tuple[Any, Any]:
     """``(loss, aux)`` of ``loss_fn`` on one minibatch (aux is None without one): under a
     ``compute_dtype``, the model (``ft.cast``) and the floating inputs cast to it, the loss
-    returned in float32 (the means and the optimizer's scale read it there).
+    returned in float32 at least (the means and the optimizer's scale read it there; a float64
+    ``compute_dtype``'s under x64 in float64, not rounded to float32's 7 digits).
 
     Example:
       >>> import jax.numpy as jnp
@@ -114,9 +116,15 @@ def loss_and_aux(loss_fn: Callable[..., Any], compute_dtype: Any, model: Any, ba
     loss, aux = _split_output(out)
     if compute_dtype is None:
         return loss, aux
-    if isinstance(loss, WeightedMean):  # its parts in float32, as a scalar loss
-        return WeightedMean(loss.total.astype(jnp.float32), loss.count.astype(jnp.float32)), aux
-    return loss.astype(jnp.float32), aux
+    if isinstance(loss, WeightedMean):  # its parts in float32 at least, as a scalar loss
+        return WeightedMean(_at_least_float32(loss.total), _at_least_float32(loss.count)), aux
+    return _at_least_float32(loss), aux
+
+
+def _at_least_float32(x: Any) -> jax.Array:
+    """``x`` in float32, or in its own floating dtype from 32 bits up (float64 under x64)."""
+    dtype = jnp.result_type(x)
+    return jnp.asarray(x).astype(statistics_dtype(dtype) if jnp.issubdtype(dtype, jnp.floating) else jnp.float32)
 
 
 def placement_of_step(mesh: Any, data_axis: str, sharding: Any, call: str) -> Placement | None:

@@ -170,13 +170,14 @@ def flat_key(key: jax.Array) -> jax.Array:
 RUN = 2**26
 
 
-def normal_runs(key: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:
-    """Standard normal float32 arrays of ``shapes`` drawn as a few flat runs: the shapes in
+def normal_runs(key: jax.Array, shapes: list[tuple[int, ...]], dtype: Any = jnp.float32) -> list[jax.Array]:
+    """Standard normal ``dtype`` arrays of ``shapes`` drawn as a few flat runs: the shapes in
     order, each run up to :data:`RUN` values (an array larger than that is a run of its own)
     drawn with ``fold_in(key, run)`` and sliced. One threefry hash for a whole model where an
     array each made XLA compile one (a 2-layer Llama's initialization from its config: 1.4 →
     0.6 compile CPU-s on a 2-core CPU), for any number of arrays; the draws are independent
-    standard normals, so the model's distribution is the one an array each gave.
+    standard normals, so the model's distribution is the one an array each gave. ``dtype``
+    float64 (under x64) for a float64 model: float32 draws cast up have float32's resolution.
 
     Example:
       >>> import jax
@@ -194,7 +195,7 @@ def normal_runs(key: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array
         size += math.prod(shape)
     drawn: list[jax.Array] = []
     for i, run in enumerate(runs):
-        values = jax.random.normal(jax.random.fold_in(key, i), (sum(math.prod(s) for s in run),), jnp.float32)
+        values = jax.random.normal(jax.random.fold_in(key, i), (sum(math.prod(s) for s in run),), dtype)
         start = 0
         for shape in run:
             drawn.append(values[start:start + math.prod(shape)].reshape(shape))

@@ -952,6 +952,23 @@ def test_from_config_initializes_as_hf(family):
     assert checked >= 8
 
 
+def test_a_float64_model_from_a_config_draws_float64_under_x64():
+    """from_hf(config, dtype=jnp.float64, key=) under jax_enable_x64 (HF's from_config with
+    torch_dtype=torch.float64 draws in float64): HF's normal draws were made in float32 and
+    cast, so every weight was a float32 number; each drawn weight now has float64's digits, at
+    HF's std (the initialization from_hf's build runs, on a float64 Dense and Embedding)."""
+    config = llama_config()
+    with jax.enable_x64(True):
+        layers = jax.eval_shape(lambda: {  # (templates: the initialization reads their shapes and dtypes)
+            "embed_tokens": ft.nn.Embedding(VOCAB, D, key=jax.random.key(0), dtype=jnp.float64),
+            "lm_head": ft.nn.Dense(D, VOCAB, key=jax.random.key(0), dtype=jnp.float64, use_bias=False)})
+        fresh = _hf._hf_initialized(_hf.FAMILIES["llama"], layers, config, jax.random.key(1))
+    for w in (fresh["embed_tokens"].embeddings, fresh["lm_head"].weight):
+        w = np.asarray(w)
+        assert w.dtype == np.float64 and np.any(w != w.astype(np.float32).astype(np.float64))
+        assert abs(w.std() / config.initializer_range - 1) < 0.2  # 640 draws: 5 sigma of a std's estimate is 14%
+
+
 @pytest.mark.parametrize("family", INIT_CONFIGS)
 def test_a_pad_id_outside_the_vocabulary_is_refused_where_hf_refuses_it(family, tmp_path):
     """``pad_token_id == vocab_size``: HF builds Llama's (and the families built like it),

@@ -437,7 +437,8 @@ def _hf_initialized(family: type[HFModel], model: Any, config: Any, key: jax.Arr
     nodes, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: isinstance(x, (Dense, Embedding)))
     drawn = [node.embeddings if isinstance(node, Embedding) else node.weight for _, node in nodes
              if isinstance(node, (Dense, Embedding))]
-    draws = iter(normal_runs(key, [like.shape for like in drawn]))  # functree/_random.py: one hash, few compiles
+    wide = jnp.float64 if any(like.dtype == jnp.float64 for like in drawn) else jnp.float32  # (x64: float64's digits)
+    draws = iter(normal_runs(key, [like.shape for like in drawn], wide))  # functree/_random.py: one hash, few compiles
 
     def normal(like: jax.Array, scale: float) -> jax.Array:
         return (scale * next(draws)).astype(like.dtype)

@@ -122,6 +122,19 @@ def test_parameter_noise_after_the_update():
     np.testing.assert_array_equal(u3["w"], 0.0)
 
 
+def test_parameter_noise_of_a_float64_parameter_is_float64_under_x64():
+    """add_parameter_noise drew every leaf's noise in float32 and cast it: under x64 a float64
+    parameter's noise had float32's digits. It is drawn in the leaf's real dtype (float32 at
+    least): float64's digits at the same std; a bfloat16 leaf's still drawn in float32."""
+    tx = optax.chain(fo.sgd(0.0), fo.add_parameter_noise(0.5, seed=1))
+    with jax.enable_x64(True):
+        p = {"w": jnp.zeros(2000, jnp.float64), "h": jnp.zeros(4, jnp.bfloat16)}
+        u, _ = jax.jit(tx.update)(p, tx.init(p), p)  # (one program, not one an operation)
+    w = np.asarray(u["w"])
+    assert w.dtype == np.float64 and np.any(w != w.astype(np.float32).astype(np.float64))
+    assert abs(w.std() / 0.5 - 1) < 0.1 and u["h"].dtype == jnp.bfloat16  # 2000 draws: 5 sigma is 8%
+
+
 def test_gradient_noise_is_annealed():
     tx = fo.add_gradient_noise(1.0, gamma=0.55, seed=0)
     g = {"w": jnp.zeros(20000)}

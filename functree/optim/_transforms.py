@@ -28,6 +28,7 @@ from functree._operators import value_with_gradient
 from functree._random import flat_key
 from functree._traces import staged
 from functree._tree import is_array_value, is_none
+from functree.nn._precision import statistics_dtype
 from functree.optim._aliases import DEFAULT_NO_DECAY, decay_mask_of, exclude_patterns
 from functree.optim._arguments import check_argument
 from functree.optim._average import is_slot
@@ -452,11 +453,17 @@ def add_parameter_noise(std: Hyper, *, seed: int = 0) -> optax.GradientTransform
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, NoiseState]:
         key, keys = _split_like(state.key, updates)
-        noisy = jax.tree.map(lambda x, k: x + (std * jax.random.normal(flat_key(k), x.shape, jnp.float32)).astype(x.dtype),
+        noisy = jax.tree.map(lambda x, k: x + (std * jax.random.normal(flat_key(k), x.shape, _noise_dtype(x))).astype(x.dtype),
                              updates, keys)
         return noisy, NoiseState(key)
 
     return optax.GradientTransformation(init, update)
+
+
+def _noise_dtype(x: Any) -> Any:
+    """The dtype ``x``'s noise is drawn in: its real dtype, float32 at least (a bfloat16 leaf's
+    noise rounded once; a float64 one's under x64 with float64's digits, not float32's)."""
+    return statistics_dtype(jnp.finfo(x.dtype).dtype)
 
 
 @optimizer("ft.optim.add_gradient_noise")

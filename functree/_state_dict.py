@@ -81,6 +81,23 @@ TORCH_FLOAT_RANGE_HINT = _BEYOND_RANGE + """
     right:  ft.nn.load_torch_state_dict({wider}_model, state_dict)
        or:  {{k: v.clamp(-{largest}, {largest}) for k, v in state_dict.items()}}   # clipped on purpose"""
 
+_BEYOND_INT_RANGE = """\
+{names}: integers beyond the leaf's {dtype} range ({low} to {high}), which the cast would wrap \
+around (a silently different value), so they were not loaded. Give the model's {leaf} the \
+dtype {wider} to hold them (64-bit integers need jax_enable_x64), or clip them yourself where \
+that is meant:
+"""
+"""The start of the integer range hints, formatted by :func:`int_range_hint` (a narrower
+integer leaf given integers it cannot hold: torch's int64 count past int32's largest)."""
+
+INT_RANGE_HINT = _BEYOND_INT_RANGE + """
+    wrong:  ft.from_flat_dict(model, flat, cast=True)   # {name} beyond {high}
+    right:  ft.from_flat_dict(model, {{**flat, {name!r}: np.clip(flat[{name!r}], {low}, {high})}}, cast=True)"""
+
+TORCH_INT_RANGE_HINT = _BEYOND_INT_RANGE + """
+    wrong:  ft.nn.load_torch_state_dict(model, state_dict)   # {name} beyond {high}
+    right:  ft.nn.load_torch_state_dict(model, {{**state_dict, {name!r}: state_dict[{name!r}].clamp({low}, {high})}})"""
+
 META_TENSORS = """\
 {caller}: {names} are torch tensors on the "meta" device: shapes without values (a module \
 built under torch.device("meta"), or by init_empty_weights), nothing to load{strict}. Give \
@@ -101,7 +118,7 @@ once, which gives them their shapes, then save or load its state dict:
             {caller}({target}, lazy_module.state_dict(){options})"""
 
 
-_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}  # "range": range_hint
+_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}  # "range": range_hint, "wraps": int_range_hint
 
 
 def _spec(x: Any) -> tuple[tuple[int, ...], str]:
@@ -195,7 +212,7 @@ class FlatDictReport:
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[tuple[str, str, str], ...] = ()  # (name, expected, given)
     hints: tuple[str, ...] = ()
-    # The (kind, names) behind each hint ("torch", "float", "cast": :data:`_HINTS`).
+    # The (kind, names) behind each hint ("torch", "float", "cast": :data:`_HINTS`; "range", "wraps").
     hinted: tuple[tuple[str, tuple[str, ...]], ...] = dataclasses.field(default=(), repr=False)
 
     @property
@@ -299,6 +316,7 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
     unexpected = tuple(k for k in flat if k not in known)
     dtypes = dict(zip(names, map(_template_dtype, olds)))
     hints = tuple(range_hint(FLOAT_RANGE_HINT, {n: dtypes[n] for n in names}) if kind == "range"
+                  else int_range_hint(INT_RANGE_HINT, {n: dtypes[n] for n in names}) if kind == "wraps"
                   else _HINTS[kind].format(names=_listed(names)) for kind, names in hinted.items())
     report = FlatDictReport(tuple(missing), unexpected, tuple(mismatched), hints,
                             tuple((kind, tuple(names)) for kind, names in hinted.items()))
@@ -482,11 +500,14 @@ def _both_floating(a: Any, b: Any) -> bool:
 
 
 def _hint_kind(old: Any, new: Any, cast: bool) -> str | None:
-    """Which hint fixes one mismatched leaf: "torch", "float", "cast" or None (shapes say it all)."""
+    """Which hint fixes one mismatched leaf: "torch", "float", "cast", "range" (floats past the
+    leaf's), "wraps" (integers past it) or None (shapes say it all)."""
     shape = np.shape(old)
     if cast:
         value, dtype = to_numpy(new), _template_dtype(old)
         fits = value is not None and dtype is not None and value.shape == shape
+        if fits and value is not None and _wraps(np.dtype(dtype), value):
+            return "wraps"
         if value is None or not (fits and _both_floating(value.dtype, dtype)):
             return None if value is None else "cast"
         return "range" if overflows(dtype, value) else None
@@ -517,6 +538,25 @@ def range_hint(text: str, dtypes: Mapping[str, Any]) -> str:
     wider = "float32" if jnp.finfo(first).bits < 32 else "float64"
     return text.format(names=_listed(list(dtypes)), limits=limits, dtype=first.name, largest=_largest(first),
                        wider=wider)
+
+
+def _wraps(dtype: np.dtype, value: np.ndarray) -> bool:
+    """Whether ``value``'s integers do not fit the integer ``dtype``, narrower than 64 bits
+    (one twice as wide holds them: :func:`int_range_hint`'s fix)."""
+    return dtype.kind in "iu" and np.dtype(value.dtype).kind in "iu" and dtype.itemsize < 8 and not castable(dtype, value)
+
+
+def int_range_hint(text: str, dtypes: Mapping[str, Any], leaf: str | None = None) -> str:
+    """``text`` (:data:`INT_RANGE_HINT`, :data:`TORCH_INT_RANGE_HINT`) for the integer leaves
+    ``{name: dtype}`` given integers beyond their range (:func:`_wraps`): the first's range
+    named, the fix written for it (a leaf twice as wide, or its values clipped to the range);
+    ``leaf``: its key path where ``name`` is another (a torch name), else ``name``."""
+    name, first = next(iter(dtypes.items()))
+    first = np.dtype(first)
+    info = np.iinfo(first)
+    wider = np.dtype(f"{first.kind}{2 * first.itemsize}").name
+    return text.format(names=_listed(list(dtypes)), dtype=first.name, low=info.min, high=info.max, wider=wider,
+                       name=name, leaf=leaf or name)
 
 
 def _listed(names: list[str], most: int = 5) -> str:

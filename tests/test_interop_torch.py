@@ -295,11 +295,32 @@ def test_num_batches_tracked_is_written_as_torchs_int64_and_read_without_wrappin
     sd["num_batches_tracked"] = torch.tensor(2**31 + 5)
     for x64 in (False, True):
         with jax.enable_x64(x64), pytest.raises(ValueError, match=r"num_batches_tracked: expected shape \(\) dtype "
-                                                                r"int32, given shape \(\) dtype int64(?s:.*)out of range"):
+                                                                r"int32, given shape \(\) dtype int64"):
             ft.nn.load_torch_state_dict(bn, sd)
     with jax.enable_x64(True):
         wide = ft.nn.load_torch_state_dict(bn.replace(batches_tracked=jnp.asarray(0, jnp.int64)), sd)
         assert wide.batches_tracked.dtype == jnp.int64 and int(wide.batches_tracked) == 2**31 + 5
+
+
+def test_an_int64_count_past_int32_names_the_range_and_a_fix_that_loads():
+    """torch's int64 num_batches_tracked past int32's largest, for an int32 count: refused (never
+    wrapped), but with the hint for another kind of tensor ("an integer tensor for a floating
+    leaf, or the reverse) or out of range: convert them"), no range nor fix. It names int32's
+    range, the leaf to widen (batches_tracked: int64, under x64) and the clamp, which loads."""
+    from functree._state_dict import TORCH_INT_RANGE_HINT
+
+    bn = ft.nn.BatchNorm(3, momentum=None)
+    sd = {**nn.BatchNorm1d(3, momentum=None).state_dict(), "num_batches_tracked": torch.tensor(2**31 + 5)}
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(bn, sd)
+    message = str(info.value)
+    assert TORCH_INT_RANGE_HINT.split("{")[0] in message  # (its start: the name first)
+    assert ("num_batches_tracked: integers beyond the leaf's int32 range (-2147483648 to 2147483647), which the cast "
+            "would wrap around") in message and "Give the model's batches_tracked the dtype int64" in message
+    assert "convert them before loading" not in message
+    right = re.search(r"right:  (.*)", message).group(1)
+    loaded = eval(right, {"ft": ft, "model": bn, "state_dict": sd})
+    assert loaded.batches_tracked.dtype == jnp.int32 and int(loaded.batches_tracked) == 2**31 - 1
 
 
 @needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them
@@ -384,11 +405,12 @@ def test_integer_tensors_lists_and_kind_mismatches():
     state = {"dense.weight": linear.weight, "dense.bias": linear.bias}
     loaded = ft.nn.load_torch_state_dict(model, {**state, "ids": torch.arange(5) * 2})
     assert loaded.ids.dtype == jnp.int32 and loaded.ids.tolist() == [0, 2, 4, 6, 8]
-    for ids in (torch.arange(5, dtype=torch.float32), torch.arange(5) + 2**40):
+    for ids, hint in ((torch.arange(5, dtype=torch.float32), "convert them before loading: ids"),
+                      (torch.arange(5) + 2**40, "ids: integers beyond the leaf's int32 range")):
         with pytest.raises(ValueError) as info:
             ft.nn.load_torch_state_dict(model, {**state, "ids": ids})
         message = str(info.value)
-        assert "ids: expected shape (5,) dtype int32" in message and "convert them before loading: ids" in message
+        assert "ids: expected shape (5,) dtype int32" in message and hint in message
         assert "cast=True" not in message
     dense = ft.nn.load_torch_state_dict(ft.nn.Dense(2, 3, key=jax.random.key(0)),
                                         {"weight": [[1.0, 2.0]] * 3, "bias": [0.0, 0.5, 0.0]})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -181,7 +182,8 @@ def test_cast_never_reshapes_and_casts_integers_only_where_they_fit():
     assert "layers.0.weight: expected shape (2, 3) dtype float32, given shape (3, 2) dtype torch.float32" in message
     assert "steps: expected shape () dtype int32, given shape () dtype torch.int64" in message
     assert ("hint: cast=True converts floating values of the same shape, and integers to an integer dtype that "
-            "holds them; convert these yourself: layers.0.weight, steps") in message
+            "holds them; convert these yourself: layers.0.weight\n") in message
+    assert "hint: steps: integers beyond the leaf's int32 range" in message  # (its own hint: the range, a clip)
     _, report = ft.from_flat_dict(make_net(), flat, cast=True, strict=False)
     assert [name for name, _, _ in report.mismatched] == ["layers.0.weight", "steps"]
 
@@ -231,6 +233,22 @@ def test_values_past_a_float8_template_s_range_hint_the_leaf_s_own_bound():
     assert "w: values beyond the largest finite value of the leaf's floating dtype (float8_e4m3fn's is 448)" in message
     assert "wrong:  ft.from_flat_dict(float8_e4m3fn_model, flat, cast=True)   # values beyond 448" in message
     assert "np.clip(v, -448, 448) for k, v in flat.items()" in message and "65504" not in message
+
+
+def test_integers_past_an_int32_template_s_range_hint_the_range_and_a_clip_that_loads():
+    """cast=True refused an int64 2**40 for an int32 leaf (never wrapped) with the hint for
+    another kind of value ("cast=True converts ... convert these yourself"), no range nor fix.
+    It names int32's range, the leaf to widen (int64, under x64) and a clip, which loads."""
+    template, flat = {"n": np.zeros(2, np.int32)}, {"n": np.array([3, 2**40])}
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(template, flat, cast=True)
+    message = str(info.value)
+    assert ("n: integers beyond the leaf's int32 range (-2147483648 to 2147483647), which the cast would wrap "
+            "around") in message and "Give the model's n the dtype int64" in message
+    assert "convert these yourself" not in message
+    right = re.search(r"right:  (.*)", message).group(1)
+    loaded = eval(right, {"ft": ft, "np": np, "model": template, "flat": flat})
+    np.testing.assert_array_equal(loaded["n"], [3, 2**31 - 1])
 
 
 def test_from_flat_dict_rejects_a_template_whose_names_collide():

@@ -101,11 +101,13 @@ from functree._stacked import is_stacked
 from functree._state_dict import (
     TORCH_CAST_HINT,
     TORCH_FLOAT_RANGE_HINT,
+    TORCH_INT_RANGE_HINT,
     FlatDictReport,
     _both_floating,
     castable,
     check_no_meta,
     from_flat_dict,
+    int_range_hint,
     range_hint,
     to_flat_dict,
     to_numpy,
@@ -904,9 +906,12 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
               for kind, names in fitted.hinted if kind == "range" for n in names}
     ranged |= {members.get(n, n): dtype for n, _, _, dtype in wrong_dtypes if dtype is not None}
     wrong_dtypes = [(members.get(n, n), want, got) for n, want, got, _ in wrong_dtypes]
-    cast = [n for n, _, _ in refused if n not in ranged]
+    paths = [str(n) for kind, names in fitted.hinted if kind == "wraps" for n in names]  # int64 past int32's range
+    wrapped = {torch_names.get(n, n): template[n].dtype for n in paths}
+    cast = [n for n, _, _ in refused if n not in ranged and n not in wrapped]
     hints = ((TORCH_CAST_HINT.format(names=", ".join(cast)),) if cast and fitted.hints else ()) + (
-        (range_hint(TORCH_FLOAT_RANGE_HINT, dict(sorted(ranged.items()))),) if ranged else ())
+        (range_hint(TORCH_FLOAT_RANGE_HINT, dict(sorted(ranged.items()))),) if ranged else ()) + (
+        (int_range_hint(TORCH_INT_RANGE_HINT, wrapped, paths[0]),) if wrapped else ())
     report = merged(ported, FlatDictReport(
         tuple(missing), tuple(k for k in given if k not in claimed), (*mismatched, *wrong_dtypes, *refused), hints,
     ))

@@ -80,3 +80,17 @@ def test_local_response_norm_matches_torch(size):
 def test_local_response_norm_refuses_a_bad_size():
     with pytest.raises(ValueError, match=r"size=0; it is an int >= 1"):
         ft.nn.LocalResponseNorm(0)
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_an_ensembles_instance_norm_called_outside_vmap_is_refused(track):
+    # scale [3, 4] on x [2, 3, 4] (3 positions): position i scaled by model i's, silently
+    norms = jax.vmap(lambda s: ft.nn.InstanceNorm1D(4, affine=True, track_running_stats=track).replace(scale=s))(
+        jnp.arange(1.0, 13.0).reshape(3, 4))
+    x = jnp.arange(24.0).reshape(2, 3, 4)
+    with pytest.raises(ft.nn.LayerInputError, match=r"InstanceNorm1D holds scale f32\[3,4\], but one "
+                                                    r"InstanceNorm1D's scale has 1 axis"):
+        norms(x)
+    right = jax.vmap(lambda m: m(x))(norms)       # the fix
+    one = ft.nn.InstanceNorm1D(4, affine=True, track_running_stats=track).replace(scale=norms.scale[2])
+    np.testing.assert_allclose(right[2], one(x), rtol=1e-6, atol=1e-5)

@@ -55,6 +55,23 @@ def test_an_ensembles_norms_called_outside_vmap_are_refused():
             norms(jnp.ones((3, 4)))
 
 
+def test_an_ensembles_group_and_batch_norms_called_outside_vmap_are_refused():
+    # GroupNorm's scale [3, 3] on x [2, 3, 3]: position i scaled by model i's, silently;
+    # BatchNorm's [3, 3] statistics: JAX's "cannot reshape array of shape (3, 3)".
+    scales = jnp.arange(1.0, 10.0).reshape(3, 3)
+    group_norms = jax.vmap(lambda s: ft.nn.GroupNorm(1, 3).replace(scale=s))(scales)
+    batch_norms = jax.vmap(lambda s: ft.nn.BatchNorm(3).replace(scale=s))(scales)
+    x = _normal(0, (2, 3, 3))
+    for norms, name in ((group_norms, "GroupNorm"), (batch_norms, "BatchNorm")):
+        with pytest.raises(ft.nn.LayerInputError, match=rf"{name} holds scale f32\[3,3\], but one {name}'s scale "
+                                                        r"has 1 axis(.|\n)*jax.vmap\(lambda m: m\(x\)\)\(models\)"):
+            norms(x)
+    with pytest.raises(ft.nn.LayerInputError, match=r"BatchNorm at <root> holds scale f32\[3,3\]"):
+        ft.nn.collect_state(lambda m: m(x), ft.nn.training(batch_norms))
+    right = jax.vmap(lambda m: m(x))(group_norms)     # the fix: model 1 on its own
+    np.testing.assert_allclose(right[1], ft.nn.GroupNorm(1, 3).replace(scale=scales[1])(x), rtol=1e-6, atol=1e-6)
+
+
 def test_batch_norm_training_matches_reference_and_records_statistics():
     bn = ft.nn.BatchNorm(3, momentum=0.9, epsilon=1e-3)
     bn = bn.replace(scale=jnp.array([1.0, 2.0, 3.0]), offset=jnp.array([0.0, 1.0, -1.0]))

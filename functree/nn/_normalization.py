@@ -274,6 +274,7 @@ class GroupNorm(Layer):
         self.epsilon = float(epsilon)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_unbatched(self, scale=1, offset=1)  # an ensemble's layer outside jax.vmap: [models, C] scaled rows
         try:
             check_input(self, x, (self.channels,), leading="batch, ...", min_rank=2)
         except LayerInputError as e:  # torch's [N, C, *spatial]: move the channels, not another size
@@ -413,6 +414,8 @@ class BatchNorm(Layer):
         for name in ("running_mean", "running_variance"):  # None only in ft.parameters(model): not a model
             if self.track_running_stats and getattr(self, name) is None:
                 raise TypeError(VIEW_CALLED.format(layer=type(self).__name__, field=name))
+        check_unbatched(self, scale=1, offset=1, running_mean=1, running_variance=1,  # an ensemble's layer
+                        batches_tracked=0)                                         # outside jax.vmap
         held = [a for a in (self.scale, self.offset, self.running_mean) if a is not None]
         features = held[0].shape[0] if held else _features_at(x, self.axis)  # none held: any count (torch's)
         try:
@@ -544,6 +547,7 @@ class _InstanceNorm(Layer):
             for name in ("running_mean", "running_variance"):  # None only in ft.parameters(model): not a model
                 if getattr(self, name) is None:
                     raise TypeError(VIEW_CALLED.format(layer=cls, field=name))
+        check_unbatched(self, scale=1, offset=1, running_mean=1, running_variance=1)  # an ensemble's, outside vmap
         try:
             check_input(self, x, (*spatial, self.channels))
         except LayerInputError as e:  # torch's [N, C, *spatial]: move the channels

@@ -118,6 +118,27 @@ def test_wrong_feature_size_names_the_cell_path(key):
         rnn(jnp.ones(3))
 
 
+@pytest.mark.parametrize("cell_cls", [ft.nn.SimpleRNNCell, ft.nn.GRUCell, ft.nn.LSTMCell])
+def test_an_ensembles_cell_or_rnn_called_outside_vmap_is_refused(key, cell_cls):
+    # 3 cells of 3 inputs and 3 hidden on a batch of 3: x @ input_weight [3, 3, 3] broadcast over
+    # the models and the biases over the rows, a [3, 3, 3] state with no error (an LSTM: JAX's
+    # dot_general error); the RNN's scan said the cell "maps f32[3,3] to f32[3,3,3]".
+    cells = jax.vmap(lambda k: cell_cls(3, 3, key=k))(jax.random.split(key, 3))
+    name = cell_cls.__name__
+    with pytest.raises(ft.nn.LayerInputError, match=rf"{name} holds input_weight f32\[3,3,\d+\], but one {name}'s "
+                                                    r"input_weight has 2 axes(.|\n)*jax.vmap\(lambda m: m\(x\)\)"):
+        cells(jax.tree.map(lambda a: a[0], cells).zero_state((3,)), jnp.ones((3, 3)))
+    # an RNN given one model's initial state: "expects initial_state [2, 3]", the models' count
+    rnns = ft.nn.RNN(jax.vmap(lambda k: cell_cls(3, 4, key=k))(jax.random.split(key, 3)))
+    one = ft.nn.RNN(jax.tree.map(lambda a: a[1], rnns.cell))
+    xs, h0 = jnp.ones((2, 5, 3)), one.cell.zero_state((2,))
+    for given in ((xs,), (xs, h0)):
+        with pytest.raises(ft.nn.LayerInputError, match=rf"{name} at \.cell holds input_weight f32\[3,3,\d+\]"):
+            rnns(*given)
+    right = jax.vmap(lambda m: m(xs, h0))(rnns)       # the fix
+    np.testing.assert_allclose(right[1], one(xs, h0), rtol=1e-5, atol=1e-6)
+
+
 class _BNCell(ft.Module):
     """A GRU fed through a BatchNorm (layer state recorded at every step)."""
 

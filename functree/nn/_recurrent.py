@@ -24,7 +24,7 @@ from functree._random import flat_key, one_key
 from functree._repr import short_array
 from functree._traces import staged
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input, size_arguments
+from functree.nn._check import LayerInputError, check_input, check_unbatched, size_arguments
 from functree.nn._eager_keys import eager_program
 from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
@@ -133,6 +133,16 @@ class _Cell(Layer):
     and a zero state ``[*batch_shape, hidden_size]`` (the LSTM's: a pair of them). No field
     of its own: each cell's fields keep their order (its leaves', its checkpoints')."""
 
+    _ranks: ClassVar[tuple[tuple[str, int], ...]] = (  # each parameter's axes in one cell
+        ("input_weight", 2), ("hidden_weight", 2), ("input_bias", 1), ("hidden_bias", 1))
+
+    def _check_unbatched(self) -> None:
+        """:class:`BatchedLayerError` for an ensemble's cell (``jax.vmap``-built) called outside
+        ``jax.vmap``: its ``[models, in, hidden]`` weights broadcast over the batch rows (and the
+        biases against them, silently where the rows equal the models), or read the models'
+        count as the input size."""
+        check_unbatched(self, **dict(self._ranks))
+
     @property
     def hidden_size(self) -> int:
         return self.hidden_weight.shape[0]  # type: ignore[attr-defined]  # each cell's field
@@ -200,6 +210,7 @@ class SimpleRNNCell(_Cell):
         self.activation = activation
 
     def __call__(self, state: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        self._check_unbatched()  # an ensemble's cell outside jax.vmap
         check_input(self, x, (self.input_weight.shape[0],))
         # biases added in float32 below float32 (add_bias): their gradients sum every batch row
         pre = _plus(x @ self.input_weight, self.input_bias) + _plus(state @ self.hidden_weight, self.hidden_bias)
@@ -248,6 +259,7 @@ class GRUCell(_Cell):
         self.hidden_bias = jnp.zeros((3 * hidden_size,), dtype) if use_bias else None
 
     def __call__(self, state: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        self._check_unbatched()  # an ensemble's cell outside jax.vmap
         check_input(self, x, (self.input_weight.shape[0],))
         # biases added in float32 below float32 (add_bias): their gradients sum every batch row
         xi = _plus(x @ self.input_weight, self.input_bias)
@@ -322,6 +334,8 @@ class LSTMCell(_Cell):
     bias: jax.Array | None = field(decay=False)
     projection: jax.Array | None = None  # [hidden_size, proj_size]; None: no projection
     hidden_bias: jax.Array | None = field(decay=False, default=None)  # torch's b_hh; None: one bias
+    _ranks: ClassVar[tuple[tuple[str, int], ...]] = (
+        ("input_weight", 2), ("hidden_weight", 2), ("bias", 1), ("projection", 2), ("hidden_bias", 1))
     # files written before them: None
     __ft_added_static__: ClassVar[tuple[str, ...]] = ("projection", "hidden_bias")
 
@@ -370,6 +384,7 @@ class LSTMCell(_Cell):
         return LSTMState(hidden, cell)
 
     def __call__(self, state: LSTMState, x: jax.Array) -> tuple[LSTMState, jax.Array]:
+        self._check_unbatched()  # an ensemble's cell outside jax.vmap
         check_input(self, x, (self.input_weight.shape[0],))
         h, c = state
         # float32 below float32, as Dense; torch's b_hh added after b_ih, as torch's gates
@@ -460,6 +475,11 @@ class RNN(Layer):
 
     def __call__(self, xs: jax.Array, initial_state: Any = None, *, key: jax.Array | None = None,
                  return_state: bool = False, lengths: Any = None) -> Any:
+        if isinstance(self.cell, _Cell):  # before its state, sized by the models' count, is read
+            try:
+                self.cell._check_unbatched()
+            except LayerInputError as e:
+                raise e.within(self.cell, (Entry(ATTR, "cell"),)) from None
         check_input(self, xs, ("time", "features"))
         axis = self.time_axis % xs.ndim
         steps = jnp.moveaxis(xs, axis, 0)

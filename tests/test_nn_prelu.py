@@ -65,3 +65,14 @@ def test_a_slope_count_that_is_no_positive_int_is_a_named_error(num_parameters):
     assert str(caught.value) == BAD_NUM_PARAMETERS.format(given=num_parameters)
     assert "int >= 1" in str(caught.value) and "ft.nn.PReLU(1)" in str(caught.value)
     assert ft.nn.PReLU(np.int64(3)).slope.shape == (3,)  # NumPy ints are ints
+
+
+def test_an_ensembles_prelu_called_outside_vmap_is_refused():
+    # 3 one-slope PReLUs ([3, 1]) on x [2, 3]: read as one slope per channel, channel i given
+    # model i's, silently; 3 of 3 slopes failed in JAX's reshape
+    prelus = jax.vmap(lambda s: ft.nn.PReLU(1, init=s))(jnp.array([0.1, 0.2, 0.3]))
+    x = -jnp.ones((2, 3))
+    with pytest.raises(ft.nn.LayerInputError, match=r"PReLU holds slope f32\[3,1\], but one PReLU's slope has 1 "
+                                                    r"axis(.|\n)*jax.vmap\(lambda m: m\(x\)\)\(models\)"):
+        prelus(x)
+    np.testing.assert_allclose(jax.vmap(lambda m: m(x))(prelus)[2], jnp.full((2, 3), -0.3), rtol=1e-6)  # the fix

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from functree._module import field
 from functree._repr import short_array
-from functree.nn._check import LayerInputError, check_input
+from functree.nn._check import LayerInputError, check_input, check_unbatched
 from functree.nn._mode import Layer
 from functree.nn._window import is_int
 
@@ -57,6 +57,7 @@ class PReLU(Layer):
         self.channel_axis = operator.index(channel_axis)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        check_unbatched(self, slope=1)  # an ensemble's: [models, 1] read as one slope per channel
         check_input(self, x, ())
         slope = self.slope.astype(jnp.result_type(x))
         n = slope.shape[0]

@@ -44,3 +44,17 @@ def test_bilinear_draws_in_torchs_range_and_refuses_unpaired_inputs():
         layer(jnp.ones((5, 4)), jnp.ones((3, 2)))
     with pytest.raises(ft.nn.LayerInputError, match=r"\[\.\.\., 2\] \(float\), got f32\[5,3\]"):
         layer(jnp.ones((5, 4)), jnp.ones((5, 3)))
+
+
+
+@pytest.mark.parametrize("in1, in2", [(4, 5), (3, 3)])
+def test_an_ensembles_bilinear_called_outside_vmap_is_refused(in1, in2):
+    # 3 layers of (4, 5) inputs: "expects inputs [..., 3]", the models' count; 3 of (3, 3):
+    # einsum's "subscript 'ijo' does not contain the correct number of indices"
+    layers = jax.vmap(lambda k: ft.nn.Bilinear(in1, in2, 2, key=k))(jax.random.split(jax.random.key(0), 3))
+    x1, x2 = jnp.ones((2, in1)), jnp.ones((2, in2))
+    with pytest.raises(ft.nn.LayerInputError, match=rf"Bilinear holds weight f32\[3,{in1},{in2},2\], but one "
+                                                    r"Bilinear's weight has 3 axes"):
+        layers(x1, x2)
+    right = jax.vmap(lambda m: m(x1, x2))(layers)     # the fix
+    np.testing.assert_allclose(right[1], jax.tree.map(lambda a: a[1], layers)(x1, x2), rtol=1e-6)

@@ -12,7 +12,7 @@ from functree._module import field
 from functree._random import one_key
 from functree._repr import short_array
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input, size_arguments
+from functree.nn._check import LayerInputError, check_input, check_unbatched, size_arguments
 from functree.nn._linear import Initializer, add_bias
 from functree.nn._mode import Layer
 
@@ -56,6 +56,7 @@ class Bilinear(Layer):
         self.bias = initialized(bias_initializer or shifted, kb, (out_features,), dtype) if bias else None
 
     def __call__(self, x1: jax.Array, x2: jax.Array) -> jax.Array:
+        check_unbatched(self, weight=3, bias=1)  # an ensemble's layer outside jax.vmap
         in1, in2 = self.weight.shape[:2]
         check_input(self, x1, (in1,))
         check_input(self, x2, (in2,))

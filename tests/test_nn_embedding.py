@@ -23,6 +23,15 @@ def test_an_ensembles_embedding_called_outside_vmap_is_refused(key):
         tables(jnp.zeros((2, 5), jnp.int32))    # was "too many values to unpack"
 
 
+def test_an_ensembles_embedding_renormalized_outside_vmap_is_refused(key):
+    tables = jax.vmap(lambda k: ft.nn.Embedding(10, 4, key=k))(jax.random.split(key, 3))
+    tokens = jnp.array([1, 2])
+    with pytest.raises(ft.nn.LayerInputError, match=r"Embedding holds embeddings f32\[3,10,4\]"):
+        tables.renormalized(tokens, max_norm=1.0)   # was "too many values to unpack"
+    right = jax.vmap(lambda m: m.renormalized(tokens, max_norm=1.0))(tables)     # the fix
+    np.testing.assert_allclose(jnp.linalg.norm(right.embeddings[:, 1:3], axis=-1), 1.0, rtol=1e-5)
+
+
 def test_gradient_scatter_adds_into_rows(key):
     emb = ft.nn.Embedding(5, 2, key=key)
     idx = jnp.array([1, 3, 1])

@@ -210,3 +210,16 @@ def test_traced_offsets_that_are_not_bags_read_nan(include_last_offset):
         with pytest.raises(ValueError, match=r"offsets must be 1-D integers starting at 0"):
             bag(indices, jnp.array(bad))
         assert np.isnan(np.asarray(run(bag, indices, jnp.array(bad)))).all(), bad
+
+
+def test_an_ensembles_embedding_bag_called_outside_vmap_is_refused(key):
+    bags = jax.vmap(lambda k: ft.nn.EmbeddingBag(VOCAB, DIM, "sum", key=k))(jax.random.split(key, 2))
+    match = (r"EmbeddingBag holds embeddings f32\[2,7,3\], but one EmbeddingBag's embeddings has 2 "
+             r"axes(.|\n)*jax.vmap\(lambda m: m\(x\)\)\(models\)")
+    for call in (lambda m: m(INDICES.reshape(2, 5)), lambda m: m(INDICES, OFFSETS),
+                 lambda m: m.renormalized(INDICES, max_norm=1.0)):
+        with pytest.raises(ft.nn.LayerInputError, match=match):   # was "too many values to unpack"
+            call(bags)
+    right = jax.vmap(lambda m: m(INDICES, OFFSETS))(bags)     # the fix
+    np.testing.assert_allclose(right[1, 3], bags.embeddings[1, INDICES[5:]].sum(0), rtol=1e-5)
+

@@ -108,7 +108,6 @@ class Embedding(Layer):
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
 
     def __call__(self, indices: jax.Array) -> jax.Array:
-        check_unbatched(self, embeddings=2)  # an ensemble's layer outside jax.vmap
         check_input(self, indices, (), kind="int")
         check_rows(self, indices)
         rows = table_rows(self.embeddings, indices)
@@ -146,7 +145,10 @@ class Embedding(Layer):
 def check_rows(layer: Any, indices: Any) -> None:
     """Raise :class:`LayerInputError` (:data:`OUTSIDE_TABLE`) if concrete ``indices`` hold one
     outside ``[0, rows)`` of ``layer.embeddings``; traced ones are not seen (:func:`table_rows`
-    reads NaN rows for them)."""
+    reads NaN rows for them). First, :class:`BatchedLayerError` for an ensemble's table
+    ``[models, rows, width]`` (``jax.vmap``-built) outside ``jax.vmap``: Embedding's and
+    EmbeddingBag's calls and ``renormalized`` unpacked its shape ("too many values to unpack")."""
+    check_unbatched(layer, embeddings=2)
     ids = concrete(indices)
     rows, width = layer.embeddings.shape
     if ids is None or ids.size == 0:

@@ -110,6 +110,22 @@ def test_lora_dense_computes_the_low_rank_update():
     assert layer.lora_a.shape == (5, 2) and float(jnp.abs(layer.lora_a).max()) <= bound
 
 
+def test_an_ensembles_lora_dense_called_outside_vmap_is_refused():
+    # 3 adapted layers of 3 inputs on a batch of 3: x @ weight [3, 3, 3] broadcast over the
+    # models and the biases over the rows, a [3, 3, 3] output with no error
+    def adapted(k):
+        layer = ft.nn.LoraDense(ft.nn.Dense(3, 3, key=k), rank=2, key=k)
+        return layer.replace(lora_b=jax.random.normal(jax.random.fold_in(k, 1), (2, 3)))
+
+    layers = jax.vmap(adapted)(jax.random.split(jax.random.key(0), 3))
+    x = jax.random.normal(jax.random.key(1), (3, 3))
+    with pytest.raises(ft.nn.LayerInputError, match=r"LoraDense holds weight f32\[3,3,3\], but one LoraDense's weight "
+                                                    r"has 2 axes(.|\n)*jax.vmap\(lambda m: m\(x\)\)\(models\)"):
+        layers(x)
+    right = jax.vmap(lambda m: m(x))(layers)      # the fix
+    assert_close(right[1], jax.tree.map(lambda a: a[1], layers)(x), 1e-6)
+
+
 def test_hf_names_select_the_same_layers_as_ft_names(base):
     by_hf = ft.nn.lora(base, [QV, "*.mlp.down_proj"], rank=4, key=jax.random.key(0))  # the trained model's shapes
     by_ft = ft.nn.lora(base, ["*.self_attn.[qv]*_projection", "model.layers.*.mlp.down_proj"], rank=4,

@@ -47,7 +47,7 @@ from functree._naming import foreign_names
 from functree._random import flat_key, one_key
 from functree._tree import dotted_name, is_none
 from functree._where import placed_like
-from functree.nn._check import check_input
+from functree.nn._check import check_input, check_unbatched
 from functree.nn._linear import Dense, add_bias
 from functree.nn._lora_experts import (
     EXPERT_FIELDS,
@@ -245,6 +245,8 @@ class LoraDense(Layer):
         return self.alpha / self.rank if self.member_scale is None else self.member_scale
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+        # an ensemble's layer outside jax.vmap (a Stack's members are called one at a time)
+        check_unbatched(self, weight=2, bias=1, lora_a=2, lora_b=2, dropout_key=1, member_scale=0)
         check_input(self, x, (self.weight.shape[-2],))
         y = x @ self.weight
         if self.bias is not None:  # in float32 below float32, as Dense adds it (its gradient sums every row)

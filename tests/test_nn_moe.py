@@ -199,6 +199,28 @@ def test_a_bad_argument_is_refused_naming_it(kwargs, match, fix):
     assert fix in str(error.value) and "wrong:" in str(error.value)
 
 
+def test_an_ensembles_moe_called_outside_vmap_is_refused():
+    # 3 models (E experts each): SparseMoE said it "expects inputs [..., 3]", the models' count;
+    # Experts.every and .grouped failed in einsum / dot_general, an adapted one's in matmul
+    keys = jax.random.split(jax.random.key(0), 3)
+    moes = jax.vmap(lambda k: ft.nn.SparseMoE(D, HIDDEN, num_experts=E, key=k))(keys)
+    x = jax.random.normal(jax.random.key(1), (2, D))
+    fix = r"(.|\n)*jax.vmap\(lambda m: m\(x\)\)\(models\)"
+    with pytest.raises(ft.nn.LayerInputError, match=rf"Dense holds weight f32\[3,{D},{E}\], but one Dense's weight{fix}"):
+        moes(x)
+    experts = f"f32\\[3,{E},{D},{2 * HIDDEN}\\]"
+    with pytest.raises(ft.nn.LayerInputError, match=rf"Experts holds gate_up_proj {experts}, but one Experts' "
+                                                    rf"gate_up_proj has 3 axes{fix}"):
+        moes.experts.every(x)
+    with pytest.raises(ft.nn.LayerInputError, match=rf"Experts holds gate_up_proj {experts}"):
+        moes.experts.grouped(x, jnp.array([2] + [0] * (E - 1)))
+    adapted = jax.vmap(lambda m, k: ft.nn.LoraExperts(m.experts, rank=2, key=k))(moes, keys)
+    with pytest.raises(ft.nn.LayerInputError, match=rf"LoraParameter holds weight {experts}"):
+        adapted.every(x)
+    right = jax.vmap(lambda m: m(x))(moes)     # the fix
+    np.testing.assert_allclose(right[1], jax.tree.map(lambda a: a[1], moes)(x), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_load_balancing_loss_and_its_gradient_are_hfs(masked):
     """Two layers' router logits over a [2, 5] batch, float64: the value of HF's

@@ -159,7 +159,9 @@ def check_unbatched(layer: Any, **ranks: int) -> None:
     for name, rank in ranks.items():
         value = getattr(layer, name)
         if value is not None and jnp.ndim(value) > rank:
-            expected = f"one {type(layer).__name__}'s {name} has {rank} ax{'i' if rank == 1 else 'e'}s"
+            kind = type(layer).__name__
+            owner = kind + ("'" if kind.endswith("s") else "'s")  # one Experts' gate_up_proj
+            expected = f"one {owner} {name} has {rank} ax{'i' if rank == 1 else 'e'}s"
             raise BatchedLayerError(layer, expected, f"{name} {short_array(value)}", FIX_BATCHED)
 
 

@@ -37,6 +37,7 @@ from functree._random import flat_key
 from functree._repr import short_array
 from functree._tree import dotted_name, has_shape_and_dtype, is_none
 from functree._where import placed_like
+from functree.nn._check import check_unbatched
 from functree.nn._lora_options import check_dtype, check_options
 from functree.nn._moe import Experts
 from functree.nn._precision import statistics_dtype
@@ -194,10 +195,21 @@ class LoraExperts(Experts):
         """The plain :class:`Experts` of the effective weights."""
         return merge_experts(self)
 
+    def _check_unbatched(self) -> None:
+        """Experts' check, an adapted field's by its :class:`LoraParameter`'s leaves (its own
+        ``ndim`` is not its weight's)."""
+        for name in EXPERT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, LoraParameter):
+                check_unbatched(value, weight=3, lora_a=3, lora_b=3, member_scale=0)
+            else:
+                check_unbatched(self, **{name: 3})
+
     def _ragged(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return self.merged()._ragged(rows, group_sizes)  # (grouped, inherited, checks the sizes first)
 
     def every(self, x: jax.Array) -> jax.Array:
+        self._check_unbatched()
         return self.merged().every(x)
 
 

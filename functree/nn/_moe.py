@@ -55,7 +55,14 @@ from functree._module import field
 from functree._random import TRAINER_KEY, flat_key, one_key
 from functree._repr import short_array
 from functree.nn._abstract import initialized
-from functree.nn._check import LayerInputError, check_input, concrete, size_argument, size_arguments
+from functree.nn._check import (
+    LayerInputError,
+    check_input,
+    check_unbatched,
+    concrete,
+    size_argument,
+    size_arguments,
+)
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
 from functree.nn._precision import statistics_dtype
@@ -177,9 +184,16 @@ class Experts(Layer):
           >>> bool(jnp.isnan(jax.jit(experts.grouped)(rows, jnp.array([2, 0, 2]))).all())  # sum 4, not 5
           True
         """
+        self._check_unbatched()
         bad = _check_group_sizes(self, rows, group_sizes)
         out = self._ragged(rows, group_sizes)
         return out if bad is None else jnp.where(bad, jnp.asarray(jnp.nan, out.dtype), out)
+
+    def _check_unbatched(self) -> None:
+        """:class:`BatchedLayerError` for an ensemble's experts (``jax.vmap``-built, ``[models, E,
+        d, 2 * hidden]``) outside ``jax.vmap``: the models' count was read as the experts'
+        (JAX's dot_general and einsum errors, a SparseMoE's "expects inputs [..., models]")."""
+        check_unbatched(self, gate_up_proj=3, down_proj=3)
 
     def _ragged(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """:meth:`grouped` unchecked: the sparse MoE's sizes, counted from its own routing."""
@@ -189,6 +203,7 @@ class Experts(Layer):
 
     def every(self, x: jax.Array) -> jax.Array:
         """Every expert on every row ``[N, d]``: ``[E, N, d]`` (the dense form)."""
+        self._check_unbatched()
         h = jnp.einsum("nd,edf->enf", x, self.gate_up_proj)
         gate, up = jnp.split(h, 2, axis=-1)
         return jnp.einsum("enf,efd->end", self.activation(gate) * up, self.down_proj)
@@ -282,6 +297,8 @@ class SparseMoE(Layer):
         return logits, weights, experts.astype(jnp.int32)
 
     def __call__(self, x: jax.Array, *, key: jax.Array | None = None, return_logits: bool = False) -> Any:
+        check_unbatched(self.gate, weight=2, bias=1)  # an ensemble's layer outside jax.vmap
+        self.experts._check_unbatched()
         check_input(self, x, (self.gate.weight.shape[0],))
         if self.training and self.jitter > 0:
             if key is None:

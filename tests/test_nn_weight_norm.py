@@ -204,6 +204,22 @@ def test_spectral_norm_inference_records_nothing_and_starts_at_sigma():
     assert np.abs(y - jnp.ones((2, 6)) @ sn.normalized_weight).max() <= 1e-6
 
 
+@pytest.mark.parametrize("dim", [0, None])
+def test_an_ensembles_weight_and_spectral_norms_called_outside_vmap_are_refused(dim):
+    # SpectralNorm: JAX's "transpose permutation isn't a permutation of operand dimensions";
+    # WeightNorm: the error of a Dense the user does not hold, weight f32[3,4,2]
+    keys = jax.random.split(KEY, 3)
+    spectral = jax.vmap(lambda k: ft.nn.SpectralNorm(ft.nn.Dense(4, 2, key=k), dim=dim, key=k))(keys)
+    weight = jax.vmap(lambda k: ft.nn.WeightNorm(ft.nn.Dense(4, 2, key=k), dim=dim))(keys)
+    x = jnp.ones((3, 4))
+    for layers, name, field in ((spectral, "SpectralNorm", "weight"), (weight, "WeightNorm", "v")):
+        with pytest.raises(ft.nn.LayerInputError, match=rf"{name} holds {field} f32\[3,4,2\], but one {name}'s {field} "
+                                                        r"has 2 axes(.|\n)*jax.vmap\(lambda m: m\(x\)\)\(models\)"):
+            layers(x)
+        right = jax.vmap(lambda m: m(x))(layers)     # the fix
+        np.testing.assert_allclose(right[2], jax.tree.map(lambda a: a[2], layers)(x), rtol=1e-6, atol=1e-6)
+
+
 ERRORS = [
     (lambda: ft.nn.WeightNorm(ft.nn.LayerNorm(4)), TypeError, _weight_norm.NOT_WRAPPABLE, "LayerNorm"),
     (lambda: ft.nn.WeightNorm(ft.nn.Dense(3, 2, key=KEY), dim=2), ValueError, _weight_norm.BAD_DIM,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from functree._module import field
 from functree._random import one_key
+from functree.nn._check import check_unbatched
 from functree.nn._conv import ConvTranspose, torch_weight_axes
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
@@ -164,6 +165,8 @@ class WeightNorm(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         _check_taken("WeightNorm", self.layer, "g and v")
+        rank = len(_torch_axes(self.layer, "WeightNorm", ""))  # an ensemble's layer outside jax.vmap
+        check_unbatched(self, v=rank, g=0 if self.dim is None else rank)
         return self.layer.replace(weight=self.weight)(x)
 
 
@@ -276,4 +279,6 @@ class SpectralNorm(Layer):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         _check_taken("SpectralNorm", self.layer, "weight, u and v")
+        rank = len(_torch_axes(self.layer, "SpectralNorm", ", key=key"))  # an ensemble's layer outside jax.vmap
+        check_unbatched(self, weight=rank, u=1, v=1)  # (the transpose to torch's layout failed in JAX)
         return self.layer.replace(weight=self.weight / self._sigma(self.weight))(x)

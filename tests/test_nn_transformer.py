@@ -225,6 +225,21 @@ def test_a_transformer_in_training_drops_with_one_key_per_member():
     np.testing.assert_array_equal(ours, theirs)
 
 
+def test_an_ensembles_transformer_layers_called_outside_vmap_are_refused():
+    # 3 models of d_model 8: "expects inputs [N, L, 3] or [L, 3]", the models' count
+    keys = jax.random.split(jax.random.key(0), 3)
+    encoders = jax.vmap(lambda k: ft.nn.TransformerEncoderLayer(8, 2, 16, 0.0, batch_first=True, key=k))(keys)
+    decoders = jax.vmap(lambda k: ft.nn.TransformerDecoderLayer(8, 2, 16, 0.0, batch_first=True, key=k))(keys)
+    x, memory = jnp.ones((2, 5, 8)), jnp.ones((2, 4, 8))
+    match = r"Dense holds weight f32\[3,8,16\], but one Dense's weight has 2 axes(.|\n)*jax.vmap\(lambda m: m\(x\)\)"
+    with pytest.raises(ft.nn.LayerInputError, match=match):
+        encoders(x)
+    with pytest.raises(ft.nn.LayerInputError, match=match):
+        decoders(x, memory)
+    right = jax.vmap(lambda m: m(x, memory))(decoders)     # the fix
+    np.testing.assert_allclose(right[1], jax.tree.map(lambda a: a[1], decoders)(x, memory), rtol=1e-5, atol=1e-6)
+
+
 def test_generate_square_subsequent_mask_is_torchs():
     np.testing.assert_array_equal(ft.nn.Transformer.generate_square_subsequent_mask(4),
                                   torch.nn.Transformer.generate_square_subsequent_mask(4).numpy())

@@ -36,7 +36,7 @@ from functree._module import Module, field
 from functree._random import one_key
 from functree._repr import short_array
 from functree.nn._attention import MultiheadAttention
-from functree.nn._check import LayerInputError, size_argument, size_arguments
+from functree.nn._check import LayerInputError, check_unbatched, size_argument, size_arguments
 from functree.nn._dropout import Dropout
 from functree.nn._linear import Dense
 from functree.nn._mode import Layer
@@ -281,6 +281,7 @@ class TransformerEncoderLayer(Layer):
         self, src: Any, src_mask: Any | None = None, src_key_padding_mask: Any | None = None,
         is_causal: bool | None = False, *, key: jax.Array | None = None,
     ) -> jax.Array:
+        check_unbatched(self.linear1, weight=2)  # an ensemble's layer outside jax.vmap (d_model read below)
         _causal_needs_mask(self, "is_causal", "src_mask", is_causal, src_mask, "the source's length")
         x = _batch_major(self, src, self.batch_first, self.linear1.weight.shape[0])
         n, length = x.shape[:2]
@@ -368,6 +369,7 @@ class TransformerDecoderLayer(Layer):
         memory_key_padding_mask: Any | None = None, tgt_is_causal: bool | None = False,
         memory_is_causal: bool = False, *, key: jax.Array | None = None,
     ) -> jax.Array:
+        check_unbatched(self.linear1, weight=2)  # an ensemble's layer outside jax.vmap
         d_model = self.linear1.weight.shape[0]
         _decoder_hints(self, tgt_mask, memory_mask, tgt_is_causal, memory_is_causal)
         x = _batch_major(self, tgt, self.batch_first, d_model)

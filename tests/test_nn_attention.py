@@ -75,6 +75,19 @@ def test_an_ensembles_attention_called_outside_vmap_is_refused(key):
         layers(jnp.ones((2, 5, 8)))             # was "expects inputs [..., queries, 3]", the models' count
 
 
+def test_an_ensembles_attention_called_with_a_cache_outside_vmap_is_refused(key):
+    # the cached (decoding) call said "expects inputs [batch, T, 3]", the models' count
+    layers = jax.vmap(lambda k: ft.nn.MultiheadAttention(8, 2, batch_first=True, key=k))(jax.random.split(key, 3))
+    cache = ft.nn.MultiheadAttention(8, 2, batch_first=True, key=key).init_cache(2, 4)
+    positions = jnp.zeros((2, 1), jnp.int32)
+    with pytest.raises(ft.nn.LayerInputError, match=r"Dense holds weight f32\[3,8,8\], but one Dense's weight"):
+        layers(jnp.ones((2, 1, 8)), cache=cache, positions=positions)
+    x = jnp.ones((2, 1, 8))
+    right, _ = jax.vmap(lambda m: m(x, cache=cache, positions=positions))(layers)   # the fix
+    alone, _ = jax.tree.map(lambda a: a[1], layers)(x, cache=cache, positions=positions)
+    np.testing.assert_allclose(right[1], alone, rtol=1e-5, atol=1e-6)
+
+
 def test_cross_attention_with_mask_and_sizes(key):
     mha = ft.nn.MultiheadAttention(6, 3, key_size=4, value_size=5, output_size=7, qk_size=2, vo_size=3, key=key)
     q = _normal(1, (2, 4, 6))

@@ -509,6 +509,7 @@ class MultiheadAttention(Layer):
     ) -> Any:
         if torch_arguments:  # torch's forward keywords (key_padding_mask=, need_weights=...): named, translated
             raise _torch_call_error(torch_arguments)
+        check_unbatched(self.query_projection, weight=2)  # an ensemble's layer outside jax.vmap (a cache's call too)
         if cache is not None:
             if return_weights:
                 raise ValueError(WEIGHTS_WITH_CACHE)
@@ -522,7 +523,6 @@ class MultiheadAttention(Layer):
         self_attention = keys is None and values is None
         keys = query if keys is None else keys
         values = keys if values is None else values
-        check_unbatched(self.query_projection, weight=2)  # an ensemble's layer outside jax.vmap
         check_input(self, query, ("queries", self.query_projection.weight.shape[0]))
         check_input(self, keys, ("keys", self.key_projection.weight.shape[0]))
         check_input(self, values, ("keys", self.value_projection.weight.shape[0]))

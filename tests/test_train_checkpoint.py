@@ -792,6 +792,32 @@ def test_narrow_dtypes_round_trip_bit_for_bit_and_uint4_is_refused_naming_the_le
     assert ft.train.load(tmp_path / "empty")["codes"].dtype == jnp.uint4
 
 
+def test_a_narrow_float_tensorstore_lacks_is_refused_before_anything_is_written(tmp_path):
+    """float8_e4m3 (every supported JAX) and float6_e2m3fn (jax 0.12 makes arrays of it)
+    have no tensorstore type: orbax's writer failed with 'Error parsing object member
+    "dtype": Unsupported data type' and left ``<path>.orbax-checkpoint-tmp`` behind. Both
+    are refused first, naming the leaf and the exact float32 widening."""
+    import ml_dtypes
+
+    values = np.array([0.5, 1.0, 2.0, -1.0], np.float32)
+    trees = {"e4m3": {"model": {"w": jax.device_put(values.astype(ml_dtypes.float8_e4m3))}},
+             "f6": {"model": {"w": values.astype(ml_dtypes.float6_e2m3fn)}}}  # NumPy: any JAX
+    for name, tree in trees.items():
+        dtype = tree["model"]["w"].dtype.name
+        with pytest.raises(CheckpointError) as info:
+            ft.train.save(tmp_path / name, tree)
+        message = str(info.value)
+        assert f"The leaf 'model.w' is a {dtype}[4] array: orbax's files (tensorstore) have no {dtype} type" in message
+        assert "Nothing was written" in message and f"every {dtype} value is a float32" in message
+        assert f'weights.astype(jnp.float32)}})    # loaded["weights"].astype(jnp.{dtype})' in message
+    with pytest.raises(CheckpointError, match=r"The leaf 'raw' is ndarray .*not text or objects"):
+        ft.train.save(tmp_path / "raw", {"raw": np.zeros(3, "V4")})  # raw bytes: no widening
+    assert sorted(os.listdir(tmp_path)) == []  # no temporary directory either
+    ft.train.save(tmp_path / "e4m3", {"w": trees["e4m3"]["model"]["w"].astype(jnp.float32)})  # the fix
+    back = ft.train.load(tmp_path / "e4m3")["w"].astype(ml_dtypes.float8_e4m3)
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8), np.asarray(trees["e4m3"]["model"]["w"]).view(np.uint8))
+
+
 def test_python_ints_of_64_bits_round_trip_and_a_larger_one_is_refused_naming_it(tmp_path):
     """int64's and uint64's ranges come back as the ints they were; past them NumPy holds an
     object, refused as "not text or objects" with a fix about text (now BIG_INT, with a split)."""

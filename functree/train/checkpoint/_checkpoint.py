@@ -260,15 +260,42 @@ def metadata_digest(meta: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(body, sort_keys=True, allow_nan=True).encode())
 
 
-UNWRITABLE_DTYPES = ("uint4", "uint2")  # JAX's, which tensorstore (orbax's files) has no type for
-
 UNWRITABLE_DTYPE = """\
 The leaf {key!r} is {given}: orbax's files (tensorstore) have no {dtype} type, so no \
 checkpoint can hold it as it is. Nothing was written. Save it widened, and narrow it back \
-after loading (exact: every {dtype} value is a uint8):
+after loading (exact: every {dtype} value is a {wide}):
 
-    wrong:  ft.train.save(path, {{"codes": codes}})                      # {dtype}
-    right:  ft.train.save(path, {{"codes": codes.astype(jnp.uint8)}})    # loaded["codes"].astype(jnp.{dtype})"""
+    wrong:  ft.train.save(path, {{"{name}": {name}}})                      # {dtype}
+    right:  ft.train.save(path, {{"{name}": {name}.astype(jnp.{wide})}})    # loaded["{name}"].astype(jnp.{dtype})"""
+
+
+@functools.cache
+def writable_dtype(dtype: np.dtype) -> bool:
+    """Whether orbax's files can hold ``dtype``: tensorstore, which writes them, has a type
+    of its name. Asked of the installed tensorstore, not listed here: JAX and ml_dtypes add
+    narrow types (uint4, float8_e4m3, jax 0.12's float6) before tensorstore has them, and
+    tensorstore failed deep in orbax's writer on each, leaving its temporary directory.
+
+    >>> writable_dtype(np.dtype(jnp.bfloat16)), writable_dtype(np.dtype(jnp.uint4))
+    (True, False)
+    """
+    import tensorstore  # orbax's own dependency, imported by then
+
+    try:
+        tensorstore.dtype(dtype.name)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _widened(dtype: np.dtype) -> tuple[str, str]:
+    """The type that holds every value of a narrow ``dtype`` exactly, and a leaf name for
+    the message's example."""
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):  # (ml_dtypes' narrow types are of NumPy kind "V")
+        return "uint8", "codes"
+    if jnp.issubdtype(dtype, jnp.integer):
+        return "int8", "codes"
+    return "float32", "weights"
 
 
 def _unsavable(arrays: dict[str, Any]) -> tuple[str, str] | None:
@@ -281,10 +308,10 @@ def _unsavable(arrays: dict[str, Any]) -> tuple[str, str] | None:
         dtype = getattr(x, "dtype", None)
         if not isinstance(dtype, np.dtype):
             dtype = np.asarray(x).dtype
-        if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV":
+        if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcV" or dtype.type is np.void:
             return key, f"{type(x).__name__} {repr(x)[:60]}"
         shape = tuple(getattr(x, "shape", ()))
-        if dtype.name in UNWRITABLE_DTYPES and math.prod(shape):  # (an empty one is stored as its shape)
+        if math.prod(shape) and not writable_dtype(dtype):  # (an empty one is stored as its shape)
             return key, f"dtype {dtype.name} {dtype.name}{list(shape)}"
     return None
 
@@ -292,7 +319,8 @@ def _unsavable(arrays: dict[str, Any]) -> tuple[str, str] | None:
 def _unsavable_message(key: str, given: str) -> str:
     if given.startswith("dtype "):
         dtype, array = given.removeprefix("dtype ").split(" ", 1)
-        return UNWRITABLE_DTYPE.format(key=key, given=f"a {array} array", dtype=dtype)
+        wide, name = _widened(jnp.dtype(dtype))
+        return UNWRITABLE_DTYPE.format(key=key, given=f"a {array} array", dtype=dtype, wide=wide, name=name)
     if not given.startswith("function "):
         return UNSAVABLE.format(key=key, given=given)
     name = given.removeprefix("function ")

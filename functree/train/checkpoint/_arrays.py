@@ -10,6 +10,7 @@ agree on the outcome.
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Mapping
@@ -227,6 +228,28 @@ def _fits(key: str, shape: tuple[int, ...], dtype: np.dtype, where: Any, meta: A
     return where
 
 
+@functools.cache
+def jax_holds(dtype: np.dtype) -> bool:
+    """Whether this JAX makes arrays of ``dtype``. NumPy's own types, yes; of ml_dtypes'
+    narrow ones each JAX holds its own set (float6_e2m3fn from jax 0.12, float8_e5m3fnu in
+    none yet), and a checkpoint of another JAX, or a zero-size NumPy leaf of this one, may
+    hold another: placed on a device it failed inside JAX (a TypeError, or XLA's 'Unknown
+    NumPy dtype'), so it comes back on the host, as NumPy, as a 64-bit array does without
+    x64. Asked by putting an empty array on the default device, once per dtype.
+
+    >>> import jax.numpy as jnp
+    >>> jax_holds(np.dtype(np.float32)), jax_holds(np.dtype(jnp.bfloat16))
+    (True, True)
+    """
+    if dtype.kind != "V":
+        return True
+    try:
+        jax.device_put(np.zeros(0, dtype))
+    except Exception:  # JAX's TypeError or XLA's runtime error, by version
+        return False
+    return True
+
+
 def _ruled_part(parts: Mapping[str, Any]) -> str | None:
     """The part the sharding rules are checked against, as ``ft.shard`` and the Trainer
     check them (a typo's rule matching nothing is an error, not a replicated leaf): the
@@ -245,8 +268,8 @@ def placement(parts: Mapping[str, Any], mesh: Any = None, sharding: Any = None, 
     (:func:`_ruled_part`), and the rest on the host (NumPy arrays, as before meshes); else with
     ``sharding`` (a ``Sharding`` or a device) every array there; else each template array
     where the template's is, the others on the templates' one device or the default device.
-    Arrays saved as NumPy arrays, and 64-bit ones without ``jax_enable_x64``, come back on
-    the host. Shapes and dtypes are the saved ones (a template never casts: it is checked).
+    Arrays saved as NumPy arrays, 64-bit ones without ``jax_enable_x64`` and those of a
+    dtype this JAX cannot hold (:func:`jax_holds`) come back on the host. Shapes and dtypes are the saved ones (a template never casts: it is checked).
     """
     if mesh is not None:
         everywhere = None
@@ -270,7 +293,7 @@ def placement(parts: Mapping[str, Any], mesh: Any = None, sharding: Any = None, 
                 where = everywhere
             elif where is None and not on_host:
                 where = rest
-            if where is None or jax.dtypes.canonicalize_dtype(dtype) != dtype:
+            if where is None or jax.dtypes.canonicalize_dtype(dtype) != dtype or not jax_holds(dtype):
                 out[key] = np.zeros(shape, dtype)
             else:
                 out[key] = jax.ShapeDtypeStruct(shape, dtype, sharding=_fits(key, shape, dtype, where, meta))

@@ -180,9 +180,9 @@ def test_a_stop_check_reading_a_log_another_thread_consumed_names_the_fix():
     step = ft.train.train_step(squares, OPT)
     model, state, batch = job(0)
     model, state, _ = step(model, state, batch)
-    read = step._halt  # what a thread's check read ...
+    read = step._loop.halt  # what a thread's check read ...
     model, state, _ = step(model, state, batch)  # ... before another thread's call donated it
-    step._halt = read
+    step._loop.halt = read
     with pytest.raises(RuntimeError, match="called from two threads at once"):
         step.check()
 

@@ -53,6 +53,35 @@ def test_early_stopping_restores_best():
     assert trainer.stop_training and stop.best_model is not None
 
 
+def test_an_unknown_attribute_of_a_callback_is_refused_and_its_right_line_stops_early(tmp_path):
+    # stop.min_delta = ... (the monitor's, read from its own record) and a typo made attributes
+    # nothing read: the run went on as if neither was set
+    stop = ft.train.EarlyStopping(monitor="loss", patience=1)
+    with pytest.raises(AttributeError, match=r"(?s)EarlyStopping has no setting 'min_delta': it is an argument of "
+                                             r"ft\.train\.EarlyStopping\(\.\.\.\).*right:  callback = "
+                                             r"ft\.train\.EarlyStopping\(monitor, min_delta=10\.0\)$"):
+        stop.min_delta = 10.0
+    with pytest.raises(AttributeError, match=r"(?s)no setting 'patiance' \(did you mean 'patience'\?\).*"
+                                             r"right:  callback\.patience = 1$"):
+        stop.patiance = 1
+    stop.patience = 1  # its settings take values
+    trainer = make()
+    monitor = "loss"  # the right line's placeholder, as the user's code names it
+    callback = eval("ft.train.EarlyStopping(monitor, min_delta=10.0)", {"ft": ft, "monitor": monitor})
+    trainer.fit(data(), epochs=7, progress=False, callbacks=[callback])
+    assert trainer.epoch == 6 and callback.stopped_epoch == 6  # none improves on the first by 10: 5 waited
+    save = ft.train.ModelCheckpoint(tmp_path / "ckpt")
+    with pytest.raises(AttributeError, match=r"right:  callback = ft\.train\.ModelCheckpoint\(directory, "
+                                             r"max_to_keep=5\)$"):
+        save.max_to_keep = 5
+
+    class Mine(ft.train.EarlyStopping):  # a user's subclass: its names are its own
+        pass
+
+    mine = Mine(monitor="loss")
+    mine.seen = []
+
+
 def test_reduce_lr_on_plateau_without_recompiling():
     trainer = make(lr=0.0)
     reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)

@@ -281,6 +281,52 @@ def test_an_attribute_typo_names_the_closest_public_attribute():
     assert not hasattr(trainer, "global_step") and getattr(trainer, "_none", 7) == 7
 
 
+def test_an_unknown_attribute_assigned_is_refused_naming_the_setting_or_the_call_that_takes_it():
+    """`trainer.epochs = 5` and a callback's `trainer.stop_trainig = True` made attributes
+    nothing read: fit trained its default epoch, and on past the stop. Each right line runs."""
+    trainer = make()
+    with pytest.raises(AttributeError, match=r"(?s)Trainer has no setting 'epochs': it is an argument of "
+                                             r"trainer\.fit\(\.\.\.\).*nothing reads") as info:
+        trainer.epochs = 2
+    assert right_line(str(info.value)) == "trainer.fit(data, epochs=2)" and "epochs" not in vars(trainer)
+    eval(right_line(str(info.value)), {"trainer": trainer, "data": ft.train.batches((X, Y), 16)})
+    assert trainer.steps_run == 4
+
+    class Stop(ft.train.Callback):
+        line = "trainer.stop_trainig = True"
+
+        def on_epoch_end(self, trainer, context):
+            exec(self.line, {"trainer": trainer})
+
+    with pytest.raises(AttributeError, match=r"(?s)no setting 'stop_trainig' \(did you mean 'stop_training'.*"
+                                             r"Settings it takes now: model, opt_state, key, extra, stop_training, "
+                                             r"steps_per_call.*right:  trainer\.stop_training = True$") as info:
+        trainer.fit((X, Y), epochs=4, batch_size=16, progress=False, callbacks=[Stop()])
+    Stop.line = right_line(str(info.value))
+    trainer = make()
+    trainer.fit((X, Y), epochs=4, batch_size=16, progress=False, callbacks=[Stop()])
+    assert trainer.epoch == 1  # stopped after its first epoch
+    with pytest.raises(AttributeError, match=r"right:  trainer = ft\.train\.Trainer\(model, None, loss_fn\)$"):
+        trainer.optimzer = None
+    trainer.steps_per_call, trainer.stop_training = 2, False  # its settings take values
+
+
+def test_a_fit_assigns_nothing_per_step_through_the_settings_check(monkeypatch):
+    """The check is a Python __setattr__: a step's commit writes the instance dict."""
+    from functree.train._built import Settings
+
+    assigned = []
+    checked = Settings.__setattr__
+    monkeypatch.setattr(Settings, "__setattr__", lambda self, n, v: (assigned.append(n), checked(self, n, v))[1])
+    trainer = make()
+    counts = []
+    for steps in (1, 2, 8):  # (the first builds the step)
+        del assigned[:]
+        trainer.fit((X, Y), steps=trainer.steps_run + steps, batch_size=2, progress=False, log_every=100)
+        counts.append(sorted(assigned))
+    assert counts[1] == counts[2]
+
+
 def _keras_step(name, w, state, g, t, lr=1e-3, centered=False, momentum=0.0):
     """One Keras 3 ``update_step`` (keras/src/optimizers/<name>.py, transcribed in NumPy) at
     Keras's defaults; ``state`` holds its slots, ``t`` counts from 1."""

@@ -206,6 +206,86 @@ def test_an_eval_steps_setting_is_refused_after_it_ran(name):
     assert getattr(evaluate, name) is not new
 
 
+def test_an_unknown_attribute_of_a_step_is_refused_naming_the_call_that_takes_it():
+    # step.donate = False made an attribute nothing read: the step donated on, and the
+    # model the user kept was deleted by the next call
+    model, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    step = ft.train.train_step(mse, opt)
+    with pytest.raises(AttributeError, match=r"(?s)TrainStep has no setting 'donate': it is an argument of "
+                                             r"ft\.train\.train_step\(\.\.\.\).*nothing reads.*"
+                                             r"wrong:  step\.donate = False\n"
+                                             r"    right:  step = ft\.train\.train_step\(loss_fn, optimizer, "
+                                             r"donate=False\)$"):
+        step.donate = False
+    assert "donate" not in vars(step)
+    with pytest.raises(AttributeError, match=r"(?s)no setting 'on_nana' \(did you mean 'on_nan'\?\).*"
+                                             r"Settings it takes now: optimizer, loss_fn, metrics, compute_dtype, "
+                                             r"on_nan, steps_per_call, placement\..*right:  step\.on_nan = 'skip'$"):
+        step.on_nana = "skip"
+    step.on_nan = "skip"  # a setting still takes a value before the step runs
+    step = ft.train.train_step(mse, opt, donate=False)  # the right line: the inputs stay valid
+    step(model, opt.init(model), batch)
+    assert not model.weight.is_deleted()
+    # After a run: a setting the programs were built with keeps its own message, and the
+    # fix of an unknown name is a new step
+    with pytest.raises(AttributeError, match=r"TrainStep\.on_nan cannot be set after the step has run"):
+        step.on_nan = "skip"
+    with pytest.raises(AttributeError, match=r"(?s)It takes no setting now\..*"
+                                             r"right:  step = ft\.train\.train_step\(loss_fn, optimizer, on_nan='skip'\)$"):
+        step.on_nana = "skip"
+    step._note = 1  # (a private name: the step's own)
+    evaluate = ft.train.eval_step(mse)
+    with pytest.raises(AttributeError, match=r"(?s)EvalStep has no setting 'metric' \(did you mean 'metrics'\?\)"
+                                             r".*right:  evaluate\.metrics = \[\]$"):
+        evaluate.metric = []
+    evaluate.metrics = {}
+
+
+def test_a_subclass_of_a_step_sets_names_of_its_own():
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+
+    class Weighted(TrainStep):
+        def __init__(self, loss_fn, optimizer, weight):
+            super().__init__(loss_fn, optimizer, donate=False)
+            self.weight = weight
+
+        def compute_loss(self, model, batch, key=None):
+            loss, aux = super().compute_loss(model, batch, key)
+            return self.weight * loss, aux
+
+    model, batch = problem()
+    weighted = Weighted(mse, opt, 2.0)
+    weighted.weight = 3.0  # before its first call, read by its trace
+    out = weighted(model, opt.init(model), batch)[2]["loss"]
+    np.testing.assert_allclose(out, 3.0 * mse(model, batch), rtol=1e-6)
+
+
+def test_a_loops_calls_assign_nothing_through_the_settings_check(monkeypatch):
+    # The check is a Python __setattr__; a loop's call writes its state to the step's Loop
+    # (plain slots), so it runs on assignment only, never per call.
+    from functree.train._built import Settings
+
+    _, batch = problem()
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    steps = {on_nan: ft.train.train_step(mse, opt, on_nan=on_nan) for on_nan in ("stop", "ignore")}
+    steps["scan"] = ft.train.train_step(mse, opt, steps_per_call=2)
+    batches = {"stop": batch, "ignore": batch, "scan": ft.train.stack_batches([batch, batch])}
+    carried = {}
+    for name, step in steps.items():  # built, and a plain loop's direct call set
+        model = problem()[0]
+        carried[name] = step(model, opt.init(model), batches[name])[:2]
+        carried[name] = step(*carried[name], batches[name])[:2]
+    assigned = []
+    checked = Settings.__setattr__
+    monkeypatch.setattr(Settings, "__setattr__", lambda self, n, v: (assigned.append(n), checked(self, n, v))[1])
+    for name, step in steps.items():
+        for _ in range(17):  # past a periodic stop check (every 16 calls)
+            carried[name] = step(*carried[name], batches[name])[:2]
+        step.check()
+    assert assigned == []
+
+
 def test_optax_transform_accepted_and_no_donation_option():
     model, batch = problem()
     step = ft.train.train_step(mse, optax.sgd(0.1), donate=False)
@@ -518,7 +598,7 @@ def test_a_stop_after_many_checked_calls_names_its_own_step_and_batch():
     batches = [(x, y) for _ in range(53)] + [bad, (x, y)]
     for batch in batches:
         model, state, _ = step(model, state, batch)
-    assert len(step._inflight) < len(batches)  # pruned along the way
+    assert len(step._loop.inflight) < len(batches)  # pruned along the way
     with pytest.raises(ft.train.NonFiniteError, match=r"step 54: ") as info:
         step.check()
     assert info.value.batch is bad
@@ -842,7 +922,7 @@ def test_committed_and_uncommitted_inputs_compile_the_step_as_jax_jit_does():
             counts.append(len(compiles))
         assert counts == [1, 0, 1, 0, 0, 0, 0]  # main: [1, 0, 1, 1, 0, 1, 0]
         step.check()  # the log went through the host at the fresh model: it counts every step called
-        assert int(step._halt["halt"][0]) == 7 and bool(jnp.isfinite(metrics["loss"]))
+        assert int(step._loop.halt["halt"][0]) == 7 and bool(jnp.isfinite(metrics["loss"]))
         step = ft.train.train_step(lambda m, b: mse_of_own(m, b) * 2.0, opt)  # first called on committed arrays
         model, state = commit(fresh(9))
         del compiles[:]

@@ -35,6 +35,7 @@ from functree.optim import hyperparameters, set_hyperparameters
 from functree.optim._average import AverageState, averages_in, is_average, keeps_average
 from functree.optim._hyper import _entries, _keys, group_learning_rate, learning_rate_names
 from functree.optim._lookahead import SlowState
+from functree.train._built import Settings
 from functree.train._direction import check_mode, direction, resolve_mode, trainer_metrics
 from functree.train._job import JobState, own_copy
 from functree.train.checkpoint._checkpoint import CheckpointManager, metadata_digest
@@ -466,7 +467,7 @@ class _Monitor:
         return better
 
 
-class EarlyStopping(Callback):
+class EarlyStopping(Settings, Callback):
     """Stop when ``monitor`` has not improved for ``patience`` epochs.
 
     An epoch improves when its value beats the best by more than ``min_delta``: of tied
@@ -537,6 +538,21 @@ class EarlyStopping(Callback):
       5.143
     """
 
+    # What it reads as set; any other name assigned is refused (Settings: `stop.min_delta = 0.1`
+    # was an attribute nothing read, the monitor's is its own), its constructor's named.
+    patience: int
+    restore_best: bool
+    restore_best_weights: bool
+    baseline: float | None
+    start_from_epoch: int
+    verbose: int
+    best_model: Any
+    best_average: Any  # the best epoch's averaged parameters (restore_best, an averaging optimizer)
+    best_epoch: int | None
+    stopped_epoch: int | None
+    _NAMED = "callback"
+    _ARGUMENTS = (("__init__", "callback = ft.train.EarlyStopping(monitor, {})"),)
+
     def __init__(self, monitor: str = "val_loss", patience: int = 5, *, mode: str | None = None,
                  min_delta: float = 0.0, restore_best: bool = False, restore_best_weights: bool = False,
                  baseline: float | None = None, start_from_epoch: int = 0, verbose: int = 0):
@@ -544,10 +560,10 @@ class EarlyStopping(Callback):
         self.patience, self.restore_best = patience, restore_best
         self.baseline, self.start_from_epoch, self.verbose = baseline, start_from_epoch, verbose
         self.restore_best_weights = restore_best_weights  # Keras's name for restore_best (Keras 3's rule)
-        self.best_model: Any = None
-        self.best_average: Any = None  # the best epoch's averaged parameters (restore_best, an averaging optimizer)
-        self.best_epoch: int | None = None
-        self.stopped_epoch: int | None = None
+        self.best_model = None
+        self.best_average = None
+        self.best_epoch = None
+        self.stopped_epoch = None
         self._stopped_now: int | None = None  # the epoch this fit stopped at (verbose's line), not saved
 
     def state_dict(self) -> dict[str, Any]:
@@ -628,7 +644,7 @@ def with_average_of(opt_state: Any, average: Any) -> Any:
     return jax.tree.map(put, opt_state, is_leaf=is_average)
 
 
-class ReduceLROnPlateau(Callback):
+class ReduceLROnPlateau(Settings, Callback):
     """Multiply the learning rate by ``factor`` when ``monitor`` stalls for ``patience`` epochs.
 
     The rate lives in the optimizer state (``ft.optim.set_hyperparameters``), so the
@@ -646,6 +662,15 @@ class ReduceLROnPlateau(Callback):
       >>> reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
       >>> head_only = ft.train.ReduceLROnPlateau(monitor="val_loss", group="head")
     """
+
+    # What it reads as set; any other name assigned is refused (Settings), its constructor's named.
+    factor: float
+    patience: int
+    min_lr: float
+    cooldown: int
+    group: str | None
+    _NAMED = "callback"
+    _ARGUMENTS = (("__init__", "callback = ft.train.ReduceLROnPlateau(monitor, {})"),)
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 2, *,
                  mode: str | None = None, min_delta: float = 0.0, min_lr: float = 0.0, cooldown: int = 0,
@@ -820,7 +845,7 @@ def closest_parameter(name: str, fn: Callable[..., Any]) -> str | None:
     return close[0] if close else None
 
 
-class ModelCheckpoint(Callback):
+class ModelCheckpoint(Settings, Callback):
     """Save the trainer (model, optimizer state with its learning context, layer state,
     PRNG key, position in the data, history, the callbacks' states and ``extra``) through
     a :class:`CheckpointManager`: after every ``every_steps`` steps (steps k, 2k, 3k, ...
@@ -861,6 +886,14 @@ class ModelCheckpoint(Callback):
     """
 
     reads_model = True
+    # What it reads as set; any other name assigned is refused (Settings: `save.max_to_keep = 5`
+    # was an attribute nothing read, the manager's is its own), its constructor's named.
+    manager: CheckpointManager
+    every_steps: int | None
+    every_epochs: int
+    extra: Callable[[TrainerView], Any] | None
+    _NAMED = "callback"
+    _ARGUMENTS = (("__init__", "callback = ft.train.ModelCheckpoint(directory, {})"),)
 
     def __init__(self, directory: str | os.PathLike[str] | CheckpointManager = REQUIRED, *,
                  every_steps: int | None = None, max_to_keep: int | None = 3,
@@ -1024,7 +1057,7 @@ def _same_values(ours: list[Any], saved: list[Any]) -> bool:
     return True
 
 
-class HistoryLogger(Callback):
+class HistoryLogger(Settings, Callback):
     """Append every log and epoch record to a JSON-lines file (one object per line).
 
     Its state is the file's length: restored, it cuts off the records written after the
@@ -1036,6 +1069,9 @@ class HistoryLogger(Callback):
     """
 
     reads_model = False
+    path: Path  # (any other name assigned is refused: Settings)
+    _NAMED = "callback"
+    _ARGUMENTS = (("__init__", "callback = ft.train.HistoryLogger(path, {})"),)
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = local_path(path)  # ~ expanded; a later chdir moves nothing

@@ -25,7 +25,7 @@ from functree.parallel._cast import cast as cast_to
 from functree.parallel._cast import cast_floating
 from functree.parallel._placement import Placement
 from functree.parallel._rules import check_compute_dtype
-from functree.train._built import BuiltWith
+from functree.train._built import BuiltWith, Settings
 from functree.train._metrics import (
     StepOutput,
     evaluate_metrics,
@@ -132,7 +132,7 @@ def placement_of_step(mesh: Any, data_axis: str, sharding: Any, call: str) -> Pl
     return None if mesh is None and sharding is None else Placement(mesh, data_axis, sharding, call)
 
 
-class EvalStep:
+class EvalStep(Settings):
     """``step(model, batch, key=None) -> metrics``: the loss and metrics, jitted, no update.
 
     With a ``mesh`` the batch is split over ``data_axis`` and the model placed by
@@ -152,6 +152,9 @@ class EvalStep:
     compute_dtype: Any = BuiltWith()
     placement: Any = BuiltWith()  # (read per minibatch through its slot, _placement)
     _placement: Placement | None
+    # Any other name assigned is refused (Settings); the constructor's keywords with the call.
+    _NAMED = "evaluate"
+    _ARGUMENTS = (("__init__", "evaluate = ft.train.eval_step(loss_fn, {})"),)
 
     def _built_error(self, name: str, value: Any) -> AttributeError | None:
         """:data:`EVAL_STEP_BUILT_WITH` once the step's programs exist (:class:`BuiltWith`)."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from functree._files import local_path
+from functree.train._built import Settings
 from functree.train._callbacks import REQUIRED, Callback, TrainingContext, foreign_keyword, missing
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def _record(context: TrainingContext) -> dict[str, Any]:
     return {"epoch": context.sweep, "step": context.step, **context.learning_rates, **context.metrics}
 
 
-class CSVLogger(Callback):
+class CSVLogger(Settings, Callback):
     """Write a CSV row at every epoch end (``every="epoch"``, default) or log interval
     (``every="log"``): ``epoch``, ``step``, the learning rate(s), then the metrics.
 
@@ -142,6 +143,12 @@ class CSVLogger(Callback):
     """
 
     reads_model = False  # the context alone: the Trainer keeps its one-interval-late read
+    # What it reads as set; any other name assigned is refused (Settings), its constructor's named.
+    path: Path
+    every: str
+    append: bool
+    _NAMED = "callback"
+    _ARGUMENTS = (("__init__", "callback = ft.train.CSVLogger(path, {})"),)
 
     def __init__(self, path: str | os.PathLike[str] = REQUIRED, *, every: str = "epoch", append: bool = False,
                  **unknown: Any):
@@ -214,7 +221,7 @@ class CSVLogger(Callback):
             self._write(context)
 
 
-class TensorBoardLogger(Callback):
+class TensorBoardLogger(Settings, Callback):
     """Scalars to TensorBoard event files in ``logdir`` (through ``tensorboardX``, the
     ``tensorboard`` extra: imported when a logger is made).
 
@@ -235,6 +242,11 @@ class TensorBoardLogger(Callback):
     """
 
     reads_model = False  # the context alone: the Trainer keeps its one-interval-late read
+    # What it reads as set; any other name assigned is refused (Settings), its constructor's named.
+    logdir: Path
+    every: str | None
+    _NAMED = "callback"
+    _ARGUMENTS = (("__init__", "callback = ft.train.TensorBoardLogger(logdir, {})"),)
 
     def __init__(self, logdir: str | os.PathLike[str] = REQUIRED, *, every: str | None = None, **unknown: Any):
         if unknown:

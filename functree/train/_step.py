@@ -86,7 +86,7 @@ from functree.parallel._step_specs import (
     stack_devices,
     without_axis,
 )
-from functree.train._built import BuiltWith
+from functree.train._built import BuiltWith, Settings
 from functree.train._data import several_keys
 from functree.train._eval_step import (
     EvalStep,
@@ -319,7 +319,25 @@ ignored, silently). Build another step with the new {name}:
     right:  step = ft.train.train_step(loss_fn, optimizer, ...)   # a new optimizer: opt_state = optimizer.init(model)"""
 
 
-class TrainStep:
+class Loop:
+    """What a train step's calls change under ``on_nan="stop"``, kept apart from the step:
+    its stop log (``[calls, call that stopped (-1), its nonfinite]``; None before the first
+    call and after a stop, ``calls`` 0 then), the calls since that log was made and the calls
+    in flight (``(first step, batch, key)``: references only; ``add`` appends one, an
+    attribute read less per call).
+    A step's own attributes are assigned through :class:`~functree.train._built.Settings`'
+    check (a Python call, on assignment); these, written on every call, are plain slots."""
+
+    __slots__ = ("add", "calls", "halt", "inflight")
+
+    def __init__(self) -> None:
+        self.halt: Any = None
+        self.calls = 0
+        self.inflight: list[tuple[int, Any, Any]] = []
+        self.add = self.inflight.append
+
+
+class TrainStep(Settings):
     """``step(model, opt_state, batch, key=None) -> (model, opt_state, metrics)``, jitted.
 
     Args:
@@ -449,6 +467,10 @@ class TrainStep:
     _on_nan: str
     _steps_per_call: int
     _placement: Placement | None
+    # Any other name assigned is refused (Settings: `step.donate = False` was an attribute
+    # nothing read); the keywords of the step's constructor are named with the call.
+    _NAMED = "step"
+    _ARGUMENTS = (("__init__", "step = ft.train.train_step(loss_fn, optimizer, {})"),)
 
     def _built_error(self, name: str, value: Any) -> AttributeError | None:
         """:data:`STEP_BUILT_WITH` once the step has built a program (:class:`BuiltWith`)."""
@@ -489,15 +511,14 @@ class TrainStep:
         self._donate = donate
         self._guard = DonationGuard("the train step")
         self._modes_checked = False  # STEP_IN_INFERENCE looked for (first call; the Trainer chooses modes itself)
-        self._halt: Any = None  # on_nan="stop": [calls, call that stopped (-1), its nonfinite]
-        self._calls = 0
-        self._owned_call = False  # run(owned=...) of the call running
-        self._inflight: list[tuple[int, Any, Any]] = []  # (call, batch, key): references only
+        self._loop = Loop()  # the stop log, the calls in flight ...: written on every call
+        self._owned_call = False  # run(owned=...) of the calls running (written when it changes)
         self._shared: Any = None  # the process-wide programs of this configuration (_programs.py)
         self._ref = weakref.ref(self)
         # The flat program a plain call runs without run()'s Python frame: set by run() once
         # the step is one step per call, without placement, over flat leaves (a loop's case).
         self._direct: Any = None
+        self._directable = False  # one step per call, no placement, run() not overridden (set when built)
         self._stopped: Any = None  # (number, inputs) of a call stopped after donating (a Ctrl-C)
 
     @property
@@ -719,7 +740,7 @@ class TrainStep:
         log = self.record(log, metrics, batch, opt_state)
         return model, opt_state, (None if "rows" in log else without_parts(metrics)), log  # rows hold them
 
-    _RUNTIME = ("_scanned", "_compiled", "_guard", "_halt", "_calls", "_inflight", "_shared", "_ref", "_owned_call",
+    _RUNTIME = ("_scanned", "_compiled", "_guard", "_loop", "_shared", "_ref", "_owned_call", "_directable",
                 "_direct", "_stopped")
     """Instance attributes that are run-time state; every other one is configuration: a
     step equal to another in all of them (and in class) shares its compiled programs."""
@@ -734,6 +755,8 @@ class TrainStep:
         if self._shared is None:
             self._shared = shared(program_key("TrainStep", self, self._RUNTIME, model))
             self._shared.owner = self._ref
+            # (the settings are fixed from now on: BuiltWith)
+            self._directable = self._steps_per_call == 1 and self._placement is None and type(self).run is TrainStep.run
         entry = self._shared
         donate = (0, 1, 4) if self._donate else (4,)
         if has_untraceable_leaves(model):  # one function per configuration: JAX's caches key on it
@@ -802,7 +825,10 @@ class TrainStep:
         else:
             check_stacked(batch, steps)
             program = self._scan_program(model)
-        self._owned_call = owned
+        if owned is not self._owned_call:  # another caller (the Trainer's owned calls, a plain one's): rare
+            self._owned_call = owned
+            if owned:  # a plain call goes through run() again: the direct path's inputs are never owned
+                self._direct = None
         if self._placement is not None:
             where = self._placement
             if steps == 1:
@@ -813,9 +839,9 @@ class TrainStep:
         if self._shared is not None:  # a shared program traces (new shapes) with this step's stages
             self._shared.owner = self._ref
         if program.__class__ is FlatJit:  # it runs _before, _explain and the guard off a loop's fast path
-            if steps == 1 == self._steps_per_call and self._placement is None and not owned and type(self).run is TrainStep.run:
-                # __call__ goes straight to it from now on (run not overridden), by its bound
-                # method: Python calls a method inline, an object through its type's slot
+            if not owned and steps == 1 and self._directable:
+                # __call__ goes straight to it from now on, by its bound method: Python calls
+                # a method inline, an object through its type's slot
                 self._direct = program.__call__
             return program(model, opt_state, batch, key, log)
         (model, opt_state, batch, key, log), _ = self._before((model, opt_state, batch, key, log), {})  # static leaves
@@ -850,7 +876,7 @@ class TrainStep:
             warn_aliases(model, what="The model given to the train step")
             model, opt_state = copy_aliases((model, opt_state))
             rest = _batch_copied_apart(model, opt_state, rest)
-        if len(rest) > 2 and rest[2] is self._halt is not None and self._placement is None:  # (the Trainer's log: committed)
+        if len(rest) > 2 and rest[2] is self._loop.halt is not None and self._placement is None:  # (the Trainer's log: committed)
             rest = (*rest[:2], placed_as(rest[2], model), *rest[3:])  # placed as this call's model
         return (model, opt_state, *rest), kwargs
 
@@ -904,8 +930,9 @@ class TrainStep:
         else:  # stopped after its results were made (the guard's last), before they reached the caller
             given = guard._given
             self._stopped = (guard.calls, given if isinstance(given, tuple) else (given,))
-        if self._halt is not None and self._halt["halt"].is_deleted():
-            self._halt = None  # a new log below, as for a first call
+        loop = self._loop
+        if loop.halt is not None and loop.halt["halt"].is_deleted():
+            loop.halt, loop.calls = None, 0  # a new log at the next call, as for a first call
 
     def _new_halt_log(self, model: Any = None) -> Any:
         if self._on_nan != "stop":
@@ -939,39 +966,41 @@ class TrainStep:
             try:
                 if direct is None:
                     return self.run(model, opt_state, batch, key)[:3]
-                self._owned_call = False
                 self._shared.owner = self._ref  # a retrace (new shapes) calls this step's stages
                 return direct(model, opt_state, batch, key, None)[:3]
             except BaseException as e:
                 self._was_stopped(e)
                 raise
-        if self._halt is None:
-            self._halt, self._calls, self._inflight = self._new_halt_log(model), 0, []
-        elif not self._calls & 15:  # now and then, without waiting: has a step stopped?
-            self._check(model, opt_state, block=False)
-        self._inflight.append((self._calls * self._steps_per_call, batch, key))  # its first step
+        loop = self._loop
+        if not loop.calls & 15:  # (no log: no call since one stopped, and so calls 0)
+            if loop.halt is None:
+                loop.halt = self._new_halt_log(model)
+                loop.inflight.clear()
+            else:  # now and then, without waiting: has a step stopped?
+                self._check(model, opt_state, block=False)
+        loop.add((loop.calls * self._steps_per_call, batch, key))  # its first step
         try:
             if direct is None:
-                model, opt_state, metrics, self._halt = self.run(model, opt_state, batch, key, self._halt)
+                model, opt_state, metrics, loop.halt = self.run(model, opt_state, batch, key, loop.halt)
             else:
-                self._owned_call = False
                 self._shared.owner = self._ref
-                model, opt_state, metrics, self._halt = direct(model, opt_state, batch, key, self._halt)
+                model, opt_state, metrics, loop.halt = direct(model, opt_state, batch, key, loop.halt)
         except BaseException as e:
             self._was_stopped(e)
             raise
-        self._calls += 1
+        loop.calls += 1
         return model, opt_state, metrics
 
     def check(self) -> None:
         """Wait for the steps called so far and raise :class:`NonFiniteError` if one of them
         stopped (``on_nan="stop"``); the error holds that step's inputs."""
         last = self._guard._last
-        if self._halt is not None and last:
+        if self._loop.halt is not None and last:
             self._check(last[0], last[1], block=True)
 
     def _check(self, model: Any, opt_state: Any, block: bool) -> None:
-        halt = self._halt["halt"]
+        loop = self._loop
+        halt = loop.halt["halt"]
         try:
             if not (block or halt.is_ready()):
                 return
@@ -982,10 +1011,10 @@ class TrainStep:
             raise
         k = self._steps_per_call
         if stopped < 0:  # the first `count` steps are done: drop their inputs (held in call order)
-            del self._inflight[:bisect.bisect_right(self._inflight, count - k, key=_FIRST)]
+            del loop.inflight[:bisect.bisect_right(loop.inflight, count - k, key=_FIRST)]
             return
-        first, batch, key = next(x for x in self._inflight if x[0] <= stopped < x[0] + k)
-        self._halt = None
+        first, batch, key = next(x for x in loop.inflight if x[0] <= stopped < x[0] + k)
+        loop.halt, loop.calls = None, 0  # a new log at the next call
         where = ""
         if k > 1:  # the minibatch of that step, and where it was in its call
             batch = step_slice(batch, stopped - first)

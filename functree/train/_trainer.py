@@ -31,7 +31,8 @@ from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._multisteps import warn_unapplied
 from functree.optim._skip import DEFAULT_ON_NAN
-from functree.train._built import BuiltWith
+from functree.train._built import BuiltWith, Settings
+from functree.train._built import short_value as _short
 from functree.train._callbacks import (
     REQUIRED,
     Callback,
@@ -424,12 +425,6 @@ _CALLS = {"Trainer": "ft.train.Trainer(model, optimizer, loss_fn, {})", "fit": "
           "evaluate": "trainer.evaluate({})", "predict": "trainer.predict({})"}
 
 
-def _short(value: Any) -> str:
-    """``repr(value)`` for the error's lines; ``...`` for an array's (a path is kept whole)."""
-    text = repr(value)
-    return text if len(text) <= (200 if isinstance(value, str) else 40) and "\n" not in text else "..."
-
-
 def unknown_keyword(method: str, unknown: Mapping[str, Any], known: Callable[..., Any], data: Any = None,
                     epochs: Any = None) -> TypeError:
     """The error for the first keyword of ``unknown`` that ``method`` (``"fit"``, ...; its
@@ -473,7 +468,7 @@ class _Fit(NamedTuple):
     sync_logs: bool  # a callback reads the model at on_log: read intervals at once
 
 
-class Trainer(Evaluation):
+class Trainer(Settings, Evaluation):
     """Fit a model: ``Trainer(model, optimizer, loss_fn, metrics=...).fit(data, epochs=...)``.
 
     Args:
@@ -587,6 +582,15 @@ class Trainer(Evaluation):
     epoch = job_field("epoch", "Epochs completed.")
     batch_in_epoch = job_field("batch_in_epoch", "Minibatches of the current epoch consumed.")
     history = job_field("history", "The job's :class:`History`.")
+    steps_per_call: int  # (fit's default)
+    nan_report: Any  # ft.NaNReport of the first stopped or skipped step
+    preempted: bool  # the last fit stopped at a SIGTERM
+    checkpoint: Checkpoint | None  # the Checkpoint the last restore read
+    # Any other name assigned is refused (Settings: `trainer.epochs = 5` was an attribute
+    # nothing read); the keywords of the constructor and of fit are named with the call.
+    _NAMED = "trainer"
+    _ARGUMENTS = (("__init__", "trainer = ft.train.Trainer(model, optimizer, loss_fn, {})"),
+                  ("fit", "trainer.fit(data, {})"))
     # Every other field of the job's position (and any field added to JobState) is a read-only
     # attribute too, made from the record below (add_readers); a name defined here wins.
     def __getattr__(self, name: str) -> Any:
@@ -660,9 +664,9 @@ class Trainer(Evaluation):
         self._where = placement_of(model)
         model, opt_state, key = put((model, opt_state, key), self._where)
         self._job = JobState.start(model, opt_state, key)
-        self.nan_report: Any = None  # ft.NaNReport of the first stopped or skipped step
-        self.preempted = False  # the last fit stopped at a SIGTERM
-        self.checkpoint: Checkpoint | None = None  # the Checkpoint the last restore read
+        self.nan_report = None
+        self.preempted = False
+        self.checkpoint = None
         self._names_unchecked: str | None = None  # a mid-epoch restore's path: its means' names checked at the next trace
         self._reader = Reader(self)  # the device buffer of per-step metrics, read into the job
         self._epochs = Epochs()  # the data iterator and its position
@@ -916,7 +920,9 @@ class Trainer(Evaluation):
         except (ValueError, TypeError) as e:  # raised while tracing: nothing was donated
             guard.critical = False
             raise self._epochs.located(e, pairs[0][0], job, offset) from e.__cause__
-        self._job = job.stepped(model, opt_state, n)  # the commit
+        # The commit (into the instance dict: a private name, on every step, needs no check
+        # of Settings' __setattr__, a Python call)
+        self.__dict__["_job"] = job.stepped(model, opt_state, n)
         log.inflight.extend(pairs)
         log.buffered += n
         guard.critical = False

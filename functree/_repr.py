@@ -3,6 +3,11 @@
 ``Module.__repr__`` and ``_repr_html_`` call :func:`module_repr` / :func:`module_html`;
 layers' error messages show arrays as :func:`short_array`. Below ``functree._module``: a
 Module is recognised by its class's ``__ft_fields__``, not by importing the class.
+
+An array a step donated (``model, state, out = step(model, state, batch)``: the old ones'
+buffers are the new ones') is shown as ``<deleted f32[4,4]>``: JAX's own repr of it raises
+"Array has been deleted", and printed inside a state or a model that error came from deep
+in the repr. :func:`shown_repr` is the repr of any tree with such stand-ins.
 """
 
 from __future__ import annotations
@@ -10,9 +15,12 @@ from __future__ import annotations
 import html
 from typing import Any
 
+import jax
 import numpy as np
 
-__all__ = ["short_array", "first_index", "module_repr", "module_html"]
+from functree._alias import _deleted as is_deleted
+
+__all__ = ["short_array", "first_index", "module_repr", "module_html", "shown_repr", "is_deleted"]
 
 _SHORT_DTYPES = {
     "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",
@@ -39,11 +47,46 @@ def short_array(x: Any) -> str:
     return f"{dtype}[{','.join(map(str, x.shape))}]"
 
 
+class _Deleted:
+    """A deleted array's stand-in in a repr: its shape and dtype, which JAX still reads."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, x: Any):
+        self.text = f"<deleted {short_array(x)}>"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def shown_repr(tree: Any) -> str:
+    """``repr(tree)`` with each deleted (donated) array shown as ``<deleted f32[4,4]>``
+    (:class:`_Deleted`, in a copy of the tree); the tree's own repr when none is. A tree
+    that cannot be rebuilt with the stand-ins names its type and how many were deleted.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> w = jnp.ones((2, 3))
+      >>> w.delete()
+      >>> shown_repr({"w": w, "step": 3})
+      "{'step': 3, 'w': <deleted f32[2,3]>}"
+    """
+    leaves = jax.tree.leaves(tree)
+    deleted = sum(map(is_deleted, leaves))
+    if not deleted:
+        return repr(tree)
+    try:
+        shown = jax.tree.map(lambda x: _Deleted(x) if is_deleted(x) else x, tree)
+    except Exception:  # a node whose unflatten checks its leaves
+        return f"<{type(tree).__name__}: {deleted} of its {len(leaves)} arrays deleted>"
+    return repr(shown)
+
+
 def _value_repr(x: Any, indent: int) -> str:
     if hasattr(type(x), "__ft_fields__"):  # a Module (functree._module imports this module)
         return module_repr(x, indent)
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return short_array(x)
+        return f"<deleted {short_array(x)}>" if is_deleted(x) else short_array(x)
     if isinstance(x, list):
         return _sequence([_value_repr(v, indent + 2) for v in x], "[", "]", indent)
     if isinstance(x, tuple) and type(x).__repr__ is tuple.__repr__:  # not a NamedTuple, KeyPath
@@ -55,7 +98,7 @@ def _value_repr(x: Any, indent: int) -> str:
     if callable(x) and hasattr(x, "__name__"):
         return x.__name__
     # Another library's multi-line repr (an Equinox module): indent it under its field.
-    return repr(x).replace("\n", "\n" + " " * indent)
+    return shown_repr(x).replace("\n", "\n" + " " * indent)
 
 
 def _sequence(items: list[str], open_: str, close: str, indent: int) -> str:

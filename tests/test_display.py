@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,54 @@ def test_repr_of_a_model_inside_jit_shows_tracers_shortly():
     seen = []
     jax.jit(lambda m: seen.append(repr(m)) or m.weight)(Dense(jnp.ones((2, 4)), jnp.zeros(4)))
     assert seen == ["Dense(weight=f32[2,4], bias=f32[4], activation=relu)"]
+
+
+def test_a_model_and_optimizer_state_a_step_donated_print_their_arrays_as_deleted():
+    # print(state) after `model, state, out = step(model, state, batch)` kept the old state:
+    # JAX's "Array has been deleted" came from deep inside the repr (the learning context's,
+    # then each optax state's arrays); the model printed as if its arrays were there
+    model = ft.nn.Dense(2, 3, key=jax.random.key(0))
+    opt = ft.optim.Optimizer(ft.optim.adam(1e-3))
+    state = opt.init(model)
+    step = ft.train.train_step(lambda m, b: jnp.mean(m(b) ** 2), opt)
+    new_model, new_state, _ = step(model, state, jnp.ones((4, 2)))
+    assert model.weight.is_deleted() and ft.optim.context(new_state).step == 1
+    shown = "Dense(weight=<deleted f32[2,3]>, bias=<deleted f32[3]>, activation=identity)"
+    assert repr(model) == str(model) == shown and model._repr_html_() == f"<pre>{html.escape(shown)}</pre>"
+    text = repr(state)
+    assert text.startswith("OptimizerState(context=LearningContext(counters=<deleted i32[5]>, loss=<deleted f32[]>), "
+                           "inner=HyperState(context=None, values=<deleted f32[4]>")
+    assert f"ScaleByAdamState(count=<deleted i32[]>, mu={shown}, nu={shown})" in text and str(state) == text
+    pretty = pytest.importorskip("IPython.lib.pretty")
+    assert pretty.pretty(state) == text and pretty.pretty(model) == shown
+    # the live ones as before: values, shapes
+    assert repr(new_state).startswith("OptimizerState(context=LearningContext(step=1, sweep=0, samples_seen=4, "
+                                      "minibatch_size=4, loss=")
+    assert "count=Array(1, dtype=int32)" in repr(new_state) and "<deleted" not in repr(new_state)
+    assert repr(new_model) == "Dense(weight=f32[2,3], bias=f32[3], activation=identity)"
+
+
+def test_a_tree_that_cannot_hold_the_deleted_stand_ins_names_how_many_were_deleted():
+    from functree._repr import shown_repr
+
+    @jax.tree_util.register_pytree_node_class
+    class Checked:
+        def __init__(self, a, b):
+            if not isinstance(a, jax.Array):
+                raise TypeError("arrays only")
+            self.a, self.b = a, b
+
+        def tree_flatten(self):
+            return (self.a, self.b), None
+
+        @classmethod
+        def tree_unflatten(cls, aux, children):
+            return cls(*children)
+
+    a = jnp.ones(2)
+    a.delete()
+    assert shown_repr(Checked(a, jnp.zeros(1))) == "<Checked: 1 of its 2 arrays deleted>"
+    assert shown_repr([a, 1]) == "[<deleted f32[2]>, 1]"
 
 
 def test_module_html_and_pretty_forms():

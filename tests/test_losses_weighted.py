@@ -318,3 +318,11 @@ report(out)
         np.testing.assert_allclose(result[name][1], loss, rtol=0, atol=1e-6 * loss)
     assert np.abs(np.asarray(result["mesh_mean"][0]) - whole).max() > 0.05 * scale
     np.testing.assert_allclose(result["epoch"], token_mean, rtol=0, atol=1e-6 * token_mean)
+
+
+def test_a_records_repr_shows_an_array_a_step_donated_as_deleted():
+    # JAX's repr of a deleted array raised "Array has been deleted" from inside the record's
+    w = ft.losses.WeightedMean(jnp.float32(3.0), 2)
+    assert repr(w) == "WeightedMean(total=Array(3., dtype=float32), count=Array(2., dtype=float32))"
+    jax.tree.map(lambda x: x.delete(), w)
+    assert repr(w) == "WeightedMean(total=<deleted f32[]>, count=<deleted f32[]>)"

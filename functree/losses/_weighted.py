@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functree._repr import shown_repr
+
 __all__ = ["WeightedMean", "ratio", "loss_value", "loss_count", "WEIGHTED_MEAN_NOT_SCALAR", "BAD_TOTAL", "BAD_COUNT", "IMMUTABLE"]
 
 WEIGHTED_MEAN_NOT_SCALAR = """\
@@ -104,8 +106,8 @@ class WeightedMean:
         object.__setattr__(out, "count", children[1])
         return out
 
-    def __repr__(self) -> str:
-        return f"WeightedMean(total={self.total!r}, count={self.count!r})"
+    def __repr__(self) -> str:  # (a donated record's arrays as <deleted f32[]>: shown_repr)
+        return f"WeightedMean(total={shown_repr(self.total)}, count={shown_repr(self.count)})"
 
     def _refuse(self, *_: Any, **__: Any) -> Any:
         raise TypeError(WEIGHTED_MEAN_NOT_SCALAR.format(what="This operation"))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
+from functree._repr import is_deleted, shown_repr
 from functree._tree import bounded_put, cached, register_record
 
 __all__ = ["LearningContext", "context", "next_sweep", "initial_context", "advance"]
@@ -140,6 +141,8 @@ class LearningContext:
     _replace = replace
 
     def __repr__(self) -> str:
+        if is_deleted(self.counters) or is_deleted(self.loss):  # donated to a step: no values to read
+            return f"LearningContext(counters={shown_repr(self.counters)}, loss={shown_repr(self.loss)})"
         try:  # stacked contexts show one list per field, a member per entry
             values = [np.asarray(getattr(self, n)).tolist() for n in COUNTERS]
             values.append(np.asarray(self.loss).tolist())

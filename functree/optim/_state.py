@@ -24,6 +24,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 
 from functree._flat import PENDING
+from functree._repr import shown_repr
 from functree._tree import register_record
 from functree.optim._checks import release_contexts
 from functree.optim._context import LearningContext, widen_counters
@@ -92,6 +93,11 @@ class OptimizerState:
 
     def replace(self, **changes: Any) -> OptimizerState:
         return dataclasses.replace(self, **changes)
+
+    def __repr__(self) -> str:
+        # The dataclass's, but an array a step donated is shown as <deleted f32[4,4]>
+        # (shown_repr): JAX's own repr of it raised "Array has been deleted".
+        return f"{type(self).__name__}(context={self.context!r}, inner={shown_repr(self.inner)})"
 
 
 register_record(OptimizerState, ["context", "inner"])

@@ -167,6 +167,20 @@ def test_the_source_digest_is_of_each_lambda_exactly():
     assert digest(reads) is not None and _function_code.code_digest(reads) is not None
 
 
+def test_a_renamed_parameter_is_the_same_function_and_a_keyword_only_one_is_not():
+    """Renaming a positional parameter changes neither bytecode nor what is computed: the
+    same source digest (loads as the saved function); a global read instead of the parameter,
+    or a keyword-only parameter (callers pass it by name) renamed, is another function."""
+    digest = _function_code.source_digest
+    x = 3.0
+    by_v, by_x, reads_x = (lambda v: v * 2), (lambda x: x * 2), (lambda v: x * 2)
+    two = (lambda a, b: a - b, lambda b, a: b - a, lambda a, b: b - a)
+    assert None not in {digest(by_v), digest(reads_x), *map(digest, two)}
+    assert digest(by_v) == digest(by_x) != digest(reads_x)
+    assert digest(two[0]) == digest(two[1]) != digest(two[2])
+    assert digest(lambda v, *, s: v * s) != digest(lambda v, *, t: v * t)
+
+
 def test_a_function_made_by_exec_has_a_source_digest_only_where_linecache_holds_its_text():
     """A string run by ``exec`` has no file: the bytecode digest alone, as before. A notebook
     cell's text is in ``linecache`` (IPython puts it there): it has its source digest."""

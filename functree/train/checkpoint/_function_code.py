@@ -83,8 +83,18 @@ def source_digest(fn: Any, seen: frozenset[int] = frozenset()) -> str | None:
     node = _definition(code, getattr(fn, "__globals__", None))
     if node is None:
         return None
-    tree = _tree_text(node).encode()
+    tree = _tree_text(node, _positional_names(node)).encode()
     return _digest(fn, lambda h: h.update(tree), seen, source_digest)
+
+
+def _positional_names(node: _Definition) -> dict[str, str]:
+    """The definition's positional parameters (and ``*args``) by their place: ``lambda v: v * 2``
+    and ``lambda x: x * 2`` compute the same, and their bytecode is the same (a renamed
+    parameter loaded from a checkpoint is the saved function). Keyword-only parameters keep
+    their names: a caller passes them by name."""
+    a = node.args
+    names = [p.arg for p in (*a.posonlyargs, *a.args)] + ([a.vararg.arg] if a.vararg else [])
+    return {name: f"<{i}>" for i, name in enumerate(names)}
 
 
 def _digest(fn: Any, feed: Callable[[Any], None], seen: frozenset[int], of_function: Callable[..., Any]) -> str:
@@ -169,17 +179,24 @@ def _code_hash(code: types.CodeType) -> bytes:
     return h.digest()
 
 
-def _tree_text(node: Any) -> str:
+def _tree_text(node: Any, renamed: dict[str, str]) -> str:
     """A syntax tree as its node types and field values, the same under Python 3.11 to 3.13
     (``ast.dump``'s text changed in 3.13; empty fields, which one version has and another
-    lacks, such as 3.12's ``type_params``, are left out)."""
+    lacks, such as 3.12's ``type_params``, are left out); the ``renamed`` parameters (and every
+    use of their names) by their place."""
     if isinstance(node, ast.AST):
-        fields = (f"{k}={_tree_text(v)}" for k, v in ast.iter_fields(node)
+        fields = (f"{k}={_field_text(node, k, v, renamed)}" for k, v in ast.iter_fields(node)
                   if k not in _NOT_COMPUTED and v is not None and v != [])
         return f"{type(node).__name__}({','.join(fields)})"
     if isinstance(node, list):
-        return "[" + ",".join(_tree_text(v) for v in node) + "]"
+        return "[" + ",".join(_tree_text(v, renamed) for v in node) + "]"
     return repr(node)
+
+
+def _field_text(node: ast.AST, key: str, value: Any, renamed: dict[str, str]) -> str:
+    if (isinstance(node, ast.Name) and key == "id") or (isinstance(node, ast.arg) and key == "arg"):
+        value = renamed.get(value, value)
+    return _tree_text(value, renamed)
 
 
 def _feed_code(h: Any, code: types.CodeType) -> None:

@@ -170,6 +170,20 @@ def test_trainer_averaged_model_evaluation_and_checkpoint(tmp_path):
     np.testing.assert_array_equal(ft.optim.averaged(loaded, trainer.model).weight, avg.weight)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_ema_and_uniform_average_used_directly_work_under_strict_promotion(dtype):
+    """ema(...).init took the average's dtype from jnp.promote_types(dtype, float32), which
+    strict promotion (the suite's, and users') refuses for float64 (x64) and bfloat16."""
+    with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+        w = {"w": jnp.array([1.0, -2.0], dtype)}
+        for tx in (ft.optim.ema(0.5), ft.optim.uniform_average()):
+            state = tx.init(w)
+            assert state.average["w"].dtype == (jnp.float64 if dtype == "float64" else jnp.float32)
+            _, state = tx.update({"w": jnp.array([1.0, 1.0], dtype)}, state, w)
+            # the first averaged step: the average is the new parameters, w + u
+            np.testing.assert_allclose(state.average["w"], [2.0, -1.0], rtol=0, atol=1e-6)
+
+
 def test_average_errors():
     w = {"w": jnp.ones(2)}
     with pytest.raises(ValueError, match=r"decay must be a number in \[0, 1\)"):

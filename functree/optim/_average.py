@@ -36,6 +36,7 @@ import optax
 
 from functree._alias import check_stale
 from functree._tree import is_none, register_record
+from functree.nn._precision import statistics_dtype
 from functree.optim._hyper import hyper_dtype
 from functree.optim._lookahead import SlowState
 from functree.optim._multisteps import multisteps_in
@@ -153,8 +154,11 @@ class Averaging(optax.GradientTransformationExtraArgs):
 
 def _wide(x: Any) -> Any:
     """The average's dtype: the parameter's, at least float32 (a bfloat16 average at
-    decay 0.999 would round every step's change away)."""
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    decay 0.999 would round every step's change away). Read off the dtype, not
+    ``jnp.promote_types(dtype, float32)``, which strict promotion refuses for every
+    dtype but float32 (float64 under x64, bfloat16)."""
+    dtype = jnp.result_type(x)
+    return x.astype(statistics_dtype(dtype) if jnp.issubdtype(dtype, jnp.inexact) else jnp.float32)
 
 
 def _averaging(name: str, weight: Callable[[jax.Array, Any], jax.Array], start: int,

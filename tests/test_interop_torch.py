@@ -323,6 +323,21 @@ def test_an_int64_count_past_int32_names_the_range_and_a_fix_that_loads():
     assert loaded.batches_tracked.dtype == jnp.int32 and int(loaded.batches_tracked) == 2**31 - 1
 
 
+def test_a_stack_of_momentum_none_batch_norms_loads_each_member_s_count():
+    """A Stack member's scalar leaf (a momentum=None BatchNorm's num_batches_tracked, stacked
+    [members]) was copied into ``array[i]``, a NumPy scalar, not a view of the stacked leaf:
+    every load failed with "'numpy.int32' object does not support item assignment". Each
+    member's count (and the rest) loads into its own slice."""
+    model = ft.nn.Stack.from_layers([ft.nn.BatchNorm(3, momentum=None)] * 2)
+    torch_model = nn.ModuleList([nn.BatchNorm1d(3, momentum=None) for _ in range(2)])
+    for i, member in enumerate(torch_model):
+        member.num_batches_tracked.fill_(5 + i)
+        member.running_mean.fill_(float(i))
+    loaded = ft.nn.load_torch_state_dict(model, torch_model.state_dict())
+    assert loaded.layers.batches_tracked.dtype == jnp.int32 and loaded.layers.batches_tracked.tolist() == [5, 6]
+    np.testing.assert_array_equal(loaded.layers.running_mean, [[0.0] * 3, [1.0] * 3])
+
+
 @needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them
 def test_float_values_past_a_narrower_dtype_s_range_are_refused_not_made_inf():
     """A float32 running variance of 7e4 into a float16 BatchNorm (float16's largest is

@@ -1216,7 +1216,7 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
         array = empty(old.shape, old.dtype) if abstract else copied(np.asarray(old), old.dtype)
         for index, value, name in items:
             if _castable(array, value):
-                copies.append((array[index], value))
+                copies.append((array[(*index, ...)], value))  # a view (a 0-d member's array[index]: a scalar copy)
             else:
                 ranged = array.dtype if _both_floating(array.dtype, value.dtype) else None
                 wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}", ranged))

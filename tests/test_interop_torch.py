@@ -338,6 +338,24 @@ def test_a_stack_of_momentum_none_batch_norms_loads_each_member_s_count():
     np.testing.assert_array_equal(loaded.layers.running_mean, [[0.0] * 3, [1.0] * 3])
 
 
+def test_an_int64_count_past_int32_in_a_stack_member_names_the_range_and_a_fix_that_loads():
+    """A Stack member's int64 num_batches_tracked past int32's largest was refused with no hint
+    at all (a plain leaf's names the range and the fix). It gets the same hint: the member's
+    torch name, int32's range, the stacked leaf to widen (layers.batches_tracked) and a clamp,
+    which loads."""
+    model = ft.nn.Stack.from_layers([ft.nn.BatchNorm(3, momentum=None)] * 2)
+    sd = {**nn.ModuleList([nn.BatchNorm1d(3, momentum=None) for _ in range(2)]).state_dict(),
+          "1.num_batches_tracked": torch.tensor(2**31 + 5)}
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(model, sd)
+    message = str(info.value)
+    assert ("1.num_batches_tracked: integers beyond the leaf's int32 range (-2147483648 to 2147483647), which the "
+            "cast would wrap around") in message and "Give the model's layers.batches_tracked the dtype int64" in message
+    right = re.search(r"right:  (.*)", message).group(1)
+    loaded = eval(right, {"ft": ft, "model": model, "state_dict": sd})
+    assert loaded.layers.batches_tracked.dtype == jnp.int32 and loaded.layers.batches_tracked.tolist() == [0, 2**31 - 1]
+
+
 @needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them
 def test_float_values_past_a_narrower_dtype_s_range_are_refused_not_made_inf():
     """A float32 running variance of 7e4 into a float16 BatchNorm (float16's largest is

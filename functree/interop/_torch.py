@@ -104,6 +104,7 @@ from functree._state_dict import (
     TORCH_INT_RANGE_HINT,
     FlatDictReport,
     _both_floating,
+    _wraps,
     castable,
     check_no_meta,
     from_flat_dict,
@@ -904,14 +905,18 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
                     for n, want, got in fitted.mismatched)
     ranged = {torch_names.get(str(n), str(n)): template[str(n)].dtype
               for kind, names in fitted.hinted if kind == "range" for n in names}
-    ranged |= {members.get(n, n): dtype for n, _, _, dtype in wrong_dtypes if dtype is not None}
+    ranged |= {members.get(n, n): dtype for n, _, _, dtype in wrong_dtypes if _floating(dtype)}
+    # int64 past int32's range: (torch name, the leaf's dtype, its stored leaf), plain leaves' then Stack members'
+    wraps = [(torch_names.get(n, n), template[n].dtype, n) for kind, names in fitted.hinted if kind == "wraps"
+             for n in map(str, names)]
+    wraps += [(members.get(n, n), dtype, str(plan.leaves[n].stored)) for n, _, _, dtype in wrong_dtypes
+              if dtype is not None and not _floating(dtype)]
     wrong_dtypes = [(members.get(n, n), want, got) for n, want, got, _ in wrong_dtypes]
-    paths = [str(n) for kind, names in fitted.hinted if kind == "wraps" for n in names]  # int64 past int32's range
-    wrapped = {torch_names.get(n, n): template[n].dtype for n in paths}
+    wrapped = {name: dtype for name, dtype, _ in wraps}
     cast = [n for n, _, _ in refused if n not in ranged and n not in wrapped]
     hints = ((TORCH_CAST_HINT.format(names=", ".join(cast)),) if cast and fitted.hints else ()) + (
         (range_hint(TORCH_FLOAT_RANGE_HINT, dict(sorted(ranged.items()))),) if ranged else ()) + (
-        (int_range_hint(TORCH_INT_RANGE_HINT, wrapped, paths[0]),) if wrapped else ())
+        (int_range_hint(TORCH_INT_RANGE_HINT, wrapped, wraps[0][2]),) if wraps else ())
     report = merged(ported, FlatDictReport(
         tuple(missing), tuple(k for k in given if k not in claimed), (*mismatched, *wrong_dtypes, *refused), hints,
     ))
@@ -1190,7 +1195,8 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
     into its slice): fresh aligned host arrays (:mod:`functree.interop._host`) written by one
     parallel pass over the files' bytes, cast as copied, put on the device as they are. The
     Stack members' values that do not cast: ``(name, expected, given, dtype)``, ``dtype`` the
-    leaf's for floating values beyond its range, else None (another kind)."""
+    leaf's for floating values beyond its range or integers beyond its integer range
+    (:func:`~functree._state_dict._wraps`), else None (another kind)."""
     members: dict[str, list[tuple[tuple[int, ...], np.ndarray, str]]] = {}
     for name, leaf in plan.leaves.items():
         if leaf.stored is not None and name in values:
@@ -1218,7 +1224,7 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
             if _castable(array, value):
                 copies.append((array[(*index, ...)], value))  # a view (a 0-d member's array[index]: a scalar copy)
             else:
-                ranged = array.dtype if _both_floating(array.dtype, value.dtype) else None
+                ranged = array.dtype if _both_floating(array.dtype, value.dtype) or _wraps(array.dtype, value) else None
                 wrong.append((name, f"dtype {array.dtype}", f"dtype {value.dtype}", ranged))
                 if abstract:
                     array[index] = 0  # reported; never uninitialized memory
@@ -1229,6 +1235,11 @@ def _stored(plan: _Plan, values: Mapping[str, np.ndarray], template: Mapping[str
     flat.update((stored, jax.device_put(array, committed_sharding(template[stored]), may_alias=True))
                 for stored, array in filled.items())
     return flat, wrong
+
+
+def _floating(dtype: Any) -> bool:
+    """A refused Stack member's range dtype (:func:`_stored`) that is a float's (else an integer's)."""
+    return dtype is not None and np.dtype(dtype).kind not in "iu"
 
 
 def _castable(old: Any, value: np.ndarray) -> bool:

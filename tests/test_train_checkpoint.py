@@ -711,6 +711,25 @@ def test_zero_size_arrays_and_trees_without_arrays_save_and_load(tmp_path):
         ft.train.load(tmp_path / "tree")
 
 
+def test_a_zero_size_numpy_array_comes_back_as_numpy(tmp_path):
+    """A zero-size NumPy leaf (stored by its shape and dtype in the metadata) came back as a
+    jax array, where a NumPy leaf of any other size comes back as NumPy (the guide's rule).
+    It comes back as NumPy, by every reader; a zero-size jax array stays a jax array, and
+    sharding= places both as it places arrays of other sizes."""
+    tree = {"a": np.zeros(0, np.float32), "b": np.zeros((0, 3), np.int32), "c": np.ones(2, np.float32),
+            "j": jnp.zeros((0, 2))}
+    ft.train.save(tmp_path / "tree", tree)
+    with CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, {"w": jnp.ones(2)}, extra=tree)
+    for back in (ft.train.load(tmp_path / "tree"), ft.train.load(tmp_path / "tree", tree),
+                 CheckpointManager(tmp_path / "run").restore().extra):
+        assert {k: type(x) for k, x in back.items()} == {"a": np.ndarray, "b": np.ndarray, "c": np.ndarray,
+                                                          "j": type(tree["j"])}
+        assert [(x.shape, x.dtype) for x in back.values()] == [(x.shape, x.dtype) for x in tree.values()]
+    placed = ft.train.load(tmp_path / "tree", sharding=jax.devices()[0])  # a NumPy leaf of any size alike
+    assert type(placed["a"]) is type(placed["b"]) is type(placed["c"]) and isinstance(placed["j"], jax.Array)
+
+
 def test_a_load_template_that_does_not_fit_names_the_load_without_one(tmp_path):
     """ft.train.load's mismatch said "at step -" and "manager.restore(step).tree": the user
     of save/load has no manager."""

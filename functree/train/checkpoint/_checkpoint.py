@@ -354,6 +354,9 @@ def _writable(arrays: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 NOTHING = "functree.nothing"  # the one stored array of a tree that holds none (orbax refuses an empty item)
+# The metadata's keys of the zero-size arrays saved as NumPy (no field: every one a jax array,
+# as functree read them all before it was written; a reader that knows no such field too).
+EMPTY_ON_HOST = "empty_on_host"
 
 
 def _split_empty(arrays: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
@@ -375,12 +378,15 @@ def _split_empty(arrays: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list
 def _with_empty(arrays: dict[str, Any], meta: dict[str, Any], target: Any) -> dict[str, Any]:
     """The restored arrays with the zero-size ones of the metadata, placed by ``target`` as
     a stored array would be (the template's sharding or device, ``sharding=``, a mesh's
-    rules; a 64-bit one without ``jax_enable_x64`` on the host), and without the placeholder.
-    (``jnp.zeros`` put them all on the default device and gave float32 for float64.)"""
+    rules; one saved as NumPy, and a 64-bit one without ``jax_enable_x64``, on the host, as
+    NumPy), and without the placeholder. (``jnp.zeros`` put them all on the default device
+    and gave float32 for float64; a NumPy one came back as a jax array.)"""
     arrays.pop(NOTHING, None)
-    empty = meta.get("empty", {})
+    empty, on_host = meta.get("empty", {}), meta.get(EMPTY_ON_HOST, [])
     if not isinstance(empty, dict):
         raise _Damage("has damaged metadata: its zero-size arrays are not a mapping")
+    if not (isinstance(on_host, list) and all(isinstance(k, str) and k in empty for k in on_host)):
+        raise _Damage(f"has damaged metadata: its zero-size NumPy arrays are {on_host!r}")
     described = {}
     for key, entry in empty.items():
         shape = entry[0] if isinstance(entry, list) and len(entry) == 2 else None
@@ -388,7 +394,7 @@ def _with_empty(arrays: dict[str, Any], meta: dict[str, Any], target: Any) -> di
                 and 0 in shape and isinstance(entry[1], str)) or key in arrays:
             raise _Damage(f"has damaged metadata: the zero-size array {key!r} is described as {entry!r}")
         try:
-            described[key] = (tuple(shape), jnp.dtype(entry[1]), False)  # (not on the host: as a jax array)
+            described[key] = (tuple(shape), jnp.dtype(entry[1]), key in on_host)  # (saved as NumPy: on the host)
         except TypeError:
             raise _Damage(f"has damaged metadata: the zero-size array {key!r} has dtype {entry[1]!r}") from None
     wanted = target(described, meta) if described else {}
@@ -406,9 +412,10 @@ def save_args(arrays: dict[str, Any], spec: Any, **fields: Any) -> Any:
     found = next((f for f in gather(_unsavable(arrays)) if f), None)
     if found:
         raise CheckpointError(_unsavable_message(*found))
-    arrays, empty = _split_empty(arrays)
-    if empty:
-        fields = {**fields, "empty": empty}
+    given, (arrays, empty) = arrays, _split_empty(arrays)
+    if empty:  # (with the NumPy ones, which come back as NumPy as a stored NumPy array does)
+        on_host = [k for k in empty if not isinstance(given[k], jax.Array)]
+        fields = {**fields, "empty": empty, **({EMPTY_ON_HOST: on_host} if on_host else {})}
     mesh, writer = mesh_shape(arrays), written_on(arrays)  # of the arrays as given: information
     arrays, local = _writable(arrays)
     meta = json.loads(json.dumps({"format": FORMAT, **fields, "spec": spec, "checksums": describe(arrays),

@@ -183,3 +183,37 @@ def test_an_array_of_a_dtype_this_jax_cannot_hold_comes_back_as_numpy(tmp_path):
                  ft.train.CheckpointManager(tmp_path / "run").restore().model):
         assert type(back["x"]) is np.ndarray and (back["x"].dtype, back["x"].shape) == (dtype, (0, 2))
         assert isinstance(back["w"], jax.Array) and back["w"].tolist() == [0.0, 1.0]
+
+
+def _as_if_of_a_dtype_unknown_here(meta_file: Path, key: str) -> None:
+    from functree.train.checkpoint._checkpoint import metadata_digest
+    meta = json.loads(meta_file.read_text())
+    meta["empty"][key][1], meta["written_on"]["jax"] = "float5_e9m9", "9.0.0"  # (no ml_dtypes has it)
+    meta["digest"] = metadata_digest(meta)
+    meta_file.write_text(json.dumps(meta))
+
+
+def test_a_zero_size_array_of_a_dtype_unknown_here_is_named_so_not_damaged(tmp_path):
+    # A zero-size array's dtype (stored by its name in the metadata) that this ml_dtypes and
+    # JAX do not know, written by newer ones, was "damaged metadata" ("restore another step"):
+    # the message names the dtype, the installed versions, the writer's JAX and the upgrade.
+    import ml_dtypes
+    tree = {"x": np.zeros((0, 2), np.float32), "w": jnp.ones(2)}
+    ft.train.save(tmp_path / "tree", tree)
+    with ft.train.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(1, {"w": jnp.ones(2)}, extra=tree)
+        manager.save(2, {"w": jnp.ones(2)}, extra=tree)
+    _as_if_of_a_dtype_unknown_here(tmp_path / "tree" / "meta" / "metadata", "x")
+    _as_if_of_a_dtype_unknown_here(tmp_path / "run" / "2" / "meta" / "metadata", "extra.x")
+    for call, key, shown in ((lambda: ft.train.load(tmp_path / "tree"), "x", f'ft.train.load("{tmp_path / "tree"}")'),
+                             (lambda: ft.train.CheckpointManager(tmp_path / "run").restore(), "extra.x",
+                              "manager.restore(2)")):
+        with pytest.raises(ft.train.CheckpointError) as info:
+            call()
+        message = str(info.value)
+        assert (f"holds the zero-size array {key!r} of dtype 'float5_e9m9', a type this installation does not know "
+                f"(ml_dtypes {ml_dtypes.__version__}, jax {jax.__version__}; the checkpoint was written under jax "
+                "9.0.0)") in message
+        assert "not damaged" in message and f"wrong:  {shown}" in message
+        assert "right:  pip install -U ml_dtypes jax jaxlib" in message
+        assert "damaged metadata" not in message and "another step" not in message

@@ -150,6 +150,16 @@ a functree that knows its format:
     right:  pip install -U git+https://github.com/functree/functree    # then the same call"""
 
 
+UNKNOWN_DTYPE = """\
+{path} holds the zero-size array {key!r} of dtype {dtype!r}, a type this installation does not \
+know (ml_dtypes {ml_dtypes}, jax {jax}; the checkpoint was written under jax {writer}). The \
+checkpoint is not damaged; nothing was loaded. Read it where ml_dtypes and jax know {dtype}, \
+as the writer's did:
+
+    wrong:  {call}        # under ml_dtypes {ml_dtypes}, jax {jax}
+    right:  pip install -U ml_dtypes jax jaxlib    # then the same call"""
+
+
 OLD_OPTIMIZER_LAYOUT = """
 
 This checkpoint was written before functree's one-context optimizer state (format \
@@ -375,7 +385,8 @@ def _split_empty(arrays: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list
     return kept, empty
 
 
-def _with_empty(arrays: dict[str, Any], meta: dict[str, Any], target: Any) -> dict[str, Any]:
+def _with_empty(arrays: dict[str, Any], meta: dict[str, Any], target: Any, path: Path, manager: bool
+                ) -> dict[str, Any]:
     """The restored arrays with the zero-size ones of the metadata, placed by ``target`` as
     a stored array would be (the template's sharding or device, ``sharding=``, a mesh's
     rules; one saved as NumPy, and a 64-bit one without ``jax_enable_x64``, on the host, as
@@ -395,8 +406,8 @@ def _with_empty(arrays: dict[str, Any], meta: dict[str, Any], target: Any) -> di
             raise _Damage(f"has damaged metadata: the zero-size array {key!r} is described as {entry!r}")
         try:
             described[key] = (tuple(shape), jnp.dtype(entry[1]), key in on_host)  # (saved as NumPy: on the host)
-        except TypeError:
-            raise _Damage(f"has damaged metadata: the zero-size array {key!r} has dtype {entry[1]!r}") from None
+        except (TypeError, ValueError):  # a type of a newer ml_dtypes or JAX than this one
+            raise _unknown_dtype(key, entry[1], meta, path, manager) from None
     wanted = target(described, meta) if described else {}
     placed = {k: x for k, x in wanted.items() if isinstance(x, jax.ShapeDtypeStruct)}
     arrays.update({k: x for k, x in wanted.items() if k not in placed})  # NumPy zeros, on the host
@@ -458,10 +469,25 @@ def _check_not_newer(meta: Any, path: Path, manager: bool) -> None:
     from functree import __version__  # (functree imports this module)
     about = meta.get("written_on")
     writer = about.get("functree") if isinstance(about, dict) else None
-    call = f"manager.restore({path.name})" if manager else f'ft.train.load("{path}")'
     raise CheckpointError(NEWER_FORMAT.format(
         path=path, writer=f" ({writer})" if isinstance(writer, str) else "", format=meta["format"],
-        version=__version__, known=FORMAT, call=call))
+        version=__version__, known=FORMAT, call=_reader_call(path, manager)))
+
+
+def _reader_call(path: Path, manager: bool) -> str:
+    """The call that read ``path``, for a message's ``wrong:`` line."""
+    return f"manager.restore({path.name})" if manager else f'ft.train.load("{path}")'
+
+
+def _unknown_dtype(key: str, name: str, meta: dict[str, Any], path: Path, manager: bool) -> CheckpointError:
+    """:data:`UNKNOWN_DTYPE`: a zero-size array's dtype name (its writer's ``str(dtype)``, under
+    the metadata's checksum) that this ml_dtypes and JAX do not know: a newer writer's, not damage."""
+    import ml_dtypes  # (JAX's own dependency)
+    about = meta.get("written_on")
+    writer = about.get("jax") if isinstance(about, dict) else None
+    return CheckpointError(UNKNOWN_DTYPE.format(
+        path=path, key=key, dtype=name, ml_dtypes=ml_dtypes.__version__, jax=jax.__version__,
+        writer=writer if isinstance(writer, str) else "a version not recorded", call=_reader_call(path, manager)))
 
 
 def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool = False,
@@ -489,7 +515,7 @@ def _read(restore: Callable[[Any], Any], path: Path, target: Any, manager: bool 
     bad = verify(meta.get("checksums"), arrays)  # before anything goes to a device
     if bad:
         raise _Damage(f"is corrupted: the array {bad[0]!r} {bad[1]}", files=True)
-    return _with_empty(put(arrays, moves), meta, target), meta
+    return _with_empty(put(arrays, moves), meta, target, path, manager), meta
 
 
 def _step_directories(path: Path) -> list[int]:

@@ -7,7 +7,7 @@ buffer twice. The supported tie is :class:`ft.nn.Shared` (one leaf, placed at ev
 an accidental alias is found here once, when a model or optimizer state is created for a
 donated step, and copied so that each leaf owns its buffer. A hand-written loop
 (``opt.init(model)``, ``ft.gradient``, ``ft.move``) is told at its optimizer's ``init`` (or
-at the first ``ft.move`` of a model of that structure): each tie is named once, by the
+at the first ``ft.move`` of each model holding a tie): each tie is named once, by the
 first of these calls that finds it (:func:`warn_aliases`).
 """
 
@@ -81,7 +81,7 @@ class AliasWarning(UserWarning):
     Such a tie does not survive a training step; the message names both key paths and
     shows :class:`ft.nn.Shared`, the tie that does. It is raised once per tie, by the first
     call that finds it: an optimizer's ``init`` (a hand-written loop), the first ``ft.move``
-    of a model of that structure, a train step, the Trainer, a donating ``ft.jit``.
+    of each model holding it, a train step, the Trainer, a donating ``ft.jit``.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, warnings

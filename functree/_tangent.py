@@ -150,19 +150,28 @@ def move(x: Any, *, along: Any) -> Any:
     ``no_derivative`` field, an integer leaf), as in the full-structure tree ``jax.grad``
     returns, is an error naming its key path (see :func:`check_tangent`): never written.
     One array object at two parameters (one layer put at two fields) is untied by the move:
-    the first move of a model of each structure warns (:class:`ft.AliasWarning`), unless
-    an optimizer's ``init`` named that tie already.
+    the first move of each model holding one warns (:class:`ft.AliasWarning`), unless an
+    optimizer's ``init`` named that tie already.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.move({"w": jnp.ones(2), "n": 3}, along={"w": -0.5 * jnp.ones(2), "n": None})
       {'n': 3, 'w': Array([0.5, 0.5], dtype=float32)}
     """
-    if check_tangent("ft.move", along, x, advice=_MOVE):  # the first move of this structure
-        # a hand loop with a plain optax init: one array at two parameters is untied now
-        warn_aliases(parameters(x), what="The model given to ft.move", copied=False)
+    check_tangent("ft.move", along, x, advice=_MOVE)
+    ids: list[int] = []
+
+    def moved(t: Any, leaf: Any) -> Any:
+        if t is not None:  # the moved leaves, seen on the way (a second pass costs a flatten)
+            ids.append(id(leaf))
+        return move_leaf(t, leaf)
+
     try:
-        return map_checked("ft.move", move_leaf, along, x, is_leaf=is_none)
+        out = map_checked("ft.move", moved, along, x, is_leaf=is_none)
+        if len(set(ids)) < len(ids):  # every model, every call: a set of ids, no second flatten
+            # a hand loop with a plain optax init: one array at two parameters is untied now
+            warn_aliases(parameters(x), what="The model given to ft.move", copied=False)
+        return out
     except ShapeMismatch as e:
         raise ValueError(TANGENT_SHAPE.format(what="ft.move", path=path_of(along, e.leaf), given=e.given,
                                               expected=e.expected)) from None

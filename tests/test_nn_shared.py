@@ -192,7 +192,29 @@ def test_a_plain_optax_hand_loop_is_told_at_its_first_move():
     assert len(caught) == 1 and caught[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ft.move(moved, along=updates)  # once per structure: no cost on the loop's later moves
+        ft.move(moved, along=updates)  # the moved model's tie is gone: nothing more to say
+
+
+def test_a_second_model_of_the_same_structure_is_told_at_its_first_move():
+    # The alias check ran at the first ft.move of each tree structure in the process: a
+    # second model of that structure with its own tie (a notebook's new cell) was untied by
+    # its first move without a word. Each model's first move holding a tie warns; its later
+    # moves (and a repeated tie already named) do not.
+    def fresh(seed):
+        layer = ft.nn.Dense(2, 2, key=jax.random.key(seed))
+        return {"cell_move_a": layer, "cell_move_b": layer}
+
+    updates = jax.tree.map(jnp.ones_like, ft.parameters(fresh(0)))
+    for seed in (0, 1):
+        model = fresh(seed)
+        with pytest.warns(ft.AliasWarning, match=r"The model given to ft\.move holds one array object at several "
+                                                 r"leaves: 'cell_move_a.weight' and 'cell_move_b.weight'") as caught:
+            moved = ft.move(model, along=updates)
+        assert len(caught) == 1 and caught[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ft.move(moved, along=updates)
+            ft.move(model, along=updates)  # (its tie named above)
 
 
 def test_no_hand_loop_warning_for_shared_or_for_equal_distinct_arrays():

@@ -356,6 +356,29 @@ def test_an_int64_count_past_int32_in_a_stack_member_names_the_range_and_a_fix_t
     assert loaded.layers.batches_tracked.dtype == jnp.int32 and loaded.layers.batches_tracked.tolist() == [0, 2**31 - 1]
 
 
+def test_a_stack_member_s_tensor_of_another_kind_gets_the_plain_leaf_s_cast_hint():
+    """A Stack member's int64 weight for a float32 leaf (and a float count for an int32 one) was
+    refused with no hint at all, where a plain leaf's names the conversion. It gets the same
+    TORCH_CAST_HINT under the member's torch name; a count that is an integer loads."""
+    from functree._state_dict import TORCH_CAST_HINT
+
+    stack = {"h": ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 2, key=K[0])}
+    sd = {f"h.{i}.{n}": torch.ones((2, 2) if n == "weight" else (2,)) for i in range(2) for n in ("weight", "bias")}
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(stack, {**sd, "h.1.weight": torch.ones(2, 2, dtype=torch.int64)})
+    message = str(info.value)
+    assert "h.1.weight: expected dtype float32, given dtype int64" in message
+    assert TORCH_CAST_HINT.format(names="h.1.weight") in message
+    model = ft.nn.Stack.from_layers([ft.nn.BatchNorm(3, momentum=None)] * 2)
+    counts = {**nn.ModuleList([nn.BatchNorm1d(3, momentum=None) for _ in range(2)]).state_dict(),
+              "1.num_batches_tracked": torch.tensor(3.0)}
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(model, counts)
+    assert TORCH_CAST_HINT.format(names="1.num_batches_tracked") in str(info.value)
+    loaded = ft.nn.load_torch_state_dict(model, {**counts, "1.num_batches_tracked": torch.tensor(3)})
+    assert loaded.layers.batches_tracked.tolist() == [0, 3]
+
+
 @needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them
 def test_float_values_past_a_narrower_dtype_s_range_are_refused_not_made_inf():
     """A float32 running variance of 7e4 into a float16 BatchNorm (float16's largest is

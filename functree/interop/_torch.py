@@ -911,10 +911,12 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
              for n in map(str, names)]
     wraps += [(members.get(n, n), dtype, str(plan.leaves[n].stored)) for n, _, _, dtype in wrong_dtypes
               if dtype is not None and not _floating(dtype)]
-    wrong_dtypes = [(members.get(n, n), want, got) for n, want, got, _ in wrong_dtypes]
     wrapped = {name: dtype for name, dtype, _ in wraps}
-    cast = [n for n, _, _ in refused if n not in ranged and n not in wrapped]
-    hints = ((TORCH_CAST_HINT.format(names=", ".join(cast)),) if cast and fitted.hints else ()) + (
+    # another kind (an int64 tensor for a float leaf): plain leaves' where from_flat_dict hints, then Stack members'
+    cast = [n for n, _, _ in refused if n not in ranged and n not in wrapped] if fitted.hints else []
+    cast += [members.get(n, n) for n, _, _, dtype in wrong_dtypes if dtype is None]
+    wrong_dtypes = [(members.get(n, n), want, got) for n, want, got, _ in wrong_dtypes]
+    hints = ((TORCH_CAST_HINT.format(names=", ".join(cast)),) if cast else ()) + (
         (range_hint(TORCH_FLOAT_RANGE_HINT, dict(sorted(ranged.items()))),) if ranged else ()) + (
         (int_range_hint(TORCH_INT_RANGE_HINT, wrapped, wraps[0][2]),) if wraps else ())
     report = merged(ported, FlatDictReport(

@@ -379,6 +379,26 @@ def test_a_stack_member_s_tensor_of_another_kind_gets_the_plain_leaf_s_cast_hint
     assert loaded.layers.batches_tracked.tolist() == [0, 3]
 
 
+def test_a_stack_member_of_torch_s_other_size_is_fixed_by_its_stack_not_built_alone():
+    """A Stack member's weight of another size was told "right: ft.nn.Dense(3, 2, ...)   # 'h.1'
+    with torch's sizes": no member is built alone. Every member of one other size: the Stack
+    built with it (which loads), naming the stacked leaf; some members only: a Stack's members
+    share one size, so they are held apart."""
+    stack = {"h": ft.nn.Stack(lambda k: ft.nn.Dense(2, 2, key=k), 2, key=K[0])}
+    wide = {f"h.{i}.{n}": torch.ones((2, 3) if n == "weight" else (2,)) for i in range(2) for n in ("weight", "bias")}
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(stack, wide)
+    assert ("right:  ft.nn.Stack(lambda k: ft.nn.Dense(3, 2, ...), 2, ...)   # 'h''s 2 members with torch's sizes "
+            "(stacked leaf h.layers.weight)") in str(info.value) and "# 'h.1'" not in str(info.value)
+    built = {"h": ft.nn.Stack(lambda k: ft.nn.Dense(3, 2, key=k), 2, key=K[0])}
+    assert ft.nn.load_torch_state_dict(built, wide)["h"].layers.weight.shape == (2, 3, 2)
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(stack, {**wide, "h.0.weight": torch.ones(2, 2)})
+    assert ("right:  ft.nn.Sequential(...)   # 'h''s members ['1'] are of other sizes than its others "
+            "(ft.nn.Dense(3, 2, ...)), and a Stack's members share one size (stacked leaf h.layers.weight)"
+            ) in str(info.value)
+
+
 @needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them
 def test_float_values_past_a_narrower_dtype_s_range_are_refused_not_made_inf():
     """A float32 running variance of 7e4 into a float16 BatchNorm (float16's largest is

@@ -354,6 +354,13 @@ rest with strict=False, which keeps the model's own as built (the report lists i
 
 # SHAPE_HINT's {rights}: one per layer.
 SHAPE_RIGHT = "    right:  {call}   # {layer} with torch's sizes"
+# ... one per layer of a Stack's members (all of them given one other size): built by the Stack, never alone.
+STACK_SHAPE_RIGHT = "    right:  {call}   # {layer} with torch's sizes (stacked leaf {leaf})"
+# ... where only some members' differ: torch's members are of two sizes, and a Stack's are of one.
+STACK_UNEVEN_RIGHT = """\
+    right:  ft.nn.Sequential(...)   # {stack}'s members {members} are of other sizes than its \
+others ({layer}{call}), and a Stack's members share one size (stacked leaf {leaf}): hold them \
+apart, one layer each (a Sequential's members are torch's names alike)"""
 
 
 def _built(node: Any, weight: tuple[int, ...]) -> str | None:
@@ -375,11 +382,14 @@ def _built(node: Any, weight: tuple[int, ...]) -> str | None:
     return None
 
 
-def _shape_hint(layers: Mapping[str, Any], report: FlatDictReport) -> str:
+def _shape_hint(layers: Mapping[str, Any], report: FlatDictReport,
+                stacks: Mapping[str, tuple[str, int, str]]) -> str:
     """:data:`SHAPE_HINT` for the known layers (``layers``: torch name -> layer) whose
-    ``weight`` is given in another shape (a Dense's reversed one is :func:`_dense_layouts_hint`'s)."""
+    ``weight`` is given in another shape (a Dense's reversed one is :func:`_dense_layouts_hint`'s);
+    a Stack member's (``stacks``: :func:`~functree.interop._torch._stacked_names`) by its Stack."""
     rights: list[str] = []
     shown: list[str] = []
+    grouped: dict[tuple[str, str], list[tuple[str, str, int, str]]] = {}  # (stack, layer in a member) -> members
     for name, want, given in report.mismatched:
         layer, _, leaf = name.rpartition(".")
         node = layers.get(layer)
@@ -387,17 +397,38 @@ def _shape_hint(layers: Mapping[str, Any], report: FlatDictReport) -> str:
         if leaf != "weight" or node is None or not shape or (shape == expected[::-1] and isinstance(node, Dense)):
             continue
         call = _built(node, shape)
-        if call is not None:
+        if call is not None and name in stacks:
+            stack, n, stored = stacks[name]
+            member, _, inner = name[len(stack) + 1 if stack else 0:].partition(".")
+            grouped.setdefault((stack, inner.rpartition(".")[0]), []).append((member, call, n, stored))
+        elif call is not None:
             rights.append(SHAPE_RIGHT.format(call=call, layer=repr(layer) if layer else "the model"))
             shown.append(repr(layer) if layer else "the model")
+    for (stack, inner), members in grouped.items():
+        rights.append(_stack_right(stack, inner, members))
+        shown.append(repr(stack) if stack else "the model")
     if not rights:
         return ""
     return SHAPE_HINT.format(layers=", ".join(shown[:4]) + (" ..." if len(shown) > 4 else ""),
                              rights="\n".join(rights[:4]), kept=", ".join(shown[:4]))
 
 
+def _stack_right(stack: str, inner: str, members: list[tuple[str, str, int, str]]) -> str:
+    """A Stack's right line: every member's layer ``inner`` given one other size (built by the
+    Stack, :data:`STACK_SHAPE_RIGHT`) or some (:data:`STACK_UNEVEN_RIGHT`)."""
+    _, call, n, leaf = members[0]
+    named = repr(stack) if stack else "the model"
+    if len(members) == n and len({c for _, c, _, _ in members}) == 1:
+        built = call if inner else f"ft.nn.Stack(lambda k: {call}, {n}, ...)"
+        layer = f"{inner!r} in each of {named}'s {n} members" if inner else f"{named}'s {n} members"
+        return STACK_SHAPE_RIGHT.format(call=built, layer=layer, leaf=leaf)
+    return STACK_UNEVEN_RIGHT.format(stack=named, members=[m for m, _, _, _ in members],
+                                     layer=f"{inner!r}: " if inner else "", call=call, leaf=leaf)
+
+
 def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: FlatDictReport, hint: str = "",
-                   layers: Mapping[str, Any] | None = None) -> ValueError:
+                   layers: Mapping[str, Any] | None = None,
+                   stacks: Mapping[str, tuple[str, int, str]] | None = None) -> ValueError:
     """:data:`TORCH_MISMATCH` for ``report``: an example of the rules' names (each with ``ft``
     and ``torch`` names: ``key path -> torch name``), the attentions' and Dense layers'
     ``layouts=`` hints, an RNN's direction, an option a known layer (``layers``: torch name ->
@@ -409,4 +440,4 @@ def mismatch_error(rules: Sequence[Any], attentions: Sequence[str], report: Flat
                                             hint=_layouts_hint(attentions, report) + _dense_layouts_hint(rules, attentions, report)
                                             + _rnn_direction_hint(report) + _statistics_hint(report)
                                             + _options_hint(layers or {}, report) + _without_hint(layers or {}, rules, report)
-                                            + _shape_hint(layers or {}, report) + _prefix_hint(report) + hint))
+                                            + _shape_hint(layers or {}, report, stacks or {}) + _prefix_hint(report) + hint))

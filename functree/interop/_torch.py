@@ -331,6 +331,8 @@ class _Plan:
     attentions: list[str] = dataclasses.field(default_factory=list)  # MultiheadAttention layers' torch names
     ports: list[Found] = dataclasses.field(default_factory=list)  # subtrees named by their own converter
     layers: dict[str, Any] = dataclasses.field(default_factory=dict)  # each known layer by its torch name
+    # each Stack member's torch name (h.1): its Stack's torch name and member count
+    stacks: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
     # every module by its torch name, with its key path (the innermost: a Remat's layer, a Shared's model)
     nodes: dict[str, tuple[str, Any]] = dataclasses.field(default_factory=dict)
 
@@ -418,6 +420,7 @@ def _plan(model: Any, flattened: Mapping[str, tuple[int, ...] | None], layouts: 
             if complete is not None:
                 _check_members(complete, ft, torch, len(node))
             for i in range(len(node)):
+                plan.stacks[join_names(torch, str(i))] = (torch, len(node))
                 walk(node._member(i), join_names(ft, str(i)), _under(stored, field_name), (*index, i), join_names(torch, str(i)))
             return
         if isinstance(node, Shared):
@@ -927,8 +930,22 @@ def load_by_rules(model: Any, state_dict: Mapping[str, Any] | str | os.PathLike[
     if strict and not report.ok:
         # layers' options are named for a model of ft.nn layers, not a port's own (from_hf: its config builds them)
         raise mismatch_error(plan.rules, plan.attentions, report, recurrent_hint(report, given) + hint(plan.ports),
-                             plan.layers if ports else {})
+                             plan.layers if ports else {}, _stacked_names(plan) if ports else {})
     return tree if strict else (tree, report)
+
+
+def _stacked_names(plan: _Plan) -> dict[str, tuple[str, int, str]]:
+    """Each Stack member's one-to-one torch name (``h.1.weight``): its innermost Stack's torch
+    name, member count and stacked leaf (``h.layers.weight``), for a mismatch's fix: a member
+    is built by its Stack, never alone."""
+    out: dict[str, tuple[str, int, str]] = {}
+    for rule in plan.rules:
+        leaf = plan.leaves[rule.ft[0]]
+        if len(rule.ft) == len(rule.torch) == 1 and leaf.index and leaf.stored is not None:
+            member = max((m for m in plan.stacks if rule.torch[0].startswith(m + ".")), key=len, default=None)
+            if member is not None:
+                out[rule.torch[0]] = (*plan.stacks[member], leaf.stored)
+    return out
 
 
 def _in_torch_layout(name: str, want: str, got: str, given: Mapping[str, Any]) -> tuple[str, str, str]:

@@ -465,6 +465,20 @@ def test_a_dtype_refusal_shows_the_given_tensor_s_shape_not_its_transpose():
     assert report.mismatched == (("0.weight", "shape (6, 2, 3) dtype float32", "shape (6, 2, 3) dtype int32"),)
 
 
+def test_a_weight_of_another_kind_is_not_told_to_rebuild_the_layer_at_its_own_sizes():
+    """An int64 Linear weight of the model's own shape was refused with the cast hint and also
+    "of other sizes than the model's ... right: ft.nn.Dense(4, 3, ...)", the layer as built. Only
+    the cast hint; a weight of another size still gets the sizes' fix."""
+    from functree._state_dict import TORCH_CAST_HINT
+
+    with pytest.raises(ValueError) as info:
+        ft.nn.load_torch_state_dict(ft.nn.Dense(4, 3, key=K[0]),
+                                    {"weight": torch.ones(3, 4, dtype=torch.int64), "bias": torch.zeros(3)})
+    assert TORCH_CAST_HINT.format(names="weight") in str(info.value) and "other sizes" not in str(info.value)
+    with pytest.raises(ValueError, match=r"right:  ft\.nn\.Dense\(5, 3, \.\.\.\)"):
+        ft.nn.load_torch_state_dict(ft.nn.Dense(4, 3, key=K[0]), {"weight": torch.ones(3, 5), "bias": torch.zeros(3)})
+
+
 def test_integer_tensors_lists_and_kind_mismatches():
     """torch's int64 buffers go into int32 leaves where they hold the values; a float for an
     integer leaf or an int64 past int32 is refused under torch's name with a hint that names

@@ -394,7 +394,8 @@ def _shape_hint(layers: Mapping[str, Any], report: FlatDictReport,
         layer, _, leaf = name.rpartition(".")
         node = layers.get(layer)
         shape, expected = _shape(given), _shape(want)
-        if leaf != "weight" or node is None or not shape or (shape == expected[::-1] and isinstance(node, Dense)):
+        if (leaf != "weight" or node is None or not shape or shape == expected  # of the same size: a dtype refused
+                or (shape == expected[::-1] and isinstance(node, Dense))):
             continue
         call = _built(node, shape)
         if call is not None and name in stacks:

@@ -82,6 +82,8 @@ class AliasWarning(UserWarning):
     shows :class:`ft.nn.Shared`, the tie that does. It is raised once per tie, by the first
     call that finds it: an optimizer's ``init`` (a hand-written loop), the first ``ft.move``
     of each model holding it, a train step, the Trainer, a donating ``ft.jit``.
+    Only a repeated parameter is named: a buffer at several leaves (a ``no_derivative`` table,
+    an integer or bool mask) is trained by nothing, and a donated call copies it silently.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, warnings
@@ -131,8 +133,9 @@ def warn_aliases(tree: Any, *, what: str = "The model", rename: Callable[[str], 
     hand loop's ``opt.init(model)`` warns, its train step given that model does not).
     """
     pairs = find_aliases(tree)
-    if pairs and _first_named(tree, pairs):
-        names = alias_names(tree, pairs)
+    trained = _parameter_pairs(tree, pairs)  # a repeated buffer (no_derivative, int, bool) is never trained apart
+    if trained and _first_named(tree, trained):
+        names = alias_names(tree, trained)
         if rename is not None:
             names = [(rename(a), rename(b)) for a, b in names]
         listed = ", ".join(f"{a!r} and {b!r}" for a, b in names)
@@ -143,6 +146,19 @@ def warn_aliases(tree: Any, *, what: str = "The model", rename: Callable[[str], 
             stacklevel=user_stacklevel(),
         )
     return pairs
+
+
+def _parameter_pairs(tree: Any, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ``pairs`` whose array is a parameter: a gradient step unties only those (a mask or
+    a ``no_derivative`` table shared by every block stays one array; a donated step copies
+    it apart silently)."""
+    if not pairs:
+        return []
+    # (imported here: _parameters -> _module -> _labels imports this module)
+    from functree._parameters import parameters
+
+    kept = jax.tree.structure(tree).flatten_up_to(parameters(tree))
+    return [(a, b) for a, b in pairs if kept[a] is not None or kept[b] is not None]
 
 
 def _first_named(tree: Any, pairs: Sequence[tuple[int, int]]) -> bool:

@@ -229,6 +229,39 @@ def test_no_hand_loop_warning_for_shared_or_for_equal_distinct_arrays():
             ft.move(model, along=jax.tree.map(jnp.zeros_like, ft.parameters(model)))
 
 
+class _Block(ft.Module):
+    weight: jax.Array
+    table: jax.Array = ft.field(no_derivative=True)  # a buffer (torch's register_buffer)
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.weight) * jnp.cos(self.table).sum()
+
+
+def test_one_buffer_shared_by_every_block_is_no_alias_to_warn_of():
+    # The train step, the Trainer and a donating ft.jit warned of a no_derivative table (a
+    # rotary table) or a bool mask given to every block as "trained as independent copies":
+    # nothing trains them, so they stay equal. Only a parameter's repeat warns.
+    def model():
+        table, mask = jnp.linspace(0.0, 1.0, 2), jnp.tril(jnp.ones((2, 2), bool))
+        return {"a": _Block(jnp.eye(2), table), "b": _Block(2 * jnp.eye(2), table), "m1": mask, "m2": mask}
+
+    def loss(m, x):
+        return jnp.mean(m["b"](m["a"](x)) ** 2)
+
+    x = jnp.ones((4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ft.AliasWarning)
+        step = ft.train.train_step(loss, ft.optim.sgd(0.1))
+        trained, _, _ = step(model(), step.optimizer.init(model()), x)  # donated: copied apart silently
+        ft.train.Trainer(model(), ft.optim.sgd(0.1), loss).fit([x], steps=1, progress=False)
+        ft.jit(lambda m, x: (m, loss(m, x)), donate=0)(model(), x)
+    np.testing.assert_array_equal(trained["a"].table, trained["b"].table)
+    mixed = model()
+    mixed["b"] = _Block(mixed["a"].table, mixed["a"].table)  # a parameter holding the buffer: trained apart
+    with pytest.warns(ft.AliasWarning, match=r"'a.table' and 'b.weight'"):
+        step(mixed, step.optimizer.init(mixed), x)
+
+
 def _right_code(message):
     """The code of an error message's ``right:`` line, as the user would paste it."""
     return next(line for line in message.splitlines() if "right:" in line).split("right:", 1)[1].strip()

@@ -360,6 +360,30 @@ def test_a_loader_of_example_rows_is_refused_showing_both_readings(call):
     check_row_minibatch({"ids": [[1, 2], [3]], "mask": np.ones(2)}, [], "trainer.fit")  # lists: arrays, no label
 
 
+def test_minibatches_with_a_per_minibatch_value_are_shown_the_way_through_and_it_trains():
+    """A loader of minibatches (x, y, t) with t one value for the whole minibatch (a
+    temperature) has the shapes of a row (x_i, y_i, label): ROWS_FROM_LOADER cannot tell them
+    apart, and its message only batched rows. It shows the legit form too (t once per
+    example), and that code trains on the whole minibatches."""
+    x, y, _ = _pairs()
+
+    def loss(m, b):
+        return jnp.mean((b[0] @ m["w"] - b[1]) ** 2) * b[2][0]
+
+    minibatches = [(x[:4], y[:4], np.float32(0.5)), (x[4:], y[4:], np.float32(0.5))]
+    trainer = ft.train.Trainer({"w": jnp.eye(3)}, ft.optim.sgd(0.1), loss)
+    with pytest.raises(ValueError) as raised:
+        trainer.fit(iter(minibatches), epochs=1, progress=False)
+    right = str(raised.value).splitlines()[-1]
+    assert "and read it in the loss as batch[2][0]" in str(raised.value)
+    assert right == ("    right:  trainer.fit([jax.tree.map(lambda v: np.full(len(b[0]), v) if np.ndim(v) == 0 "
+                     "else v, b) for b in minibatches], ...)"), right
+    data = eval(right.split("trainer.fit(", 1)[1].rsplit(", ...)", 1)[0])  # the message's code, as pasted
+    seen = []
+    trainer.fit(data, epochs=1, progress=False, callbacks=[seen.append])
+    assert trainer.steps_run == 2 and (seen[-1].samples_seen, seen[-1].minibatch_size) == (11, 7)
+
+
 def test_data_known_never_to_end_is_refused_without_steps_and_finite_data_ends_its_epoch():
     """fit(itertools.cycle(loader)) (or grain's MapDataset.repeat(), a DataLoader whose
     sampler has num_epochs=None) ran its first epoch forever: an epoch ends where the data

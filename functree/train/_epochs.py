@@ -308,7 +308,17 @@ minibatches, every leaf with a leading (example) axis:
 
     wrong:  {wrong}                # items (x_i, y_i): one example each
     right:  {right}
-       or:  {other}   # rows = list(dataset)"""
+       or:  {other}   # rows = list(dataset)
+
+Items that are minibatches after all, with leaf {label} one value for the whole minibatch \
+(a temperature, a loss weight), are read the same way: give that value once per example, \
+and read it in the loss as batch{label}[0]:
+
+    right:  {per_example}"""
+
+# ROWS_FROM_LOADER's way through for minibatches with a per-minibatch 0-d leaf: it is broadcast
+# along the features leaf's axis (the example axis then), the list re-iterable for every epoch.
+_PER_EXAMPLE = "[jax.tree.map(lambda v: np.full(len(b{features}), v) if np.ndim(v) == 0 else v, b) for b in minibatches]"
 
 
 def check_row_minibatch(batch: Any, data: Any, caller: str) -> None:
@@ -330,7 +340,8 @@ def check_row_minibatch(batch: Any, data: Any, caller: str) -> None:
         features=name(features[0]) or "the item", size=size,
         counted=_ROWS_COUNTED.get(caller, "the means weigh each minibatch by them"),
         wrong=_called(caller, "dataset"), right=_called(caller, "torch.utils.data.DataLoader(dataset, batch_size=32)"),
-        other=_called(caller, STACKED)))
+        other=_called(caller, STACKED),
+        per_example=_called(caller, _PER_EXAMPLE.format(features=name(features[0])))))
 
 
 def _rank(x: Any) -> int:

@@ -68,6 +68,20 @@ def test_a_closure_over_another_value_is_refused(tmp_path):
     ft.train.load(tmp_path / "m", _template(scaled(2.0)))  # the same value captured: loads
 
 
+def test_a_closure_over_a_prng_key_saves_and_another_key_is_refused(tmp_path):
+    # ft.train.save of a model whose activation closes over a typed key (a noise
+    # activation) failed inside JAX ("PRNGKey dtype cannot be converted to a NumPy array"):
+    # the digest read the key with np.asarray. A key is digested by its bits and impl.
+    noisy = lambda key: (lambda v: v + 0.1 * jax.random.normal(key, v.shape))  # noqa: E731
+    model = _saved(tmp_path, noisy(jax.random.key(0)))
+    loaded = ft.train.load(tmp_path / "m", _template(noisy(jax.random.key(0))))
+    np.testing.assert_array_equal(loaded(X), model(X))
+    with pytest.raises(TemplateMismatch, match=r"activation: saved .*<locals>.<lambda> \(code "):
+        ft.train.load(tmp_path / "m", _template(noisy(jax.random.key(1))))
+    with pytest.raises(TemplateMismatch, match=r"activation: saved .*<locals>.<lambda> \(code "):
+        ft.train.load(tmp_path / "m", _template(noisy(jax.random.key(0, impl="rbg"))))
+
+
 @pytest.mark.parametrize("stored", ["{base}", "{base}@py27:000000000000"], ids=["before-digests", "other-python"])
 def test_a_name_without_a_digest_or_of_another_python_loads_by_name(tmp_path, stored):
     """A file written before digests, or by another Python (other bytecode for the same

@@ -29,6 +29,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 _PYTHON = f"py{sys.version_info[0]}{sys.version_info[1]}"
@@ -228,6 +229,9 @@ def _value_text(value: Any, seen: frozenset[int], of_function: Callable[..., Any
         return "{" + ",".join(items) + "}"
     if isinstance(value, types.FunctionType):
         return f"{value.__module__}.{value.__qualname__}:{of_function(value, inner)}"
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        # a typed key has no NumPy form (np.asarray raised inside JAX): its bits, under its impl
+        return f"{value.dtype}:" + _value_text(jax.random.key_data(value), inner, of_function)
     if isinstance(value, np.generic) or (hasattr(value, "__array__") and hasattr(value, "dtype")):
         array = np.asarray(value)
         return f"array({array.dtype},{array.shape},{hashlib.sha256(array.tobytes()).hexdigest()[:16]})"

@@ -82,8 +82,9 @@ class AliasWarning(UserWarning):
     shows :class:`ft.nn.Shared`, the tie that does. It is raised once per tie, by the first
     call that finds it: an optimizer's ``init`` (a hand-written loop), the first ``ft.move``
     of each model holding it, a train step, the Trainer, a donating ``ft.jit``.
-    Only a repeated parameter is named: a buffer at several leaves (a ``no_derivative`` table,
-    an integer or bool mask) is trained by nothing, and a donated call copies it silently.
+    Only a repeat that training moves is named: a buffer at several leaves (a ``no_derivative``
+    table, an integer or bool mask) or a layer the optimizer's ``wrt=`` leaves frozen is
+    trained by nothing, and a donated call copies it silently.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, warnings
@@ -122,20 +123,23 @@ def alias_names(tree: Any, pairs: Sequence[tuple[int, int]]) -> list[tuple[str, 
 
 
 def warn_aliases(tree: Any, *, what: str = "The model", rename: Callable[[str], str] | None = None,
-                 copied: bool = True) -> list[tuple[int, int]]:
+                 copied: bool = True, trained: Callable[[], Any] | None = None) -> list[tuple[int, int]]:
     """Warn (:class:`AliasWarning`) naming both key paths of every aliased leaf of ``tree``;
     returns :func:`find_aliases`' pairs (empty, and no warning, when there are none).
     ``rename`` turns a dotted key path into the name shown (an argument's name); ``copied``
-    says the caller copies the repeated leaves (:func:`copy_aliases`).
+    says the caller copies the repeated leaves (:func:`copy_aliases`). ``trained`` gives
+    ``tree``'s leaves that training moves, ``None`` elsewhere (an optimizer's ``trained_view``
+    under ``wrt=``; by default ``ft.parameters(tree)``), called only where there are repeats:
+    a repeat that nothing moves stays one value.
 
     Call it where a model enters a donated step or an optimizer's ``init``, not per step
     (:class:`DonationGuard`). An array named by an earlier warning is not named again (the
     hand loop's ``opt.init(model)`` warns, its train step given that model does not).
     """
     pairs = find_aliases(tree)
-    trained = _parameter_pairs(tree, pairs)  # a repeated buffer (no_derivative, int, bool) is never trained apart
-    if trained and _first_named(tree, trained):
-        names = alias_names(tree, trained)
+    moved = _moved_pairs(tree, pairs, trained)  # a repeated buffer or frozen layer is never trained apart
+    if moved and _first_named(tree, moved):
+        names = alias_names(tree, moved)
         if rename is not None:
             names = [(rename(a), rename(b)) for a, b in names]
         listed = ", ".join(f"{a!r} and {b!r}" for a, b in names)
@@ -148,16 +152,22 @@ def warn_aliases(tree: Any, *, what: str = "The model", rename: Callable[[str], 
     return pairs
 
 
-def _parameter_pairs(tree: Any, pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The ``pairs`` whose array is a parameter: a gradient step unties only those (a mask or
-    a ``no_derivative`` table shared by every block stays one array; a donated step copies
-    it apart silently)."""
+def _moved_pairs(tree: Any, pairs: Sequence[tuple[int, int]],
+                 trained: Callable[[], Any] | None) -> list[tuple[int, int]]:
+    """The ``pairs`` of which a leaf is trained (``trained``'s, by default a parameter): a
+    gradient step unties only those (a mask or a ``no_derivative`` table shared by every
+    block, a frozen layer at two fields, stays one array; a donated step copies it apart
+    silently)."""
     if not pairs:
         return []
-    # (imported here: _parameters -> _module -> _labels imports this module)
-    from functree._parameters import parameters
+    if trained is None:
+        # (imported here: _parameters -> _module -> _labels imports this module)
+        from functree._parameters import parameters
 
-    kept = jax.tree.structure(tree).flatten_up_to(parameters(tree))
+        view = parameters(tree)
+    else:
+        view = trained()
+    kept = jax.tree.structure(tree).flatten_up_to(view)
     return [(a, b) for a, b in pairs if kept[a] is not None or kept[b] is not None]
 
 

@@ -262,6 +262,29 @@ def test_one_buffer_shared_by_every_block_is_no_alias_to_warn_of():
         step(mixed, step.optimizer.init(mixed), x)
 
 
+def test_a_layer_at_two_fields_that_wrt_leaves_frozen_is_no_alias_to_warn_of():
+    # Optimizer(wrt="head.*").init, its train step and the Trainer warned of a frozen
+    # encoder placed at two fields as "trained as independent copies": nothing moves it, so
+    # the two stay one value. A tie of which wrt= trains a leaf still warns.
+    def model():
+        encoder = ft.nn.Dense(2, 2, key=jax.random.key(0))
+        return {"enc_a": encoder, "enc_b": encoder, "head": ft.nn.Dense(2, 2, key=jax.random.key(1))}
+
+    def loss(m, x):
+        return jnp.mean(m["head"](m["enc_b"](m["enc_a"](x))) ** 2)
+
+    x, head_only = jnp.ones((4, 2)), ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="head.*")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ft.AliasWarning)
+        step = ft.train.train_step(loss, head_only)
+        trained, _, _ = step(model(), head_only.init(model()), x)
+        ft.train.Trainer(model(), ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="head.*"), loss).fit(
+            [x], steps=1, progress=False)
+    np.testing.assert_array_equal(trained["enc_a"].weight, trained["enc_b"].weight)
+    with pytest.warns(ft.AliasWarning, match=r"'enc_a.weight' and 'enc_b.weight'"):
+        ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="enc_a.*").init(model())
+
+
 def _right_code(message):
     """The code of an error message's ``right:`` line, as the user would paste it."""
     return next(line for line in message.splitlines() if "right:" in line).split("right:", 1)[1].strip()

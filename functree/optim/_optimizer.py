@@ -450,8 +450,10 @@ class Optimizer:
             raise apart  # (the state went to the first leaf's devices; the step then refused the leaf's moments)
         check_base_untrained(model, self.wrt)  # LoRA without wrt=: save_lora would lose the base's training
         # One array at two parameters: the hand loop's first ft.move unties it, silently (once, here)
-        warn_aliases(parameters(model), what="The model given to ft.optim.Optimizer.init", copied=False)
-        params = mode_free(trained_view(model, self.wrt))
+        trained = trained_view(model, self.wrt)  # (a tie wrt= leaves frozen stays one value)
+        warn_aliases(parameters(model), what="The model given to ft.optim.Optimizer.init", copied=False,
+                     trained=lambda: trained)
+        params = mode_free(trained)
         # optax mixes floats and ints; its masks' errors named (a tree of another structure,
         # a Stack's member mask in optax.masked)
         with jax.numpy_dtype_promotion("standard"), named_structure_errors(MASK_IN_TRAINING_MODE), named_member_masks():

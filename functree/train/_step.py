@@ -873,7 +873,8 @@ class TrainStep(Settings):
             model, opt_state = self._placement.place(model, opt_state)
         rest = args[2:]
         if self._donate and not owned:
-            warn_aliases(model, what="The model given to the train step")
+            warn_aliases(model, what="The model given to the train step",
+                         trained=lambda: trained_view(model, self.optimizer.wrt))
             model, opt_state = copy_aliases((model, opt_state))
             rest = _batch_copied_apart(model, opt_state, rest)
         if len(rest) > 2 and rest[2] is self._loop.halt is not None and self._placement is None:  # (the Trainer's log: committed)

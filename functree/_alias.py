@@ -129,8 +129,8 @@ def warn_aliases(tree: Any, *, what: str = "The model", rename: Callable[[str], 
     ``rename`` turns a dotted key path into the name shown (an argument's name); ``copied``
     says the caller copies the repeated leaves (:func:`copy_aliases`). ``trained`` gives
     ``tree``'s leaves that training moves, ``None`` elsewhere (an optimizer's ``trained_view``
-    under ``wrt=``; by default ``ft.parameters(tree)``), called only where there are repeats:
-    a repeat that nothing moves stays one value.
+    under ``wrt=``, ``ft.parameters`` of it; without it ``tree`` is taken for such a view),
+    called only where there are repeats: a repeat that nothing moves stays one value.
 
     Call it where a model enters a donated step or an optimizer's ``init``, not per step
     (:class:`DonationGuard`). An array named by an earlier warning is not named again (the
@@ -154,19 +154,14 @@ def warn_aliases(tree: Any, *, what: str = "The model", rename: Callable[[str], 
 
 def _moved_pairs(tree: Any, pairs: Sequence[tuple[int, int]],
                  trained: Callable[[], Any] | None) -> list[tuple[int, int]]:
-    """The ``pairs`` of which a leaf is trained (``trained``'s, by default a parameter): a
+    """The ``pairs`` of which a leaf is trained (``trained``'s; ``tree`` itself is a
+    parameter view without it: None at what nothing trains): a
     gradient step unties only those (a mask or a ``no_derivative`` table shared by every
     block, a frozen layer at two fields, stays one array; a donated step copies it apart
     silently)."""
     if not pairs:
         return []
-    if trained is None:
-        # (imported here: _parameters -> _module -> _labels imports this module)
-        from functree._parameters import parameters
-
-        view = parameters(tree)
-    else:
-        view = trained()
+    view = tree if trained is None else trained()
     kept = jax.tree.structure(tree).flatten_up_to(view)
     return [(a, b) for a, b in pairs if kept[a] is not None or kept[b] is not None]
 

@@ -46,6 +46,7 @@ from functree._alias import (
     warn_aliases,
 )
 from functree._flat import flat_jit
+from functree._parameters import parameters
 from functree._tree import dotted_name
 from functree._where import devices_error
 
@@ -570,7 +571,8 @@ def _guarded(f: Callable[..., Any], nums: tuple[int, ...], names: tuple[str, ...
         if fresh:
             guard.check_donated(_named(args, kwargs, nums, names, params), what="The argument", step=step,
                                 no_donation=no_donation)
-            pairs = warn_aliases((args, kwargs), what=what, rename=lambda n: _argument_name(n, params))
+            pairs = warn_aliases((args, kwargs), what=what, rename=lambda n: _argument_name(n, params),
+                                 trained=lambda: parameters((args, kwargs)))
             args, kwargs = copy_aliases((args, kwargs), pairs)
         return args, kwargs
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import functree as ft
-from functree.hf import _peft_params
+from functree.hf import _peft_params, _qwen2_moe
 from functree.nn import _lora, _lora_experts
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,6 +43,12 @@ EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
 FAMILIES = {"mixtral": mixtral, "qwen3_moe": qwen3_moe, "olmoe": olmoe, "qwen2_moe": qwen2_moe}
+
+
+def _converted(family: str) -> bool:
+    """Whether the installed PEFT's "all-linear" converts ``family`` (its router and stacked
+    experts in target_parameters): Qwen2-MoE from PEFT 0.22 on."""
+    return family != "qwen2_moe" or _qwen2_moe._peft_converts_qwen2_moe()
 
 
 def make(family, seed):
@@ -359,8 +365,8 @@ def test_all_linear_adapts_what_peft_s_all_linear_adapts(family, tmp_path):
     written = safetensors_numpy.load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
     original = safetensors_numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in original.items()}
-    assert any(".experts." in k for k in original) == (family != "qwen2_moe")
-    assert any(".mlp.gate." in k for k in original) == (family != "qwen2_moe")
+    assert any(".experts." in k for k in original) == _converted(family)
+    assert any(".mlp.gate." in k for k in original) == _converted(family)
     loaded = peft.PeftModel.from_pretrained(make(family, 5), str(tmp_path / "ours")).eval()
     assert peft_adapters(loaded) == peft_adapters(theirs)
     with torch.no_grad():
@@ -419,7 +425,12 @@ def test_all_linear_with_dropout_is_refused_where_it_adapts_expert_weights():
                                                                    lora_dropout=0.1))
     fixed = ft.nn.lora(base, "*.self_attn.*_proj", rank=2, dropout=0.1, key=jax.random.key(0))
     assert sum(k.endswith("lora_a") for k in ft.to_flat_dict(fixed)) == 4
-    dropped = ft.nn.lora(ft.nn.from_hf(make("qwen2_moe", 6)), "all-linear", rank=2, dropout=0.1, key=jax.random.key(0))
+    qwen = ft.nn.from_hf(make("qwen2_moe", 6))
+    if _converted("qwen2_moe"):  # PEFT 0.22 converts Qwen2-MoE as Mixtral: the same refusal
+        with pytest.raises(ValueError, match=r"adapts this model's stacked expert weights"):
+            ft.nn.lora(qwen, "all-linear", rank=2, dropout=0.1, key=jax.random.key(0))
+        return
+    dropped = ft.nn.lora(qwen, "all-linear", rank=2, dropout=0.1, key=jax.random.key(0))
     assert {layer.node.dropout for layer in _lora.dense_layers(dropped) if isinstance(layer.node, ft.nn.LoraDense)} == {0.1}
 
 
@@ -495,6 +506,6 @@ def test_a_hand_written_all_linear_config_is_read_as_peft_reads_it(family, tmp_p
     with jax.enable_x64(True):
         model = ft.nn.load_lora(ft.nn.from_hf(make(family, 6), dtype=jnp.float64), directory)
         logits = np.asarray(model(ids, mask))
-    assert isinstance(model.model.layers.layers.mlp.experts, _lora_experts.LoraExperts) == (family != "qwen2_moe")
+    assert isinstance(model.model.layers.layers.mlp.experts, _lora_experts.LoraExperts) == _converted(family)
     top = float(np.abs(expected[real]).max())
     np.testing.assert_allclose(logits[real], expected[real], rtol=0, atol=WIDENED * top)

@@ -40,6 +40,8 @@ routed experts' router logits; the shared expert has no router)::
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
 from typing import Any, ClassVar
 
 import jax
@@ -63,6 +65,17 @@ from functree.nn._moe import SparseMoE
 __all__ = ["Qwen2MoeForCausalLM", "SharedExpertMoE", "QWEN2_MOE_EXPERTS"]
 
 QWEN2_MOE_EXPERTS = QWEN_EXPERTS._replace(family="Qwen2-MoE")
+
+
+def _peft_converts_qwen2_moe() -> bool:
+    """Whether the installed PEFT's ``"all-linear"`` converts a Qwen2-MoE (0.22 on; no PEFT:
+    the newest's behaviour). Read from the package's metadata: PEFT is not imported."""
+    try:
+        version = importlib.metadata.version("peft")
+    except importlib.metadata.PackageNotFoundError:
+        return True
+    numbers = [int(part) for part in re.findall(r"\d+", version)[:2]]
+    return tuple(numbers) >= (0, 22)
 
 
 class SharedExpertMoE(SparseMoE):
@@ -124,8 +137,11 @@ class Qwen2MoeForCausalLM(RoutedExperts, Qwen2ForCausalLM):
     model_type = "qwen2_moe"
     # PEFT 0.21 converts no "qwen2_moe" config (its table maps other model types to Qwen2-MoE's
     # names, not this one): its "all-linear" adapts the Linears alone (the attention, the shared
-    # expert and its gate), not the router or the stacked experts
-    hf_all_linear: ClassVar[dict[str, int]] = {}
+    # expert and its gate), not the router or the stacked experts. PEFT 0.22 converts it as
+    # Mixtral's (the router's weight, both stacked expert weights): "all-linear" is what the
+    # installed PEFT adapts (the newest's where none is installed), so files agree with it.
+    hf_all_linear: ClassVar[dict[str, int]] = (
+        RoutedExperts.hf_all_linear if _peft_converts_qwen2_moe() else {})
 
     @classmethod
     def hf_options(cls, config: Any) -> dict[str, Any]:

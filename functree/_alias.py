@@ -28,7 +28,7 @@ from functree._warnings import user_stacklevel
 
 __all__ = [
     "DonationGuard", "AliasWarning", "find_aliases", "alias_names", "warn_aliases", "copy_aliases", "check_stale",
-    "is_donated_twice", "deleted_leaf"]
+    "is_donated_twice", "deleted_leaf", "is_deleted"]
 
 ALIASED = """\
 {what} holds one array object at several leaves: {pairs}. A gradient step gives each \
@@ -273,7 +273,7 @@ def stale_error(named: Sequence[tuple[str, Any]], what: str = "This call's input
         when = "a donating call (a train step, the Trainer, ft.jit(..., donate=...))"
         if donor is not None:
             given = {id(x) for x in jax.tree.leaves(donor._given)}
-            if any(id(x) in given for x in jax.tree.leaves(tree) if _deleted(x)):
+            if any(id(x) in given for x in jax.tree.leaves(tree) if is_deleted(x)):
                 when = f"call {donor.calls} of {donor.name}"
             else:
                 when = f"an earlier call of {donor.name} (or another donating function)"
@@ -317,7 +317,7 @@ def is_deletion_error(error: BaseException) -> bool:
     return isinstance(error, (RuntimeError, ValueError)) and "deleted" in message and "holds a deleted" not in message
 
 
-def _deleted(x: Any) -> bool:
+def is_deleted(x: Any) -> bool:
     concrete = _CONCRETE.get(type(x))
     if concrete is None:  # once per type: isinstance(x, jax.Array) costs 0.3 us a leaf
         concrete = _CONCRETE[type(x)] = issubclass(type(x), jax.Array) and not issubclass(type(x), Tracer)
@@ -331,10 +331,10 @@ _CONCRETE: dict[type, bool] = {}
 def deleted_leaf(tree: Any) -> str | None:
     """The dotted key path of the first deleted array in ``tree`` (``<root>`` for the tree
     itself), or None: one pass over the leaves, paths only when one is found."""
-    if not any(_deleted(x) for x in jax.tree.leaves(tree)):
+    if not any(is_deleted(x) for x in jax.tree.leaves(tree)):
         return None
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if _deleted(x):
+        if is_deleted(x):
             return dotted_name(path) or "<root>"
     return None
 

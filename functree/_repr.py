@@ -18,9 +18,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from functree._alias import _deleted as is_deleted
+from functree._alias import is_deleted
 
-__all__ = ["short_array", "first_index", "module_repr", "module_html", "shown_repr", "is_deleted"]
+__all__ = ["short_array", "first_index", "module_repr", "module_html", "shown_repr"]
 
 _SHORT_DTYPES = {
     "float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16",

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from functree._repr import is_deleted, shown_repr
+from functree._alias import is_deleted
+from functree._repr import shown_repr
 from functree._tree import bounded_put, cached, register_record
 
 __all__ = ["LearningContext", "context", "next_sweep", "initial_context", "advance"]

@@ -83,8 +83,9 @@ class AliasWarning(UserWarning):
     call that finds it: an optimizer's ``init`` (a hand-written loop), the first ``ft.move``
     of each model holding it, a train step, the Trainer, a donating ``ft.jit``.
     Only a repeat that training moves is named: a buffer at several leaves (a ``no_derivative``
-    table, an integer or bool mask) or a layer the optimizer's ``wrt=`` leaves frozen is
-    trained by nothing, and a donated call copies it silently.
+    table, an integer or bool mask) or a layer the optimizer's ``wrt=`` leaves frozen (or
+    its ``ft.optim.groups``' ``ft.optim.freeze()`` groups: ``moved_view``) is trained by
+    nothing, and a donated call copies it silently.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp, warnings
@@ -128,8 +129,8 @@ def warn_aliases(tree: Any, *, what: str = "The model", rename: Callable[[str], 
     returns :func:`find_aliases`' pairs (empty, and no warning, when there are none).
     ``rename`` turns a dotted key path into the name shown (an argument's name); ``copied``
     says the caller copies the repeated leaves (:func:`copy_aliases`). ``trained`` gives
-    ``tree``'s leaves that training moves, ``None`` elsewhere (an optimizer's ``trained_view``
-    under ``wrt=``, ``ft.parameters`` of it; without it ``tree`` is taken for such a view),
+    ``tree``'s leaves that training moves, ``None`` elsewhere (an optimizer's ``moved_view``:
+    ``wrt=`` and its freeze() groups; without it ``tree`` is taken for such a view),
     called only where there are repeats: a repeat that nothing moves stays one value.
 
     Call it where a model enters a donated step or an optimizer's ``init``, not per step

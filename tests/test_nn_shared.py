@@ -285,6 +285,39 @@ def test_a_layer_at_two_fields_that_wrt_leaves_frozen_is_no_alias_to_warn_of():
         ft.optim.Optimizer(ft.optim.sgd(0.1), wrt="enc_a.*").init(model())
 
 
+def test_a_layer_at_two_fields_that_a_freeze_group_leaves_frozen_is_no_alias_to_warn_of():
+    # A tie frozen through ft.optim.groups(..., default=ft.optim.freeze()) (or a freeze()
+    # group per field, or ft.optim.masked around freeze()) was warned of by Optimizer.init,
+    # the train step and the Trainer, although nothing unties it; wrt= was already not.
+    # Read from the groups' labels by key path: a tie of which a group trains a leaf warns.
+    def model():
+        encoder = ft.nn.Dense(2, 2, key=jax.random.key(0))
+        return {"enc_a": encoder, "enc_b": encoder, "head": ft.nn.Dense(2, 2, key=jax.random.key(1))}
+
+    def loss(m, x):
+        return jnp.mean(m["head"](m["enc_b"](m["enc_a"](x))) ** 2)
+
+    x, head = jnp.ones((4, 2)), {"head.*": ft.optim.sgd(0.1)}
+    frozen_by = [ft.optim.groups(head, default=ft.optim.freeze()),
+                 ft.optim.groups({**head, "enc_a.*": ft.optim.freeze(), "enc_b.*": ft.optim.freeze()}),
+                 ft.optim.groups(head, default=ft.optim.freeze("enc_a.*", "enc_b.*")),
+                 ft.optim.masked(ft.optim.freeze(), ("enc_a.*", "enc_b.*"))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ft.AliasWarning)
+        for tx in frozen_by:
+            ft.optim.Optimizer(tx).init(model())
+        step = ft.train.train_step(loss, frozen_by[0])
+        trained, _, _ = step(model(), step.optimizer.init(model()), x)
+        ft.train.Trainer(model(), frozen_by[0], loss).fit([x], steps=1, progress=False)
+    np.testing.assert_array_equal(trained["enc_a"].weight, trained["enc_b"].weight)
+    moved_by = [ft.optim.groups({**head, "enc_a.*": ft.optim.freeze()}, default=ft.optim.sgd(0.1)),
+                ft.optim.groups(head, default=ft.optim.freeze("enc_a.*")),  # enc_b: freeze's pass-through
+                ft.optim.masked(ft.optim.freeze(), "enc_a.*")]
+    for tx in moved_by:
+        with pytest.warns(ft.AliasWarning, match=r"'enc_a.weight' and 'enc_b.weight'"):
+            ft.optim.Optimizer(tx).init(model())
+
+
 def _right_code(message):
     """The code of an error message's ``right:`` line, as the user would paste it."""
     return next(line for line in message.splitlines() if "right:" in line).split("right:", 1)[1].strip()

@@ -23,7 +23,7 @@ from functree._naming import (
 )
 from functree._tree import bounded_put, cached, is_none
 from functree.optim._checks import group_kinds
-from functree.optim._masked import partition_members
+from functree.optim._masked import declare_frozen, frozen_leaves, partition_members
 
 __all__ = ["groups", "merge_members", "GroupStateChanged", "GROUP_STATE_CHANGED", "GROUPS_CHANGED"]
 
@@ -306,7 +306,14 @@ def groups(
         check_group_states(chosen.init, state, updates if params is None else params, memo[chosen is by_member])
         return chosen.update(updates, state, params, **extra)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    def frozen(params: Any) -> list[bool]:
+        """A leaf is frozen where its group's optimizer freezes it (a leaf whose members
+        several groups hold is taken as moved)."""
+        found, _, _ = _labels(params, patterns, default is not None)
+        by_group = {k: frozen_leaves(tx, params) for k, tx in table.items()}
+        return [label is not None and by_group[label][i] for i, label in enumerate(found)]
+
+    return declare_frozen(optax.GradientTransformationExtraArgs(init, update), frozen)
 
 
 def merge_members(leaves: list[list[Any]], labels: list[Any], treedef: Any, placeholder: Any) -> list[Any] | None:

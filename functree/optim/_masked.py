@@ -15,6 +15,7 @@ numbers of a hand-masked update.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
@@ -26,12 +27,12 @@ import optax
 from functree._module import Module
 from functree._naming import broadcast
 from functree._parameters import mask as select
-from functree._tree import dotted_name
+from functree._tree import dotted_name, is_none
 from functree.optim._average import averages_in, is_slot
 from functree.optim._lookahead import SlowState
 
 __all__ = ["masked", "partition_members", "restore_members", "is_partial", "MEMBER_MASK_IN_OPTAX",
-           "AVERAGE_ON_MEMBERS", "named_member_masks"]
+           "AVERAGE_ON_MEMBERS", "named_member_masks", "declare_frozen", "frozen_leaves"]
 
 MEMBER_MASK_IN_OPTAX = """\
 An optax transformation tested a mask entry that is an array with more than one element \
@@ -73,6 +74,38 @@ def named_member_masks() -> Iterator[None]:
         if _AMBIGUOUS not in str(e):
             raise
         raise ValueError(MEMBER_MASK_IN_OPTAX.format(error=str(e).splitlines()[0])) from e
+
+
+# The transforms that say which parameters they never move (update function -> a function of
+# the parameters giving, per leaf of jax.tree.leaves(params, is_leaf=is_none), whether every
+# update is zero): ft.optim.freeze, and ft.optim.groups and masked around one. Declared,
+# never guessed (as _leafwise.separable): any other transform or chain moves every leaf.
+_FREEZES: weakref.WeakKeyDictionary[Any, Callable[[Any], list[bool]]] = weakref.WeakKeyDictionary()
+
+
+def declare_frozen(transform: Any, frozen: Callable[[Any], list[bool]]) -> Any:
+    """``transform``, declared to leave the leaves ``frozen(params)`` marks unchanged (zero
+    updates, read by key path from the parameters); returns ``transform``."""
+    _FREEZES[transform.update] = frozen
+    return transform
+
+
+def frozen_leaves(transform: Any, params: Any) -> list[bool]:
+    """Per leaf of ``params`` (``None`` counted), whether ``transform`` declares its updates
+    always zero (:func:`declare_frozen`); all False for a transform that declares nothing.
+    For :class:`~functree.AliasWarning`: a tie that nothing moves stays one value."""
+    try:
+        frozen = _FREEZES.get(getattr(transform, "update", None))
+    except TypeError:  # not weakly referenceable: never declared
+        frozen = None
+    if frozen is None:
+        return [False] * len(jax.tree.leaves(params, is_leaf=is_none))
+    return frozen(params)
+
+
+def is_whole(m: Any) -> bool:
+    """Whether a mask entry selects its whole leaf (True, or a member array of all True)."""
+    return m is not None and not isinstance(m, optax.MaskedNode) and bool(np.all(m))
 
 
 def is_partial(m: Any) -> bool:
@@ -188,7 +221,13 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
         ]
         return treedef.unflatten(out), optax.MaskedState(new_inner)
 
-    return optax.GradientTransformationExtraArgs(init, update)
+    def frozen(params: Any) -> list[bool]:  # the unselected leaves get the incoming update: moved
+        inner_frozen = frozen_leaves(inner, params)
+        if not any(inner_frozen):
+            return inner_frozen
+        return [f and is_whole(m) for f, m in zip(inner_frozen, marks_of(params))]
+
+    return declare_frozen(optax.GradientTransformationExtraArgs(init, update), frozen)
 
 
 def _refuse_member_average(state: Any, params: Any, marks: list[Any]) -> None:

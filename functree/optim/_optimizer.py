@@ -46,7 +46,7 @@ from functree._operators import value_with_gradient
 from functree._parameters import parameters, with_parameters
 from functree._source import USER_FUNCTION
 from functree._tangent import move
-from functree._tree import bounded_put, cached, dotted_name
+from functree._tree import bounded_put, cached, dotted_name, is_none
 from functree._where import devices_error, placement_of, put, several_devices
 from functree.losses._weighted import WeightedMean, loss_value
 from functree.nn._lora import check_base_untrained
@@ -85,7 +85,7 @@ from functree.optim._hooks import (
 from functree.optim._hyper import SIZE_NOT_GIVEN, HyperState, minibatch_size_source, model_not_given
 from functree.optim._leafwise import is_separable, leafwise_gated_update
 from functree.optim._lookahead import from_optax
-from functree.optim._masked import named_member_masks
+from functree.optim._masked import frozen_leaves, named_member_masks
 from functree.optim._multisteps import check_multisteps
 from functree.optim._per_tensor import check_stack_statistics
 from functree.optim._rate import check_rate_applied
@@ -117,7 +117,7 @@ from functree.optim._subset import (
     with_frozen_members,
 )
 
-__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "with_wrt", "with_axis_name"]
+__all__ = ["Optimizer", "OptimizerWrapper", "StepResult", "Gradients", "with_wrt", "with_axis_name", "moved_view"]
 
 FROZEN_OPTIMIZER = """\
 Optimizers are immutable; build a new one instead of assigning {name!r}:
@@ -450,9 +450,9 @@ class Optimizer:
             raise apart  # (the state went to the first leaf's devices; the step then refused the leaf's moments)
         check_base_untrained(model, self.wrt)  # LoRA without wrt=: save_lora would lose the base's training
         # One array at two parameters: the hand loop's first ft.move unties it, silently (once, here)
-        trained = trained_view(model, self.wrt)  # (a tie wrt= leaves frozen stays one value)
+        trained = trained_view(model, self.wrt)  # (a tie wrt= or a freeze() group leaves frozen stays one value)
         warn_aliases(parameters(model), what="The model given to ft.optim.Optimizer.init", copied=False,
-                     trained=lambda: trained)
+                     trained=lambda: moved_view(self, model))
         params = mode_free(trained)
         # optax mixes floats and ints; its masks' errors named (a tree of another structure,
         # a Stack's member mask in optax.masked)
@@ -1108,6 +1108,27 @@ def with_axis_name(optimizer: Any, axis: str) -> Any:
     if optimizer.axis_name is not None:
         return optimizer
     return _innermost_set(optimizer, _axis_name=axis, _step_axis=True)
+
+
+def moved_view(optimizer: Any, model: Any) -> Any:
+    """What a step of ``optimizer`` moves of ``model``: its trained view (``wrt=``) with
+    ``None`` also at the parameters its transform declares it never updates (a group of
+    ``ft.optim.groups`` mapped to ``ft.optim.freeze()``, ``ft.optim.freeze``, ``masked``
+    around one: :func:`frozen_leaves`, by key path). For :class:`~functree.AliasWarning`: a
+    tie frozen so stays one value. An optimizer whose hooks or subclass may move a
+    parameter otherwise is read by its ``wrt=`` alone."""
+    view = trained_view(model, getattr(optimizer, "wrt", None))
+    cls = type(optimizer)
+    if (not isinstance(optimizer, Optimizer) or cls.update is not Optimizer.update
+            or cls.apply_gradients is not Optimizer.apply_gradients
+            or cls.apply_updates is not Optimizer.apply_updates or optimizer._apply_updates is not None):
+        return view
+    leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
+    try:
+        frozen = frozen_leaves(optimizer._raw_transform, mode_free(view))
+    except (ValueError, TypeError):  # the transform's own refusal (a pattern naming nothing): its init raises it
+        return view
+    return treedef.unflatten([None if f else x for x, f in zip(leaves, frozen)])
 
 
 def _innermost(optimizer: Optimizer) -> Optimizer:

@@ -35,7 +35,7 @@ from functree.optim._average import is_slot
 from functree.optim._complex import RealPair, is_pair
 from functree.optim._context import LearningContext
 from functree.optim._hyper import inject
-from functree.optim._masked import masked
+from functree.optim._masked import declare_frozen, masked
 from functree.optim._signature import Hyper, optimizer
 
 __all__ = [
@@ -505,10 +505,16 @@ def freeze(*patterns: str) -> optax.GradientTransformationExtraArgs:
       >>> tx.update(p, tx.init(p), p)[0]
       {'encoder': {'w': Array([0.], dtype=float32)}, 'head': Array([-1.], dtype=float32)}
     """
+    # (declared frozen: a tie it leaves unchanged is no accidental alias to warn of)
+    every = declare_frozen(optax.with_extra_args_support(optax.set_to_zero()), _every_leaf)
     if not patterns:
-        return optax.with_extra_args_support(optax.set_to_zero())  # pyright: ignore[reportReturnType]
+        return every
     check_patterns(patterns)
-    return masked(optax.set_to_zero(), lambda params: _frozen(params, patterns))
+    return masked(every, lambda params: _frozen(params, patterns))
+
+
+def _every_leaf(params: Any) -> list[bool]:
+    return [True] * len(jax.tree.leaves(params, is_leaf=is_none))
 
 
 def _frozen(params: Any, patterns: tuple[str, ...]) -> Any:

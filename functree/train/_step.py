@@ -71,7 +71,7 @@ from functree.optim import Optimizer, OptimizerState, context
 from functree.optim._accumulate import check_accumulation
 from functree.optim._hyper import applied_learning_rates, learning_rate_names
 from functree.optim._loss_scale import warn_unscaled_float16
-from functree.optim._optimizer import Gradients, with_axis_name
+from functree.optim._optimizer import Gradients, moved_view, with_axis_name
 from functree.optim._replicas import all_varying, as_varying, replica_mean, replica_weighted_mean
 from functree.optim._skip import DEFAULT_ON_NAN, check_on_nan
 from functree.optim._subset import trained_view
@@ -874,7 +874,7 @@ class TrainStep(Settings):
         rest = args[2:]
         if self._donate and not owned:
             warn_aliases(model, what="The model given to the train step",
-                         trained=lambda: trained_view(model, self.optimizer.wrt))
+                         trained=lambda: moved_view(self.optimizer, model))
             model, opt_state = copy_aliases((model, opt_state))
             rest = _batch_copied_apart(model, opt_state, rest)
         if len(rest) > 2 and rest[2] is self._loop.halt is not None and self._placement is None:  # (the Trainer's log: committed)

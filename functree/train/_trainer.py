@@ -30,8 +30,8 @@ from functree.losses import OTHER_NAMES
 from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._multisteps import warn_unapplied
+from functree.optim._optimizer import moved_view
 from functree.optim._skip import DEFAULT_ON_NAN
-from functree.optim._subset import trained_view
 from functree.train._built import BuiltWith, Settings
 from functree.train._built import short_value as _short
 from functree.train._callbacks import (
@@ -649,7 +649,7 @@ class Trainer(Settings, Evaluation):
         check_key(loss_fn, key, train_step)
         # An accidental tie (one array at two leaves) is named once here; the copy unties it.
         warn_aliases(model, what="The model given to ft.train.Trainer",
-                     trained=lambda: trained_view(model, getattr(self.optimizer, "wrt", None)))
+                     trained=lambda: moved_view(self.optimizer, model))
         if getattr(self.train_step, "placement", None) is None and (
                 apart := several_devices(model, "ft.train.Trainer", "model")) is not None:
             raise apart  # (it put every leaf on the first one's devices, without a word; a mesh's step places them)

@@ -439,3 +439,27 @@ def test_data_known_never_to_end_is_refused_without_steps_and_finite_data_ends_i
     endless_tf, unknown_tf = tf_like(), tf_like()
     endless_tf.n, unknown_tf.n = -1, -2
     assert "INFINITE_CARDINALITY" in endless(endless_tf)[0] and endless(unknown_tf) is None
+
+
+def test_a_refusal_of_the_optimizer_while_the_first_step_traces_is_not_blamed_on_the_minibatch():
+    # Trainer(model, optax.chain(optax.scale_by_adam()), loss).fit(...) said "step 1: minibatch 0
+    # ... failed in the training step. Its shapes: ..." before NO_LEARNING_RATE: the data is not
+    # at fault. A configuration refusal passes as it is; a data-dependent failure stays located.
+    import optax
+
+    from functree.optim._rate import check_rate_applied
+
+    def loss(m, b):
+        return jnp.mean((b[0] @ m["w"] - b[1]) ** 2)
+
+    model, data = {"w": jnp.zeros((3, 1))}, [(jnp.ones((4, 3)), jnp.ones((4, 1)))]
+    with pytest.raises(ValueError) as raised:
+        ft.train.Trainer(model, optax.chain(optax.scale_by_adam()), loss).fit(data, steps=1, progress=False)
+    with pytest.raises(ValueError) as direct:
+        check_rate_applied(optax.chain(optax.scale_by_adam()), model, None)
+    assert str(raised.value) == str(direct.value) and "minibatch" not in str(raised.value)
+    assert not any("minibatch" in note for note in getattr(raised.value, "__notes__", []))
+    wide = [(jnp.ones((4, 2)), jnp.ones((4, 1)))]  # the data's own fault: the step and shapes named
+    with pytest.raises(TypeError, match=r"^step 1: minibatch 0 of epoch 0 \(counted from 0\) failed in the "
+                                        r"training step\. Its shapes: \('float32\[4, 2\]'"):
+        ft.train.Trainer(model, ft.optim.sgd(0.1), loss).fit(wide, steps=1, progress=False)

@@ -16,9 +16,16 @@ from functree._parameters import first_difference
 from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._complex import RealPair
 
-__all__ = ["StructureError", "named_structure_errors", "GRADIENT_DTYPE", "check_gradients", "checked_gradients", "check_state_fits", "check_redefined", "keep_unchanged", "descent_direction",
+__all__ = ["ConfigurationError", "StructureError", "named_structure_errors", "GRADIENT_DTYPE", "check_gradients", "checked_gradients", "check_state_fits", "check_redefined", "keep_unchanged", "descent_direction",
            "STATE_MISMATCH", "STATE_WITHOUT_MOMENT", "STATE_FOR_ALL_PARAMETERS", "STATE_OF_ANOTHER_OPTIMIZER",
            "STATE_CLASS_REDEFINED", "GRADIENT_AS_UPDATE", "check_not_passed_through"]
+
+class ConfigurationError(ValueError):
+    """A refusal of how the optimizer is built (no learning rate applied, a gradient passed
+    through as its update), read from its transform and the parameters' structure, never from
+    a minibatch's values: ``Trainer.fit`` lets it through as it is, without the minibatch's
+    location and shapes it adds to a step's other errors (the data is not at fault)."""
+
 
 class StructureError(ValueError):
     """A transform's tree-structure error named by functree (an outer naming lets it through)."""
@@ -818,4 +825,4 @@ def check_not_passed_through(grads: Any, updates: Any) -> None:
     if same:
         shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
         total = sum(g is not None for g in gs)
-        raise ValueError(GRADIENT_AS_UPDATE.format(paths=shown, count=len(same), total=total))
+        raise ConfigurationError(GRADIENT_AS_UPDATE.format(paths=shown, count=len(same), total=total))

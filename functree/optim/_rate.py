@@ -56,6 +56,7 @@ import optax
 
 from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._average import is_slot
+from functree.optim._checks import ConfigurationError
 from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
 
@@ -484,4 +485,4 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
         same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in trained]
         if same:
             shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
-            raise ValueError(message.format(paths=shown, count=len(same), total=len(trained)))
+            raise ConfigurationError(message.format(paths=shown, count=len(same), total=len(trained)))

@@ -24,6 +24,7 @@ import numpy as np
 
 from functree._tree import is_array_value
 from functree._warnings import warn
+from functree.optim._checks import ConfigurationError
 from functree.train._data import (
     STACKED,
     Batches,
@@ -648,7 +649,11 @@ class Epochs:
     def located(self, error: Exception, batch: Any, job: JobState, offset: int) -> Exception:
         """``error`` of the step on the minibatch ``offset`` after the job's position, its
         message prefixed with the step, the minibatch, the epoch and the shapes (an
-        exception whose text is not its message gets them as a note)."""
+        exception whose text is not its message gets them as a note). A refusal of the
+        optimizer's configuration (:class:`ConfigurationError`) is returned as it is: any
+        minibatch would get it."""
+        if isinstance(error, ConfigurationError):
+            return error
         first = f"; the trainer's first minibatch had {self.first_shapes}" if self.first_shapes else ""
         text = MALFORMED_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,
                                           epoch=job.epoch, shapes=describe_batch(batch), first=first, error=error)

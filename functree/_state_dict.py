@@ -54,6 +54,13 @@ CAST_HINT = """\
 cast=True converts floating values of the same shape, and integers to an integer dtype that \
 holds them; convert these yourself: {names}"""
 
+KIND_HINT = """\
+{names}: values of another kind than the template's leaves ({kinds}). cast=True never changes \
+a value's kind (it converts floating dtypes, and integers to an integer dtype that holds them): \
+an integer past 2**24 is no exact float32, a float's fraction is lost in an int. Convert them \
+yourself where that is meant:
+    right:  ft.from_flat_dict(model, {{**flat, {entries}}}{options})"""
+
 TORCH_CAST_HINT = """\
 loading converts floating tensors to the model's floating dtypes and integer tensors to its \
 integer dtypes where they hold the values; these are of another kind (an integer tensor for a \
@@ -118,7 +125,7 @@ once, which gives them their shapes, then save or load its state dict:
             {caller}({target}, lazy_module.state_dict(){options})"""
 
 
-_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}  # "range": range_hint, "wraps": int_range_hint
+_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}  # "range": range_hint, "wraps": int_range_hint, "kind": _kind_hint
 
 
 def _spec(x: Any) -> tuple[tuple[int, ...], str]:
@@ -212,7 +219,7 @@ class FlatDictReport:
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[tuple[str, str, str], ...] = ()  # (name, expected, given)
     hints: tuple[str, ...] = ()
-    # The (kind, names) behind each hint ("torch", "float", "cast": :data:`_HINTS`; "range", "wraps").
+    # The (kind, names) behind each hint ("torch", "float", "cast": :data:`_HINTS`; "range", "wraps", "kind").
     hinted: tuple[tuple[str, tuple[str, ...]], ...] = dataclasses.field(default=(), repr=False)
 
     @property
@@ -317,6 +324,7 @@ def from_flat_dict(template: Any, flat: Mapping[str, Any], *, strict: bool = Tru
     dtypes = dict(zip(names, map(_template_dtype, olds)))
     hints = tuple(range_hint(FLOAT_RANGE_HINT, {n: dtypes[n] for n in names}) if kind == "range"
                   else int_range_hint(INT_RANGE_HINT, {n: dtypes[n] for n in names}) if kind == "wraps"
+                  else _kind_hint(names, dtypes, flat, cast) if kind == "kind"
                   else _HINTS[kind].format(names=_listed(names)) for kind, names in hinted.items())
     report = FlatDictReport(tuple(missing), unexpected, tuple(mismatched), hints,
                             tuple((kind, tuple(names)) for kind, names in hinted.items()))
@@ -500,14 +508,17 @@ def _both_floating(a: Any, b: Any) -> bool:
 
 
 def _hint_kind(old: Any, new: Any, cast: bool) -> str | None:
-    """Which hint fixes one mismatched leaf: "torch", "float", "cast", "range" (floats past the
-    leaf's), "wraps" (integers past it) or None (shapes say it all)."""
+    """Which hint fixes one mismatched leaf: "torch", "float", "kind" (an integer for a floating
+    leaf, ...), "cast", "range" (floats past the leaf's), "wraps" (integers past it) or None
+    (shapes say it all)."""
     shape = np.shape(old)
     if cast:
         value, dtype = to_numpy(new), _template_dtype(old)
         fits = value is not None and dtype is not None and value.shape == shape
         if fits and value is not None and _wraps(np.dtype(dtype), value):
             return "wraps"
+        if fits and value is not None and _other_kind(dtype, value.dtype):
+            return "kind"
         if value is None or not (fits and _both_floating(value.dtype, dtype)):
             return None if value is None else "cast"
         return "range" if overflows(dtype, value) else None
@@ -517,9 +528,36 @@ def _hint_kind(old: Any, new: Any, cast: bool) -> str | None:
     if given is None or dtype is None or np.shape(new) != shape:
         return None
     try:
-        return "float" if _both_floating(given, dtype) else None
+        return "float" if _both_floating(given, dtype) else "kind" if _other_kind(dtype, given) else None
     except TypeError:  # a dtype NumPy does not know
         return None
+
+
+def _real_kind(dtype: Any) -> str | None:
+    """"bool", "integer" or "floating" (None for others: complex, a PRNG key's)."""
+    return next((k for k, base in (("bool", jnp.bool_), ("integer", jnp.integer), ("floating", jnp.floating))
+                 if jnp.issubdtype(dtype, base)), None)
+
+
+def _other_kind(dtype: Any, given: Any) -> bool:
+    """Whether ``given`` is a real dtype of another kind than the leaf's real ``dtype`` (int32
+    for float32): a conversion the user may mean, never made by ``cast=True``."""
+    leaf, value = _real_kind(dtype), _real_kind(given)
+    return leaf is not None and value is not None and leaf != value
+
+
+def _kind_hint(names: Sequence[str], dtypes: Mapping[str, Any], flat: Mapping[str, Any], cast: bool) -> str:
+    """:data:`KIND_HINT` for the leaves ``names`` given values of another kind: each one's
+    dtype and the given one's, the conversion to the leaf's dtype written for (up to three of)
+    them."""
+    def given(n: str) -> str:
+        return str(getattr(flat[n], "dtype", type(flat[n]).__name__))
+
+    kinds = ", ".join(f"{given(n)} for {np.dtype(dtypes[n]).name} at {n}" for n in names[:3])
+    entries = ", ".join(f"{n!r}: np.asarray(flat[{n!r}], jnp.{np.dtype(dtypes[n]).name})" for n in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return KIND_HINT.format(names=_listed(list(names)), kinds=kinds + more, entries=entries + (", ..." if more else ""),
+                            options=", cast=True" if cast else "")
 
 
 def _largest(dtype: Any) -> str:

@@ -251,6 +251,26 @@ def test_integers_past_an_int32_template_s_range_hint_the_range_and_a_clip_that_
     np.testing.assert_array_equal(loaded["n"], [3, 2**31 - 1])
 
 
+@pytest.mark.parametrize("cast", [False, True])
+def test_values_of_another_kind_are_told_the_conversion_that_loads(cast):
+    """An int32 array for a float32 weight (and a float for the int32 step count) was refused
+    with cast=False with no hint at all (cast=True: "convert these yourself", no code). The
+    hint names each key path and both dtypes, says cast=True changes no kind, and its code loads."""
+    net = make_net()
+    flat = {**ft.to_flat_dict(net), "layers.0.weight": np.full((2, 3), 3, np.int32), "steps": np.float32(7.0)}
+    with pytest.raises(ValueError) as info:
+        ft.from_flat_dict(net, flat, cast=cast)
+    message = str(info.value)
+    assert ("hint: layers.0.weight, steps: values of another kind than the template's leaves (int32 for float32 at "
+            "layers.0.weight, float32 for int32 at steps). cast=True never changes a value's kind") in message
+    right = re.search(r"right:  (.*)", message).group(1)
+    assert right == ("ft.from_flat_dict(model, {**flat, 'layers.0.weight': np.asarray(flat['layers.0.weight'], "
+                     "jnp.float32), 'steps': np.asarray(flat['steps'], jnp.int32)}" + (", cast=True)" if cast else ")"))
+    loaded = eval(right, {"ft": ft, "np": np, "jnp": jnp, "model": net, "flat": flat})
+    np.testing.assert_array_equal(loaded.layers[0].weight, np.full((2, 3), 3.0, np.float32))
+    assert loaded.layers[0].weight.dtype == jnp.float32 and int(loaded.steps) == 7
+
+
 def test_from_flat_dict_rejects_a_template_whose_names_collide():
     with pytest.raises(ValueError, match=r"ft\.from_flat_dict: two leaves share the dotted name 'a\.b'"):
         ft.from_flat_dict({"a.b": jnp.ones(1), "a": {"b": jnp.ones(1)}}, {"a.b": jnp.ones(1)})

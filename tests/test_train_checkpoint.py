@@ -784,6 +784,19 @@ def test_a_floating_dtype_mismatch_hints_code_that_casts_on_load(tmp_path):
     manager.close()
 
 
+def test_a_checkpoint_value_of_another_kind_is_told_the_loader_s_way_not_a_flat_dict_s(tmp_path):
+    """An int32 leaf saved, a float32 template: from_flat_dict's hint for another kind shows its
+    own call on a flat dict, which no loader takes; the loader names the leaf and its way."""
+    path = tmp_path / "counts"
+    ft.train.save(path, {"w": jnp.ones(3, jnp.int32)})
+    with pytest.raises(CheckpointError, match=r"w: expected shape \(3,\) dtype float32, given shape \(3,\) dtype "
+                                              r"int32") as info:
+        ft.train.load(path, {"w": jnp.zeros(3, jnp.float32)})
+    message = str(info.value)
+    assert "hint: w: the checkpoint holds values of another kind than the template's leaves" in message
+    assert "ft.from_flat_dict(model" not in message
+
+
 def test_narrow_dtypes_round_trip_bit_for_bit_and_uint4_is_refused_naming_the_leaf(tmp_path):
     """int4, int2 and the float8 and float4 types round-trip exactly; uint4 (and uint2),
     which tensorstore has no type for, failed with 'Error parsing object member "dtype":

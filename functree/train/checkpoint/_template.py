@@ -48,6 +48,12 @@ CAST_ON_LOAD = """\
 the loader never casts (a template checks the saved dtypes); read the saved {part} as it was \
 saved and, on the template's devices, cast it into the template: {cast}   # {note}"""
 
+KIND_ON_LOAD = """\
+{{names}}: the checkpoint holds values of another kind than the template's leaves (the dtypes \
+above: an integer for a floating leaf, or the reverse), which no loader converts (nor does \
+from_flat_dict's cast=True): build the template with the saved dtypes, or read the saved {part} \
+as it was saved (below) and convert these leaves yourself where that is meant"""
+
 # The cast code: from_flat_dict's cast goes through NumPy and lands on the default device,
 # so each array goes back where the template's is (its device, or its shards on a mesh).
 CAST_CODE = ("ft.tree_map(lambda t, x: x.to_device(t.sharding) if hasattr(t, 'addressable_shards') else x, "
@@ -233,8 +239,10 @@ def _template_names(spec: Any, part: str) -> dict[str, dict[str, Any]]:
 
 def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictReport:
     """``report`` with from_flat_dict's ``cast=True`` hint, which no loader takes, given as
-    the code that casts a restored tree (``restore``: the call reading it as saved)."""
+    the code that casts a restored tree (``restore``: the call reading it as saved), and its
+    conversion of values of another kind (a flat dict's code) as the loader's way."""
     # with_hint formats the text ({names}): the braces of a dict in the code are kept
     cast = CAST_CODE.format(restore=restore).replace("{", "{{").replace("}", "}}")
     note = CAST_NOTE["manager" if restore.startswith("manager.") else ""]
+    report = report.with_hint("kind", KIND_ON_LOAD.format(part=part))
     return report.with_hint("float", FLOAT_DIFFER + CAST_ON_LOAD.format(part=part, cast=cast, note=note))

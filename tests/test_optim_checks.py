@@ -891,3 +891,76 @@ def test_a_skipped_first_step_climbs_on_the_real_numbers():
     """What SKIPPED_UNSCALED refuses: step >= 1 forwards the gradient at step 0, p + g."""
     before, after = _two_raw_steps(optax.conditionally_transform(optax.adam(0.05), lambda step: step >= 1))
     assert after > before
+
+
+# --- rates whose signs multiply to a plus ---------------------------------------------------------
+_ASCENDING = {  # each scales the direction by a positive factor: p + lr * direction
+    "galore(1.0, base_optimizer=adam)": lambda: optax.contrib.galore(1.0, rank=1, base_optimizer=optax.adam(0.05)),
+    "chain(adam, scale(-1))": lambda: optax.chain(optax.adam(0.05), optax.scale(-1.0)),
+    "chain(sgd, scale_by_learning_rate(1))": lambda: optax.chain(optax.sgd(0.05), optax.scale_by_learning_rate(1.0)),
+    "chain(scale_by_adam, scale(0.05))": lambda: optax.chain(optax.scale_by_adam(), optax.scale(0.05)),
+    "scale_by_learning_rate(flip_sign=False)": lambda: optax.chain(
+        optax.scale_by_adam(), optax.scale_by_learning_rate(0.05, flip_sign=False)),
+    "normalize_by_update_norm(scale_factor=0.05)": lambda: optax.normalize_by_update_norm(scale_factor=0.05),
+    "scale_by_galore(scale=0.05)": lambda: optax.contrib.scale_by_galore(rank=1, scale=0.05),
+    "flatten(chain(sgd, scale(-1)))": lambda: optax.flatten(optax.chain(optax.sgd(0.05), optax.scale(-1.0))),
+}
+
+
+@pytest.mark.parametrize("make", list(_ASCENDING.values()), ids=list(_ASCENDING))
+def test_rates_whose_signs_multiply_to_a_plus_are_refused(make):
+    """The check took a rate of either sign for a rate: galore(1.0, base_optimizer=adam(lr))
+    (as optax's docstring advises: -lr, then galore's -1.0), a chain of a whole optimizer and
+    scale(-1), and scale_by_adam then scale(lr) (the minus sign forgotten) trained up the loss
+    with no error. The concrete factors' signs are multiplied: a plus is refused, measured."""
+    tx = make()
+    before, after = _two_raw_steps(tx)
+    assert after > before  # optax's own steps: up the loss
+    with pytest.raises(ValueError, match=r"(?s)moves v, w \(2 of 2 parameters\) up the loss.*"
+                                         r"right:  optax.contrib.galore\(1e-3, base_optimizer=optax.scale_by_adam\(\)\)"
+                                         r".*maximize=True"):
+        check_rate_applied(tx, _Q, None)
+
+
+def test_an_ascending_chain_is_refused_by_the_optimizer_naming_its_parameters():
+    """Through ft.optim.Optimizer's step (while it traces): only the parameters whose factors
+    multiply to a plus are named (the head's extra scale(-1) undoes its rate)."""
+    model, loss, _ = _body_and_head()
+    tx = optax.chain(optax.adam(1e-3), optax.masked(optax.scale(-1.0), ft.mask(model, "head.*")))
+    opt = ft.optim.Optimizer(tx)
+    with pytest.raises(ValueError, match=r"moves head\.weight, head\.bias \(2 of 4 parameters\) up the loss"):
+        jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))
+
+
+_DESCENDING = {  # double negatives that end up descending, a rate of unknown sign, deliberate ascent
+    "chain(scale_by_adam, scale_by_learning_rate(-0.05), scale(-1))": lambda: optax.chain(
+        optax.scale_by_adam(), optax.scale_by_learning_rate(-0.05), optax.scale(-1.0)),
+    "chain(scale(-1), sgd, scale(-1))": lambda: optax.chain(optax.scale(-1.0), optax.sgd(0.05), optax.scale(-1.0)),
+    "galore(0.05, base_optimizer=scale_by_adam)": lambda: optax.contrib.galore(
+        0.05, rank=1, base_optimizer=optax.scale_by_adam()),
+    "galore(-1.0, base_optimizer=adam)": lambda: optax.contrib.galore(-1.0, rank=1, base_optimizer=optax.adam(0.05)),
+    "chain(adam, scale_by_schedule)": lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(
+        optax.linear_schedule(0.05, 0.01, 10))),
+}
+
+
+@pytest.mark.parametrize("make", list(_DESCENDING.values()), ids=list(_DESCENDING))
+def test_rates_whose_signs_multiply_to_a_minus_train(make):
+    """A double negative that descends, galore with a base without a rate (or a negative
+    learning_rate after adam's) and a scheduled rate pass, and go down the loss."""
+    tx = make()
+    before, after = _two_raw_steps(tx)
+    assert after < before
+    check_rate_applied(tx, _Q, None)  # no error
+
+
+def test_deliberate_ascent_with_maximize_is_not_refused():
+    """ft.optim's maximize=True negates the gradient before the optimizer (two minus signs, on
+    purpose): the check reads it as deliberate; the step climbs, as asked."""
+    tx = fo.adam(0.05, maximize=True)
+    before, after = _two_raw_steps(tx)
+    assert after > before
+    check_rate_applied(tx, _Q, None)  # no error
+    model, loss, _ = _body_and_head()
+    opt = ft.optim.Optimizer(fo.sgd(0.05, maximize=True))
+    jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))  # no error

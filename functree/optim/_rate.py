@@ -32,7 +32,15 @@ neither a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``scale_by_sig
 ``clip_by_global_norm``, ``identity``, ``optax.contrib.normalize`` ...; :data:`FACTORED`:
 ``scale_by_trust_ratio`` and ``normalize_by_update_norm`` with a factor that is no rate).
 ``optax.contrib.sam`` is read through its outer optimizer only: its adversarial optimizer's
-steps ascend by design (sam negates them) and are undone at the outer step. Anything else counts as
+steps ascend by design (sam negates them) and are undone at the outer step. The walk also
+multiplies the signs of the concrete factors that reach a parameter (``optax.scale``, and so
+``scale_by_learning_rate(lr)``: -lr; a :data:`FACTORED` factor; galore's ``scale``): where
+they surely multiply to a plus, the update climbs, :data:`ASCENDING_UPDATE`
+(``chain(adam(lr), scale(-1))``, ``chain(scale_by_adam(), scale(lr))``,
+``optax.contrib.galore(1.0, base_optimizer=adam(lr))``: -lr, then -1.0); a factor built from
+a hyperparameter (traced, in ``inject_hyperparams`` and ft.optim's optimizers) or a schedule
+has no known sign, and ``ft.optim``'s ``maximize=True`` (the gradient negated before the
+optimizer) is not opened: a deliberate ascent. Anything else counts as
 applying a rate (a rate or schedule of either sign, another library's or a hand-written
 transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
 transform sees each member as a parameter; ``optax.contrib``'s others; a factory that cannot be built from abstract values, a mask it cannot evaluate, a member
@@ -60,7 +68,7 @@ from functree.optim._checks import ConfigurationError
 from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
 
-__all__ = ["NO_LEARNING_RATE", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
+__all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
 
 NO_LEARNING_RATE = """\
 The optimizer's transform applies no learning rate to {paths} ({count} of {total} parameters): \
@@ -77,6 +85,24 @@ rate, last in a chain, it leaves them unscaled.
     wrong:  optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(-1e-3), mask))   # the others: p + adam direction
     right:  ft.optim.Optimizer(optax.chain(optax.scale_by_adam(), optax.scale(-1e-3)), wrt="head.*")   # the others frozen
        or:  optax.chain(optax.scale_by_adam(), optax.masked(optax.scale(0.1), mask), optax.scale(-1e-3))   # a 10x smaller rate on some"""
+
+ASCENDING_UPDATE = """\
+The optimizer's transform moves {paths} ({count} of {total} parameters) up the loss: the \
+factors that the transforms reaching them scale the direction by multiply to a positive number \
+(two minus signs, or a rate without its minus sign), and the update is added to the parameter: \
+p + lr * direction, a step up the loss. optax's rates carry the minus sign themselves \
+(optax.adam(lr), optax.sgd(lr), optax.scale_by_learning_rate(lr) scale by -lr): a chain needs \
+one of them, or optax.scale with a negative factor, not both. optax.contrib.galore scales by \
+-learning_rate after its base: give it a base without a rate, as its docstring asks. To climb \
+on purpose, pass maximize=True to an ft.optim optimizer, or minimize the negated objective.
+
+    wrong:  optax.chain(optax.adam(1e-3), optax.scale(-1.0))   # -1e-3 * -1.0: p + 1e-3 * direction
+    right:  optax.adam(1e-3)
+    wrong:  optax.chain(optax.scale_by_adam(), optax.scale(1e-3))   # the minus sign forgotten
+    right:  optax.chain(optax.scale_by_adam(), optax.scale(-1e-3))
+    wrong:  optax.contrib.galore(1.0, base_optimizer=optax.adam(1e-3))   # -1e-3, then -1.0
+    right:  optax.contrib.galore(1e-3, base_optimizer=optax.scale_by_adam())
+    right:  ft.optim.adam(1e-3, maximize=True)   # gradient ascent, on purpose"""
 
 SKIPPED_UNSCALED = """\
 optax.conditionally_transform passes the updates through unchanged on the steps it skips (its \
@@ -137,24 +163,59 @@ WRAPPERS = {
 }
 
 _DEPTH = 24  # one level per wrapper: chain, masked, partition ...
-_UNRATED: dict[Any, Any] = {}  # (transform, gradient signature) -> indices of parameters without a rate
+_COMBINED = 4  # conditionally_transforms read in every combination of skipping (2**4 walks) for an ascent
+_UNRATED: dict[Any, Any] = {}  # (transform, gradient signature) -> indices refused, by message
+
+# What the walk knows of a parameter's update: the sign of the factor it multiplies the
+# ascent direction by (+1: up the loss), and whether a concrete factor (a rate) was met.
+# A parameter the walk cannot tell (a traced or scheduled rate, a transform it does not
+# read) has no entry: never refused.
+Factor = tuple[int, bool]
+Factors = dict[int, Factor]
+_DIRECTION: Factor = (1, False)  # the gradient, or a direction of it: p + direction
+
+
+def _times(a: Factors, b: Factors) -> Factors:
+    """Two transforms one after the other: the factors multiply; unknown in either, unknown."""
+    return {i: (a[i][0] * b[i][0], a[i][1] or b[i][1]) for i in a.keys() & b.keys()}
+
+
+def _directions(view: Any) -> Factors:
+    return dict.fromkeys(_present(view), _DIRECTION)
+
+
+def _concrete(value: Any, unit: bool) -> Factor | None:
+    """The factor of a concrete scale ``value`` (1, or any positive value where ``unit``:
+    no rate), or None where it is traced, a schedule, zero, or of mixed signs."""
+    try:
+        array = np.asarray(value, dtype=float)
+    except Exception:  # traced, callable: a rate of either sign
+        return None
+    if array.size == 0 or not (np.all(array > 0) or np.all(array < 0)):
+        return None
+    sign = 1 if np.all(array > 0) else -1
+    return _DIRECTION if sign > 0 and (unit or bool(np.all(array == 1))) else (sign, True)
+
+
+def _scaled(found: Factors, factor: Factor | None) -> Factors:
+    """``found`` times one concrete factor (None: unknown)."""
+    return {} if factor is None else {i: (f[0] * factor[0], f[1] or factor[1]) for i, f in found.items()}
 
 
 @dataclasses.dataclass
 class _Walk:
     """One reading of a transform: the gradient's leaves (indexed by the views), and which
-    ``optax.conditionally_transform`` it reads on a step that one skips (``skipping``: its
-    place in the walk's order, -1 none; the others transform). ``met`` counts those seen:
-    read once per skipping one, never all skipping at once (each has its own condition)."""
+    ``optax.conditionally_transform`` it reads on a step those skip (``skipping``: their
+    places in the walk's order; the others transform). ``met`` counts those seen."""
 
     leaves: list[Any]
-    skipping: int = -1
+    skipping: frozenset[int] = frozenset()
     met: list[int] = dataclasses.field(default_factory=lambda: [0])
 
     def skips(self) -> bool:
-        """Whether the conditionally_transform met now is the skipping one (counts it)."""
+        """Whether the conditionally_transform met now is a skipping one (counts it)."""
         self.met[0] += 1
-        return self.met[0] - 1 == self.skipping
+        return self.met[0] - 1 in self.skipping
 
 
 def _name(fn: Any) -> tuple[str, str]:
@@ -189,39 +250,43 @@ def _is_function(mask: Any) -> bool:
     return bool(found) and all(found)
 
 
-def _through_mask(update: Any, view: Any, inner_view: Any, walk: _Walk, depth: int) -> frozenset[int]:
-    """A masked transform's parameters without a rate: those it leaves out (passed through
-    as they came) and those its inner transform (``update``) gives none."""
-    inside = _present(inner_view)
-    return (_present(view) - inside) | _unrated(update, inner_view, walk, depth + 1)
+def _through_mask(update: Any, view: Any, inner_view: Any, walk: _Walk, depth: int) -> Factors:
+    """A masked transform's factors: the direction for those it leaves out (passed through
+    as they came), its inner transform's (``update``) for the others."""
+    left_out = dict.fromkeys(_present(view) - _present(inner_view), _DIRECTION)
+    return left_out | _factors(update, inner_view, walk, depth + 1)
 
 
-def _unrated(update: Any, view: Any, walk: _Walk, depth: int = 0) -> frozenset[int]:
-    """The parameters (indices into ``leaves``, the gradient's leaves) in ``view`` (those
-    indices where ``update``'s transform receives a parameter, ``optax.MaskedNode`` where an
-    outer mask left one out) whose update from ``update`` is surely a direction without a
-    rate; empty where the walk cannot tell."""
+def _factors(update: Any, view: Any, walk: _Walk, depth: int = 0) -> Factors:
+    """The factors (:data:`Factors`) of the parameters (indices into ``leaves``, the
+    gradient's leaves) in ``view`` (those indices where ``update``'s transform receives a
+    parameter, ``optax.MaskedNode`` where an outer mask left one out) whose update from
+    ``update`` is surely a known multiple of the direction; the others left out."""
     package, built = _name(update)
     if package == "optax" and built in DIRECTIONS:
-        return _present(view)
+        return _directions(view)
     env = _closure(update) if depth <= _DEPTH and package in ("optax", "functree") else {}
     try:
         return _opened(package, built, env, view, walk, depth)
     except Exception:  # a mask or labels the walk cannot evaluate here: no verdict, nothing refused
-        return frozenset()
+        return {}
 
 
-def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Walk,
-            depth: int) -> frozenset[int]:
-    """:func:`_unrated` of a chain, mask, partition or wrapper whose closure ``env`` holds its parts."""
-    if package == "optax" and built in FACTORED:
-        return _present(view) if _rate_free(env, *FACTORED[built]) else frozenset()
+def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Walk, depth: int) -> Factors:
+    """:func:`_factors` of a scale, chain, mask, partition or wrapper whose closure ``env``
+    holds its parts. ``ft.optim.ascending`` (torch's ``maximize=True``) is not opened: its
+    ascent is deliberate."""
+    if package == "optax" and built == "scale" and "step_size" in env:  # (scale_by_learning_rate's too)
+        return _scaled(_directions(view), _concrete(env["step_size"], False))
+    if package == "optax" and built in FACTORED and FACTORED[built][0] in env:
+        name, any_positive = FACTORED[built]
+        return _scaled(_directions(view), _concrete(env[name], any_positive))
     updates = jax.tree.map(lambda i: walk.leaves[i], view)  # what the transform sees (its masks read it)
     if (inner := _wrapped(package, built, env, updates)) is not None:
         skipped = (package == "optax" and built == "conditionally_transform" and not _never_skips(env)
                    and walk.skips())
-        found = _unrated(inner.update, view, walk, depth + 1)  # (walked either way: the count of those met)
-        return _present(view) if skipped else found  # a skipped step: the updates forwarded as they came
+        found = _factors(inner.update, view, walk, depth + 1)  # (walked either way: the count of those met)
+        return _directions(view) if skipped else found  # a skipped step: the updates forwarded as they came
     if package == "optax" and built == "scale_by_galore" and "base_optimizer" in env:
         return _galore(env, view, updates, walk, depth)
     if (factory := _factory(package, built, env)) is not None:
@@ -230,18 +295,19 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
         return _flattened(env["inner"].update, view, walk, depth)
     if package == "optax" and built in ("chain", "named_chain") and ("update_fns" in env or "transforms" in env):
         fns = env["update_fns"] if "update_fns" in env else [tx.update for _, tx in env["transforms"]]
-        found = _present(view)
+        found = _directions(view)
         for fn in fns:
-            found &= _unrated(fn, view, walk, depth + 1)
+            found = _times(found, _factors(fn, view, walk, depth + 1))
         return found
     if package == "optax" and built == "masked" and {"inner", "mask"} <= env.keys():
         mask = env["mask"](updates) if _is_function(env["mask"]) else env["mask"]
         return _through_mask(env["inner"].update, view, _selected(view, mask), walk, depth)
     if package == "optax" and built == "partition" and {"transforms", "param_labels", "make_mask"} <= env.keys():
         labels = env["param_labels"](updates) if callable(env["param_labels"]) else env["param_labels"]
-        found = _present(view)
+        found = _directions(view)  # (each parameter in one group: the others pass it through)
         for group, tx in env["transforms"].items():
-            found &= _through_mask(tx.update, view, _selected(view, env["make_mask"](labels, group)), walk, depth)
+            found = _times(found, _through_mask(tx.update, view, _selected(view, env["make_mask"](labels, group)),
+                                                walk, depth))
         return found
     if package == "functree" and built == "masked" and {"inner", "marks_of"} <= env.keys():
         marks = env["marks_of"](updates)  # a member array (part of a stacked leaf): transformed
@@ -250,32 +316,21 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
                                         for p, m in zip(places, marks)])
         return _through_mask(env["inner"].update, view, inner_view, walk, depth)
     if package == "functree" and built == "groups" and {"by_leaf", "split"} <= env.keys():
-        return frozenset() if env["split"](updates) else _unrated(env["by_leaf"].update, view, walk, depth + 1)
-    return frozenset()
+        return {} if env["split"](updates) else _factors(env["by_leaf"].update, view, walk, depth + 1)
+    return {}
 
 
-def _rate_free(env: dict[str, Any], name: str, any_positive: bool) -> bool:
-    """Whether the factor ``env[name]`` (:data:`FACTORED`) is concretely one that applies no
-    rate: 1, or any positive value where ``any_positive``. A traced value (an injected
-    hyperparameter), a schedule or an array is taken for a rate: no refusal on a guess."""
-    try:
-        value = float(np.asarray(env[name]))
-    except Exception:  # absent, traced, callable, not one number
-        return False
-    return value > 0 if any_positive else value == 1
-
-
-def _galore(env: dict[str, Any], view: Any, updates: Any, walk: _Walk, depth: int) -> frozenset[int]:
-    """:func:`_unrated` of ``optax.contrib.scale_by_galore``: its base transform's verdict,
-    read on the low-rank updates it gets (each projected matrix; its masks read those), where
-    its ``scale`` is 1 (the default; another is a rate of either sign). The projection and its
-    transpose keep the direction's sign: with ``scale_by_adam``, its default base, it climbs."""
-    if not _rate_free(env, "scale", False):
-        return frozenset()
+def _galore(env: dict[str, Any], view: Any, updates: Any, walk: _Walk, depth: int) -> Factors:
+    """:func:`_factors` of ``optax.contrib.scale_by_galore``: its base transform's, read on
+    the low-rank updates it gets (each projected matrix; its masks read those), times its
+    ``scale`` where concrete. The projection and its transpose keep the direction's sign:
+    with ``scale_by_adam``, its default base, it climbs; with ``adam(lr)`` as the base and
+    galore's own ``learning_rate`` (``scale_by_learning_rate``) after it, it climbs too."""
     leaves = list(walk.leaves)
     for i, low in zip(jax.tree.leaves(view), jax.tree.leaves(_low_rank(env, updates))):
         leaves[i] = low
-    return _unrated(env["base_optimizer"].update, view, _Walk(leaves, walk.skipping, walk.met), depth + 1)
+    base = _factors(env["base_optimizer"].update, view, _Walk(leaves, walk.skipping, walk.met), depth + 1)
+    return _times(base, _scaled(_directions(view), _concrete(env.get("scale"), False)))
 
 
 def _low_rank(env: dict[str, Any], updates: Any) -> Any:
@@ -368,17 +423,18 @@ def _possible(name: str, args: list[Any], params: dict[str, Any]) -> Any:
     return None
 
 
-def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> frozenset[int]:
-    """:func:`_unrated` of ``optax.flatten``'s inner transform, which sees one vector, the
-    parameters it receives raveled end to end: it gives them all a rate or none. Read on an
+def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> Factors:
+    """:func:`_factors` of ``optax.flatten``'s inner transform, which sees one vector, the
+    parameters it receives raveled end to end: they all get its one factor. Read on an
     abstract vector (its masks evaluated on that, as optax evaluates them on the vector)."""
     present = _present(view)
     if not present:
-        return frozenset()
+        return {}
     size = sum(int(np.size(walk.leaves[i])) for i in present)
     flat = jax.ShapeDtypeStruct((size,), jnp.result_type(*(walk.leaves[i] for i in present)))
     inner = _Walk([flat], walk.skipping, walk.met)  # (the count of conditionally_transforms shared)
-    return present if _unrated(update, 0, inner, depth + 1) else frozenset()
+    found = _factors(update, 0, inner, depth + 1)
+    return dict.fromkeys(present, found[0]) if 0 in found else {}
 
 
 def _wrapped(package: str, built: str, env: dict[str, Any], updates: Any) -> Any:
@@ -409,24 +465,25 @@ def _factory(package: str, built: str, env: dict[str, Any]) -> tuple[Any, list[s
     return None
 
 
-def _built(factory: Any, names: list[str], fixed: dict[str, Any], view: Any, walk: _Walk,
-           depth: int) -> frozenset[int]:
-    """:func:`_unrated` of ``factory(**fixed, **hyperparameters)``, built as the jitted step
+def _built(factory: Any, names: list[str], fixed: dict[str, Any], view: Any, walk: _Walk, depth: int) -> Factors:
+    """:func:`_factors` of ``factory(**fixed, **hyperparameters)``, built as the jitted step
     builds it: each hyperparameter an abstract scalar, so its structure is the step's (a
-    factory whose structure reads a value raises here: no verdict)."""
-    found: list[frozenset[int]] = []
+    factory whose structure reads a value raises here: no verdict). A factor made of a
+    hyperparameter (its learning rate) is traced: of either sign, never refused."""
+    found: list[Factors] = []
 
     def build(values: dict[str, Any]) -> None:
-        found.append(_unrated(factory(**fixed, **values).update, view, walk, depth + 1))
+        found.append(_factors(factory(**fixed, **values).update, view, walk, depth + 1))
 
     jax.eval_shape(build, {name: jax.ShapeDtypeStruct((), jnp.float32) for name in names})
     return found[0]
 
 
-def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[int, ...], ...]:
     """The indices of ``grads``' leaves (flattened with ``None`` as a leaf) whose parameter
-    ``transform`` applies no rate to at any step, and those it applies none to on the steps
-    an ``optax.conditionally_transform`` skips: once per transform and gradient signature."""
+    ``transform`` applies no rate to at any step, those it surely moves up the loss (on a
+    step an ``optax.conditionally_transform`` skips too), and those it applies no rate to on
+    the steps one skips: once per transform and gradient signature."""
     leaves, treedef = jax.tree.flatten(grads, is_leaf=is_none)
     try:
         who: Any = WeakIdentity(transform)
@@ -442,13 +499,24 @@ def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[int, ...], tuple
     return found
 
 
-def _unrated_walks(update: Any, view: Any, leaves: list[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _unrated_walks(update: Any, view: Any, leaves: list[Any]) -> tuple[tuple[int, ...], ...]:
     """:func:`_unrated_indices` walked: once with every conditionally_transform transforming,
-    then once per one of them skipping."""
+    then once per one of them skipping (each has its own condition: never all at once). A
+    direction stays one whatever else skips; an ascent is refused only where every
+    combination of them skipping ascends (two that skip on alternate steps, each with a
+    minus sign, never apply both), and not read past :data:`_COMBINED` of them."""
     first = _Walk(leaves)
-    always = _unrated(update, view, first)
-    skipped = frozenset().union(*(_unrated(update, view, _Walk(leaves, k)) for k in range(first.met[0])))
-    return tuple(sorted(always)), tuple(sorted(skipped - always))
+    always = _factors(update, view, first)
+    count = first.met[0]
+    unrated = {i for i, f in always.items() if f == _DIRECTION}
+    skipped = set().union(*({i for i, f in _factors(update, view, _Walk(leaves, frozenset({k}))).items()
+                             if f == _DIRECTION} for k in range(count))) - unrated
+    ascending = {i for i, f in always.items() if f == (1, True)} if count <= _COMBINED else set()
+    for combination in range(1, 2**count if ascending else 1):
+        skipping = frozenset(k for k in range(count) if combination >> k & 1)
+        found = _factors(update, view, _Walk(leaves, skipping))
+        ascending = {i for i in ascending if found.get(i) == (1, True)}
+    return tuple(sorted(unrated)), tuple(sorted(ascending)), tuple(sorted(skipped))
 
 
 def _trained(missing: Any) -> bool:
@@ -458,7 +526,8 @@ def _trained(missing: Any) -> bool:
 
 def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
     """Raise :data:`NO_LEARNING_RATE` where ``transform`` (the user's, as given to the
-    Optimizer) surely applies no learning rate to a parameter that has a gradient (``grads``:
+    Optimizer) surely applies no learning rate to a parameter that has a gradient, and
+    :data:`ASCENDING_UPDATE` where its rates surely multiply to a positive factor (``grads``:
     what the transform receives; ``partial``: :func:`checked_gradients`' marks of missing
     gradients and frozen members, or None).
 
@@ -475,13 +544,13 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
     """
     if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(grads)):
         return  # trained as pairs of reals (RealPair): another tree than the one walked here
-    always, skipped = _unrated_indices(transform, grads)
-    if not always and not skipped:
+    refused = _unrated_indices(transform, grads)
+    if not any(refused):
         return
     flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
     missing = [False] * len(flat) if partial is None else list(partial[1])
     trained = {i for i, ((_, g), m) in enumerate(zip(flat, missing)) if g is not None and _trained(m)}
-    for unrated, message in ((always, NO_LEARNING_RATE), (skipped, SKIPPED_UNSCALED)):
+    for unrated, message in zip(refused, (NO_LEARNING_RATE, ASCENDING_UPDATE, SKIPPED_UNSCALED)):
         same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in trained]
         if same:
             shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")

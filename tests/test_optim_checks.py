@@ -904,6 +904,10 @@ _ASCENDING = {  # each scales the direction by a positive factor: p + lr * direc
     "normalize_by_update_norm(scale_factor=0.05)": lambda: optax.normalize_by_update_norm(scale_factor=0.05),
     "scale_by_galore(scale=0.05)": lambda: optax.contrib.scale_by_galore(rank=1, scale=0.05),
     "flatten(chain(sgd, scale(-1)))": lambda: optax.flatten(optax.chain(optax.sgd(0.05), optax.scale(-1.0))),
+    # ft.optim's: the learning rate a traced hyperparameter, checked >= 0 (a number or functree's schedule)
+    "chain(ft.optim.adam, scale(-1))": lambda: optax.chain(fo.adam(0.05), optax.scale(-1.0)),
+    "chain(ft.optim.sgd(schedule), scale_by_learning_rate(1))": lambda: optax.chain(
+        fo.sgd(fo.linear_warmup(0.05, 2)), optax.scale_by_learning_rate(1.0)),
 }
 
 
@@ -912,7 +916,8 @@ def test_rates_whose_signs_multiply_to_a_plus_are_refused(make):
     """The check took a rate of either sign for a rate: galore(1.0, base_optimizer=adam(lr))
     (as optax's docstring advises: -lr, then galore's -1.0), a chain of a whole optimizer and
     scale(-1), and scale_by_adam then scale(lr) (the minus sign forgotten) trained up the loss
-    with no error. The concrete factors' signs are multiplied: a plus is refused, measured."""
+    with no error. The factors' signs are multiplied (ft.optim's learning rate, a traced
+    hyperparameter kept >= 0, read from the build): a plus is refused, its climb measured."""
     tx = make()
     before, after = _two_raw_steps(tx)
     assert after > before  # optax's own steps: up the loss
@@ -941,6 +946,7 @@ _DESCENDING = {  # double negatives that end up descending, a rate of unknown si
     "galore(-1.0, base_optimizer=adam)": lambda: optax.contrib.galore(-1.0, rank=1, base_optimizer=optax.adam(0.05)),
     "chain(adam, scale_by_schedule)": lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(
         optax.linear_schedule(0.05, 0.01, 10))),
+    "chain(ft.optim.adam, scale(2))": lambda: optax.chain(fo.adam(0.025), optax.scale(2.0)),
 }
 
 

@@ -232,9 +232,10 @@ def test_through_the_optimizer_with_its_context():
             model, state, _ = step(model, state)
         return model
 
-    rate = ft.optim.piecewise([(1, 0.05), (1, 0.02)])
-    got = fit(ft.optim.Optimizer(optax.chain(ft.optim.per_member(optax.lars(1.0)), ft.optim.sgd(rate))), MODEL)
-    want = fit(ft.optim.Optimizer(optax.chain(optax.lars(1.0), ft.optim.sgd(rate))), _unrolled(MODEL))
+    rate = ft.optim.piecewise([(1, 0.05), (1, 0.02)])  # (lars(-1.0): its direction, sgd's -rate after it;
+    # lars(1.0)'s -1.0 times sgd's -rate climbed, refused now)
+    got = fit(ft.optim.Optimizer(optax.chain(ft.optim.per_member(optax.lars(-1.0)), ft.optim.sgd(rate))), MODEL)
+    want = fit(ft.optim.Optimizer(optax.chain(optax.lars(-1.0), ft.optim.sgd(rate))), _unrolled(MODEL))
     assert_close_trained(got, _restacked(want), spread=0.0)  # measured 0 (jitted): one float32 rounding
 
 

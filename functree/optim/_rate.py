@@ -37,10 +37,12 @@ multiplies the signs of the concrete factors that reach a parameter (``optax.sca
 ``scale_by_learning_rate(lr)``: -lr; a :data:`FACTORED` factor; galore's ``scale``): where
 they surely multiply to a plus, the update climbs, :data:`ASCENDING_UPDATE`
 (``chain(adam(lr), scale(-1))``, ``chain(scale_by_adam(), scale(lr))``,
-``optax.contrib.galore(1.0, base_optimizer=adam(lr))``: -lr, then -1.0); a factor built from
-a hyperparameter (traced, in ``inject_hyperparams`` and ft.optim's optimizers) or a schedule
-has no known sign, and ``ft.optim``'s ``maximize=True`` (the gradient negated before the
-optimizer) is not opened: a deliberate ascent. Anything else counts as
+``optax.contrib.galore(1.0, base_optimizer=adam(lr))``: -lr, then -1.0). A factor built from
+hyperparameters (traced: ``inject_hyperparams``, ft.optim's optimizers) gets its sign from the
+build's jaxpr, ft.optim's checked ones (its learning rate) >= 0, optax's of either sign
+(``chain(ft.optim.adam(lr), scale(-1))`` is refused, ``chain(inject_hyperparams(adam)(lr),
+scale(-1))`` is not); a schedule in optax's transforms has no known sign; ``ft.optim``'s
+``maximize=True`` (the gradient negated before the optimizer) is not opened: a deliberate ascent. Anything else counts as
 applying a rate (a rate or schedule of either sign, another library's or a hand-written
 transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
 transform sees each member as a parameter; ``optax.contrib``'s others; a factory that cannot be built from abstract values, a mask it cannot evaluate, a member
@@ -54,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import operator
 from typing import Any
 
@@ -61,12 +64,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.core import Tracer
 
 from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._average import is_slot
 from functree.optim._checks import ConfigurationError
+from functree.optim._hyper import RULES
 from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
+from functree.optim._schedules import values_of
 
 __all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
 
@@ -167,26 +173,37 @@ _COMBINED = 4  # conditionally_transforms read in every combination of skipping 
 _UNRATED: dict[Any, Any] = {}  # (transform, gradient signature) -> indices refused, by message
 
 # What the walk knows of a parameter's update: the sign of the factor it multiplies the
-# ascent direction by (+1: up the loss), and whether a concrete factor (a rate) was met.
-# A parameter the walk cannot tell (a traced or scheduled rate, a transform it does not
-# read) has no entry: never refused.
-Factor = tuple[int, bool]
+# ascent direction by (+1: up the loss), whether a factor (a rate) was met, and the traced
+# factors (built from hyperparameters, numbered in :attr:`_Walk.traced`) whose signs multiply
+# it, read when the build ends (:func:`_built`). A parameter the walk cannot tell (a
+# scheduled rate, a transform it does not read) has no entry: never refused.
+Factor = tuple[int, bool, frozenset[int]]
 Factors = dict[int, Factor]
-_DIRECTION: Factor = (1, False)  # the gradient, or a direction of it: p + direction
+_DIRECTION: Factor = (1, False, frozenset())  # the gradient, or a direction of it: p + direction
+_ASCENT: Factor = (1, True, frozenset())  # rates whose signs multiply to a plus: p + lr * direction
+
+
+def _product(a: Factor, b: Factor) -> Factor:
+    """Two factors one after the other (the traced ones: each numbered apart, all multiplied)."""
+    return a[0] * b[0], a[1] or b[1], a[2] | b[2]
 
 
 def _times(a: Factors, b: Factors) -> Factors:
     """Two transforms one after the other: the factors multiply; unknown in either, unknown."""
-    return {i: (a[i][0] * b[i][0], a[i][1] or b[i][1]) for i in a.keys() & b.keys()}
+    return {i: _product(a[i], b[i]) for i in a.keys() & b.keys()}
 
 
 def _directions(view: Any) -> Factors:
     return dict.fromkeys(_present(view), _DIRECTION)
 
 
-def _concrete(value: Any, unit: bool) -> Factor | None:
-    """The factor of a concrete scale ``value`` (1, or any positive value where ``unit``:
-    no rate), or None where it is traced, a schedule, zero, or of mixed signs."""
+def _concrete(value: Any, unit: bool, walk: _Walk) -> Factor | None:
+    """The factor of a scale ``value``: concrete (1, or any positive value where ``unit``:
+    no rate), or a traced scalar while :func:`_built` builds (numbered, its sign read from the
+    build); None where it is another traced value, a schedule, zero, or of mixed signs."""
+    if isinstance(value, Tracer) and walk.traced is not None and np.shape(value) == ():
+        walk.traced.append(value)
+        return 1, True, frozenset({len(walk.traced) - 1})
     try:
         array = np.asarray(value, dtype=float)
     except Exception:  # traced, callable: a rate of either sign
@@ -194,23 +211,25 @@ def _concrete(value: Any, unit: bool) -> Factor | None:
     if array.size == 0 or not (np.all(array > 0) or np.all(array < 0)):
         return None
     sign = 1 if np.all(array > 0) else -1
-    return _DIRECTION if sign > 0 and (unit or bool(np.all(array == 1))) else (sign, True)
+    return _DIRECTION if sign > 0 and (unit or bool(np.all(array == 1))) else (sign, True, frozenset())
 
 
 def _scaled(found: Factors, factor: Factor | None) -> Factors:
-    """``found`` times one concrete factor (None: unknown)."""
-    return {} if factor is None else {i: (f[0] * factor[0], f[1] or factor[1]) for i, f in found.items()}
+    """``found`` times one factor (None: unknown)."""
+    return {} if factor is None else {i: _product(f, factor) for i, f in found.items()}
 
 
 @dataclasses.dataclass
 class _Walk:
     """One reading of a transform: the gradient's leaves (indexed by the views), and which
     ``optax.conditionally_transform`` it reads on a step those skip (``skipping``: their
-    places in the walk's order; the others transform). ``met`` counts those seen."""
+    places in the walk's order; the others transform). ``met`` counts those seen;
+    ``traced`` holds the traced factors met while :func:`_built` builds (None outside)."""
 
     leaves: list[Any]
     skipping: frozenset[int] = frozenset()
     met: list[int] = dataclasses.field(default_factory=lambda: [0])
+    traced: list[Any] | None = None
 
     def skips(self) -> bool:
         """Whether the conditionally_transform met now is a skipping one (counts it)."""
@@ -277,10 +296,10 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
     holds its parts. ``ft.optim.ascending`` (torch's ``maximize=True``) is not opened: its
     ascent is deliberate."""
     if package == "optax" and built == "scale" and "step_size" in env:  # (scale_by_learning_rate's too)
-        return _scaled(_directions(view), _concrete(env["step_size"], False))
+        return _scaled(_directions(view), _concrete(env["step_size"], False, walk))
     if package == "optax" and built in FACTORED and FACTORED[built][0] in env:
         name, any_positive = FACTORED[built]
-        return _scaled(_directions(view), _concrete(env[name], any_positive))
+        return _scaled(_directions(view), _concrete(env[name], any_positive, walk))
     updates = jax.tree.map(lambda i: walk.leaves[i], view)  # what the transform sees (its masks read it)
     if (inner := _wrapped(package, built, env, updates)) is not None:
         skipped = (package == "optax" and built == "conditionally_transform" and not _never_skips(env)
@@ -329,8 +348,8 @@ def _galore(env: dict[str, Any], view: Any, updates: Any, walk: _Walk, depth: in
     leaves = list(walk.leaves)
     for i, low in zip(jax.tree.leaves(view), jax.tree.leaves(_low_rank(env, updates))):
         leaves[i] = low
-    base = _factors(env["base_optimizer"].update, view, _Walk(leaves, walk.skipping, walk.met), depth + 1)
-    return _times(base, _scaled(_directions(view), _concrete(env.get("scale"), False)))
+    base = _factors(env["base_optimizer"].update, view, dataclasses.replace(walk, leaves=leaves), depth + 1)
+    return _times(base, _scaled(_directions(view), _concrete(env.get("scale"), False, walk)))
 
 
 def _low_rank(env: dict[str, Any], updates: Any) -> Any:
@@ -432,7 +451,7 @@ def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> Factors:
         return {}
     size = sum(int(np.size(walk.leaves[i])) for i in present)
     flat = jax.ShapeDtypeStruct((size,), jnp.result_type(*(walk.leaves[i] for i in present)))
-    inner = _Walk([flat], walk.skipping, walk.met)  # (the count of conditionally_transforms shared)
+    inner = dataclasses.replace(walk, leaves=[flat])  # (the count of conditionally_transforms shared)
     found = _factors(update, 0, inner, depth + 1)
     return dict.fromkeys(present, found[0]) if 0 in found else {}
 
@@ -449,34 +468,89 @@ def _wrapped(package: str, built: str, env: dict[str, Any], updates: Any) -> Any
     return None
 
 
-def _factory(package: str, built: str, env: dict[str, Any]) -> tuple[Any, list[str], dict[str, Any]] | None:
-    """``(factory, hyperparameter names, fixed arguments)`` of a transform rebuilt at each
-    step from its hyperparameters (``optax.inject_hyperparams``, ``ft.optim.inject`` and the
-    ft.optim optimizers made by it), or None."""
+def _factory(package: str, built: str, env: dict[str, Any]
+             ) -> tuple[Any, list[str], dict[str, Any], frozenset[str]] | None:
+    """``(factory, hyperparameter names, fixed arguments, those surely >= 0)`` of a
+    transform rebuilt at each step from its hyperparameters (``optax.inject_hyperparams``,
+    ``ft.optim.inject`` and the ft.optim optimizers made by it), or None. optax's are of
+    either sign (its state takes any value); ft.optim's checks keep some >= 0
+    (:func:`_non_negative`)."""
     if package == "optax" and built == "inject_hyperparams" and {"inner_factory", "other_hps"} <= env.keys():
         fixed = env["other_hps"]  # (booleans, None, static_args: the rest are numbers or schedules)
         named = inspect.signature(env["inner_factory"]).parameters.values()
         names = [p.name for p in named if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
-        return env["inner_factory"], names, fixed
+        return env["inner_factory"], names, fixed, frozenset()
     if package == "functree" and built == "inject" and "step" in env:
         made = _closure(_closure(env["step"]).get("build"))
         if {"factory", "specs", "static"} <= made.keys():
-            return made["factory"], list(made["specs"]), made["static"]
+            signed = frozenset(name for name, spec in made["specs"].items() if _non_negative(name, spec))
+            return made["factory"], list(made["specs"]), made["static"], signed
     return None
 
 
-def _built(factory: Any, names: list[str], fixed: dict[str, Any], view: Any, walk: _Walk, depth: int) -> Factors:
+def _non_negative(name: str, spec: Any) -> bool:
+    """Whether ft.optim keeps hyperparameter ``name`` (its :class:`_Spec`) >= 0: its rule
+    (:data:`RULES`, checked where it is given and set) refuses a negative value, and it is a
+    number or one of functree's schedules (their values checked too); a function's values are not."""
+    rule = RULES.get(name)
+    scheduled = getattr(spec, "scheduled", True)
+    return rule is not None and not rule[0](-1e-30) and (not scheduled or values_of(spec.rate.value) is not None)
+
+
+def _built(factory: Any, names: list[str], fixed: dict[str, Any], signed: frozenset[str], view: Any,
+           walk: _Walk, depth: int) -> Factors:
     """:func:`_factors` of ``factory(**fixed, **hyperparameters)``, built as the jitted step
     builds it: each hyperparameter an abstract scalar, so its structure is the step's (a
-    factory whose structure reads a value raises here: no verdict). A factor made of a
-    hyperparameter (its learning rate) is traced: of either sign, never refused."""
+    factory whose structure reads a value raises here: no verdict). A factor made of
+    hyperparameters (optax's ``scale_by_learning_rate``: ``-1.0 * learning_rate``) is traced;
+    its sign is read from the build's jaxpr (:func:`_traced_signs`), the hyperparameters in
+    ``signed`` taken as >= 0, the others of either sign (no refusal on a guess)."""
     found: list[Factors] = []
+    traced: list[Any] = []
 
-    def build(values: dict[str, Any]) -> None:
-        found.append(_factors(factory(**fixed, **values).update, view, walk, depth + 1))
+    def build(values: dict[str, Any]) -> list[Any]:
+        found.append(_factors(factory(**fixed, **values).update, view, dataclasses.replace(walk, traced=traced),
+                              depth + 1))
+        return traced
 
-    jax.eval_shape(build, {name: jax.ShapeDtypeStruct((), jnp.float32) for name in names})
-    return found[0]
+    closed = jax.make_jaxpr(build)({name: jax.ShapeDtypeStruct((), jnp.float32) for name in names})
+    signs = _traced_signs(closed, [1 if name in signed else None for name in sorted(names)])
+    return {i: (f[0] * math.prod(signs[k] or 0 for k in f[2]), f[1], frozenset())
+            for i, f in found[0].items() if all(signs[k] for k in f[2])}
+
+
+_SIGN_KEEPING = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
+_SIGN_MULTIPLYING = frozenset({"mul", "div"})
+
+
+def _traced_signs(closed: Any, inputs: list[int | None]) -> list[int | None]:
+    """The signs of a jaxpr's outputs (+1: >= 0, -1: <= 0, None: unknown) given its inputs':
+    a product, quotient or negation of those and of constants; anything else unknown."""
+    from jax.extend import core as jcore
+
+    jaxpr = closed.jaxpr
+    known: dict[Any, int | None] = dict(zip(jaxpr.invars, inputs))
+    known.update((v, _constant_sign(c)) for v, c in zip(jaxpr.constvars, closed.consts))
+
+    def read(atom: Any) -> int | None:
+        return _constant_sign(atom.val) if isinstance(atom, jcore.Literal) else known.get(atom)
+
+    for eqn in jaxpr.eqns:
+        args = [read(a) for a in eqn.invars]
+        name, sign = eqn.primitive.name, None
+        if all(args) and name in _SIGN_MULTIPLYING | _SIGN_KEEPING | {"neg"}:
+            sign = math.prod(a or 0 for a in args) * (-1 if name == "neg" else 1)
+        known.update(dict.fromkeys(eqn.outvars, sign))
+    return [read(out) for out in jaxpr.outvars]
+
+
+def _constant_sign(value: Any) -> int | None:
+    """A constant's sign where all of it is of one sign, not zero (a zero factor moves nothing)."""
+    try:
+        array = np.asarray(value)
+    except Exception:  # an outer trace's value, closed over by the factory: unknown
+        return None
+    return 1 if np.all(array > 0) else -1 if np.all(array < 0) else None
 
 
 def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[int, ...], ...]:
@@ -511,11 +585,11 @@ def _unrated_walks(update: Any, view: Any, leaves: list[Any]) -> tuple[tuple[int
     unrated = {i for i, f in always.items() if f == _DIRECTION}
     skipped = set().union(*({i for i, f in _factors(update, view, _Walk(leaves, frozenset({k}))).items()
                              if f == _DIRECTION} for k in range(count))) - unrated
-    ascending = {i for i, f in always.items() if f == (1, True)} if count <= _COMBINED else set()
+    ascending = {i for i, f in always.items() if f == _ASCENT} if count <= _COMBINED else set()
     for combination in range(1, 2**count if ascending else 1):
         skipping = frozenset(k for k in range(count) if combination >> k & 1)
         found = _factors(update, view, _Walk(leaves, skipping))
-        ascending = {i for i in ascending if found.get(i) == (1, True)}
+        ascending = {i for i in ascending if found.get(i) == _ASCENT}
     return tuple(sorted(unrated)), tuple(sorted(ascending)), tuple(sorted(skipped))
 
 

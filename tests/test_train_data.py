@@ -68,6 +68,34 @@ def test_cpu_jax_arrays_are_sliced_on_the_host():
     assert isinstance(batch, np.ndarray if on_cpu else jax.Array) and batch.shape == (4,)
 
 
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "in order"])
+def test_minibatches_of_device_arrays_take_no_host_value_per_step(monkeypatch, shuffle):
+    # On an accelerator, jax arrays stay there (this CPU test keeps them as jax arrays as an
+    # accelerator does): each minibatch is one gather from a start put on the device once
+    # per epoch, no Python int sent with every minibatch, and nothing compiles after the
+    # first (same size); the rows are the documented ones, a shorter last minibatch too.
+    from _compiles import compiled
+
+    import functree.train._data as data_module
+
+    monkeypatch.setattr(data_module, "_host_if_cpu", lambda x: x)
+    x = jnp.arange(26.0).reshape(13, 2)
+    data = ft.train.batches({"x": x, "i": jnp.arange(13)}, 3, shuffle=shuffle, key=jax.random.key(4))
+    minibatches = data.iterate(1)
+    got = [next(minibatches), next(minibatches)]  # the epoch's order and starts, and the compile
+    with compiled(clear=False) as names, jax.transfer_guard("disallow"):
+        got += [next(minibatches), next(minibatches)]
+    assert names == []
+    got += list(minibatches)  # its last minibatch, of 1 row
+    order = np.asarray(jax.random.permutation(jax.random.fold_in(jax.random.key(4), 1), 13)) if shuffle \
+        else np.arange(13)
+    assert [len(b["i"]) for b in got] == [3, 3, 3, 3, 1]
+    np.testing.assert_array_equal(np.concatenate([b["i"] for b in got]), order)
+    for b in got:
+        assert isinstance(b["x"], jax.Array)
+        np.testing.assert_array_equal(b["x"], np.asarray(x)[np.asarray(b["i"])])
+
+
 def test_functional_batch_size_sees_the_context():
     seen = []
 

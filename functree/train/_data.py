@@ -3,7 +3,8 @@
 ``ft.train.batches(arrays, batch_size, shuffle=True, key=...)`` cuts a tree of arrays
 (an array, a tuple ``(x, y)``, a dict) along its leading axis. Epoch ``e`` is shuffled by
 ``jax.random.fold_in(key, e)``, so any epoch and any batch within it can be reproduced
-(exact resume). Arrays on an accelerator stay there (one gather per minibatch); arrays in
+(exact resume). Arrays on an accelerator stay there (one dispatch per minibatch, from starts put
+on the device once an epoch: no host value sent per step); arrays in
 host memory (NumPy, or jax arrays on the CPU backend) are sliced as NumPy views. Any other
 iterable of batches (NumPy arrays, tuples or dicts of arrays, a
 ``torch.utils.data.DataLoader``, a ``tf.data.Dataset``) is accepted by the Trainer as it is.
@@ -23,6 +24,7 @@ from functree._naming import names as _leaf_names
 from functree._random import key_batch
 from functree._state_dict import tensor_to_numpy
 from functree._tree import dotted_name
+from functree._where import placement_of
 from functree.train._metrics import describe_batch
 
 __all__ = ["batches", "Batches", "DataContext", "to_arrays", "example_rows", "rows_error", "LIST_OF_ROWS",
@@ -351,27 +353,52 @@ class Batches:
         return sizes
 
     def _order(self, epoch: int) -> Any:
+        """Epoch ``epoch``'s permutation on device (None: in order), placed with the data."""
         if not self.shuffle:
             return None
-        perm = _permutation(self.key, epoch, self.num_examples)
-        if all(isinstance(x, jax.Array) for x in jax.tree.leaves(self.arrays)):
-            return perm
-        return np.asarray(perm)  # once per epoch, outside any step
+        return jax.device_put(_permutation(self.key, epoch, self.num_examples), self._place)
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """The minibatches of ``epoch``, from minibatch number ``start`` on."""
-        sizes = self._sizes(epoch)
+        every = self._sizes(epoch)
+        sizes, offset = every[start:], sum(every[:start])
         order = self._order(epoch)
-        offset = sum(sizes[:start])
-        for size in sizes[start:]:
+        host = None if order is None or not self._on_host else np.asarray(order)  # once per epoch
+        firsts = self._device_firsts(offset, sizes)
+        leaves, treedef = jax.tree.flatten(self.arrays)
+        for n, size in enumerate(sizes):
             first, end = _rows(offset, size, self.shard)  # with shard=: this process's rows
-            if order is None:
-                batch = jax.tree.map(lambda x, a=first, b=end: x[a:b], self.arrays)
-            else:
-                index = order[first:end]
-                batch = jax.tree.map(lambda x, i=index: _take(x, i), self.arrays)
             offset += size
-            yield batch
+            gathered = iter(_gather(self._on_device(leaves), order, firsts[n], end - first) if firsts else ())
+            yield treedef.unflatten([next(gathered) if isinstance(x, jax.Array) else _host_rows(x, host, first, end)
+                                     for x in leaves])
+
+    def _device_firsts(self, offset: int, sizes: list[int]) -> list[jax.Array]:
+        """Each minibatch's first row as a device scalar, put there in one explicit transfer
+        per epoch: a minibatch of arrays on an accelerator is then one dispatch that takes
+        no host value (a Python start was a host-to-device transfer every step). Empty when
+        every leaf is in host memory."""
+        if not self._on_device(jax.tree.leaves(self.arrays)):
+            return []
+        firsts = []
+        for size in sizes:
+            share = size if self.shard is None else size // self.shard[1]  # (_rows checks the split)
+            firsts.append(offset + (0 if self.shard is None else self.shard[0] * share))
+            offset += size
+        return list(jax.device_put(np.asarray(firsts, np.int32), self._place))
+
+    @staticmethod
+    def _on_device(leaves: list[Any]) -> list[jax.Array]:
+        return [x for x in leaves if isinstance(x, jax.Array)]
+
+    @functools.cached_property
+    def _place(self) -> Any:
+        """Where the permutation and starts go: beside the data's device arrays."""
+        return placement_of(self._on_device(jax.tree.leaves(self.arrays)))
+
+    @functools.cached_property
+    def _on_host(self) -> bool:
+        return any(not isinstance(x, jax.Array) for x in jax.tree.leaves(self.arrays))
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self._epochs_started
@@ -516,10 +543,19 @@ def _host_if_cpu(x: Any) -> Any:
     return x
 
 
-def _take(x: Any, index: Any) -> Any:
-    if isinstance(x, jax.Array):
-        return jnp.take(x, index, axis=0)
-    return np.take(x, index, axis=0)
+def _host_rows(x: Any, order: Any, first: int, end: int) -> Any:
+    """Rows ``first .. end`` of a leaf in host memory (of ``order``'s rows where shuffled)."""
+    return x[first:end] if order is None else np.take(x, order[first:end], axis=0)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _gather(leaves: list[jax.Array], order: jax.Array | None, first: jax.Array, size: int) -> list[jax.Array]:
+    """Rows ``first .. first + size`` of each leaf, of ``order``'s rows where shuffled: one
+    minibatch of device arrays in one dispatch (compiled once per minibatch size)."""
+    if order is None:
+        return [jax.lax.dynamic_slice_in_dim(x, first, size) for x in leaves]
+    index = jax.lax.dynamic_slice_in_dim(order, first, size)
+    return [jnp.take(x, index, axis=0) for x in leaves]
 
 
 def batches(

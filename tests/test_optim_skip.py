@@ -1,11 +1,13 @@
 """functree.optim._skip: the step's gate."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import functree as ft
-from functree.optim._skip import gate
+from functree.optim._skip import apply_or_keep, gate
 
 
 def test_a_handled_optimizers_gate_closes_on_the_loss_and_reports_the_loss():
@@ -50,3 +52,21 @@ def test_a_skip_inside_a_group_or_lookahead_is_refused_and_the_whole_step_skips_
         updates, state = opt.update({"head": jnp.asarray(head), "body": jnp.asarray(-1.0)}, state, params)
         rates.append(float(updates["body"]))
     assert rates == [1.0, 0.0, 2.0] and int(ft.optim.context(state).step) == 2
+
+
+def test_the_gated_update_leaks_no_tracer_out_of_its_cond():
+    # jax.checking_leaks() around a step's first trace (a user hunting their own leak): the
+    # gate's applied branch kept its traced leaves after the cond's trace, and JAX refused
+    # every gated step (on_nan="stop"/"skip" of an optimizer without the leafwise update).
+    add = lambda m, s: ({"w": m["w"] + 1, "act": m["act"]}, s + 1)  # noqa: E731
+
+    def gated(ok, w, s):
+        model, state = apply_or_keep(ok, add, {"w": w, "act": jnp.tanh}, s)
+        assert model["act"] is jnp.tanh  # a leaf that is no array comes from the branch as it is
+        return model["w"], state
+
+    with jax.checking_leaks():
+        w, s = jax.jit(gated)(jnp.array(True), jnp.zeros(2), jnp.int32(0))
+        kept = jax.jit(gated)(jnp.array(False), jnp.zeros(2), jnp.int32(0))
+    np.testing.assert_array_equal(w, [1.0, 1.0])
+    assert int(s) == 1 and int(kept[1]) == 0

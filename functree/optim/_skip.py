@@ -219,6 +219,7 @@ def apply_or_keep(ok: jax.Array, fn: Callable[[Any, Any], tuple[Any, Any]], mode
     """
     old, treedef = jax.tree.flatten((model, state))
     arrays = [i for i, x in enumerate(old) if _is_traceable(x)]
+    traced = set(arrays)
     shape: list[Any] = []  # the applied branch's tree and leaves that are not arrays (trace time)
     kept: list[int] = []  # Python numbers fn passed through: they stay Python numbers (static data)
 
@@ -230,7 +231,9 @@ def apply_or_keep(ok: jax.Array, fn: Callable[[Any, Any], tuple[Any, Any]], mode
         new, new_treedef = jax.tree.flatten(fn(*treedef.unflatten(leaves)))
         if new_treedef != treedef:
             raise TypeError(CHANGED_TREE.format(before=treedef, after=new_treedef))
-        shape[:] = [new_treedef, new]
+        # the branch's arrays leave through its outputs only: a tracer kept here outlives the
+        # cond's trace (jax.checking_leaks refuses the step)
+        shape[:] = [new_treedef, [None if i in traced else x for i, x in enumerate(new)]]
         kept[:] = [i for i in arrays if isinstance(old[i], _NUMBERS) and new[i] is old[i]]
         return [x if i in kept else new[i] for i, x in zip(arrays, xs)]
 

@@ -3,11 +3,14 @@
 The step is the dispatch-bound benchmark's: an MLP 8-16-16-1 on a batch of 4, one Adam
 step. Checked: ``ft.train.train_step`` traces once over three calls; the donated model and
 optimizer state alias the outputs in the compiled program (``memory_analysis``) and are
-deleted after a call; the step's jaxpr has about as many equations as raw JAX + optax's.
+deleted after a call; the step's jaxpr has about as many equations as raw JAX + optax's;
+after its first calls a loop sends nothing to the device implicitly and compiles nothing
+(``jax.transfer_guard``, JAX's log of compiles).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sys
@@ -17,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _compiles import compiled
 from _jaxpr import all_equations
 
 import functree as ft
@@ -404,3 +408,119 @@ def test_a_fresh_model_in_a_loop_is_still_checked_for_aliases_and_deleted_arrays
     tied = model.replace(layers=(first, second.replace(bias=first.bias), last))  # one array, two places
     with pytest.warns(ft.AliasWarning, match=r"layers\.0\.bias' and 'model\.layers\.1\.bias"):
         step(tied, state, x, y)
+
+
+# --- the steady state: after the first calls, no implicit transfer and no compile ------------
+# A Python scalar or NumPy array reaching a jitted program (or `jnp.asarray` of one) on each
+# step is a host-to-device copy per step: invisible on a CPU, a synchronising transfer on
+# an accelerator. jax.transfer_guard("disallow") refuses it (the explicit ones,
+# jax.device_put, pass), on the CPU backend too; the compiles are JAX's log of them.
+STEADY = 18  # > 16: a gated step's look at its stop log (every 16 calls) runs inside
+
+
+@contextlib.contextmanager
+def _steady():
+    """The block runs no implicit host-to-device transfer; the list it gives holds the
+    programs compiled inside it."""
+    with compiled(clear=False) as names, jax.transfer_guard("disallow"):
+        yield names
+
+
+def _ft_jit_step(tx):
+    """A hand-written step: ft.value_with_gradient, an ft.optim optimizer, ft.move."""
+    @ft.jit(donate=(0, 1))
+    def step(model, state, batch):
+        loss, grads = ft.value_with_gradient(lambda m: _loss(m, *batch), model)
+        updates, state = tx.update(grads, state, model)
+        return ft.move(model, along=updates), state, loss
+
+    return step, tx
+
+
+def _train_step_of(tx, **options):
+    step = ft.train.train_step(lambda m, b: _loss(m, *b), tx, **options)
+    return step, step.optimizer
+
+
+STEADY_STEPS = {
+    "stop": lambda: _train_step_of(ft.optim.adam(LR)),
+    "skip": lambda: _train_step_of(ft.optim.adam(LR), on_nan="skip"),
+    "ignore": lambda: _train_step_of(ft.optim.adam(LR), on_nan="ignore"),
+    "accumulate": lambda: _train_step_of(ft.optim.Optimizer(ft.optim.adam(LR), accumulate=2)),
+    # the schedule's boundary (step 4) falls inside the block: the learning context, on device
+    "schedule": lambda: _train_step_of(ft.optim.adam(ft.optim.piecewise([(4, 0.1), (100, 0.01)]))),
+    "optax": lambda: _train_step_of(optax.chain(optax.clip_by_global_norm(1.0),
+                                                optax.adam(optax.cosine_decay_schedule(0.1, 6)))),
+    "ft.jit": lambda: _ft_jit_step(ft.optim.adam(ft.optim.cosine_decay(0.1, 6))),
+}
+
+
+@pytest.mark.parametrize("make", list(STEADY_STEPS.values()), ids=list(STEADY_STEPS))
+def test_a_training_loop_sends_nothing_implicitly_and_compiles_nothing_after_its_first_calls(make):
+    step, tx = make()
+    model, batch = _model(), _batch()
+    state = tx.init(model)
+    with jax.numpy_dtype_promotion("standard"):  # (optax's adam mixes float and int32)
+        for _ in range(2):
+            model, state, _ = step(model, state, batch)
+        with _steady() as names:
+            for _ in range(STEADY):
+                model, state, out = step(model, state, batch)
+    assert names == []
+    loss = out["loss"] if isinstance(out, dict) else out
+    assert np.isfinite(np.asarray(loss))
+
+
+def test_steps_after_a_save_and_between_evaluations_send_nothing_and_compile_nothing(tmp_path):
+    step, opt = _train_step_of(ft.optim.adam(ft.optim.piecewise([(3, 0.1), (100, 0.01)])))
+    evaluate = ft.train.eval_step(lambda m, b: _loss(m, *b))
+    model, batch = _model(), _batch()
+    state = opt.init(model)
+    for _ in range(2):
+        model, state, _ = step(model, state, batch)
+    before = evaluate(model, batch)["loss"]
+    ft.train.save(tmp_path / "job", {"model": model, "opt_state": state})
+    with _steady() as names:
+        for _ in range(4):
+            model, state, _ = step(model, state, batch)
+            after = evaluate(model, batch)["loss"]
+    assert names == []
+    assert float(after) < float(before)
+
+
+def test_a_fit_on_device_batches_sends_nothing_and_compiles_nothing_after_its_first_epoch(tmp_path):
+    # Epoch 1 compiles the step, the log's programs and validation's; epoch 2 (after
+    # validation and a checkpoint save) runs its steps, log reads and a save inside the block.
+    batches = [(x + i, y) for i, (x, y) in enumerate([_batch()] * 6)]
+
+    class Watched:  # the minibatches, the second epoch's steps (all but its last) inside _steady()
+        def __init__(self):
+            self.epochs, self.names = 0, None
+
+        def __iter__(self):
+            self.epochs += 1
+            with contextlib.ExitStack() as inside:
+                for i, b in enumerate(batches):
+                    if self.epochs == 2 and i == 0:
+                        self.names = inside.enter_context(_steady())
+                    if i == len(batches) - 1:
+                        inside.close()
+                    yield b
+
+    trainer = ft.train.Trainer(_model(), ft.optim.adam(ft.optim.piecewise([(8, LR), (100, LR / 10)])),
+                               lambda m, b: _loss(m, *b))
+    data = Watched()
+    trainer.fit(data, epochs=2, log_every=2, progress=False, validation_data=batches[:2],
+                callbacks=[ft.train.ModelCheckpoint(tmp_path, every_steps=4)])
+    assert data.names == [] and trainer.steps_run == 12
+
+
+def test_an_evaluation_after_its_first_call_sends_nothing_and_compiles_nothing():
+    evaluate = ft.train.eval_step(lambda m, b: _loss(m, *b))
+    model, batch = _model(), _batch()
+    evaluate(model, batch)
+    with _steady() as names:
+        for _ in range(4):
+            evaluate(model, batch)
+    assert names == []
+

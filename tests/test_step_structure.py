@@ -489,30 +489,32 @@ def test_steps_after_a_save_and_between_evaluations_send_nothing_and_compile_not
 
 
 def test_a_fit_on_device_batches_sends_nothing_and_compiles_nothing_after_its_first_epoch(tmp_path):
-    # Epoch 1 compiles the step, the log's programs and validation's; epoch 2 (after
-    # validation and a checkpoint save) runs its steps, log reads and a save inside the block.
+    # Epoch 1 compiles the step, the log's programs and validation's; from epoch 2's first
+    # step to epoch 3's second (log reads, a schedule's boundary, a ModelCheckpoint save,
+    # validation and the epoch's end inside) nothing is sent implicitly or compiled.
     batches = [(x + i, y) for i, (x, y) in enumerate([_batch()] * 6)]
 
-    class Watched:  # the minibatches, the second epoch's steps (all but its last) inside _steady()
+    class Watched:  # the minibatches, with the block entered and left between two of them
         def __init__(self):
-            self.epochs, self.names = 0, None
+            self.epochs, self.names, self.inside = 0, None, contextlib.ExitStack()
 
         def __iter__(self):
             self.epochs += 1
-            with contextlib.ExitStack() as inside:
-                for i, b in enumerate(batches):
-                    if self.epochs == 2 and i == 0:
-                        self.names = inside.enter_context(_steady())
-                    if i == len(batches) - 1:
-                        inside.close()
-                    yield b
+            for i, b in enumerate(batches):
+                if (self.epochs, i) == (2, 0):
+                    self.names = self.inside.enter_context(_steady())
+                if (self.epochs, i) == (3, 1):
+                    self.inside.close()
+                yield b
 
     trainer = ft.train.Trainer(_model(), ft.optim.adam(ft.optim.piecewise([(8, LR), (100, LR / 10)])),
                                lambda m, b: _loss(m, *b))
     data = Watched()
-    trainer.fit(data, epochs=2, log_every=2, progress=False, validation_data=batches[:2],
-                callbacks=[ft.train.ModelCheckpoint(tmp_path, every_steps=4)])
-    assert data.names == [] and trainer.steps_run == 12
+    with data.inside:  # (left at once should fit raise inside)
+        trainer.fit(data, epochs=3, log_every=2, progress=False, validation_data=batches[:2],
+                    callbacks=[ft.train.ModelCheckpoint(tmp_path, every_steps=9)])
+    assert data.names == [] and trainer.steps_run == 18
+    assert trainer.history.epochs["val_loss"][-1] < trainer.history.epochs["val_loss"][0]
 
 
 def test_an_evaluation_after_its_first_call_sends_nothing_and_compiles_nothing():

@@ -324,3 +324,21 @@ def test_evaluate_and_predict_of_data_known_never_to_end_are_refused_with_the_is
     out = trainer.predict(itertools.islice(itertools.cycle(minibatches), 3), lambda m, b: m(b[0]))
     assert out.shape == (12, 1)
     np.testing.assert_array_equal(out[8:], out[:4])
+
+
+def test_an_evaluation_after_the_first_sends_no_host_value_and_compiles_nothing():
+    # trainer.evaluate (and each epoch's validation) made its first sums with eager jnp.zeros:
+    # an implicit host-to-device transfer each, refused under jax.transfer_guard("disallow")
+    # around a loop of fits and evaluations. They come from the host in one explicit put.
+    from _compiles import compiled
+
+    model = ft.nn.Dense(3, 1, key=jax.random.key(0))
+    batches = [(jnp.full((4, 3), float(i)), jnp.ones((4, 1))) for i in range(3)]
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.1), lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2),
+                               metrics={"mae": ft.train.mean(lambda out: jnp.mean(jnp.abs(out.model(out.batch[0]) - 1)))})
+    first = trainer.evaluate(batches)
+    with compiled(clear=False) as names, jax.transfer_guard("disallow"):
+        again = trainer.evaluate(batches)
+    assert names == [] and again == first
+    np.testing.assert_allclose(first["loss"], np.mean([float(np.mean((model(x) - y) ** 2)) for x, y in batches]),
+                               rtol=1e-6)

@@ -314,13 +314,16 @@ def _summed(step: Any, summing: Callable[..., Any], model: Any, sums: Any, batch
     if sums is None:
         shapes = step.metric_shapes(model, batch, key)  # traced once per signature
         dtype = metric_dtype()  # float64 under jax_enable_x64: sums as precise as the values
-        zeros = {"values": {k: jnp.zeros((), dtype) for k in shapes}, "weight": jnp.zeros((), dtype)}
+        zeros = {"values": {k: np.zeros((), dtype) for k in shapes}, "weight": np.zeros((), dtype)}
         # Compensated sums (EvalStep.summed): a plain float32 sum past 2²⁴ rounds each add
         # (a count of 32752 a minibatch added 32768 past 2²⁸: an accuracy 2.9e-4 too low).
-        sums = {**zeros, "count": jnp.zeros((), jnp.int32), "compensation": jax.tree.map(jnp.zeros_like, zeros)}
-        # Committed where the model lives, as the sums the program returns: one program
+        sums = {**zeros, "count": np.zeros((), np.int32), "compensation": jax.tree.map(np.zeros_like, zeros)}
+        # From the host in one explicit transfer (eager jnp.zeros were a dispatch and an
+        # implicit transfer each, refused under jax.transfer_guard("disallow")), committed
+        # where the model lives, as the sums the program returns: one program
         # (uncommitted first sums compiled it twice per evaluation's shapes).
-        sums = put(sums, placement_of(model))
+        where = placement_of(model)
+        sums = put(jax.device_put(sums, where), where)
     return summing(model, sums, batch, key)
 
 

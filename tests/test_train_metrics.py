@@ -1202,3 +1202,35 @@ def test_aux_scalars_no_metric_records_are_named_with_the_metrics_that_record_th
         Own(loss_fn, opt, donate=False)(w, opt.init(w), batch)
         ft.train.train_step(lambda w, b: (loss_fn(w, b)[0], {"logits": jnp.zeros((4, 2))}), opt, donate=False)(
             w, opt.init(w), batch)
+
+
+def test_a_metric_not_taking_the_step_output_is_refused_with_the_call_that_takes_it():
+    # session 60: metrics={"mae": lambda model, batch: ...} (a loss function's arguments) or
+    # Keras's mae(y_true, y_pred) failed inside the first step with Python's "missing 1
+    # required positional argument: 'batch'", which named neither the metric nor what it gets
+    from functree.train._metrics import METRIC_ARGUMENTS
+
+    assert "fn(out)" in METRIC_ARGUMENTS
+    x, y = np.arange(8.0, dtype=np.float32).reshape(4, 2), np.ones((4, 1), np.float32)
+    model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+
+    def loss_fn(m, b):
+        return ft.losses.mean_squared_error(m(b[0]), b[1]), m(b[0])
+
+    def keras_mae(y_true, y_pred):
+        return jnp.mean(jnp.abs(y_true - y_pred))
+
+    mae = float(np.mean(np.abs(np.asarray(model(x)) - y)))
+    evaluate = ft.train.eval_step(loss_fn, metrics={"mae": keras_mae})
+    with pytest.raises(TypeError) as e:
+        evaluate(model, (x, y))
+    right = "metrics={'mae': lambda out: keras_mae(out.batch[-1], out.aux)}"
+    assert f"wrong:  metrics={{'mae': keras_mae}}   # keras_mae(y_true, y_pred)\n    right:  {right}" in str(e.value)
+    fixed = ft.train.eval_step(loss_fn, **eval(f"dict({right})", {"keras_mae": keras_mae}))  # the right line runs
+    np.testing.assert_allclose(float(fixed(model, (x, y))["mae"]), mae, rtol=0, atol=1e-6)
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics={"mae": lambda model, batch: 0.0})
+    with pytest.raises(TypeError, match=r"right:  metrics=\{'mae': lambda out: \.\.\.\}   # model, batch read as "
+                                        r"out\.model, out\.batch"):
+        trainer.fit(ft.train.batches((x, y), 4), epochs=1, progress=False)
+    with pytest.raises(TypeError, match=r"wrong:  ft\.train\.mean\(<lambda>\)"):
+        ft.train.mean(lambda model, batch: 0.0)

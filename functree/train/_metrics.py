@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import threading
 import warnings
@@ -46,7 +47,7 @@ from functree.train._direction import rises
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
            "PART_RATIO", "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "BINARY_LABEL_VALUE", "BINARY_LABEL_SIGNS",
-           "ONE_HOT_ROW", "UNRECORDED_AUX", "UnrecordedAuxWarning",
+           "ONE_HOT_ROW", "UNRECORDED_AUX", "METRIC_ARGUMENTS", "check_metric_call", "UnrecordedAuxWarning",
            "warn_unrecorded_aux"]
 
 NO_LOGITS = """\
@@ -117,6 +118,53 @@ returning a scalar, got {name}={value!r}.
 
     wrong:  metrics={{"accuracy": 0.5}}
     right:  metrics={{"accuracy": ft.train.accuracy, "mse": ft.train.mean("mse")}}"""
+
+METRIC_ARGUMENTS = """\
+The metric {name!r} is {fn}{signature}, but a metric is called with one argument, the step's \
+output: fn(out), with out.loss, out.aux (the loss function's second result, as in \
+return loss, logits), out.batch and out.model of this minibatch. Called so, it would fail \
+inside the step (Python's "{problem}"). Take out and read what you need from it:
+
+    wrong:  {wrong}   # {fn}{signature}
+    right:  {right}{note}"""
+
+_MODEL_NAMES = ("model", "m", "net", "network", "module", "params", "p")
+
+
+def check_metric_call(name: str, fn: Any, spelling: str = "metrics={{{name!r}: {fn}}}") -> None:
+    """Refuse a metric that cannot be called as ``fn(out)`` (:data:`METRIC_ARGUMENTS`): a
+    loss-like ``fn(model, batch)`` or Keras's ``fn(y_true, y_pred)`` failed at the first
+    step with Python's "missing 1 required positional argument", which named neither the
+    metric nor what it is given. ``spelling``: how the user passed it (``{name}``, ``{fn}``
+    filled in). A callable without a readable signature is left to its call."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the call tells
+        return
+    try:
+        signature.bind(None)
+    except TypeError as e:
+        label = getattr(fn, "__name__", type(fn).__name__)
+        right, note = _metric_fix(label, [p.name for p in signature.parameters.values()
+                                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+        raise TypeError(METRIC_ARGUMENTS.format(
+            name=name, fn=label, signature=signature, problem=e, note=note,
+            wrong=spelling.format(name=name, fn=label), right=spelling.format(name=name, fn=right))) from None
+
+
+def _metric_fix(label: str, params: list[str]) -> tuple[str, str]:
+    """The ``fn(out)`` that calls a metric written with ``params``, and a note for the line."""
+    note = ""
+    if len(params) >= 2 and params[0] in _MODEL_NAMES:  # a loss-like fn(model, batch)
+        args = "out.model, out.batch" if len(params) == 2 else "out.model, *out.batch"
+    elif len(params) == 2:  # Keras's (y_true, y_pred): the labels, then the predictions
+        args, note = "out.batch[-1], out.aux", "   # the loss function returns (loss, predictions)"
+    else:
+        args = ", ".join(f"out.{p}" if p in StepOutput._fields else "..." for p in params)
+    if label == "<lambda>":  # its body, with the arguments read from out
+        return "lambda out: ...", (f"   # {', '.join(params)} read as {args}{note}" if params else "")
+    return f"lambda out: {label}({args})", note
+
 
 NOT_SCALAR = """\
 The metric {name!r} returned shape {shape}; a metric returns one number per minibatch.
@@ -764,6 +812,8 @@ def mean(source: str | Callable[[StepOutput], Any]) -> Callable[[StepOutput], ja
         from_aux.__ft_plain__ = True  # type: ignore[attr-defined]  # reads aux alone: no counting metric's value
         return from_aux
 
+    check_metric_call(getattr(source, "__name__", "source"), source, "ft.train.mean({fn})")
+
     def of_fn(out: StepOutput) -> Any:
         value = source(out)
         if isinstance(value, WeightedMean):  # a mean already, as its parts (its means Σ total / Σ count)
@@ -836,6 +886,7 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
         values = {"loss": _noted(jnp.asarray(out.loss).astype(dtype), out.parts.total, out.parts.count)}
     for name, fn in fns.items():
         before = len(frame.calls) if frame is not None else 0
+        check_metric_call(name, fn)  # here, where it is called: an override of compute_metrics may call it otherwise
         raw = fn(out)
         if isinstance(raw, WeightedMean):  # a token-level metric: measured() notes its parts (_values)
             values[name] = raw

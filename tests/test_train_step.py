@@ -1197,3 +1197,30 @@ def test_an_optimizers_option_given_to_the_step_names_the_optimizer(make):
         make(mse, ft.optim.adam(0.1), steps_per_cal=2)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'learning_rate'\.(.|\n)*help\(ft.train.train_step\)"):
         make(mse, ft.optim.adam(0.1), learning_rate=0.1)
+
+
+def test_a_loss_taking_no_batch_is_refused_where_the_step_is_built():
+    # session 60: Optimizer.minimize's loss_fn(model), given to the Trainer or train_step,
+    # failed at the first step with "<lambda>() takes 1 positional argument but 2 were given"
+    from functree.train._eval_step import LOSS_TAKES_NO_BATCH
+
+    model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+    x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+
+    def loss(m):
+        return ft.losses.mean_squared_error(m(x), y)
+
+    with pytest.raises(TypeError) as info:
+        ft.train.Trainer(model, ft.optim.sgd(0.1), loss)
+    assert str(info.value) == LOSS_TAKES_NO_BATCH.format(
+        name="loss", signature="(m)", count=1, s="", wrong="ft.train.Trainer(model, optimizer, loss_fn)")
+    with pytest.raises(TypeError, match=r"takes 0 positional arguments: no batch"):
+        ft.train.train_step(lambda *, key: 0.0, ft.optim.sgd(0.1))
+    with pytest.raises(TypeError, match=r"right:  ft\.train\.train_step\(loss_fn, optimizer\)   # def loss_fn\(model, batch\)"):
+        ft.train.train_step(loss, ft.optim.sgd(0.1))
+    # the loss as the message shows it trains; minimize still takes the loss without a batch
+    step = ft.train.train_step(lambda m, b: ft.losses.mean_squared_error(m(b[0]), b[1]), ft.optim.sgd(0.1), donate=False)
+    _, _, metrics = step(model, step.optimizer.init(model), (x, y))
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss(model)), rtol=0, atol=1e-6)
+    opt = ft.optim.Optimizer(ft.optim.sgd(0.1))
+    assert float(opt.minimize(loss, model, opt.init(model))[2]) == pytest.approx(float(loss(model)), abs=1e-6)

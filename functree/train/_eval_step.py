@@ -37,7 +37,7 @@ from functree.train._metrics import (
 from functree.train._programs import NO_MODEL, program_key, shared, trampoline
 
 __all__ = ["EvalStep", "loss_and_aux", "placement_of_step", "check_batch_argument", "LOSS_UNPACKS_BATCH",
-           "EVAL_STEP_BUILT_WITH"]
+           "LOSS_TAKES_NO_BATCH", "EVAL_STEP_BUILT_WITH"]
 
 EVAL_STEP_BUILT_WITH = """\
 {cls}.{name} cannot be set after the step has run: its compiled programs were built with \
@@ -55,6 +55,16 @@ arguments, as in Equinox's and optax's examples (loss(model, x, y)). Unpack the 
     wrong:  {wrong}   # loss_fn(model, x, y)
     right:  {right}"""
 
+
+LOSS_TAKES_NO_BATCH = """\
+The step calls loss_fn(model, batch) with each minibatch, but the loss function \
+{name}{signature} takes {count} positional argument{s}: no batch (Optimizer.minimize(loss_fn, \
+model, state) calls loss_fn(model) when given no batch; a step always gives one). It would \
+fail at the first step with Python's "takes {count} positional argument{s} but 2 were given". \
+Take the minibatch as the second argument, in place of the data the loss reads now:
+
+    wrong:  {wrong}   # def loss_fn(model): ...
+    right:  {wrong}   # def loss_fn(model, batch): x, y = batch; ..."""
 
 LOSS_NOT_SCALAR = """\
 The loss function must return a scalar loss (or (loss, aux)); got a loss of shape {shape}.
@@ -78,7 +88,9 @@ def _split_output(out: Any) -> tuple[Any, Any]:
 def check_batch_argument(loss_fn: Callable[..., Any], call: str) -> None:
     """Refuse a loss that takes the batch unpacked (``loss(model, x, y)``): called as
     ``loss_fn(model, batch)`` it fails at the first step with Python's "missing 1 required
-    positional argument: 'y'", wrapped in the step's context (:data:`LOSS_UNPACKS_BATCH`).
+    positional argument: 'y'", wrapped in the step's context (:data:`LOSS_UNPACKS_BATCH`);
+    and one that takes no batch (``loss(model)``, ``Optimizer.minimize``'s), which fails there
+    with "takes 1 positional argument but 2 were given" (:data:`LOSS_TAKES_NO_BATCH`).
     ``call``: the caller's spelling, ``{loss}`` where the loss goes (the error's lines)."""
     try:
         params = list(inspect.signature(loss_fn).parameters.values())
@@ -86,8 +98,12 @@ def check_batch_argument(loss_fn: Callable[..., Any], call: str) -> None:
         return  # no signature to read: the call tells
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return
-    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                and p.default is p.empty and p.name != "key"]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2:  # loss_fn(model): Optimizer.minimize's loss without a batch
+        raise TypeError(LOSS_TAKES_NO_BATCH.format(
+            name=getattr(loss_fn, "__name__", "loss_fn"), signature=inspect.signature(loss_fn),
+            count=len(positional), s="" if len(positional) == 1 else "s", wrong=call.format(loss="loss_fn")))
+    required = [p for p in positional if p.default is p.empty and p.name != "key"]
     if len(required) <= 2:
         return
     takes_key = any(p.name == "key" for p in params)

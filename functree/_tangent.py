@@ -495,9 +495,18 @@ def inner_product(a: Any, b: Any) -> jax.Array:
 def tangent_norm(a: Any) -> jax.Array:
     """The Euclidean norm ``sqrt(⟨a, a⟩)`` of a tangent tree.
 
+    Its derivative at a zero tree is zero, as torch's ``linalg.vector_norm``'s (a
+    subgradient): ``sqrt``'s infinite slope at 0 times the zero derivative of ``⟨a, a⟩`` gave
+    NaN, so a norm penalty on parameters that start at zero (LoRA's ``B``, zero biases) or on
+    a gradient that vanishes made every gradient NaN. A NaN or infinite norm stays so.
+
     Example:
       >>> import functree as ft, jax.numpy as jnp
       >>> ft.tangent_norm({"w": jnp.array([3.0, 4.0])})
       Array(5., dtype=float32)
+      >>> ft.gradient(ft.tangent_norm, at={"w": jnp.zeros(2)})["w"]
+      Array([0., 0.], dtype=float32)
     """
-    return jnp.sqrt(inner_product(a, a))
+    squared = inner_product(a, a)
+    zero = squared == 0  # sqrt's slope there is infinite: the branch taken is the constant 0
+    return jnp.where(zero, jnp.zeros_like(squared), jnp.sqrt(jnp.where(zero, jnp.ones_like(squared), squared)))

@@ -15,6 +15,7 @@ import pytest
 from _hypothesis import examples
 from _tolerance import needs_float16_conversions
 from hypothesis import given, settings
+from jax.test_util import check_grads
 from test_paths import assert_same_tree, nested_trees
 
 import functree as ft
@@ -125,6 +126,21 @@ def test_inner_product_casts_bfloat16_leaves_before_the_products():
         np.testing.assert_allclose(value, np.dot(a64, b64), rtol=0, atol=1e-6 * scale)
     norm = float(np.linalg.norm(a64))
     np.testing.assert_allclose(ft.tangent_norm(a), norm, rtol=0, atol=1e-6 * norm)
+
+
+def test_the_norms_derivative_at_a_zero_tree_is_zero_as_torchs():
+    # session 60: a norm penalty on parameters that start at zero (LoRA's B) gave NaN
+    # gradients (sqrt's infinite slope at 0 times 0); torch.linalg.vector_norm's is 0
+    lora = {"A": jnp.array([[0.5, -1.0]]), "B": jnp.zeros((2, 1))}
+    loss = lambda p: jnp.sum(p["B"] @ p["A"]) + 0.1 * ft.tangent_norm({"B": p["B"]})  # noqa: E731
+    grads = ft.gradient(loss, at=lora)
+    np.testing.assert_allclose(grads["B"], np.full((2, 1), -0.5), rtol=0, atol=1e-7)  # Σ A, the penalty's 0
+    np.testing.assert_allclose(grads["A"], np.zeros((1, 2)), rtol=0, atol=1e-7)
+    away = {"w": jnp.array([3.0, -4.0])}  # elsewhere the norm and its derivatives are sqrt's
+    np.testing.assert_allclose(ft.gradient(ft.tangent_norm, at=away)["w"], [0.6, -0.8], rtol=0, atol=1e-7)
+    check_grads(lambda w: ft.tangent_norm({"w": w}), (away["w"],), order=2, modes=("rev", "fwd"))
+    values = [ft.tangent_norm({"w": jnp.array([x, 1.0])}) for x in (jnp.nan, jnp.inf)]
+    assert np.isnan(values[0]) and np.isinf(values[1])  # a NaN or infinite norm is not hidden
 
 
 def test_inner_product_of_complex_leaves_is_the_real_part_without_a_casting_warning():

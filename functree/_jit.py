@@ -29,6 +29,7 @@ import contextlib
 import functools
 import inspect
 import linecache
+import reprlib
 import struct
 import weakref
 from collections.abc import Callable, Sequence
@@ -92,6 +93,15 @@ A function (or another object) kept as a leaf of a model, such as Equinox's \
        or:  layers = ft.nn.Sequential([ft.nn.Dense(2, 8, key=key), jax.nn.relu])   # functions kept static
 
 ft.train.train_step and ft.train.Trainer do this on their own."""
+
+UNTRACEABLE_ARGUMENT = """\
+ft.jit({fn}): the argument {path} is a {type}, not an array: JAX cannot trace it. An argument \
+that is configuration (a mode string, a function, an options object) is static: the program \
+is compiled for each value it is given (jax.jit's static_argnums and static_argnames):
+
+    wrong:  ft.jit(f)                        # {path} given a {type} ({value})
+    right:  ft.jit(f, {static})
+       or:  ft.jit(f, static_leaves=True)    # every argument's non-array leaves static"""
 
 # Flax NNX's `@nnx.jit def train_step(model, optimizer, x, y)` passes the nnx.Optimizer, which
 # holds the state; here the optimizer is configuration and its state the array argument.
@@ -227,8 +237,9 @@ def jit(
 def _explained(f: Callable[..., Any], error: Exception, args: Sequence[Any], kwargs: dict[str, Any]) -> Exception | None:
     """The error to raise instead of JAX's ``error`` from calling ``f``'s jitted function, or
     None: a deleted (donated) array named by its key path, :data:`OPTIMIZER_ARGUMENT` for an
-    optimizer passed as an argument (NNX's habit), or :data:`UNTRACEABLE_LEAF` for a function
-    kept as a leaf (its key path and ``static_leaves=True``)."""
+    optimizer passed as an argument (NNX's habit), :data:`UNTRACEABLE_ARGUMENT` for a whole
+    argument that is configuration (a mode string: ``static_argnums``), or
+    :data:`UNTRACEABLE_LEAF` for a function kept as a leaf (its key path and ``static_leaves=True``)."""
     if isinstance(error, (RuntimeError, ValueError)):  # a donated array passed again, or devices apart
         if is_deletion_error(error):
             return stale_error(named_arguments(f, args, kwargs))
@@ -242,8 +253,26 @@ def _explained(f: Callable[..., Any], error: Exception, args: Sequence[Any], kwa
                 name, given = optimizer
                 return TypeError(OPTIMIZER_ARGUMENT.format(fn=getattr(f, "__name__", "f"), path=name,
                                                            type=type(given).__name__))
+            static = _static_argument(f, args, kwargs, leaf)
+            if static is not None:
+                return TypeError(UNTRACEABLE_ARGUMENT.format(fn=getattr(f, "__name__", "f"), path=path, static=static,
+                                                             type=type(leaf).__name__, value=reprlib.repr(leaf)))
             return TypeError(UNTRACEABLE_LEAF.format(fn=getattr(f, "__name__", "f"), path=path,
                                                      type=type(leaf).__name__))
+    return None
+
+
+def _static_argument(f: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], leaf: Any) -> str | None:
+    """``static_argnums=(i,)`` (positional) or ``static_argnames=("mode",)`` (keyword) when the
+    untraceable ``leaf`` is a whole argument that jit can hold static (hashable); None for a
+    leaf inside an argument (a model's function: ``static_leaves``)."""
+    try:
+        hash(leaf)
+    except TypeError:
+        return None
+    for i, (name, value) in enumerate(named_arguments(f, args, kwargs)):
+        if value is leaf:
+            return f"static_argnums=({i},)" if i < len(args) else f"static_argnames=({name!r},)"
     return None
 
 

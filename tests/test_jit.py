@@ -368,3 +368,26 @@ def test_a_function_kept_as_a_leaf_names_static_leaves_and_sequential():
     with pytest.raises(TypeError, match=r"argument model\.layers\.1"):
         ft.jit(apply.__wrapped__, donate=0)(model, jnp.ones(2))
     np.testing.assert_array_equal(ft.jit(apply.__wrapped__, static_leaves=True)(model, jnp.ones(2)), [2.0, 2.0])
+
+
+@pytest.mark.parametrize("call, static", [
+    (lambda f, x: f(x, "relu"), "static_argnums=(1,)"),
+    (lambda f, x: f(x, mode="relu"), "static_argnames=('mode',)"),
+])
+def test_a_configuration_argument_names_static_argnums_or_argnames(call, static):
+    # session 60: ft.jit(f)(x, "relu") was told to keep a model's functions as static leaves
+    # (Equinox's layers list, ft.jit(f)(model, x)); jax.jit's own fix, a static argument, was not shown
+    from functree._jit import UNTRACEABLE_ARGUMENT
+
+    def f(x, mode="tanh"):
+        return jax.nn.relu(x) if mode == "relu" else jnp.tanh(x)
+
+    x = jnp.array([-1.0, 2.0])
+    with pytest.raises(TypeError) as info:
+        call(ft.jit(f), x)
+    assert str(info.value) == UNTRACEABLE_ARGUMENT.format(fn="f", path="mode", type="str", value="'relu'",
+                                                          static=static)
+    fixed = eval(f"ft.jit(f, {static})", {"ft": ft, "f": f})  # the right line runs
+    np.testing.assert_array_equal(call(fixed, x), [0.0, 2.0])
+    with pytest.raises(TypeError, match=r"(?s)argument cfg\.mode is a str.*static_leaves=True"):  # inside one: as before
+        ft.jit(lambda x, cfg: f(x, cfg["mode"]))(x, {"mode": "relu"})

@@ -106,6 +106,22 @@ def test_init_runs_make_once():
     assert len(calls) == 1
 
 
+def test_a_make_that_cannot_take_a_key_is_refused_with_the_lambda_that_does():
+    # session 60: ft.nn.Stack(lambda: Block(...), n, key=k), or the block's class needing
+    # its sizes, failed inside jax.vmap with Python's "takes 0 positional arguments but 1
+    # was given", naming neither the Stack nor make(key)
+    from functree.nn._stack import MAKE_TAKES_KEY
+
+    with pytest.raises(TypeError) as info:
+        ft.nn.Stack(lambda: Block(key=jax.random.key(0)), 2, key=jax.random.key(0))
+    assert str(info.value) == MAKE_TAKES_KEY.format(name="<lambda>", signature="()",
+                                                    problem="too many positional arguments")
+    with pytest.raises(TypeError, match=r"wrong:  ft\.nn\.Stack\(Block, n, key=k\)   # Block\(d=8, \*, key\)\n"
+                                        r"    right:  ft\.nn\.Stack\(lambda k: Block\(\.\.\., key=k\), n, key=k\)"):
+        ft.nn.Stack(Block, 2, key=jax.random.key(0))  # its key is keyword-only
+    shapes = jax.eval_shape(lambda: ft.nn.Stack(lambda k, d=D: Block(d, key=k), 2, key=jax.random.key(0)))
+    assert shapes.layers.up.weight.shape == (2, D, 4 * D)  # a make taking the key (and defaults) as before
+
 def test_from_layers_and_unstack_round_trip():
     blocks = list(model().blocks)[:3]  # three distinct Blocks (one key each, above)
     stack = ft.nn.Stack.from_layers(blocks)

@@ -11,6 +11,8 @@ array (see :mod:`functree._stacked`).
 
 from __future__ import annotations
 
+import inspect
+import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -46,6 +48,14 @@ ft.nn.Stack: make(key) must return an ft.Module (one block), got {type}.
 
     wrong:  ft.nn.Stack(lambda k: jax.random.normal(k, (4, 4)), 12, key=k)
     right:  ft.nn.Stack(lambda k: Block(64, key=k), 12, key=k)"""
+
+MAKE_TAKES_KEY = """\
+ft.nn.Stack calls make(key) once per member, under jax.vmap over n split keys, so each \
+member gets its own initialization; {name}{signature} cannot be called with one key \
+(Python's "{problem}"). Take the key and give it to the block:
+
+    wrong:  ft.nn.Stack({name}, n, key=k)   # {name}{signature}
+    right:  ft.nn.Stack(lambda k: Block(..., key=k), n, key=k)   # the block's other arguments given here"""
 
 EMPTY_LAYERS = """\
 ft.nn.Stack.from_layers needs at least one module, got {given!r}.
@@ -157,6 +167,22 @@ def _check_n(n: Any) -> int:
     return int(n)
 
 
+def _check_make(make: Any) -> None:
+    """Refuse a ``make`` that cannot take one key (:data:`MAKE_TAKES_KEY`): ``lambda:
+    Block(...)`` or a block class needing other arguments failed inside ``jax.vmap`` with
+    Python's "takes 0 positional arguments but 1 was given", naming neither the Stack nor
+    the fix. A callable without a readable signature is left to its call."""
+    try:
+        signature = inspect.signature(make)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None)
+    except TypeError as e:
+        name = getattr(make, "__name__", None) or reprlib.repr(make)
+        raise TypeError(MAKE_TAKES_KEY.format(name=name, signature=signature, problem=e)) from None
+
+
 class Stack(Layer):
     """``n`` blocks of one structure applied in order, with parameters stacked (``lax.scan``).
 
@@ -234,6 +260,7 @@ class Stack(Layer):
     def __init__(self, make: Callable[[jax.Array], Any], n: int, *, key: jax.Array, remat: Any = None):
         n = _check_n(n)
         self.remat = remat_policy(remat)
+        _check_make(make)
         layers = jax.vmap(make)(jax.random.split(one_key(key), n))
         if not isinstance(layers, Module):
             raise TypeError(NOT_A_MODULE.format(type=type(layers).__name__))

@@ -342,3 +342,25 @@ def test_an_evaluation_after_the_first_sends_no_host_value_and_compiles_nothing(
     assert names == [] and again == first
     np.testing.assert_allclose(first["loss"], np.mean([float(np.mean((model(x) - y) ** 2)) for x, y in batches]),
                                rtol=1e-6)
+
+
+def test_predict_of_a_function_not_taking_the_model_and_the_minibatch_shows_the_call():
+    # session 60: trainer.predict(data, lambda batch: ...) (Keras's predict(x) habit) failed at
+    # the first minibatch with Python's "takes 1 positional argument but 2 were given"
+    from functree.train._trainer import PREDICT_FN_ARGUMENTS
+
+    model = ft.nn.Dense(2, 3, key=jax.random.key(0))
+    x = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), lambda m, b: jnp.mean(m(b[0])))
+
+    def probabilities(batch):
+        return jax.nn.softmax(model(batch[0]))
+
+    with pytest.raises(TypeError) as info:
+        trainer.predict([(x, x)], probabilities)
+    assert str(info.value) == PREDICT_FN_ARGUMENTS.format(fn="probabilities", signature="(batch)",
+                                                          problem="too many positional arguments")
+    out = trainer.predict([(x, x)], lambda model, batch: jax.nn.softmax(model(batch[0])))  # the right line
+    np.testing.assert_allclose(out, jax.nn.softmax(model(x)), rtol=0, atol=1e-6)
+    keyed = trainer.predict([(x, x)], lambda model, batch, *, key: model(batch[0]))  # key= as before
+    np.testing.assert_allclose(keyed, model(x), rtol=0, atol=1e-6)

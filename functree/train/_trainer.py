@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import logging
+import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -365,6 +367,14 @@ alone (Keras's predict(x)); its output is the model's on them.
 
     wrong:  trainer.predict(x, y)
     right:  trainer.predict(x)                 # or trainer.predict(data, lambda model, batch: ...)"""
+
+PREDICT_FN_ARGUMENTS = """\
+trainer.predict(data, fn) calls fn(model, batch) on each minibatch (the model in inference \
+mode, the minibatch as the data gives it), but {fn}{signature} cannot be called so (Python's \
+"{problem}"); it would fail at the first minibatch. Take the model and the minibatch:
+
+    wrong:  trainer.predict(data, {fn})   # {fn}{signature}
+    right:  trainer.predict(data, lambda model, batch: ...)   # e.g. jax.nn.softmax(model(batch[0]))"""
 
 # Keras's compile(optimizer="adam"): the name with Keras's defaults (docs/migration/defaults.md).
 # Keras's Adam and AdamW add ε to √v before the bias correction (η √(1−β₂ᵗ)/(1−β₁ᵗ) ·
@@ -1130,6 +1140,8 @@ class Trainer(Settings, Evaluation):
         if fn is not None and not callable(fn):
             given = f"an array of shape {np.shape(fn)}" if hasattr(fn, "shape") else type(fn).__name__
             raise TypeError(PREDICT_FN.format(given=given))
+        if fn is not None:
+            _check_predict_fn(fn)
         return super().predict(data, fn, batch_size=batch_size)
 
     predict.__doc__ = f"""{Evaluation.predict.__doc__}
@@ -1139,6 +1151,21 @@ class Trainer(Settings, Evaluation):
 
     def __repr__(self) -> str:
         return f"Trainer({self.train_step!r}, steps_run={self.steps_run}, epoch={self.epoch})"
+
+
+def _check_predict_fn(fn: Callable[..., Any]) -> None:
+    """Refuse an ``fn`` that cannot be called as ``fn(model, batch)`` (:data:`PREDICT_FN_ARGUMENTS`):
+    Keras's ``predict(x)`` habit, ``lambda batch: ...``, failed at the first minibatch with
+    Python's "takes 1 positional argument but 2 were given". Its ``key=`` is given by keyword."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the call tells
+        return
+    try:
+        signature.bind(None, None, **({"key": None} if "key" in signature.parameters else {}))
+    except TypeError as e:
+        name = getattr(fn, "__name__", None) or reprlib.repr(fn)
+        raise TypeError(PREDICT_FN_ARGUMENTS.format(fn=name, signature=signature, problem=e)) from None
 
 
 # trainer.<field> for each position field (and field added to JobState) it does not define itself.

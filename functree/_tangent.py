@@ -384,6 +384,40 @@ def tangent_subtract(a: Any, b: Any) -> Any:
     return _leafwise("ft.tangent_subtract", jnp.subtract, a, b)
 
 
+TANGENT_NOT_FLOATING = """\
+{what}: the tangent has a value at {path} of dtype {dtype}, which is not floating: no \
+parameter's tangent (integer and bool leaves have none; jax.grad(..., allow_int=True) puts \
+float0 placeholders there). Taken as a number it would change the result silently (an \
+integer step counter scaled by 0.5 truncates to 0, and adds into a norm).
+    wrong:  {what}(jax.grad(loss, allow_int=True)(model), ...)   # or the model itself
+    right:  {what}(ft.gradient(loss, at=model), ...)             # None at non-parameters
+       or:  {what}(ft.parameters(tree), ...)                     # the parameters' values, None elsewhere"""
+
+
+class _NotFloating(Exception):
+    """A tangent's leaf that is not floating (raised inside a map; the caller names its path)."""
+
+    def __init__(self, leaf: Any):
+        super().__init__()
+        self.leaf = leaf
+
+
+def _floating(t: Any) -> Any:
+    """``t``, refused (:class:`_NotFloating`) if it is an integer, bool or float0 value: a
+    Python ``float``/``complex`` or an inexact array is a tangent's; another object is left
+    to the arithmetic."""
+    if isinstance(t, int) or (hasattr(t, "dtype") and not jnp.issubdtype(t.dtype, jnp.inexact)):
+        raise _NotFloating(t)
+    return t
+
+
+def _not_floating(what: str, e: _NotFloating, *trees: Any) -> ValueError:
+    """:data:`TANGENT_NOT_FLOATING` for the leaf of ``e``, named by its key path in ``trees``."""
+    path = next((p for p in (path_of(t, e.leaf) for t in trees) if p != "a leaf"), "a leaf")
+    dtype = np.dtype(e.leaf.dtype) if hasattr(e.leaf, "dtype") else type(e.leaf).__name__
+    return ValueError(TANGENT_NOT_FLOATING.format(what=what, path=path, dtype=dtype))
+
+
 TANGENTS_DIFFER = """\
 {what}: the tangents differ in shape at {path}: {a} and {b}. Combined, they would broadcast
 to another shape than the parameter's.
@@ -396,12 +430,14 @@ def _leafwise(what: str, op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
     def combined(x: Any, y: Any) -> Any:
         if np.shape(x) != np.shape(y):
             raise ShapeMismatch(x, y)
-        return op(x, y)
+        return op(_floating(x), _floating(y))
 
     try:
         return map_checked(what, combined, a, b)
     except ShapeMismatch as e:
         raise ValueError(TANGENTS_DIFFER.format(what=what, path=path_of(a, e.leaf), a=e.given, b=e.expected)) from None
+    except _NotFloating as e:
+        raise _not_floating(what, e, a, b) from None
 
 
 SCALE_NOT_SCALAR = """\
@@ -447,14 +483,17 @@ def tangent_scale(a: Any, scale: Any) -> Any:
                     leaf_dtype=jnp.result_type(t), scale=scale if isinstance(scale, complex) else "scale"))
 
     def scaled(t: Any) -> Any:
-        dtype = jnp.result_type(t)
+        dtype = jnp.result_type(_floating(t))
         # promote_types(dtype, float32), read off the size (strict promotion refuses the call):
         # float32 for bfloat16, float16 and float8; the dtype itself from 32 bits up.
         wide = dtype if np.dtype(dtype).itemsize >= 4 else np.dtype(np.float32)
         product = jnp.asarray(t, wide) * jax.lax.convert_element_type(scale, wide)
         return product.astype(dtype)
 
-    return jax.tree.map(scaled, a)
+    try:
+        return jax.tree.map(scaled, a)
+    except _NotFloating as e:
+        raise _not_floating("ft.tangent_scale", e, a) from None
 
 
 _WIDE = (np.dtype("float64"), np.dtype("complex128"))
@@ -485,10 +524,16 @@ def inner_product(a: Any, b: Any) -> jax.Array:
       >>> ft.inner_product({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([3.0, 4.0])})
       Array(11., dtype=float32)
     """
+    return _inner("ft.inner_product", a, b)
+
+
+def _inner(what: str, a: Any, b: Any) -> jax.Array:
+    """:func:`inner_product`, its errors naming ``what`` (the public function called)."""
     acc = _accumulation_dtype(jax.tree.leaves(a) + jax.tree.leaves(b))
-    products = jax.tree.leaves(
-        map_checked("ft.inner_product", lambda x, y: _leaf_inner(x, y, acc), a, b)
-    )
+    try:
+        products = jax.tree.leaves(map_checked(what, lambda x, y: _leaf_inner(_floating(x), _floating(y), acc), a, b))
+    except _NotFloating as e:
+        raise _not_floating(what, e, a, b) from None
     return sum(products, start=jnp.zeros((), acc))
 
 
@@ -507,6 +552,6 @@ def tangent_norm(a: Any) -> jax.Array:
       >>> ft.gradient(ft.tangent_norm, at={"w": jnp.zeros(2)})["w"]
       Array([0., 0.], dtype=float32)
     """
-    squared = inner_product(a, a)
+    squared = _inner("ft.tangent_norm", a, a)
     zero = squared == 0  # sqrt's slope there is infinite: the branch taken is the constant 0
     return jnp.where(zero, jnp.zeros_like(squared), jnp.sqrt(jnp.where(zero, jnp.ones_like(squared), squared)))

@@ -143,6 +143,26 @@ def test_the_norms_derivative_at_a_zero_tree_is_zero_as_torchs():
     assert np.isnan(values[0]) and np.isinf(values[1])  # a NaN or infinite norm is not hidden
 
 
+def test_tangent_arithmetic_refuses_integer_bool_and_float0_leaves_naming_the_path():
+    # session 60: ft.tangent_scale(tree, 0.5) turned an int32 step counter 3 into 0,
+    # ft.tangent_add added counters and ft.tangent_norm of jax.grad(allow_int=True)'s tree
+    # failed in NumPy with "setting an array element with a sequence"
+    from functree._tangent import TANGENT_NOT_FLOATING
+
+    model = {"w": jnp.array([3.0, 4.0]), "n": jnp.array(3, jnp.int32), "mask": jnp.array([True, False])}
+    full = jax.grad(lambda m: jnp.sum(m["w"] * m["n"].astype(jnp.float32)), allow_int=True)(model)  # float0 at n and mask
+    cases = [(ft.tangent_scale, (model, 0.5), "['mask']", "bool"), (ft.tangent_add, (model, model), "['mask']", "bool"),
+             (ft.tangent_subtract, ({"n": model["n"]}, {"n": model["n"]}), "['n']", "int32"),
+             (ft.inner_product, (full, full), "['mask']", str(np.dtype(full["mask"].dtype))),
+             (ft.tangent_norm, (full,), "['mask']", str(np.dtype(full["mask"].dtype)))]
+    for op, args, path, dtype in cases:
+        with pytest.raises(ValueError) as info:
+            op(*args)
+        assert str(info.value) == TANGENT_NOT_FLOATING.format(what=f"ft.{op.__name__}", path=path, dtype=dtype)
+    grads = ft.gradient(lambda m: jnp.sum(m["w"] * m["n"].astype(jnp.float32)), at=model)  # the right line: None there
+    np.testing.assert_allclose(ft.tangent_norm(ft.tangent_scale(grads, 0.5)), 0.5 * 3 * np.sqrt(2), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ft.tangent_norm(ft.parameters(model)), 5.0, rtol=0, atol=1e-6)
+
 def test_inner_product_of_complex_leaves_is_the_real_part_without_a_casting_warning():
     rng = np.random.default_rng(1)
     z = jnp.asarray(rng.normal(size=5) + 1j * rng.normal(size=5), jnp.complex64)

@@ -171,6 +171,23 @@ def test_cast_touches_floating_parameters_only():
     np.testing.assert_array_equal(cast["z"], z)
 
 
+def test_cast_of_a_python_float_field_trained_as_a_parameter():
+    # session 60: a Module field declared `bias: float = 0.0` is a parameter (it trains), and
+    # ft.cast(model, jnp.bfloat16) failed with "'float' object has no attribute 'dtype'"
+    class Affine(ft.Module):
+        w: jax.Array
+        bias: float = 0.5
+
+        def __call__(self, x):
+            return x @ self.w + self.bias
+
+    model, x = Affine(jnp.ones((2, 1))), jnp.array([[1.0, 2.0]], jnp.bfloat16)
+    half = ft.cast(model, jnp.bfloat16)
+    assert half.w.dtype == jnp.bfloat16 and half.bias.dtype == jnp.bfloat16 and float(half.bias) == 0.5
+    np.testing.assert_allclose(np.asarray(half(x), np.float32), [[3.5]], rtol=0, atol=1e-2)
+    grads = ft.gradient(lambda m: jnp.sum(ft.cast(m, jnp.bfloat16)(x)).astype(jnp.float32), at=model)
+    assert float(grads.bias) == 1.0  # the master copy's gradient, as for its array parameters
+
 def test_cast_gradients_come_back_in_the_master_dtype():
     w = {"w": jnp.arange(3.0)}
     g = ft.gradient(lambda p: jnp.sum(ft.cast(p, jnp.bfloat16)["w"] ** 2).astype(jnp.float32), at=w)

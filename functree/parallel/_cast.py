@@ -35,10 +35,17 @@ def cast(tree: Any, dtype: Any) -> Any:
     dtype = check_compute_dtype(dtype, "ft.cast(model, ")
     view = parameters(tree)
     # Real parameters only: a complex one has no bfloat16 form (astype drops its imaginary part).
-    out = with_parameters(tree, jax.tree.map(
-        lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, view))
+    out = with_parameters(tree, jax.tree.map(lambda p: _cast_parameter(p, dtype), view))
     follow(tree, out)  # under ft.nn.collect_state: the cast layers record at the model's key paths
     return out
+
+
+def _cast_parameter(p: Any, dtype: Any) -> Any:
+    """One parameter in ``dtype`` if it is real floating: an array, or a Python float (an
+    ``ft.Module`` field declared ``bias: float = 0.0`` is trained, and has no ``astype``)."""
+    if isinstance(p, float):
+        return jnp.asarray(p, dtype)
+    return p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:

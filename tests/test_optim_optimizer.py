@@ -857,3 +857,34 @@ def test_a_narrower_gradient_is_widened_to_its_master_parameters_dtype():
     wide, _ = opt.update({"w": g.astype(jnp.float32)}, opt.init(w), w)
     assert updates["w"].dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(updates["w"]), np.asarray(wide["w"]))  # bfloat16 -> float32 is exact
+
+
+def test_a_python_float_field_trains_under_transforms_reading_its_dtype_as_an_array_field_does():
+    # session 60: an ft.Module field `bias: float = 0.5` is a parameter, and Optimizer.init
+    # with an EMA average, or LAMB's and Adafactor's update, failed with "'float' object has
+    # no attribute 'astype'" ('dtype', 'shape'): optax was given the Python number
+    class Affine(ft.Module):
+        w: jax.Array
+        bias: typing.Any = 0.5
+
+        def __call__(self, x):
+            return x @ self.w + self.bias
+
+    x, y = jnp.array([[1.0, 2.0], [0.5, -1.0]]), jnp.array([[1.0], [0.0]])
+
+    def loss_fn(m, batch):
+        return ft.losses.mean_squared_error(m(batch[0]), batch[1])
+
+    makers = [(lambda: ft.optim.Optimizer(ft.optim.sgd(0.1), average=ft.optim.ema(0.9)), True),
+              (lambda: ft.optim.Optimizer(optax.lamb(0.1)), False), (lambda: ft.optim.Optimizer(optax.adafactor(0.1)), False)]
+    for make, averaged in makers:
+        trained = []
+        for bias in (0.5, jnp.asarray(0.5)):  # the float field, and the array field as reference
+            model, opt = Affine(jnp.ones((2, 1)), bias), make()
+            state = opt.init(model)
+            for _ in range(2):
+                model, state, _ = opt.minimize(loss_fn, model, state, (x, y))
+            trained.append(ft.optim.averaged(state, model) if averaged else model)
+        np.testing.assert_allclose(float(trained[0].bias), float(trained[1].bias), rtol=0, atol=1e-7)
+        np.testing.assert_allclose(trained[0].w, trained[1].w, rtol=0, atol=1e-7)
+        assert float(trained[0].bias) != 0.5  # it trained

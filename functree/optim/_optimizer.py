@@ -112,6 +112,7 @@ from functree.optim._state import OptimizerState, release_contexts
 from functree.optim._subset import (
     check_wrt,
     drop_frozen,
+    floats_as_arrays,
     frozen_members,
     trained_view,
     with_frozen_members,
@@ -453,7 +454,7 @@ class Optimizer:
         trained = trained_view(model, self.wrt)  # (a tie wrt= or a freeze() group leaves frozen stays one value)
         warn_aliases(parameters(model), what="The model given to ft.optim.Optimizer.init", copied=False,
                      trained=lambda: moved_view(self, model))
-        params = mode_free(trained)
+        params = floats_as_arrays(mode_free(trained))  # (a Python float field is a parameter: an array here)
         # optax mixes floats and ints; its masks' errors named (a tree of another structure,
         # a Stack's member mask in optax.masked)
         with jax.numpy_dtype_promotion("standard"), named_structure_errors(MASK_IN_TRAINING_MODE), named_member_masks():
@@ -509,7 +510,7 @@ class Optimizer:
         if self.wrt is not None and params is not None:
             grads = drop_frozen(grads, params, frozen)
         given = (jax.tree.structure(grads), None if params is None else jax.tree.structure(params))
-        grads, params = mode_free(grads), mode_free(params)
+        grads, params = mode_free(grads), floats_as_arrays(mode_free(params))
         grads, partial = checked_gradients(grads, params)
         check_state_fits(state.inner, grads, self._transform.init, params)  # at trace time under jit; cached
         partial = with_frozen_members(partial, params, frozen)
@@ -847,9 +848,10 @@ class Optimizer:
             return None
         # The state is kept mode-free (mode_free): so are the trees the transform sees.
         free = mode_free(descent_direction(grads))
-        check_state_fits(state.inner, free, self.transform.init, mode_free(params))  # at trace time: in the compiled step
+        free_params = floats_as_arrays(mode_free(params))
+        check_state_fits(state.inner, free, self.transform.init, free_params)  # at trace time: in the compiled step
         out = leafwise_gated_update(self.transform, ok, free, model, state,
-                                    mode_free(params), minibatch_size=minibatch_size, loss=g.loss)
+                                    free_params, minibatch_size=minibatch_size, loss=g.loss)
         if out is None:
             return None
         new_params = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(out[0]))  # the model's mode

@@ -1232,5 +1232,9 @@ def test_a_metric_not_taking_the_step_output_is_refused_with_the_call_that_takes
     with pytest.raises(TypeError, match=r"right:  metrics=\{'mae': lambda out: \.\.\.\}   # model, batch read as "
                                         r"out\.model, out\.batch"):
         trainer.fit(ft.train.batches((x, y), 4), epochs=1, progress=False)
+    with pytest.raises(TypeError) as located:  # the metric's own refusal, not blamed on minibatch 0
+        ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics={"mae": keras_mae}).fit([(x, y)], epochs=1,
+                                                                                            progress=False)
+    assert str(located.value).startswith("The metric 'mae' is keras_mae(y_true, y_pred)")
     with pytest.raises(TypeError, match=r"wrong:  ft\.train\.mean\(<lambda>\)"):
         ft.train.mean(lambda model, batch: 0.0)

@@ -36,7 +36,7 @@ from functree.train._data import (
     to_arrays,
 )
 from functree.train._job import JobState
-from functree.train._metrics import describe_batch, shared_batch_size
+from functree.train._metrics import MetricCallError, describe_batch, shared_batch_size
 from functree.train.checkpoint._position import DATA_STATE_NOT_STORABLE, storable
 
 __all__ = ["Epochs", "as_data", "check_row_minibatch", "cut_by_batch_size", "epoch_length", "ran_out"]
@@ -650,9 +650,9 @@ class Epochs:
         """``error`` of the step on the minibatch ``offset`` after the job's position, its
         message prefixed with the step, the minibatch, the epoch and the shapes (an
         exception whose text is not its message gets them as a note). A refusal of the
-        optimizer's configuration (:class:`ConfigurationError`) is returned as it is: any
-        minibatch would get it."""
-        if isinstance(error, ConfigurationError):
+        optimizer's configuration (:class:`ConfigurationError`) or of a metric's signature
+        (:class:`MetricCallError`) is returned as it is: any minibatch would get it."""
+        if isinstance(error, (ConfigurationError, MetricCallError)):
             return error
         first = f"; the trainer's first minibatch had {self.first_shapes}" if self.first_shapes else ""
         text = MALFORMED_MINIBATCH.format(step=job.steps_run + offset + 1, index=job.batch_in_epoch + offset,

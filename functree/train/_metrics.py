@@ -47,7 +47,7 @@ from functree.train._direction import rises
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
            "PART_RATIO", "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "BINARY_LABEL_VALUE", "BINARY_LABEL_SIGNS",
-           "ONE_HOT_ROW", "UNRECORDED_AUX", "METRIC_ARGUMENTS", "check_metric_call", "UnrecordedAuxWarning",
+           "ONE_HOT_ROW", "UNRECORDED_AUX", "METRIC_ARGUMENTS", "MetricCallError", "check_metric_call", "UnrecordedAuxWarning",
            "warn_unrecorded_aux"]
 
 NO_LOGITS = """\
@@ -128,6 +128,12 @@ inside the step (Python's "{problem}"). Take out and read what you need from it:
     wrong:  {wrong}   # {fn}{signature}
     right:  {right}{note}"""
 
+class MetricCallError(TypeError):
+    """:data:`METRIC_ARGUMENTS`: a metric that cannot be called as ``fn(out)``, read from its
+    signature, never from a minibatch: ``Trainer.fit`` raises it as it is, without the
+    minibatch's location and shapes it adds to a step's other errors."""
+
+
 _MODEL_NAMES = ("model", "m", "net", "network", "module", "params", "p")
 
 
@@ -147,7 +153,7 @@ def check_metric_call(name: str, fn: Any, spelling: str = "metrics={{{name!r}: {
         label = getattr(fn, "__name__", type(fn).__name__)
         right, note = _metric_fix(label, [p.name for p in signature.parameters.values()
                                           if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
-        raise TypeError(METRIC_ARGUMENTS.format(
+        raise MetricCallError(METRIC_ARGUMENTS.format(
             name=name, fn=label, signature=signature, problem=e, note=note,
             wrong=spelling.format(name=name, fn=label), right=spelling.format(name=name, fn=right))) from None
 

@@ -1238,3 +1238,31 @@ def test_a_metric_not_taking_the_step_output_is_refused_with_the_call_that_takes
     assert str(located.value).startswith("The metric 'mae' is keras_mae(y_true, y_pred)")
     with pytest.raises(TypeError, match=r"wrong:  ft\.train\.mean\(<lambda>\)"):
         ft.train.mean(lambda model, batch: 0.0)
+
+
+def test_a_metric_returning_none_is_refused_with_its_return_not_blamed_on_the_minibatch():
+    # session 60: a metric def that forgot its return (or lambda out: out.aux beside a loss
+    # without aux) failed in fit with "step 1: minibatch 0 ... Its shapes: ... None is not a
+    # valid value for jnp.array": the data blamed, no metric named, no fix
+    from functree.train._metrics import METRIC_NOT_A_NUMBER
+
+    assert "returned {given}, not a number" in METRIC_NOT_A_NUMBER
+    x, y = np.arange(8.0, dtype=np.float32).reshape(4, 2), np.ones((4, 1), np.float32)
+    model = ft.nn.Dense(2, 1, key=jax.random.key(0))
+    loss_fn = lambda m, b: ft.losses.mean_squared_error(m(b[0]), b[1])  # noqa: E731
+
+    def mae(out):
+        jnp.mean(jnp.abs(out.model(out.batch[0]) - out.batch[1]))  # no return
+
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), loss_fn, metrics={"mae": mae})
+    with pytest.raises(TypeError) as e:
+        trainer.fit([(x, y)], epochs=1, progress=False)
+    assert str(e.value).startswith("The metric 'mae' returned None, not a number")
+    assert "wrong:  def mae(out): jnp.mean(...)\n    right:  def mae(out): return jnp.mean(...)" in str(e.value)
+    evaluate = ft.train.eval_step(loss_fn, metrics={"aux": lambda out: out.aux})  # the loss has no aux
+    with pytest.raises(TypeError, match=r"'aux' returned None.*out\.aux is None when the loss function returns"):
+        evaluate(model, (x, y))
+    with pytest.raises(TypeError, match=r"'name' returned a str, not a number"):
+        ft.train.eval_step(loss_fn, metrics={"name": lambda out: "mae"})(model, (x, y))
+    fixed = ft.train.eval_step(loss_fn, metrics={"mae": lambda out: jnp.mean(jnp.abs(out.model(out.batch[0]) - out.batch[1]))})
+    np.testing.assert_allclose(float(fixed(model, (x, y))["mae"]), np.mean(np.abs(np.asarray(model(x)) - y)), atol=1e-6)

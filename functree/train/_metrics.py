@@ -47,7 +47,7 @@ from functree.train._direction import rises
 __all__ = ["StepOutput", "accuracy", "binary_accuracy", "mean", "resolve_metrics", "batch_size_of", "shared_batch_size",
            "with_parts", "without_parts", "counting_names", "combine_parts", "measured", "PART_SUM", "PART_COUNT",
            "PART_RATIO", "InexactMeanWarning", "BAD_IGNORE_INDEX", "BAD_THRESHOLD", "BINARY_LABEL_VALUE", "BINARY_LABEL_SIGNS",
-           "ONE_HOT_ROW", "UNRECORDED_AUX", "METRIC_ARGUMENTS", "MetricCallError", "check_metric_call", "UnrecordedAuxWarning",
+           "ONE_HOT_ROW", "UNRECORDED_AUX", "METRIC_ARGUMENTS", "METRIC_NOT_A_NUMBER", "MetricCallError", "check_metric_call", "UnrecordedAuxWarning",
            "warn_unrecorded_aux"]
 
 NO_LOGITS = """\
@@ -130,7 +130,8 @@ inside the step (Python's "{problem}"). Take out and read what you need from it:
 
 class MetricCallError(TypeError):
     """:data:`METRIC_ARGUMENTS`: a metric that cannot be called as ``fn(out)``, read from its
-    signature, never from a minibatch: ``Trainer.fit`` raises it as it is, without the
+    signature, never from a minibatch, or :data:`METRIC_NOT_A_NUMBER`, one that returns no
+    number (None) whatever the minibatch: ``Trainer.fit`` raises it as it is, without the
     minibatch's location and shapes it adds to a step's other errors."""
 
 
@@ -175,6 +176,16 @@ def _metric_fix(label: str, params: list[str]) -> tuple[str, str]:
 NOT_SCALAR = """\
 The metric {name!r} returned shape {shape}; a metric returns one number per minibatch.
     right:  {name!r}: lambda out: jnp.mean(...)"""
+
+METRIC_NOT_A_NUMBER = """\
+The metric {name!r} returned {given}, not a number: a metric returns one number per \
+minibatch (an array of shape ()).{why}
+
+    wrong:  {wrong}
+    right:  {right}"""
+
+_NONE_WHY = (" A function without a return statement returns None, and out.aux is None when the loss"
+             " function returns the loss alone (return loss, logits sets it).")
 
 MISSING_AUX_KEY = """\
 ft.train.mean({key!r}) reads aux[{key!r}], but the loss function's aux is {aux}.
@@ -897,7 +908,7 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
         if isinstance(raw, WeightedMean):  # a token-level metric: measured() notes its parts (_values)
             values[name] = raw
             continue
-        value = jnp.asarray(raw)
+        value = _metric_number(name, fn, raw)
         if value.shape != ():
             raise ValueError(NOT_SCALAR.format(name=name, shape=value.shape))
         values[name] = value.astype(dtype)
@@ -909,6 +920,25 @@ def evaluate_metrics(fns: Mapping[str, Callable[[StepOutput], Any]], out: StepOu
             else:  # derived from one (a lambda's 1.0 * acc): measured() probes it
                 frame.derived.add(name)
     return values
+
+
+def _metric_number(name: str, fn: Any, raw: Any) -> jax.Array:
+    """``raw`` as an array, or :data:`METRIC_NOT_A_NUMBER` (a :class:`MetricCallError`: any
+    minibatch would get it) where it is none: a metric returning None (a ``def`` that
+    forgot its ``return``, ``out.aux`` of a loss without aux) failed in ``jnp.asarray`` with
+    "None is not a valid value for jnp.array", which ``fit`` blamed on minibatch 0."""
+    try:
+        return jnp.asarray(raw)
+    except (TypeError, ValueError):
+        pass
+    label = getattr(fn, "__name__", type(fn).__name__)
+    if raw is None and label != "<lambda>":
+        wrong, right = f"def {label}(out): jnp.mean(...)", f"def {label}(out): return jnp.mean(...)"
+    else:
+        wrong, right = f"metrics={{{name!r}: {label}}}", f"metrics={{{name!r}: lambda out: jnp.mean(...)}}"
+    given = "None" if raw is None else f"a {type(raw).__name__}"
+    raise MetricCallError(METRIC_NOT_A_NUMBER.format(
+        name=name, given=given, why=_NONE_WHY if raw is None else "", wrong=wrong, right=right)) from None
 
 
 def _values(metrics: Mapping[str, Any]) -> dict[str, Any]:

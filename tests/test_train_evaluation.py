@@ -364,3 +364,30 @@ def test_predict_of_a_function_not_taking_the_model_and_the_minibatch_shows_the_
     np.testing.assert_allclose(out, jax.nn.softmax(model(x)), rtol=0, atol=1e-6)
     keyed = trainer.predict([(x, x)], lambda model, batch, *, key: model(batch[0]))  # key= as before
     np.testing.assert_allclose(keyed, model(x), rtol=0, atol=1e-6)
+
+
+def test_predict_s_default_call_of_a_model_taking_the_whole_minibatch_is_named_with_the_fn_that_calls_it():
+    # session 60: trainer.predict(dict minibatches) of a model(batch) (an HF-style dict) failed
+    # with JAX's "does not support string indexing; got idx='x'", naming neither the call
+    # predict made, model(batch['x']), nor the fn that calls the model with the whole minibatch
+    from functree.train._evaluation import DEFAULT_PREDICT_CALL
+
+    assert "called model(batch{entry})" in DEFAULT_PREDICT_CALL
+
+    class Reads(ft.Module):
+        dense: ft.nn.Dense
+
+        def __call__(self, batch):
+            return self.dense(batch["x"])
+
+    x = np.arange(12.0, dtype=np.float32).reshape(6, 2)
+    model = Reads(ft.nn.Dense(2, 3, key=jax.random.key(0)))
+    trainer = ft.train.Trainer(model, ft.optim.sgd(0.0), lambda m, b: jnp.mean(m(b) ** 2))
+    data = [{"x": x[:4]}, {"x": x[4:]}]
+    with pytest.raises(TypeError) as e:
+        trainer.predict(data)
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "trainer.predict(data) without fn called model(batch['x'])" in notes
+    assert "right:  trainer.predict(data, lambda model, batch: model(batch))" in notes
+    out = trainer.predict(data, lambda model, batch: model(batch))  # the right line runs
+    np.testing.assert_allclose(np.asarray(out), np.asarray(model({"x": x})), rtol=0, atol=1e-6)

@@ -347,8 +347,12 @@ def predict(step: Any, program: Callable[..., Any], model: Any, data: Any, fn: C
             except (RuntimeError, ValueError) as e:
                 better = _explained("predict", e, model, batch)
                 if better is None:
+                    _note_default_call(e, fn, batch)
                     raise
                 raise better from None
+            except Exception as e:
+                _note_default_call(e, fn, batch)
+                raise
             _check_per_example(fn, outputs[-1], rows)
     if not outputs:
         raise no_eval_minibatch("predict", data)
@@ -474,6 +478,24 @@ Trainer.predict: the default fn calls model(inputs) with batch["x"] (or "inputs"
 
 def default_predict(model: Any, batch: Any) -> Any:
     return model(inputs(batch))
+
+
+DEFAULT_PREDICT_CALL = """\
+trainer.predict(data) without fn called model(batch{entry}): the minibatch's inputs alone \
+(its default for a {kind} minibatch). A model that takes the whole minibatch, or more of it \
+(a mask beside the inputs), is called by an fn of yours:
+    right:  trainer.predict(data, lambda model, batch: model(batch))"""
+
+
+def _note_default_call(error: Exception, fn: Any, batch: Any) -> None:
+    """:data:`DEFAULT_PREDICT_CALL` on the error of the default ``fn`` that called the model
+    with one entry of a tuple or dict minibatch: a model of ``model(batch)`` (an HF-style
+    dict) failed deep inside with JAX's "does not support string indexing", which named
+    neither the call predict made nor the ``fn`` that makes another."""
+    base = fn.fn if isinstance(fn, InDtype) else fn
+    entry = _inputs_entry(batch) if base is default_predict else None
+    if entry is not None and entry[0]:
+        error.add_note(DEFAULT_PREDICT_CALL.format(entry=entry[0], kind="dict" if isinstance(batch, Mapping) else "tuple"))
 
 
 def call_predict(model: Any, batch: Any, fn: Callable[..., Any], key: Any) -> Any:

@@ -985,3 +985,34 @@ def test_a_history_logger_under_home_or_relative_writes_where_the_call_said(tmp_
     assert os.listdir(home) == ["log.jsonl"] and os.listdir(work) == ["relative.jsonl"] and os.listdir(other) == []
     for path in (home / "log.jsonl", work / "relative.jsonl"):
         assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["epoch"]
+
+
+def test_a_callback_reading_the_context_as_keras_s_logs_dict_is_told_context_metrics():
+    # session 60: Keras's on_epoch_end(self, epoch, logs) with logs["loss"] (here given the
+    # context) or a function's ctx.get("val_loss") failed with Python's "'TrainingContext'
+    # object is not subscriptable" / "has no attribute 'get'", naming no context.metrics
+    from functree.train._callbacks import CONTEXT_NOT_LOGS
+
+    assert "context.metrics" in CONTEXT_NOT_LOGS
+    x = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+    loss_fn = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+
+    class KerasHabit(ft.train.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["loss"]
+
+    def fit(callback):
+        trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.0), loss_fn)
+        return trainer.fit([(x, x[:, :1])], epochs=1, progress=False, callbacks=[callback])
+
+    with pytest.raises(TypeError) as e:
+        fit(KerasHabit())
+    assert "wrong:  context['loss']\n    right:  context.metrics['loss']" in str(e.value)
+    assert "context.metrics ('loss')" in str(e.value)
+    with pytest.raises(AttributeError, match=r"right:  context\.metrics\.get\(\.\.\.\)"):
+        fit(lambda ctx: ctx.get("val_loss"))
+    with pytest.raises(TypeError, match=r"right:  context\.step"):
+        fit(lambda ctx: ctx["step"])
+    seen = []
+    history = fit(lambda ctx: seen.append(ctx.metrics["loss"]))  # the right line runs
+    np.testing.assert_allclose(seen[-1], history.epochs["loss"][-1], rtol=0, atol=1e-7)

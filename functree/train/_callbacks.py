@@ -172,6 +172,18 @@ A callback is a ft.train.Callback or a function of the TrainingContext, got {giv
     right:  callbacks=[ft.train.EarlyStopping(patience=3), lambda ctx: print(ctx.step)]"""
 
 
+CONTEXT_NOT_LOGS = """\
+{wrong} reads a callback's context as Keras's logs dict, but it is a ft.train.TrainingContext: \
+the metrics are its dict context.metrics ({metrics}), the step, epoch and learning rate its \
+attributes. A Callback's hooks are on_epoch_end(self, trainer, context): a Keras method's \
+(epoch, logs) are the trainer and this context here.
+
+    wrong:  {wrong}
+    right:  {right}"""
+
+_ATTRIBUTES = ("step", "epoch", "sweep", "samples_seen", "minibatch_size", "learning_rate", "event")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainingContext:
     """What callbacks see (host values, read at a log interval or an epoch end).
@@ -228,6 +240,23 @@ class TrainingContext:
         0-based index (0 at the first epoch's end), one less; a ported ``if epoch == 0:`` is
         ``if context.epoch == 1:`` here (``epoch + 1`` of Keras is ``context.epoch``)."""
         return self.sweep
+
+    def __getitem__(self, name: Any) -> Any:
+        """:data:`CONTEXT_NOT_LOGS`: Keras's ``logs["val_loss"]`` failed with Python's "object
+        is not subscriptable", which named neither ``context.metrics`` nor the hooks' order."""
+        right = f"context.{name}" if name in _ATTRIBUTES else f"context.metrics[{name!r}]"
+        raise TypeError(self._not_logs(f"context[{name!r}]", right))
+
+    def __getattr__(self, name: str) -> Any:
+        """:data:`CONTEXT_NOT_LOGS` for a dict's methods (Keras's ``logs.get("val_loss")``);
+        any other missing attribute is Python's error."""
+        if name in ("get", "keys", "items", "values"):
+            raise AttributeError(self._not_logs(f"context.{name}(...)", f"context.metrics.{name}(...)"))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _not_logs(self, wrong: str, right: str) -> str:
+        metrics = ", ".join(map(repr, self.metrics)) or "none yet"
+        return CONTEXT_NOT_LOGS.format(wrong=wrong, right=right, metrics=metrics)
 
 
 class TrainerView(Protocol):

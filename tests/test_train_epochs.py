@@ -463,3 +463,27 @@ def test_a_refusal_of_the_optimizer_while_the_first_step_traces_is_not_blamed_on
     with pytest.raises(TypeError, match=r"^step 1: minibatch 0 of epoch 0 \(counted from 0\) failed in the "
                                         r"training step\. Its shapes: \('float32\[4, 2\]'"):
         ft.train.Trainer(model, ft.optim.sgd(0.1), loss).fit(wide, steps=1, progress=False)
+
+
+def test_a_second_fit_inside_an_epoch_on_data_of_another_length_is_refused_not_run_as_its_end():
+    # session 60: fit(data, steps=3) over 5 minibatches, then fit(other, epochs=1) with other
+    # of 3 minibatches went on at minibatch 3 of other: the epoch ended at once and fit
+    # trained nothing on it, with no error (a restored job was refused, DATA_LENGTH_CHANGED)
+    from functree.train._epochs import DATA_LENGTH_CHANGED_MID_EPOCH
+
+    assert "stopped inside epoch {epoch}" in DATA_LENGTH_CHANGED_MID_EPOCH
+    x = np.arange(40.0, dtype=np.float32).reshape(20, 2) / 40
+    y = x[:, :1] * 2
+    loss_fn = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+    trainer = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.sgd(0.1), loss_fn)
+    trainer.fit(ft.train.batches((x, y), 4, shuffle=False), steps=3, progress=False)
+    before = np.asarray(trainer.model.weight)
+    with pytest.raises(ValueError) as e:
+        trainer.fit(ft.train.batches((x, y), 8, shuffle=False), epochs=1, progress=False)
+    assert str(e.value).startswith("This job stopped inside epoch 0 (counted from 0), after 3 of its data's 5 "
+                                   "minibatches (step 3), but fit was given data of 3 minibatches per epoch")
+    assert "right:  trainer.fit(data, epochs=1); trainer.fit(other_data, epochs=...)" in str(e.value)
+    np.testing.assert_array_equal(np.asarray(trainer.model.weight), before)
+    trainer.fit(ft.train.batches((x, y), 4, shuffle=False), epochs=1, progress=False)  # the right lines run
+    history = trainer.fit(ft.train.batches((x, y), 8, shuffle=False), epochs=2, progress=False)
+    assert len(history.steps["loss"]) == 5 + 3 and trainer.steps_run == 8

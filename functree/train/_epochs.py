@@ -142,6 +142,15 @@ job was trained on, or start a new job (a fresh Trainer) for new data:
     wrong:  trainer.restore(path); trainer.fit(other_data, epochs=10)
     right:  trainer.restore(path); trainer.fit(same_data, epochs=10)"""
 
+DATA_LENGTH_CHANGED_MID_EPOCH = """\
+This job stopped inside epoch {epoch} (counted from 0), after {done} of its data's {saved} \
+minibatches (step {step}), but fit was given data of {given} minibatches per epoch: the epoch \
+would go on at minibatch {done} of the other data, {what}. Finish the epoch on the data it \
+began with, then give the new data, or start a new job (a fresh Trainer) for it:
+
+    wrong:  trainer.fit(data, steps={step}); trainer.fit(other_data, epochs=...)
+    right:  trainer.fit(data, epochs={finish}); trainer.fit(other_data, epochs=...)   # epoch {epoch} ended first"""
+
 LONGER_THAN_LEN = """\
 step {step}: the data ({kind}) gave minibatch {index} of epoch {epoch} (counted from 0), but \
 its len() is {length}: it yields more minibatches than len() says. len() counts the epoch \
@@ -439,6 +448,18 @@ def _kind(data: Any) -> str:
     return f"a {type(data).__name__}"
 
 
+def _mid_epoch_change(job: JobState, length: int) -> str:
+    """:data:`DATA_LENGTH_CHANGED_MID_EPOCH`: ``fit(data, steps=3)``, then ``fit(other, epochs=1)``
+    with ``other`` of another length went on at minibatch 3 of ``other``: of 3 minibatches,
+    the epoch ended at once and fit trained nothing on it, with no error (a restored job got
+    :data:`DATA_LENGTH_CHANGED`)."""
+    done = job.batch_in_epoch
+    what = ("which has no such minibatch: the epoch would end with none of it trained on" if length <= done
+            else f"its first {done} minibatches skipped")
+    return DATA_LENGTH_CHANGED_MID_EPOCH.format(epoch=job.epoch, done=done, saved=job.epoch_length, step=job.steps_run,
+                                                given=length, what=what, finish=job.epoch + 1)
+
+
 def epoch_length(data: Any) -> int | None:
     """``len(data)``, None where it has none (or it fails: an endless tf.data dataset's raises)."""
     try:
@@ -611,9 +632,10 @@ class Epochs:
         if steps is None and epochs is not None and epochs - job.epoch > 1 and isinstance(data, Iterator):
             raise ValueError(ONE_SHOT.format(epochs=epochs, kind=type(data).__name__))
         length = epoch_length(data)
-        if (self.restored and job.batch_in_epoch and length is not None and job.epoch_length is not None
-                and length != job.epoch_length):
-            raise ValueError(DATA_LENGTH_CHANGED.format(saved=job.epoch_length, given=length, step=job.steps_run))
+        if job.batch_in_epoch and length is not None and job.epoch_length is not None and length != job.epoch_length:
+            if self.restored:
+                raise ValueError(DATA_LENGTH_CHANGED.format(saved=job.epoch_length, given=length, step=job.steps_run))
+            raise ValueError(_mid_epoch_change(job, length))
 
     @staticmethod
     def past_length(data: Any, length: int, job: JobState) -> ValueError:

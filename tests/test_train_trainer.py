@@ -2,6 +2,7 @@
 
 import logging
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -1428,3 +1429,42 @@ def test_accumulate_with_a_short_last_minibatch_is_refused_with_the_trainers_fix
     with pytest.raises(ValueError, match=r"minibatch 2 of epoch 0 \(counted from 0\) has 6 examples.*step 3 was not"):
         listed.fit([(x[:16], y[:16]), (x[16:32], y[16:32]), (x[32:38], y[32:38])], epochs=1, progress=False)
     assert listed.steps_run == 2
+
+
+def test_a_frozen_attention_is_not_named_as_running_statistics_that_training_changes():
+    """session 60: a head fine-tuned on a frozen backbone with attention (every HF port, from
+    with_head's documented recipe) warned FrozenStateWarning that "the running statistics of
+    ...attn (MultiheadAttention) will change at every step": its no_derivative fields are
+    per-layer configuration (logit scale, window), never recorded; only a BatchNorm is named."""
+    import warnings
+
+    from functree.train._setup import FrozenStateWarning
+
+    class Backbone(ft.Module):
+        attn: ft.nn.MultiheadAttention
+        norm: Any
+
+        def __call__(self, x):
+            h = self.attn(x, x, x)
+            return h if self.norm is None else self.norm(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+
+    class Net(ft.Module):
+        backbone: Backbone
+        head: ft.nn.Dense
+
+        def __call__(self, x):
+            return self.head(self.backbone(x))
+
+    attn = ft.nn.MultiheadAttention(4, 2, key=jax.random.key(0))
+    attn = attn.replace(logit_scale=jnp.float32(0.5))  # a per-layer scale leaf, as GPT-2's
+    head = ft.nn.Dense(4, 1, key=jax.random.key(1))
+    loss = lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = Trainer(Net(Backbone(attn, None), head), ft.optim.sgd(0.1), loss, wrt="head.*")
+    x, y = np.ones((2, 3, 4), np.float32), np.zeros((2, 3, 1), np.float32)
+    trainer.fit([(x, y)], epochs=1, progress=False)
+    assert float(trainer.model.backbone.attn.logit_scale) == 0.5  # nothing recorded into it
+    with pytest.warns(FrozenStateWarning) as record:
+        Trainer(Net(Backbone(attn, ft.nn.BatchNorm(4)), head), ft.optim.sgd(0.1), loss, wrt="head.*")
+    assert "the running statistics of backbone.norm (BatchNorm) will change" in str(record[0].message)

@@ -126,6 +126,7 @@ class DropoutAttention(MultiheadAttention):
     dropout_key: jax.Array | None = field(no_derivative=True, default=None)
     rates: tuple[float, float, float] = field(static=True, default=(0.0, 0.0, 0.0))
     __ft_template_static__: ClassVar[tuple[str, ...]] = ("dropout", "implementation", "rates")
+    records_no_state: ClassVar[bool] = False  # its dropout_key is recorded in training mode
 
     @property
     def drops(self) -> bool:

@@ -412,6 +412,10 @@ class MultiheadAttention(Layer):
     dropout: float = field(static=True, default=0.0)
     implementation: Literal["auto", "xla", "cudnn"] | None = field(static=True, default="auto")
     training: bool = field(static=True, default=False)
+    # The no_derivative fields below are per-layer configuration (a Stack member's logit
+    # scale, window, rope), never recorded in training mode: no running state for the
+    # Trainer's FrozenStateWarning to name (ft.train._setup._records_state reads this).
+    records_no_state: ClassVar[bool] = True
     logit_scale: jax.Array | None = field(no_derivative=True, default=None)
     member_window: jax.Array | None = field(no_derivative=True, default=None)
     member_rope: jax.Array | None = field(no_derivative=True, default=None)

@@ -497,10 +497,15 @@ def _frozen_parts(model: Any, wrt: tuple[str, ...], paths: list[Any]) -> list[st
 
 def _records_state(x: Any) -> bool:
     """A functree layer with a static ``training`` flag and carried (``no_derivative``)
-    state: in training mode it records new values of that state (BatchNorm)."""
+    state: in training mode it records new values of that state (BatchNorm). A class whose
+    ``no_derivative`` fields are configuration it declares so, ``records_no_state = True``
+    (``ft.nn.MultiheadAttention``'s per-layer logit scale and window: every frozen attention
+    was named as having running statistics that training would change)."""
     if not isinstance(x, Module):
         return False
     cls = type(x)
+    if getattr(cls, "records_no_state", False):
+        return False
     return "training" in cls.__ft_static__ and bool(cls.__ft_no_derivative__)  # type: ignore[attr-defined]
 
 

@@ -7,6 +7,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import functree as ft
@@ -487,3 +488,13 @@ def test_a_second_fit_inside_an_epoch_on_data_of_another_length_is_refused_not_r
     trainer.fit(ft.train.batches((x, y), 4, shuffle=False), epochs=1, progress=False)  # the right lines run
     history = trainer.fit(ft.train.batches((x, y), 8, shuffle=False), epochs=2, progress=False)
     assert len(history.steps["loss"]) == 5 + 3 and trainer.steps_run == 8
+    # the other way through: a new job from the trained model and its optimizer state
+    halfway = ft.train.Trainer(ft.nn.Dense(2, 1, key=jax.random.key(0)), ft.optim.adam(0.1), loss_fn)
+    halfway.fit(ft.train.batches((x, y), 4, shuffle=False), steps=3, progress=False)
+    with pytest.raises(ValueError, match=r"or:  ft\.train\.Trainer\(trainer\.model, optimizer, loss_fn, "
+                                         r"opt_state=trainer\.opt_state\)\.fit\(other_data"):
+        halfway.fit(ft.train.batches((x, y), 8, shuffle=False), epochs=1, progress=False)
+    moments = np.asarray(optax.tree_utils.tree_get(halfway.opt_state, "mu").weight)
+    again = ft.train.Trainer(halfway.model, ft.optim.adam(0.1), loss_fn, opt_state=halfway.opt_state)
+    again.fit(ft.train.batches((x, y), 8, shuffle=False), epochs=1, progress=False)
+    assert again.steps_run == 3 and not np.array_equal(np.asarray(optax.tree_utils.tree_get(again.opt_state, "mu").weight), moments)

@@ -146,10 +146,11 @@ DATA_LENGTH_CHANGED_MID_EPOCH = """\
 This job stopped inside epoch {epoch} (counted from 0), after {done} of its data's {saved} \
 minibatches (step {step}), but fit was given data of {given} minibatches per epoch: the epoch \
 would go on at minibatch {done} of the other data, {what}. Finish the epoch on the data it \
-began with, then give the new data, or start a new job (a fresh Trainer) for it:
+began with, then give the new data, or start a new job (a fresh Trainer) for it, from the trained model and its optimizer state:
 
     wrong:  trainer.fit(data, steps={step}); trainer.fit(other_data, epochs=...)
-    right:  trainer.fit(data, epochs={finish}); trainer.fit(other_data, epochs=...)   # epoch {epoch} ended first"""
+    right:  trainer.fit(data, epochs={finish}); trainer.fit(other_data, epochs=...)   # epoch {epoch} ended first
+       or:  ft.train.Trainer(trainer.model, optimizer, loss_fn, opt_state=trainer.opt_state).fit(other_data, epochs=...)"""
 
 LONGER_THAN_LEN = """\
 step {step}: the data ({kind}) gave minibatch {index} of epoch {epoch} (counted from 0), but \

@@ -29,6 +29,7 @@ __all__ = [
     "select",
     "mask",
     "is_parameter_leaf",
+    "floats_as_arrays",
     "first_difference",
 ]
 
@@ -155,6 +156,23 @@ def _trainable_positions(x: Any, treedef: Any) -> tuple[tuple[bool, ...], tuple[
                      tuple(jax.tree.leaves(_field_values(x))))
         bounded_put(_MASK_CACHE, treedef, positions)
     return positions
+
+
+def floats_as_arrays(view: Any) -> Any:
+    """``view`` (a parameter view) with each Python ``float`` parameter as a 0-d array: an
+    ``ft.Module`` field ``bias: float = 0.0`` is trained, and the transforms that read a
+    parameter's ``dtype`` or ``shape`` (LAMB, Adafactor, an EMA's average) failed on it with
+    "'float' object has no attribute 'dtype'", as did ``astype`` in ``ft.cast``. ``view`` itself
+    when it holds none (one flatten).
+
+    Example:
+      >>> floats_as_arrays({"w": 0.5, "b": None})
+      {'b': None, 'w': Array(0.5, dtype=float32, weak_type=True)}
+    """
+    leaves, treedef = jax.tree.flatten(view)
+    if not any(type(x) is float for x in leaves):
+        return view
+    return treedef.unflatten([jnp.asarray(x) if type(x) is float else x for x in leaves])
 
 
 def parameters(model: Any) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import reprlib
 import sysconfig
 from typing import Any
 
@@ -20,7 +21,7 @@ import jaxlib
 
 from functree._tree import bounded_put
 
-__all__ = ["is_user_file", "function_name", "unwrap", "user_function", "USER_FUNCTION"]
+__all__ = ["is_user_file", "function_name", "call_refusal", "unwrap", "user_function", "USER_FUNCTION"]
 
 # Source directories that are never the user's line: JAX, jaxlib and the standard library
 # (whose site-packages, where user code can live, is not excluded).
@@ -54,6 +55,29 @@ def function_name(f: Any) -> str:
     """
     f = unwrap(f)
     return getattr(f, "__qualname__", None) or getattr(f, "__name__", None) or type(f).__name__
+
+
+def call_refusal(f: Any, *args: Any, **kwargs: Any) -> tuple[str, inspect.Signature, TypeError] | None:
+    """Why ``f`` cannot be called with ``args`` and ``kwargs`` (stand-ins: only their count
+    and names are read), as ``(its name, its signature, Python's error)``; None where it can,
+    or where it has no signature to read (the call itself then tells). For refusals made
+    where a user's function is given, before a step runs it: a metric, a Stack's ``make``,
+    predict's ``fn``.
+
+    Example:
+      >>> name, signature, error = call_refusal(lambda batch: batch, None, None)
+      >>> name, str(signature), str(error)
+      ('<lambda>', '(batch)', 'too many positional arguments')
+    """
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):  # a builtin, a callable without one
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        return getattr(f, "__name__", None) or reprlib.repr(f), signature, e
+    return None
 
 
 USER_FUNCTION = "__ft_user_function__"

@@ -11,8 +11,6 @@ array (see :mod:`functree._stacked`).
 
 from __future__ import annotations
 
-import inspect
-import reprlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -26,6 +24,7 @@ from functree._naming import refuse_batched_members
 from functree._paths import KeyPath, children, walk
 from functree._random import one_key
 from functree._repr import short_array
+from functree._source import call_refusal
 from functree._traces import staged
 from functree._tree import dotted_name, is_array_value, join_names
 from functree.nn._check import FIX_BATCHED, BatchedLayerError, LayerInputError
@@ -172,15 +171,10 @@ def _check_make(make: Any) -> None:
     Block(...)`` or a block class needing other arguments failed inside ``jax.vmap`` with
     Python's "takes 0 positional arguments but 1 was given", naming neither the Stack nor
     the fix. A callable without a readable signature is left to its call."""
-    try:
-        signature = inspect.signature(make)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(None)
-    except TypeError as e:
-        name = getattr(make, "__name__", None) or reprlib.repr(make)
-        raise TypeError(MAKE_TAKES_KEY.format(name=name, signature=signature, problem=e)) from None
+    refused = call_refusal(make, None)
+    if refused is not None:
+        name, signature, problem = refused
+        raise TypeError(MAKE_TAKES_KEY.format(name=name, signature=signature, problem=problem))
 
 
 class Stack(Layer):

@@ -43,7 +43,7 @@ from functree._alias import copy_aliases, warn_aliases
 from functree._foreign_methods import OPTIMIZER_METHODS, missing_attribute
 from functree._module import Module
 from functree._operators import value_with_gradient
-from functree._parameters import parameters, with_parameters
+from functree._parameters import floats_as_arrays, parameters, with_parameters
 from functree._source import USER_FUNCTION
 from functree._tangent import move
 from functree._tree import bounded_put, cached, dotted_name, is_none
@@ -112,7 +112,6 @@ from functree.optim._state import OptimizerState, release_contexts
 from functree.optim._subset import (
     check_wrt,
     drop_frozen,
-    floats_as_arrays,
     frozen_members,
     trained_view,
     with_frozen_members,

@@ -34,7 +34,7 @@ from functree._parameters import is_parameter_leaf, parameters
 from functree._tree import is_none
 from functree.optim._masked import is_partial
 
-__all__ = ["check_wrt", "trained_view", "drop_frozen", "frozen_members", "with_frozen_members", "floats_as_arrays"]
+__all__ = ["check_wrt", "trained_view", "drop_frozen", "frozen_members", "with_frozen_members"]
 
 BAD_WRT = """\
 wrt= takes key-path patterns (a string or a sequence of strings), as ft.gradient(wrt=) \
@@ -141,17 +141,6 @@ def trained_view(model: Any, patterns: tuple[str, ...] | None) -> Any:
     leaves, treedef = jax.tree.flatten(view, is_leaf=is_none)
     chosen = _chosen(view, leaves, patterns, model)
     return treedef.unflatten([x if c is not False else None for x, c in zip(leaves, chosen)])
-
-
-def floats_as_arrays(view: Any) -> Any:
-    """``view`` (a parameter view) with each Python ``float`` parameter as a 0-d array: an
-    ``ft.Module`` field ``bias: float = 0.0`` is trained, and the transforms that read a
-    parameter's ``dtype`` or ``shape`` (LAMB, Adafactor, an EMA's average) failed on it with
-    "'float' object has no attribute 'dtype'". ``view`` itself when it holds none (one flatten)."""
-    leaves, treedef = jax.tree.flatten(view)
-    if not any(type(x) is float for x in leaves):
-        return view
-    return treedef.unflatten([jnp.asarray(x) if type(x) is float else x for x in leaves])
 
 
 def frozen_members(model: Any, patterns: tuple[str, ...] | None) -> tuple[Any, ...] | None:

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._parameters import parameters, with_parameters
+from functree._parameters import floats_as_arrays, parameters, with_parameters
 from functree.nn._state import follow
 from functree.parallel._rules import check_compute_dtype
 
@@ -35,17 +35,11 @@ def cast(tree: Any, dtype: Any) -> Any:
     dtype = check_compute_dtype(dtype, "ft.cast(model, ")
     view = parameters(tree)
     # Real parameters only: a complex one has no bfloat16 form (astype drops its imaginary part).
-    out = with_parameters(tree, jax.tree.map(lambda p: _cast_parameter(p, dtype), view))
+    # (a Python float field, ``bias: float = 0.0``, is a trained parameter: an array here, cast)
+    out = with_parameters(tree, jax.tree.map(
+        lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p, floats_as_arrays(view)))
     follow(tree, out)  # under ft.nn.collect_state: the cast layers record at the model's key paths
     return out
-
-
-def _cast_parameter(p: Any, dtype: Any) -> Any:
-    """One parameter in ``dtype`` if it is real floating: an array, or a Python float (an
-    ``ft.Module`` field declared ``bias: float = 0.0`` is trained, and has no ``astype``)."""
-    if isinstance(p, float):
-        return jnp.asarray(p, dtype)
-    return p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
 
 
 def cast_floating(tree: Any, dtype: Any) -> Any:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import threading
 import warnings
@@ -38,6 +37,7 @@ from jax.core import Tracer
 
 from functree import _compat as compat
 from functree._repr import first_index
+from functree._source import call_refusal
 from functree._warnings import user_stacklevel
 from functree.losses._classification import _wide
 from functree.losses._weighted import WeightedMean, ratio
@@ -144,19 +144,15 @@ def check_metric_call(name: str, fn: Any, spelling: str = "metrics={{{name!r}: {
     step with Python's "missing 1 required positional argument", which named neither the
     metric nor what it is given. ``spelling``: how the user passed it (``{name}``, ``{fn}``
     filled in). A callable without a readable signature is left to its call."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature to read: the call tells
+    refused = call_refusal(fn, None)
+    if refused is None:
         return
-    try:
-        signature.bind(None)
-    except TypeError as e:
-        label = getattr(fn, "__name__", type(fn).__name__)
-        right, note = _metric_fix(label, [p.name for p in signature.parameters.values()
-                                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
-        raise MetricCallError(METRIC_ARGUMENTS.format(
-            name=name, fn=label, signature=signature, problem=e, note=note,
-            wrong=spelling.format(name=name, fn=label), right=spelling.format(name=name, fn=right))) from None
+    label, signature, problem = refused
+    right, note = _metric_fix(label, [p.name for p in signature.parameters.values()
+                                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+    raise MetricCallError(METRIC_ARGUMENTS.format(
+        name=name, fn=label, signature=signature, problem=problem, note=note,
+        wrong=spelling.format(name=name, fn=label), right=spelling.format(name=name, fn=right)))
 
 
 def _metric_fix(label: str, params: list[str]) -> tuple[str, str]:

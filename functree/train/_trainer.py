@@ -18,7 +18,6 @@ import difflib
 import functools
 import inspect
 import logging
-import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -27,6 +26,7 @@ import numpy as np
 
 from functree._alias import warn_aliases
 from functree._jit import has_untraceable_leaves
+from functree._source import call_refusal
 from functree._where import placement_of, put, several_devices
 from functree.losses import OTHER_NAMES
 from functree.optim import next_sweep
@@ -1158,14 +1158,13 @@ def _check_predict_fn(fn: Callable[..., Any]) -> None:
     Keras's ``predict(x)`` habit, ``lambda batch: ...``, failed at the first minibatch with
     Python's "takes 1 positional argument but 2 were given". Its ``key=`` is given by keyword."""
     try:
-        signature = inspect.signature(fn)
+        keyed = "key" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature to read: the call tells
         return
-    try:
-        signature.bind(None, None, **({"key": None} if "key" in signature.parameters else {}))
-    except TypeError as e:
-        name = getattr(fn, "__name__", None) or reprlib.repr(fn)
-        raise TypeError(PREDICT_FN_ARGUMENTS.format(fn=name, signature=signature, problem=e)) from None
+    refused = call_refusal(fn, None, None, **({"key": None} if keyed else {}))
+    if refused is not None:
+        name, signature, problem = refused
+        raise TypeError(PREDICT_FN_ARGUMENTS.format(fn=name, signature=signature, problem=problem))
 
 
 # trainer.<field> for each position field (and field added to JobState) it does not define itself.

@@ -50,6 +50,13 @@ FLOAT_HINT = FLOAT_DIFFER + """\
 pass cast=True to convert floating values to the template's dtypes: \
 ft.from_flat_dict(template, flat, cast=True)"""
 
+INT_DIFFER = "integer dtypes differ ({names}): "
+"""The start of :data:`INT_HINT`, as :data:`FLOAT_DIFFER` is :data:`FLOAT_HINT`'s."""
+
+INT_HINT = INT_DIFFER + """\
+pass cast=True to convert integers to the template's integer dtypes (it converts only values \
+the dtype holds, as these are; none is wrapped): ft.from_flat_dict(template, flat, cast=True)"""
+
 CAST_HINT = """\
 cast=True converts floating values of the same shape, and integers to an integer dtype that \
 holds them; convert these yourself: {names}"""
@@ -125,7 +132,7 @@ once, which gives them their shapes, then save or load its state dict:
             {caller}({target}, lazy_module.state_dict(){options})"""
 
 
-_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "cast": CAST_HINT}  # "range": range_hint, "wraps": int_range_hint, "kind": _kind_hint
+_HINTS = {"torch": TORCH_HINT, "float": FLOAT_HINT, "int": INT_HINT, "cast": CAST_HINT}  # "range": range_hint, "wraps": int_range_hint, "kind": _kind_hint
 
 
 def _spec(x: Any) -> tuple[tuple[int, ...], str]:
@@ -219,7 +226,7 @@ class FlatDictReport:
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[tuple[str, str, str], ...] = ()  # (name, expected, given)
     hints: tuple[str, ...] = ()
-    # The (kind, names) behind each hint ("torch", "float", "cast": :data:`_HINTS`; "range", "wraps", "kind").
+    # The (kind, names) behind each hint ("torch", "float", "int", "cast": :data:`_HINTS`; "range", "wraps", "kind").
     hinted: tuple[tuple[str, tuple[str, ...]], ...] = dataclasses.field(default=(), repr=False)
 
     @property
@@ -524,13 +531,28 @@ def _hint_kind(old: Any, new: Any, cast: bool) -> str | None:
         return "range" if overflows(dtype, value) else None
     if _is_torch_like(new):
         return "torch"
-    given, dtype = getattr(new, "dtype", None), _template_dtype(old)
+    given, dtype = _given_dtype(new), _template_dtype(old)
     if given is None or dtype is None or np.shape(new) != shape:
         return None
     try:
-        return "float" if _both_floating(given, dtype) else "kind" if _other_kind(dtype, given) else None
+        if _both_floating(given, dtype):
+            return "float"
+        if _other_kind(dtype, given):
+            return "kind"
+        if _real_kind(given) != "integer" or _real_kind(dtype) != "integer":
+            return None
+        value = np.asarray(new)  # an int64 step count for an int32 leaf: cast=True's if it holds them
+        return "wraps" if _wraps(np.dtype(dtype), value) else "int" if castable(np.dtype(dtype), value) else None
     except TypeError:  # a dtype NumPy does not know
         return None
+
+
+def _given_dtype(new: Any) -> Any:
+    """A given value's dtype: its own, or a Python number's or list's as NumPy reads it (3: int64)."""
+    if hasattr(new, "dtype"):
+        return new.dtype
+    value = to_numpy(new) if isinstance(new, (int, float, list, tuple)) else None
+    return None if value is None else value.dtype
 
 
 def _real_kind(dtype: Any) -> str | None:

@@ -251,6 +251,24 @@ def test_integers_past_an_int32_template_s_range_hint_the_range_and_a_clip_that_
     np.testing.assert_array_equal(loaded["n"], [3, 2**31 - 1])
 
 
+def test_an_int64_step_count_for_an_int32_leaf_is_told_cast_true_which_loads_it():
+    """An int64 step count (np.save's, a Python int) for an int32 leaf was refused with no hint,
+    where float64 weights are told cast=True: cast=True converts integers the leaf's dtype
+    holds. Integers past int32's range get the range hint (its clip, never a wrap)."""
+    net = make_net()
+    for count in (np.array(7, np.int64), 7):
+        flat = {**ft.to_flat_dict(net), "steps": count}
+        with pytest.raises(ValueError) as info:
+            ft.from_flat_dict(net, flat)
+        assert ("hint: integer dtypes differ (steps): pass cast=True to convert integers to the template's integer "
+                "dtypes") in str(info.value)
+        right = str(info.value).split("dtypes (")[1].split("): ")[1].splitlines()[0]
+        loaded = eval(right, {"ft": ft, "template": net, "flat": flat})
+        assert loaded.steps.dtype == jnp.int32 and int(loaded.steps) == 7
+    with pytest.raises(ValueError, match=r"hint: steps: integers beyond the leaf's int32 range"):
+        ft.from_flat_dict(net, {**ft.to_flat_dict(net), "steps": np.array(2**40)})
+
+
 @pytest.mark.parametrize("cast", [False, True])
 def test_values_of_another_kind_are_told_the_conversion_that_loads(cast):
     """An int32 array for a float32 weight (and a float for the int32 step count) was refused

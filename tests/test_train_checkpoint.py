@@ -784,6 +784,24 @@ def test_a_floating_dtype_mismatch_hints_code_that_casts_on_load(tmp_path):
     manager.close()
 
 
+def test_an_int64_count_into_an_int32_template_hints_code_that_casts_on_load(tmp_path):
+    """An int64 count saved (a NumPy array, or written under x64) into an int32 template: the
+    hint is the loader's cast code, which runs (from_flat_dict's "pass cast=True" is no loader's);
+    a count past int32's range is told the template's dtype, not a flat dict's clip."""
+    template, path = {"n": jnp.zeros((), jnp.int32), "big": jnp.zeros((), jnp.int32)}, tmp_path / "counts"
+    ft.train.save(path, {"n": np.array(7, np.int64), "big": np.array(2**40, np.int64)})
+    with pytest.raises(CheckpointError, match=r"n: expected shape \(\) dtype int32, given shape \(\) dtype int64") as info:
+        ft.train.load(path, template)
+    message = str(info.value)
+    assert "hint: big: the checkpoint holds integers beyond the template's integer dtypes" in message
+    assert "pass cast=True" not in message and "np.clip(flat" not in message
+    assert "hint: integer dtypes differ (n): the loader never casts" in message
+    code = message.split("cast it into the template: ")[1].split("   #")[0]
+    ft.train.save(tmp_path / "n", {"n": np.array(7, np.int64)})  # the code, run where it fits (n alone)
+    cast = eval(code, {"ft": ft, "template": {"n": template["n"]}, "path": tmp_path / "n"})
+    assert cast["n"].dtype == jnp.int32 and int(cast["n"]) == 7
+
+
 def test_a_checkpoint_value_of_another_kind_is_told_the_loader_s_way_not_a_flat_dict_s(tmp_path):
     """An int32 leaf saved, a float32 template: from_flat_dict's hint for another kind shows its
     own call on a flat dict, which no loader takes; the loader names the leaf and its way."""

@@ -12,7 +12,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from functree._state_dict import FLOAT_DIFFER, FlatDictReport, from_flat_dict, to_flat_dict
+from functree._state_dict import (
+    FLOAT_DIFFER,
+    INT_DIFFER,
+    FlatDictReport,
+    from_flat_dict,
+    to_flat_dict,
+)
 from functree.nn._lora import ADDED_FIELDS
 from functree.train.checkpoint._decode import UPGRADE_ON_RESTORE, decode, decode_leaf, leaf_specs
 from functree.train.checkpoint._errors import CheckpointError
@@ -53,6 +59,12 @@ KIND_ON_LOAD = """\
 above: an integer for a floating leaf, or the reverse), which no loader converts (nor does \
 from_flat_dict's cast=True): build the template with the saved dtypes, or read the saved {part} \
 as it was saved (below) and convert these leaves yourself where that is meant"""
+
+WRAPS_ON_LOAD = """\
+{{names}}: the checkpoint holds integers beyond the template's integer dtypes (the dtypes above), \
+which no loader converts (a cast would wrap them around): build the template with the saved \
+dtypes (64-bit integers need jax_enable_x64), or read the saved {part} as it was saved (below) \
+and clip these leaves yourself where that is meant"""
 
 # The cast code: from_flat_dict's cast goes through NumPy and lands on the default device,
 # so each array goes back where the template's is (its device, or its shards on a mesh).
@@ -244,5 +256,6 @@ def _loader_hints(report: FlatDictReport, part: str, restore: str) -> FlatDictRe
     # with_hint formats the text ({names}): the braces of a dict in the code are kept
     cast = CAST_CODE.format(restore=restore).replace("{", "{{").replace("}", "}}")
     note = CAST_NOTE["manager" if restore.startswith("manager.") else ""]
-    report = report.with_hint("kind", KIND_ON_LOAD.format(part=part))
+    report = report.with_hint("kind", KIND_ON_LOAD.format(part=part)).with_hint("wraps", WRAPS_ON_LOAD.format(part=part))
+    report = report.with_hint("int", INT_DIFFER + CAST_ON_LOAD.format(part=part, cast=cast, note=note))
     return report.with_hint("float", FLOAT_DIFFER + CAST_ON_LOAD.format(part=part, cast=cast, note=note))

@@ -14,6 +14,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _hypothesis import examples
 from _tolerance import needs_float16_conversions
@@ -241,6 +242,47 @@ def test_state_dict_round_trip_keeps_every_value_and_dtype():
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(model)):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+class Scaled(ft.Module):
+    lin: ft.nn.Dense
+    scale: float = 1.5  # a Python float field: a trained parameter
+
+    def __call__(self, x):
+        return self.scale * self.lin(x)
+
+
+class TorchScaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return self.scale * self.lin(x)
+
+
+def test_a_python_float_field_is_written_in_the_parameter_view_s_dtype_before_and_after_training():
+    """A model's untrained ``scale: float = 1.5`` was written as a float64 tensor, the same model
+    after an optimizer step (the field a float32 array) as float32: two dtypes for one model. It
+    is written in the parameter view's dtype (float32 without x64) both times, and goes to torch
+    and back with its value."""
+    model = Scaled(ft.nn.Dense(3, 2, key=K[0]))
+    optimizer = ft.optim.Optimizer(optax.sgd(0.1))
+    grads = ft.gradient(lambda m: jnp.sum(m(jnp.ones(3))))(model)
+    updates, _ = optimizer.update(grads, optimizer.init(model), model)
+    trained = ft.move(model, along=updates)
+    assert trained.scale.dtype == jnp.float32
+    for m in (model, trained):
+        assert ft.nn.torch_state_dict(m)["scale"].dtype == torch.float32
+        assert ft.nn.torch_state_dict(m, numpy=True)["scale"].dtype == np.float32
+    module = TorchScaled()
+    module.load_state_dict(ft.nn.torch_state_dict(model))
+    assert module.scale.item() == 1.5
+    x = np.ones((1, 3), np.float32)
+    back = ft.nn.load_torch_state_dict(model, module.state_dict())
+    assert float(back.scale) == 1.5 and ft.nn.torch_state_dict(back)["scale"].dtype == torch.float32
+    close(back(x), run_torch(module, (x,)))
 
 
 @needs_float16_conversions  # float8/float16 conversions: XLA:CPU below AVX cannot link them

@@ -97,6 +97,7 @@ from functree._alias import check_stale
 from functree._files import read_path
 from functree._module import Module
 from functree._naming import fill_stars, rename_pattern
+from functree._parameters import floats_as_arrays, parameters, with_parameters
 from functree._stacked import is_stacked
 from functree._state_dict import (
     TORCH_CAST_HINT,
@@ -1331,7 +1332,8 @@ def torch_state_dict(
     :func:`ft.nn.from_hf` (at the root or inside) is written as its Hugging Face model's
     ``state_dict()`` under its torch name (:func:`ft.nn.to_hf_state_dict`'s tensors: a tied
     head under both names). Tensors are torch's (bfloat16 and float8 stay bfloat16 and
-    float8, bit for bit, NaN payloads too); ``numpy=True`` returns NumPy arrays instead and
+    float8, bit for bit, NaN payloads too; a Python float field, ``scale: float = 1.0``, in the
+    parameter view's dtype: float32 unless x64, as after a step); ``numpy=True`` returns NumPy arrays instead and
     does not import torch. In a multi-process job every process calls it: leaves sharded over other
     processes' devices are gathered, and each process gets the whole state dict.
 
@@ -1358,7 +1360,7 @@ def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping
     _check_no_flags(model, where)
     shapes = _shapes(flattened)
     to_torch = _renamer(rename, to_model=False)
-    plan = _plan(model, shapes, layouts, ports=ports)
+    plan = _plan(_float_fields_as_arrays(model), shapes, layouts, ports=ports)
     out: dict[str, Any] = {}
     for rule in plan.rules:
         leaves = [plan.leaves[n].value for n in rule.ft]
@@ -1370,6 +1372,15 @@ def state_dict_by_rules(model: Any, *, rename: Rename = None, flattened: Mapping
         ported = prefixed(found.torch, found.port.state_dict(found.node))
         out.update((to_torch(n), _contiguous(v)) for n, v in ported.items())
     return out
+
+
+def _float_fields_as_arrays(model: Any) -> Any:
+    """``model`` with its Python float parameters (``scale: float = 1.0``) as the parameter view
+    holds them (:func:`~functree._parameters.floats_as_arrays`: float32 unless x64): NumPy read
+    1.0 as float64, so a model wrote float64 before its first step and float32 after it."""
+    view = parameters(model)
+    arrays = floats_as_arrays(view)
+    return model if arrays is view else with_parameters(model, arrays)
 
 
 def _contiguous(value: Any) -> np.ndarray:

@@ -561,6 +561,25 @@ def test_update_bn_is_torchs_swa_update_bn_and_keeps_the_rest_of_the_model():
                  "ft.nn.update_bn(model, ft.train.batches((x, y), 64))")
 
 
+def test_update_bn_refuses_a_call_that_cannot_take_the_model_and_the_batch():
+    """ft.nn.update_bn(model, batches, call=lambda m: m(x)) (or a call of three arguments)
+    failed inside the jitted pass with Python's bare "takes 1 positional argument but 2 were
+    given". CALL_ARGUMENTS names the call, its signature and call(model, batch); the fix it
+    shows recomputes the statistics, and a call taking *args is never refused."""
+    from functree.nn._update_bn import CALL_ARGUMENTS
+    from tests._errors import raises_named
+
+    model = ft.nn.Sequential(ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.nn.BatchNorm(2))
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype(np.float32)
+    for call in (lambda m: m(x), lambda m, batch, extra: m(batch)):
+        raises_named(lambda call=call: ft.nn.update_bn(model, [(x, 0)], call=call), TypeError, CALL_ARGUMENTS,
+                     "call=lambda m, batch: m(batch[0])")
+    want = ft.nn.update_bn(model, [x]).layers[1].running_mean
+    for call in (lambda m, batch: m(batch[0]), lambda *a: a[0](a[1][0])):
+        got = ft.nn.update_bn(model, [(x, 0)], call=call).layers[1].running_mean
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
 def test_update_bn_sums_a_bfloat16_models_statistics_in_float32():
     """ft.nn.update_bn on a bfloat16 model (SWA's averaged model) took each batch's 1/n share
     into bfloat16 running statistics, where a share below half bfloat16's spacing rounds away:

@@ -888,3 +888,37 @@ def test_a_python_float_field_trains_under_transforms_reading_its_dtype_as_an_ar
         np.testing.assert_allclose(float(trained[0].bias), float(trained[1].bias), rtol=0, atol=1e-7)
         np.testing.assert_allclose(trained[0].w, trained[1].w, rtol=0, atol=1e-7)
         assert float(trained[0].bias) != 0.5  # it trained
+
+
+def test_a_loss_or_get_gradients_hook_of_the_wrong_arity_is_refused_naming_the_call():
+    """A loss without the batch (opt.minimize(lambda m: ..., model, state, x)), one taking more
+    batch arguments than given, and a get_gradients hook of another shape (lambda grads: ...,
+    one without has_aux=) failed inside the step with Python's bare arity error. LOSS_CALL and
+    HOOK_CALL name the function, the call it gets and the code that takes it; that code trains,
+    and a loss or hook taking *args, or a user's own hook (which may call the loss its way),
+    is never refused."""
+    from functree.optim._hooks import HOOK_CALL, LOSS_CALL
+    from tests._errors import raises_named
+
+    w, x = {"w": jnp.zeros(())}, jnp.array([1.0, 2.0])
+    sgd = ft.optim.Optimizer(optax.sgd(0.5))
+    for loss in (lambda m: m["w"] ** 2, lambda m, x, y: m["w"] * x.mean()):
+        raises_named(lambda loss=loss: sgd.minimize(loss, w, sgd.init(w), x), TypeError, LOSS_CALL, "right:  lambda model, x: ...")
+    clipped = ft.optim.Optimizer(optax.sgd(0.5), get_gradients=ft.optim.per_example_clipping(1.0))
+    raises_named(lambda: clipped.minimize(lambda m: m["w"] ** 2, w, clipped.init(w), x), TypeError, LOSS_CALL,
+                 "loss_fn(model, x)")
+    for hook in (lambda grads: grads, lambda loss_fn, model, x: jax.value_and_grad(loss_fn)(model, x)):
+        opt = ft.optim.Optimizer(optax.sgd(0.5), get_gradients=hook)
+        raises_named(lambda opt=opt: opt.minimize(lambda m, x: -(m["w"] * x).mean(), w, opt.init(w), x), TypeError, HOOK_CALL,
+                     "right:  def hook(loss_fn, model, *batch, has_aux=False):")
+
+    def hook(loss_fn, model, *batch, has_aux=False):  # HOOK_CALL's right
+        return jax.value_and_grad(lambda m: loss_fn(m, *batch), has_aux=has_aux)(model)
+
+    own = ft.optim.Optimizer(optax.sgd(0.5), get_gradients=lambda loss_fn, model, b, has_aux=False:
+                             jax.value_and_grad(lambda m: loss_fn(m, b["x"]), has_aux=has_aux)(model))
+    for opt, loss, batch in ((sgd, lambda *a: -(a[0]["w"] * a[1]).mean(), (x,)),
+                             (ft.optim.Optimizer(optax.sgd(0.5), get_gradients=hook), lambda m, x: -(m["w"] * x).mean(), (x,)),
+                             (own, lambda m, x: -(m["w"] * x).mean(), ({"x": x},))):
+        trained, _, _ = opt.minimize(loss, w, opt.init(w), *batch)
+        np.testing.assert_allclose(trained["w"], 0.75, rtol=0, atol=1e-6)  # 0.5 * mean(x)

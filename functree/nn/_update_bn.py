@@ -16,12 +16,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from functree._source import call_refusal
 from functree._where import following
 from functree.nn._normalization import BatchNorm
 from functree.nn._precision import statistics_dtype
 from functree.nn._state import apply_state, collect_state
 
-__all__ = ["update_bn", "NO_BATCH_NORM", "NO_BATCHES"]
+__all__ = ["update_bn", "NO_BATCH_NORM", "NO_BATCHES", "CALL_ARGUMENTS"]
 
 NO_BATCH_NORM = """\
 ft.nn.update_bn: the model holds no ft.nn.BatchNorm with running statistics \
@@ -38,6 +39,24 @@ iterator already used up:
 
     wrong:  it = iter(batches); list(it); ft.nn.update_bn(model, it)
     right:  model = ft.nn.update_bn(model, ft.train.batches((x, y), 64))"""
+
+CALL_ARGUMENTS = """\
+ft.nn.update_bn calls call(model, batch) once per batch, with the batch whole (a tuple (x, y) \
+as it is, not its first element); {name}{signature} cannot be called so (Python's "{problem}"). \
+Take the model it is given and the batch, and call the model on the batch's input:
+
+    wrong:  ft.nn.update_bn(model, batches, call={name})   # {name}{signature}
+    right:  ft.nn.update_bn(model, batches, call=lambda m, batch: m(batch[0]))   # your call, on the batch given"""
+
+
+def _check_call(call: Callable[..., Any]) -> None:
+    """:data:`CALL_ARGUMENTS` for a ``call`` that cannot take ``(model, batch)`` (``lambda m:
+    m(x)``), which failed inside the jitted pass with Python's bare arity error. A callable
+    without a readable signature is left to its call."""
+    refused = call_refusal(call, None, None)
+    if refused is not None:
+        name, signature, problem = refused
+        raise TypeError(CALL_ARGUMENTS.format(name=name, signature=signature, problem=problem))
 
 
 def _is_batch_norm(node: Any) -> bool:
@@ -117,6 +136,8 @@ def update_bn(model: Any, batches: Iterable[Any], call: Callable[[Any, Any], Any
       >>> fresh.layers[1].momentum, fresh.layers[1].training     # as the model had them
       (0.99, False)
     """
+    if call is not None:
+        _check_call(call)
     nodes, treedef = jax.tree.flatten(model, is_leaf=_is_batch_norm)
     if not any(_tracking(node) for node in nodes):
         raise ValueError(NO_BATCH_NORM)

@@ -11,8 +11,11 @@ from typing import Any
 
 import optax
 
-__all__ = ["checked_hooks", "chain_hooks", "takes_scale", "takes_keyword", "STATEFUL_HOOK", "BOTH_LOSS_HOOKS",
-           "HOOK_WITHOUT_SCALE", "SCALED_HOOK"]
+from functree._source import call_refusal
+
+__all__ = ["checked_hooks", "chain_hooks", "takes_scale", "takes_keyword", "check_hook_call", "check_loss_call",
+           "STATEFUL_HOOK", "BOTH_LOSS_HOOKS", "HOOK_WITHOUT_SCALE", "SCALED_HOOK", "HOOK_CALL", "LOSS_CALL",
+           "CALLS_LOSS_AS_GIVEN"]
 
 STATEFUL_HOOK = """\
 {hook}= takes functions from a gradient tree to a gradient tree; got the optax \
@@ -86,3 +89,80 @@ def takes_keyword(hook: Callable[..., Any], name: str) -> bool:
 def takes_scale(hook: Callable[..., Any]) -> bool:
     """Whether a get_gradients hook accepts ``scale=`` (a parameter of that name, or ``**kwargs``)."""
     return takes_keyword(hook, "scale")
+
+
+HOOK_CALL = """\
+The optimizer calls its get_gradients hook as {call}, with {count} batch argument{s}, and takes \
+back (loss, grads) (((loss, aux), grads) with has_aux=True); {name}{signature} cannot be called \
+so (Python's "{problem}").{note} Take the loss function, the model, the batch arguments and \
+has_aux:
+
+    wrong:  def {name}{signature}: ...
+{right}"""
+
+HOOK_RIGHT = """\
+    right:  def hook(loss_fn, model, *batch, has_aux=False{keywords}):
+                return jax.value_and_grad(lambda m: loss_fn(m, *batch), has_aux=has_aux)(model)"""
+"""The default fix of :data:`HOOK_CALL` (a hook given ``scale=`` shows :data:`SCALED_HOOK`)."""
+
+GRADIENTS_ALONE = """ A function of the gradients alone goes to transform_gradients= (after the \
+replicas' mean) or transform_unaggregated_gradients= (before it)."""
+
+LOSS_CALL = """\
+The optimizer calls the loss function as {call}: the model, then the {count} batch argument{s} \
+(opt.minimize(loss_fn, model, state, *batch)'s, opt.step(loss_fn, model, state, batch)'s tuple \
+unpacked){key}. {name}{signature} cannot be called so (Python's "{problem}", which the step \
+would raise from inside its trace). Take one parameter per batch argument, or give the batch \
+as the loss takes it:
+
+    wrong:  {wrong}
+    right:  {right}"""
+
+CALLS_LOSS_AS_GIVEN = "__ft_calls_loss_as_given__"
+"""The attribute by which a library get_gradients hook (``per_example_clipping``) says it calls
+``loss_fn(model, *batch)`` with the batch arguments it is given, so the optimizer checks the
+loss's signature first (:func:`check_loss_call`); another hook may call it its own way."""
+
+
+def _arguments(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
+def check_hook_call(hook: Callable[..., Any], loss_fn: Any, model: Any, batch: tuple, **keywords: Any) -> None:
+    """:data:`HOOK_CALL` for a get_gradients hook that cannot be called with the arguments it
+    is about to get (``lambda grads: ...``, a hook without ``has_aux=``), which failed with
+    Python's bare arity error; a hook taking ``*args``/``**kwargs`` binds anything."""
+    refused = call_refusal(hook, loss_fn, model, *batch, **keywords)
+    if refused is None:
+        return
+    name, signature, problem = refused
+    shown = "".join(f", {k}={v!r}" if k == "has_aux" else f", {k}=..." for k, v in keywords.items())
+    positional = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    extra = "".join(f", {k}=None" for k in keywords if k != "has_aux")
+    right = SCALED_HOOK if "scale" in keywords else HOOK_RIGHT.format(keywords=extra)
+    raise TypeError(HOOK_CALL.format(
+        call=f"hook(loss_fn, model, *batch{shown})", count=len(batch), s=_arguments(len(batch)), name=name,
+        signature=signature, problem=problem, note=GRADIENTS_ALONE if len(positional) == 1 else "", right=right))
+
+
+def check_loss_call(loss_fn: Callable[..., Any], model: Any, batch: tuple, key: Any = None) -> None:
+    """:data:`LOSS_CALL` for a loss that cannot be called as ``loss_fn(model, *batch)`` (with
+    ``key=`` when the step has a key): ``loss(model)`` given a batch, ``loss(model, x, y)``
+    given one array, which failed inside the step's trace with Python's bare arity error."""
+    keywords = {} if key is None else {"key": key}
+    refused = call_refusal(loss_fn, model, *batch, **keywords)
+    if refused is None:
+        return
+    name, signature, problem = refused
+    names = {0: [], 1: ["x"], 2: ["x", "y"]}.get(len(batch), [f"x{i}" for i in range(len(batch))])
+    params = ", ".join(["model", *names]) + (", *, key" if key is not None else "")
+    raise TypeError(LOSS_CALL.format(
+        call=f"loss_fn({', '.join(['model', *names])}{', key=key' if key is not None else ''})", count=len(batch),
+        s=_arguments(len(batch)), key=", and the step's key as key=" if key is not None else "", name=name,
+        signature=signature, problem=problem, wrong=_written(name, ", ".join(map(str, signature.parameters.values()))),
+        right=_written(name, params)))
+
+
+def _written(name: str, params: str) -> str:
+    """A function of ``params`` as code: ``lambda model, x: ...`` for a lambda, else a def."""
+    return f"lambda {params}: ..." if name == "<lambda>" else f"def {name}({params}): ..."

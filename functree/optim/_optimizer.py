@@ -75,9 +75,12 @@ from functree.optim._extras import (
 from functree.optim._groups import GroupStateChanged
 from functree.optim._hooks import (
     BOTH_LOSS_HOOKS,
+    CALLS_LOSS_AS_GIVEN,
     HOOK_WITHOUT_SCALE,
     SCALED_HOOK,
     chain_hooks,
+    check_hook_call,
+    check_loss_call,
     checked_hooks,
     takes_keyword,
     takes_scale,
@@ -574,6 +577,7 @@ class Optimizer:
                     raise TypeError(HOOK_WITHOUT_SCALE.format(hook=getattr(hook, "__qualname__", "hook"),
                                                               scaled_hook=SCALED_HOOK))
                 kw["scale"] = scale
+            check_hook_call(hook, loss_fn, model, batch, has_aux=has_aux, **kw)
             return hook(loss_fn, model, *batch, has_aux=has_aux, **kw)
 
         def objective(m: Any) -> tuple[Any, Any]:
@@ -656,6 +660,8 @@ class Optimizer:
         as ``ft.train.train_step(mesh=)`` takes it. On a mesh step's axis, what a custom
         aggregation leaves varying over it is averaged (so weighed) before
         ``transform_gradients`` (:func:`_complete_aggregation`)."""
+        if _calls_loss_as_given(self):  # (from gradients: its state objective, which binds anything)
+            check_loss_call(loss_fn, model, batch, key)
         def differentiated(model: Any) -> tuple[Any, Any]:
             if self.accumulate > 1:
                 return accumulated_gradients(self, loss_fn, model, batch, has_aux, state, key)
@@ -779,6 +785,8 @@ class Optimizer:
         """The first half of :meth:`step`: the loss, the gradients after the hooks
         (:meth:`compute_gradients`, ``key`` and ``checked`` included) and the layer state
         the model recorded, per replica."""
+        if _calls_loss_as_given(self):  # the user's loss, before any wrapper
+            check_loss_call(loss_fn, model, batch, key)
         if _has_layer_state(model):  # collect what BatchNorm & co. record in training mode
             objective = _state_objective(loss_fn, has_aux)
             (loss, (out, layer_state)), grads = self.compute_gradients(objective, model, *batch, has_aux=True,
@@ -1130,6 +1138,23 @@ def moved_view(optimizer: Any, model: Any) -> Any:
     except (ValueError, TypeError):  # the transform's own refusal (a pattern naming nothing): its init raises it
         return view
     return treedef.unflatten([None if f else x for x, f in zip(leaves, frozen)])
+
+
+def _calls_loss_as_given(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` calls ``loss_fn(model, *batch)`` with the batch it is given, so
+    that a loss which cannot take it is refused first: functree's own ``get_gradients`` and
+    ``compute_gradients`` at every level, and no get_gradients hook but one marked
+    :data:`~functree.optim._hooks.CALLS_LOSS_AS_GIVEN`. A user's override or hook may call
+    the loss its own way (a dict batch unpacked), which no signature check may refuse."""
+    for _ in range(16):
+        if not all(getattr(type(optimizer), m).__module__.startswith("functree.")
+                   for m in ("get_gradients", "compute_gradients")):
+            return False
+        if not isinstance(optimizer, OptimizerWrapper):
+            hook = optimizer._get_gradients
+            return hook is None or getattr(hook, CALLS_LOSS_AS_GIVEN, False)
+        optimizer = optimizer.inner
+    return False
 
 
 def _innermost(optimizer: Optimizer) -> Optimizer:

@@ -34,6 +34,7 @@ from functree.optim._arguments import check_argument
 from functree.optim._average import is_slot
 from functree.optim._complex import RealPair, is_pair
 from functree.optim._context import LearningContext
+from functree.optim._hooks import CALLS_LOSS_AS_GIVEN
 from functree.optim._hyper import inject
 from functree.optim._masked import declare_frozen, masked
 from functree.optim._signature import Hyper, optimizer
@@ -348,6 +349,7 @@ def per_example_clipping(threshold: float) -> Callable[..., Any]:
             return (jnp.mean(outs[0]), outs[1]), mean
         return jnp.mean(outs), mean
 
+    setattr(get_gradients, CALLS_LOSS_AS_GIVEN, True)  # loss_fn(m, *example): the optimizer checks the loss
     return get_gradients
 
 

@@ -450,3 +450,39 @@ def test_an_average_given_part_of_a_stacked_leaf_is_refused_naming_the_members()
     trained, state, _ = opt.minimize(loss, model, state)
     # one step: the debiased average is that step's parameters, every member's
     np.testing.assert_array_equal(fo.averaged(state, trained)["h"].layers.bias, trained["h"].layers.bias)
+
+
+def test_a_bare_optax_set_to_zero_group_freezes_as_freeze_does_with_no_alias_warning():
+    """A group given optax.set_to_zero() (the zero updates freeze() makes, undeclared) left its
+    parameters unchanged, but a layer at two fields in it was warned of (AliasWarning: "trained
+    as independent copies") by Optimizer.init, the train step and the Trainer, where freeze()
+    is not: it is read as freezing, and trains exactly as freeze() does."""
+    import warnings
+
+    def model():
+        encoder = ft.nn.Dense(2, 2, key=jax.random.key(0))
+        return {"enc_a": encoder, "enc_b": encoder, "head": ft.nn.Dense(2, 2, key=jax.random.key(1))}
+
+    def loss(m, x):
+        return jnp.mean(m["head"](m["enc_b"](m["enc_a"](x))) ** 2)
+
+    x, head = jnp.ones((4, 2)), {"head.*": ft.optim.sgd(0.1)}
+    trained = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ft.AliasWarning)
+        ft.optim.Optimizer(ft.optim.masked(optax.set_to_zero(), ("enc_a.*", "enc_b.*"))).init(model())
+        for name, frozen in (("set_to_zero", optax.set_to_zero()), ("freeze", ft.optim.freeze())):
+            tx = ft.optim.groups(head, default=frozen)
+            ft.optim.Optimizer(tx).init(model())
+            step = ft.train.train_step(loss, tx)
+            trained[name], _, _ = step(model(), step.optimizer.init(model()), x)
+            ft.train.Trainer(model(), ft.optim.groups(head, default=optax.set_to_zero()), loss).fit(
+                [x], steps=1, progress=False)
+    start = model()
+    np.testing.assert_array_equal(trained["set_to_zero"]["enc_a"].weight, start["enc_a"].weight)
+    np.testing.assert_array_equal(trained["set_to_zero"]["enc_b"].weight, start["enc_b"].weight)
+    assert not np.array_equal(trained["set_to_zero"]["head"].weight, start["head"].weight)
+    for a, b in zip(jax.tree.leaves(trained["set_to_zero"]), jax.tree.leaves(trained["freeze"])):
+        np.testing.assert_array_equal(a, b)
+    with pytest.warns(ft.AliasWarning, match=r"'enc_a.weight' and 'enc_b.weight'"):  # a group training one: warned
+        ft.optim.Optimizer(ft.optim.groups({**head, "enc_a.*": optax.set_to_zero()}, default=ft.optim.sgd(0.1))).init(model())

@@ -82,6 +82,10 @@ def named_member_masks() -> Iterator[None]:
 # never guessed (as _leafwise.separable): any other transform or chain moves every leaf.
 _FREEZES: weakref.WeakKeyDictionary[Any, Callable[[Any], list[bool]]] = weakref.WeakKeyDictionary()
 
+# optax.set_to_zero()'s update, known by its code: a new closure per call, so never declared,
+# but the same function as the one freeze() declares (a group given it bare freezes as freeze()).
+_SET_TO_ZERO = getattr(optax.set_to_zero().update, "__code__", None)
+
 
 def declare_frozen(transform: Any, frozen: Callable[[Any], list[bool]]) -> Any:
     """``transform``, declared to leave the leaves ``frozen(params)`` marks unchanged (zero
@@ -92,12 +96,16 @@ def declare_frozen(transform: Any, frozen: Callable[[Any], list[bool]]) -> Any:
 
 def frozen_leaves(transform: Any, params: Any) -> list[bool]:
     """Per leaf of ``params`` (``None`` counted), whether ``transform`` declares its updates
-    always zero (:func:`declare_frozen`); all False for a transform that declares nothing.
+    always zero (:func:`declare_frozen`; a bare ``optax.set_to_zero()``, which is what
+    ``freeze()`` declares, too); all False for a transform that declares nothing.
     For :class:`~functree.AliasWarning`: a tie that nothing moves stays one value."""
+    update = getattr(transform, "update", None)
     try:
-        frozen = _FREEZES.get(getattr(transform, "update", None))
+        frozen = _FREEZES.get(update)
     except TypeError:  # not weakly referenceable: never declared
         frozen = None
+    if frozen is None and _SET_TO_ZERO is not None and getattr(update, "__code__", None) is _SET_TO_ZERO:
+        return [True] * len(jax.tree.leaves(params, is_leaf=is_none))
     if frozen is None:
         return [False] * len(jax.tree.leaves(params, is_leaf=is_none))
     return frozen(params)
@@ -186,7 +194,7 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
              [1., 1.],
              [1., 1.]], dtype=float32)
     """
-    inner = optax.with_extra_args_support(inner)
+    given, inner = inner, optax.with_extra_args_support(inner)  # (given: a bare set_to_zero() read as frozen)
     patterns = (mask,) if isinstance(mask, str) else None
     if isinstance(mask, (tuple, list)) and mask and all(isinstance(m, str) for m in mask):
         patterns = tuple(mask)
@@ -222,7 +230,7 @@ def masked(inner: optax.GradientTransformation, mask: Any) -> optax.GradientTran
         return treedef.unflatten(out), optax.MaskedState(new_inner)
 
     def frozen(params: Any) -> list[bool]:  # the unselected leaves get the incoming update: moved
-        inner_frozen = frozen_leaves(inner, params)
+        inner_frozen = frozen_leaves(given, params)
         if not any(inner_frozen):
             return inner_frozen
         return [f and is_whole(m) for f, m in zip(inner_frozen, marks_of(params))]

@@ -527,8 +527,34 @@ def inner_product(a: Any, b: Any) -> jax.Array:
     return _inner("ft.inner_product", a, b)
 
 
+TANGENT_AT_NO_DERIVATIVE = """\
+{what}: the tree has a floating value at {path}, a no_derivative field (a running statistic, \
+a buffer), where no parameter's tangent has one: it is the model itself, or jax.grad's \
+full-structure tree (whose entry there is the loss's slope in a value no step trains), and \
+would count in the result silently. Give the parameter view:
+    wrong:  {what}({other}model)                          # or jax.grad(loss)(model)
+    right:  {what}({other}ft.parameters(model))           # the parameters' values, None elsewhere
+       or:  {what}({other}ft.gradient(loss, at=model))    # the gradient: None at non-parameters"""
+
+
+def _check_parameter_view(what: str, tree: Any) -> None:
+    """:data:`TANGENT_AT_NO_DERIVATIVE` for a floating array of ``tree`` in a ``no_derivative``
+    field (BatchNorm's running statistics), which :func:`ft.gradient <functree.gradient>`
+    leaves None: a norm or inner product of the model counted them (one flatten; the
+    field positions are cached per tree definition)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    kept = treedef.flatten_up_to(parameters(tree))
+    found = next((x for x, k in zip(leaves, kept)
+                  if k is None and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)), None)
+    if found is not None:
+        other = "tangent, " if what == "ft.inner_product" else ""
+        raise ValueError(TANGENT_AT_NO_DERIVATIVE.format(what=what, path=path_of(tree, found), other=other))
+
+
 def _inner(what: str, a: Any, b: Any) -> jax.Array:
     """:func:`inner_product`, its errors naming ``what`` (the public function called)."""
+    for tree in (a,) if b is a else (a, b):
+        _check_parameter_view(what, tree)
     acc = _accumulation_dtype(jax.tree.leaves(a) + jax.tree.leaves(b))
     try:
         products = jax.tree.leaves(map_checked(what, lambda x, y: _leaf_inner(_floating(x), _floating(y), acc), a, b))

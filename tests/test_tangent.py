@@ -163,6 +163,32 @@ def test_tangent_arithmetic_refuses_integer_bool_and_float0_leaves_naming_the_pa
     np.testing.assert_allclose(ft.tangent_norm(ft.tangent_scale(grads, 0.5)), 0.5 * 3 * np.sqrt(2), rtol=0, atol=1e-6)
     np.testing.assert_allclose(ft.tangent_norm(ft.parameters(model)), 5.0, rtol=0, atol=1e-6)
 
+def test_a_norm_or_inner_product_of_the_model_itself_is_refused_at_its_running_statistics():
+    """ft.tangent_norm(model) (and of jax.grad's full-structure tree) counted BatchNorm's
+    running statistics, float no_derivative leaves, where ft.gradient's tree has None: 3.4x
+    the parameters' norm here, silently. TANGENT_AT_NO_DERIVATIVE names the key path and the
+    parameter view; the gradient's norm and the parameters' are as before."""
+    from functree._tangent import TANGENT_AT_NO_DERIVATIVE
+
+    model = ft.nn.Sequential(ft.nn.Dense(3, 2, key=jax.random.key(0)), ft.nn.BatchNorm(2))
+    x = jnp.ones((4, 3))
+    loss = lambda m: jnp.sum(m(x))  # noqa: E731
+    full = jax.grad(loss)(model)  # the slope in the running mean: nonzero
+    assert float(jnp.abs(full.layers[1].running_mean).max()) > 0
+    for op, args in ((ft.tangent_norm, (model,)), (ft.tangent_norm, (full,)),
+                     (ft.inner_product, (ft.parameters(model), model))):
+        with pytest.raises(ValueError) as info:
+            op(*args)
+        other = "tangent, " if op is ft.inner_product else ""
+        assert str(info.value) == TANGENT_AT_NO_DERIVATIVE.format(what=f"ft.{op.__name__}",
+                                                                  path=".layers[1].running_mean", other=other)
+    params, grads = ft.parameters(model), ft.gradient(loss, at=model)
+    want = np.sqrt(sum(float(jnp.sum(p ** 2)) for p in jax.tree.leaves(params)))
+    np.testing.assert_allclose(ft.tangent_norm(params), want, rtol=0, atol=1e-6 * want)
+    np.testing.assert_allclose(ft.tangent_norm(grads), np.sqrt(float(ft.inner_product(grads, grads))), rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(ft.tangent_norm)(params), want, rtol=0, atol=1e-6 * want)
+
+
 def test_inner_product_of_complex_leaves_is_the_real_part_without_a_casting_warning():
     rng = np.random.default_rng(1)
     z = jnp.asarray(rng.normal(size=5) + 1j * rng.normal(size=5), jnp.complex64)

@@ -218,3 +218,45 @@ def test_a_trainer_cell_run_again_after_a_global_changed_runs_the_new_value():
     np.testing.assert_allclose(w, -11.0, rtol=0, atol=1e-6)  # sgd(1.0): 1 - Σ_rows x·G = 1 - 4·3
     np.testing.assert_allclose(loss, 3.0 * 4 * 2 * -11.0, rtol=1e-6)  # eager: Σ G·x@w over 4 rows
     np.testing.assert_allclose(out, np.full((4, 1), 3.0 * 2 * -11.0), rtol=1e-6)
+
+
+_SQUARE_CELL = """
+@ft.differentiable
+def sq(y):
+    return y * y
+def sq_loss(m, batch):
+    return jnp.sum(sq(m(batch)))
+"""
+
+_RULE_CELL = """
+@ft.derivative(of=sq)
+def d_sq(x):
+    return sq(x), lambda v: SLOPE * x * v
+"""
+
+_RULE_TRAINER_CELL = """
+trainer = ft.train.Trainer(Net(jnp.ones((2, 1))), ft.optim.sgd(0.1), sq_loss)
+trainer.fit([x], epochs=1, progress=False)
+step = ft.train.train_step(sq_loss, ft.optim.sgd(0.1))
+net = Net(jnp.ones((2, 1)))
+results = (trainer.model.w, step(net, step.optimizer.init(net), x)[0].w)
+"""
+
+
+def test_a_derivative_rule_registered_again_trains_with_the_new_rule():
+    """A notebook: the ``@ft.derivative(of=sq)`` cell edited and run again (or a global its rule
+    reads set), then the Trainer cell. The rule is set on ``sq`` in place, and the programs were
+    keyed by ``sq``'s identity: the new Trainer and a new train_step ran the old rule's program
+    (w 0.6 where the new rule gives 0.8, then 0.0), silently."""
+    ns: dict = {"x": np.ones((1, 2), np.float32), "SLOPE": 2.0}
+    exec(compile(_SCALED_CELL + _SQUARE_CELL, "<cell>", "exec"), ns)
+    for cell in (_RULE_CELL, _RULE_TRAINER_CELL):
+        exec(compile(cell, "<cell>", "exec"), ns)
+    # sum(sq(x @ w)) at x @ w = 2: the rule's SLOPE * 2 for each weight, times sgd's 0.1
+    np.testing.assert_allclose(ns["results"], np.full((2, 2, 1), 1 - 0.1 * 2.0 * 2), rtol=0, atol=1e-6)
+    exec(compile("SLOPE = 1.0", "<cell>", "exec"), ns)  # a global the rule reads
+    exec(compile(_RULE_TRAINER_CELL, "<cell>", "exec"), ns)
+    np.testing.assert_allclose(ns["results"], np.full((2, 2, 1), 1 - 0.1 * 1.0 * 2), rtol=0, atol=1e-6)
+    exec(compile(_RULE_CELL.replace("SLOPE", "5.0"), "<cell>", "exec"), ns)  # the rule edited, run again
+    exec(compile(_RULE_TRAINER_CELL, "<cell>", "exec"), ns)
+    np.testing.assert_allclose(ns["results"], np.full((2, 2, 1), 1 - 0.1 * 5.0 * 2), rtol=0, atol=1e-6)

@@ -27,7 +27,9 @@ their tuples by type and exact value (``1``, ``1.0`` and ``True`` differ; ``-0.0
 ``0.0``); lists and dicts by contents (a cell may change them in place), as are the attributes of
 a user's mutable object (a config, a ``SimpleNamespace``); NumPy arrays by dtype, shape
 and bytes; a user's own module (not an installed package: ``import mycfg``) by identity and by
-the attributes of it the code names (``mycfg.GAIN``); an instance of a user class also by
+the attributes of it the code names (``mycfg.GAIN``); an ``ft.differentiable`` function by
+identity and by its function and rules, read as above (``@ft.derivative(of=f)`` sets a rule
+on ``f`` in place: a rule cell run again, edited); an instance of a user class also by
 its class, read as above (``y * g`` runs ``type(g).__rmul__``); library modules, library functions,
 classes, JAX arrays, Modules and frozen dataclasses (immutable) and other objects by
 identity, weakly held where they allow it. A NumPy array over
@@ -55,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from functree._derivative import DifferentiableFunction
 from functree._module import GENERATED_INIT, Module
 from functree._tree import WeakIdentity, bounded_put
 
@@ -287,6 +290,8 @@ class _Builder:
             return kind, self.value(v.fget, depth)
         if isinstance(v, types.ModuleType):
             return v  # code, alive for the process: compared by identity (its __eq__)
+        if isinstance(v, DifferentiableFunction):
+            return self.differentiable(v, depth)
         # a user class's instance: its class too (``x * g`` runs ``type(g).__rmul__``)
         own = () if library_class(kind) else self.cls(kind, depth + 1)
         if _mutable_record(v):  # a notebook's config object: a later cell may set its fields
@@ -332,6 +337,12 @@ class _Builder:
         members = () if owner is None else tuple(self.attribute(owner, name, depth + 1, every)
                                                  for name in _members(owner, code, attributes, every))
         return (ident, cells, reads, members, self.value(fn.__defaults__, depth), self.value(fn.__kwdefaults__, depth))
+
+    def differentiable(self, f: DifferentiableFunction, depth: int) -> Any:
+        """``f`` by identity, with its function and its registered rules as they are now:
+        ``@ft.derivative(of=f)`` sets a rule on ``f`` in place (a notebook's rule cell run
+        again, edited), and a rule's code reads globals of its own."""
+        return _identity(f), tuple(self.value(part, depth + 1) for part in (f.fn, f.reverse, f.forward))
 
     def read(self, v: Any, attributes: tuple[str, ...], depth: int) -> Any:
         """A global or cell the code reads: a user's module (``import mycfg``) by identity and

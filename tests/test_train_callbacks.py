@@ -53,6 +53,36 @@ def test_early_stopping_restores_best():
     assert trainer.stop_training and stop.best_model is not None
 
 
+def test_a_monitoring_callback_of_another_trainers_job_is_refused_not_carried_into_the_new_job(tmp_path):
+    """A notebook: ``stop`` and ``reduce`` made in one cell, the Trainer cell run again with a
+    slower rate. The callbacks kept the first job's best loss: the new job stopped after 2
+    epochs, its rate cut twice to 0.0125, and it ended with the first job's best model as its
+    own, silently. Refused before any step; the same trainer's later fit, a new callback and
+    a restored job's state go on."""
+    from functree.train._callbacks import ANOTHER_JOB
+
+    def callbacks():
+        return [ft.train.EarlyStopping(monitor="loss", patience=2, restore_best=True),
+                ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)]
+
+    first, used = make(lr=0.1), callbacks()
+    first.fit(data(), epochs=2, progress=False, callbacks=[*used, ft.train.ModelCheckpoint(tmp_path / "run")])
+    first.fit(data(), epochs=3, progress=False, callbacks=used)  # the same job goes on
+    assert "wrong:" in ANOTHER_JOB and "right:" in ANOTHER_JOB
+    for cb, effect in zip(used, ("given that job's best model", "its learning rate cut")):
+        again = make(lr=0.01)
+        with pytest.raises(ValueError, match=rf"(?s){type(cb).__name__}\(monitor='loss'\) was given to the fit of a "
+                                             rf"Trainer other than.*best loss [0-9.]+.*{effect}"):
+            again.fit(data(), epochs=3, progress=False, callbacks=[cb])
+        assert again.steps_run == 0
+    fresh = make(lr=0.01)
+    fresh.fit(data(), epochs=3, progress=False, callbacks=callbacks())
+    assert fresh.epoch == 3 and float(ft.optim.hyperparameters(fresh.opt_state)["learning_rate"]) == pytest.approx(0.01)
+    restored = make(lr=0.1).restore(tmp_path / "run")  # the saved states are loaded into them: the job's own
+    restored.fit(data(), epochs=3, progress=False, callbacks=used)
+    assert restored.epoch == 3
+
+
 def test_an_unknown_attribute_of_a_callback_is_refused_and_its_right_line_stops_early(tmp_path):
     # stop.min_delta = ... (the monitor's, read from its own record) and a typo made attributes
     # nothing read: the run went on as if neither was set

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +58,18 @@ Validation metrics need validation data; metric names come from Trainer(metrics=
 
     wrong:  trainer.fit(data, callbacks=[{who}(monitor="val_loss")])
     right:  trainer.fit(data, validation_data=val, callbacks=[{who}(monitor="val_loss")])"""
+
+ANOTHER_JOB = """\
+{who}(monitor={monitor!r}) was given to the fit of a Trainer other than the one whose epochs \
+it monitored (best {monitor} {best:.6g}, {wait} epoch(s) waited since): a callback made in an \
+earlier notebook cell, with the cell making the Trainer run again. Its state is that job's, and \
+this job would be measured against that job's best{effect}.
+
+    wrong:  {name} = ft.train.{who}(...)  # a cell run once
+            trainer = ft.train.Trainer(...)  # a cell run again
+            trainer.fit(data, callbacks=[{name}])
+    right:  trainer.fit(data, callbacks=[ft.train.{who}(...)])  # a new one for each Trainer
+       or:  trainer.restore(path)  # the job its checkpoints hold: their {who} state is loaded"""
 
 NO_LEARNING_RATE = """\
 ReduceLROnPlateau sets the learning rate through ft.optim.set_hyperparameters, but this \
@@ -448,6 +461,7 @@ class _Monitor:
         self.mode: str | None = None
         self.best: float | None = None  # None: no direction yet (a name that does not say)
         self.wait = 0
+        self.job: Callable[[], Any] | None = None  # the trainer whose epochs the state records
         with contextlib.suppress(ValueError):  # a name that does not say: read at on_train_begin
             self.resolve()
 
@@ -466,6 +480,23 @@ class _Monitor:
     def load(self, state: dict[str, Any]) -> None:
         self.best = None if state["best"] is None else float(state["best"])
         self.wait = int(state["wait"])
+        self.job = None  # a restored job's state: the trainer that restored it goes on with it
+
+    def begin(self, trainer: TrainerView, effect: str) -> None:
+        """Refuse (:data:`ANOTHER_JOB`) a state recorded over another Trainer's epochs: kept
+        across ``fit`` calls for one job (the restart recipe), it would measure a new job
+        (a notebook's Trainer cell run again) against the old job's best, silently."""
+        if self.job is not None and self.job() is not trainer:
+            who = self.who
+            raise ValueError(ANOTHER_JOB.format(who=who, monitor=self.monitor, best=self.best, wait=self.wait,
+                                                effect=effect, name="stop" if who == "EarlyStopping" else "reduce"))
+
+    def record(self, trainer: TrainerView) -> None:
+        """The state is of ``trainer``'s job from now on (held weakly where it allows)."""
+        try:
+            self.job = weakref.ref(trainer)
+        except TypeError:  # a stand-in trainer (a namespace): held as it is
+            self.job = lambda: trainer
 
     def value(self, context: TrainingContext) -> float:
         if self.monitor not in context.metrics:
@@ -522,7 +553,10 @@ class EarlyStopping(Settings, Callback):
     epoch (past ``start_from_epoch``) counts as the best: its model is the one restored.
     Keras resets the kept weights at each ``fit``; here all state lasts across ``fit``
     calls (the restart recipe), so a later ``fit`` that never improves restores the
-    earlier best.
+    earlier best. It is one job's: given to another Trainer's ``fit`` (a notebook's Trainer
+    cell run again with a callback made in an earlier cell) it is refused
+    (:data:`ANOTHER_JOB`), as is a :class:`ReduceLROnPlateau`'s; a restored job's saved
+    state is loaded into it.
 
     As Keras's, it never stops at the first epoch, nor at the first monitored one (past
     ``start_from_epoch``): a first value that is NaN (no best yet) with ``patience`` 0 or
@@ -612,13 +646,17 @@ class EarlyStopping(Settings, Callback):
         self.best_average = state["best_average"]
 
     def on_train_begin(self, trainer: TrainerView) -> None:
-        """Read which way the monitor improves (:data:`UNKNOWN_DIRECTION` before any step)."""
+        """Refuse the state of another Trainer's job (:data:`ANOTHER_JOB`); read which way the
+        monitor improves (:data:`UNKNOWN_DIRECTION` before any step)."""
+        self._monitor.begin(trainer, ": stopped after `patience` epochs that do not beat it" + (
+            ", then given that job's best model as this trainer's model" if self.best_model is not None else ""))
         self._monitor.resolve(trainer)
 
     def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         value = self._monitor.value(context)  # read first: a missing monitor is named at once
         if context.sweep <= self.start_from_epoch:  # Keras's `epoch < start_from_epoch`, from 0
             return
+        self._monitor.record(trainer)
         waited = self._monitor.wait
         restores = self.restore_best or self.restore_best_weights
         if self._monitor.improved(value):
@@ -722,8 +760,10 @@ class ReduceLROnPlateau(Settings, Callback):
 
     def on_train_begin(self, trainer: TrainerView) -> None:
         """Refuse, before any step, a learning rate it could not set (a schedule's, or an
-        optimizer state with none): found at the first plateau, that was epochs in; and a
-        monitor whose direction no one gave (:data:`UNKNOWN_DIRECTION`)."""
+        optimizer state with none): found at the first plateau, that was epochs in; a
+        monitor whose direction no one gave (:data:`UNKNOWN_DIRECTION`); and the state of
+        another Trainer's job (:data:`ANOTHER_JOB`)."""
+        self._monitor.begin(trainer, ": its learning rate cut after epochs that do not beat it")
         self._monitor.resolve(trainer)
         names = self._names(trainer.opt_state)
         entries = _entries(trainer.opt_state, values=False)
@@ -733,6 +773,7 @@ class ReduceLROnPlateau(Settings, Callback):
 
     def on_epoch_end(self, trainer: TrainerView, context: TrainingContext) -> None:
         improved = self._monitor.improved(self._monitor.value(context))
+        self._monitor.record(trainer)
         if self._cooling > 0:
             self._cooling -= 1
             self._monitor.wait = 0

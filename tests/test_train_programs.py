@@ -260,3 +260,57 @@ def test_a_derivative_rule_registered_again_trains_with_the_new_rule():
     exec(compile(_RULE_CELL.replace("SLOPE", "5.0"), "<cell>", "exec"), ns)  # the rule edited, run again
     exec(compile(_RULE_TRAINER_CELL, "<cell>", "exec"), ns)
     np.testing.assert_allclose(ns["results"], np.full((2, 2, 1), 1 - 0.1 * 5.0 * 2), rtol=0, atol=1e-6)
+
+
+_JAX_RULES_CELL = """
+@jax.custom_vjp
+def clip(y):
+    return y
+def clip_fwd(y):
+    return y, None
+def clip_loss(m, batch):
+    return jnp.sum(clip(m(batch)) ** 2)
+@jax.custom_jvp
+def cube(y):
+    return y ** 3
+def cube_loss(m, batch):
+    return jnp.sum(cube(m(batch)))
+"""
+
+_JAX_RULE_DEFINITIONS = """
+def clip_bwd(_, g):
+    return (SLOPE * g,)
+clip.defvjp(clip_fwd, clip_bwd)
+@cube.defjvp
+def cube_jvp(primals, tangents):
+    return primals[0] ** 3, SLOPE * 3 * primals[0] ** 2 * tangents[0]
+"""
+
+_JAX_RULES_TRAINER_CELL = """
+results = []
+for loss in (clip_loss, cube_loss):
+    trainer = ft.train.Trainer(Net(jnp.ones((2, 1))), ft.optim.sgd(0.1), loss)
+    trainer.fit([x], epochs=1, progress=False)
+    results.append(trainer.model.w)
+"""
+
+
+def test_a_jax_custom_vjp_or_jvp_rule_defined_again_trains_with_the_new_rule():
+    """A notebook's ``clip.defvjp(fwd, bwd)`` / ``@cube.defjvp`` cell edited and run again (or a
+    global the rule reads set), then the Trainer cell: the rules are set on the custom_vjp and
+    custom_jvp objects in place, which the programs keyed by identity: the new Trainer ran the
+    old rules (w 0.6 and -0.2 where the new ones give 0.8 and 0.4), silently."""
+    ns: dict = {"x": np.ones((1, 2), np.float32), "SLOPE": 1.0}
+    exec(compile(_SCALED_CELL + _JAX_RULES_CELL + _JAX_RULE_DEFINITIONS, "<cell>", "exec"), ns)
+    exec(compile(_JAX_RULES_TRAINER_CELL, "<cell>", "exec"), ns)
+    # at x @ w = 2: clip's 2 * 2 * SLOPE and cube's 3 * 4 * SLOPE for each weight, times sgd's 0.1
+    expected = [1 - 0.1 * 4.0, 1 - 0.1 * 12.0]
+    np.testing.assert_allclose(np.ravel(ns["results"]), np.repeat(expected, 2), rtol=0, atol=1e-6)
+    exec(compile("SLOPE = 0.5", "<cell>", "exec"), ns)  # a global the rules read
+    exec(compile(_JAX_RULES_TRAINER_CELL, "<cell>", "exec"), ns)
+    expected = [1 - 0.1 * 2.0, 1 - 0.1 * 6.0]
+    np.testing.assert_allclose(np.ravel(ns["results"]), np.repeat(expected, 2), rtol=0, atol=1e-6)
+    exec(compile(_JAX_RULE_DEFINITIONS.replace("SLOPE", "0.25"), "<cell>", "exec"), ns)  # the rules edited
+    exec(compile(_JAX_RULES_TRAINER_CELL, "<cell>", "exec"), ns)
+    expected = [1 - 0.1 * 1.0, 1 - 0.1 * 3.0]
+    np.testing.assert_allclose(np.ravel(ns["results"]), np.repeat(expected, 2), rtol=0, atol=1e-6)

@@ -27,9 +27,10 @@ their tuples by type and exact value (``1``, ``1.0`` and ``True`` differ; ``-0.0
 ``0.0``); lists and dicts by contents (a cell may change them in place), as are the attributes of
 a user's mutable object (a config, a ``SimpleNamespace``); NumPy arrays by dtype, shape
 and bytes; a user's own module (not an installed package: ``import mycfg``) by identity and by
-the attributes of it the code names (``mycfg.GAIN``); an ``ft.differentiable`` function by
-identity and by its function and rules, read as above (``@ft.derivative(of=f)`` sets a rule
-on ``f`` in place: a rule cell run again, edited); an instance of a user class also by
+the attributes of it the code names (``mycfg.GAIN``); an ``ft.differentiable`` function and
+a user's ``jax.custom_vjp`` / ``jax.custom_jvp`` by identity and by their function and rules,
+read as above (``@ft.derivative(of=f)``, ``f.defvjp`` and ``f.defjvp`` set them in place: a
+rule cell run again, edited); an instance of a user class also by
 its class, read as above (``y * g`` runs ``type(g).__rmul__``); library modules, library functions,
 classes, JAX arrays, Modules and frozen dataclasses (immutable) and other objects by
 identity, weakly held where they allow it. A NumPy array over
@@ -55,6 +56,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import jax
 import numpy as np
 
 from functree._derivative import DifferentiableFunction
@@ -290,8 +292,9 @@ class _Builder:
             return kind, self.value(v.fget, depth)
         if isinstance(v, types.ModuleType):
             return v  # code, alive for the process: compared by identity (its __eq__)
-        if isinstance(v, DifferentiableFunction):
-            return self.differentiable(v, depth)
+        rules = _rules(v)
+        if rules is not None:
+            return _identity(v), tuple(self.value(part, depth + 1) for part in rules)
         # a user class's instance: its class too (``x * g`` runs ``type(g).__rmul__``)
         own = () if library_class(kind) else self.cls(kind, depth + 1)
         if _mutable_record(v):  # a notebook's config object: a later cell may set its fields
@@ -338,12 +341,6 @@ class _Builder:
                                                  for name in _members(owner, code, attributes, every))
         return (ident, cells, reads, members, self.value(fn.__defaults__, depth), self.value(fn.__kwdefaults__, depth))
 
-    def differentiable(self, f: DifferentiableFunction, depth: int) -> Any:
-        """``f`` by identity, with its function and its registered rules as they are now:
-        ``@ft.derivative(of=f)`` sets a rule on ``f`` in place (a notebook's rule cell run
-        again, edited), and a rule's code reads globals of its own."""
-        return _identity(f), tuple(self.value(part, depth + 1) for part in (f.fn, f.reverse, f.forward))
-
     def read(self, v: Any, attributes: tuple[str, ...], depth: int) -> Any:
         """A global or cell the code reads: a user's module (``import mycfg``) by identity and
         by the attributes of it the code names (``mycfg.GAIN``, a later cell may set it),
@@ -375,6 +372,23 @@ class _Builder:
         if isinstance(v, types.FunctionType):
             return self.function(v, depth, owner)
         return self.value(v, depth)
+
+
+_JAX_RULES = (jax.custom_vjp, jax.custom_jvp)
+_RULE_FIELDS = ("fun", "fwd", "bwd", "jvp", "nondiff_argnums")
+
+
+def _rules(v: Any) -> tuple[Any, ...] | None:
+    """The function and derivative rules of ``v`` as they are now, where they are set on it in
+    place: ``@ft.derivative(of=f)`` on an ``ft.differentiable`` function, ``f.defvjp(fwd, bwd)``
+    and ``f.defjvp(jvp)`` on a user's ``jax.custom_vjp`` / ``jax.custom_jvp`` (a notebook's rule
+    cell run again, edited; a global a rule reads). None for anything else (a library's
+    ``jax.nn.relu``, a ``custom_jvp``, is its code)."""
+    if isinstance(v, DifferentiableFunction):
+        return v.fn, v.reverse, v.forward
+    if isinstance(v, _JAX_RULES) and not is_library(getattr(v, "__module__", None)):
+        return tuple(getattr(v, name, None) for name in _RULE_FIELDS)
+    return None
 
 
 def _mutable_record(v: Any) -> bool:

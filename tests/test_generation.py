@@ -292,6 +292,53 @@ def all_logits(model, tokens, mask):
     return model(tokens, attention_mask=am, positions=positions, cache=model.init_cache(b, t))[0]
 
 
+_SHIFT_CELL = """
+import jax, jax.numpy as jnp, functree as ft
+SHIFT = 1
+class Counting(ft.Module):
+    # the next token is the last one plus SHIFT (a notebook's global), modulo the vocabulary
+    table: jax.Array
+    def init_cache(self, batch_size, max_length, dtype=None):
+        return jnp.zeros((batch_size, max_length), jnp.float32)
+    def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None):
+        following = (input_ids + SHIFT) % self.table.shape[0]
+        return jax.nn.one_hot(following, self.table.shape[0]) * 10.0 + self.table[0], cache
+model = Counting(jnp.zeros((7, 7)))
+"""
+
+
+def test_a_global_the_model_reads_set_in_a_later_cell_generates_with_the_new_value():
+    """A notebook: ``SHIFT = 2`` set after a first ``generate``, read by the model's
+    ``__call__``: the second call ran the loop compiled with ``SHIFT = 1`` ([1 2 3 4 5] where
+    the model now counts [1 2 4 6 1]), silently, while an eager call saw 2. The loops are keyed
+    by what the model's Python reads (beam search's loop too); unchanged code compiles nothing."""
+    ns: dict = {}
+    exec(compile(_SHIFT_CELL, "<cell>", "exec"), ns)
+    ids, model = jnp.array([[1, 2]], jnp.int32), ns["model"]
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 3, 4, 5]])
+    compiled = _decode.generate_loop._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
+    reads = _decode.model_reads(model)
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 3, 4, 5]])
+    assert _decode.generate_loop._cache_size() == compiled  # pyright: ignore[reportAttributeAccessIssue]
+    ns["SHIFT"] = 2
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 4, 6, 1]])
+    assert _decode.model_reads(model) != reads  # the key of beam search's loop too
+
+
+def test_a_model_reading_a_global_too_large_to_key_generates_with_its_values_now():
+    """A model whose Python reads a NumPy global over the key's size limit: each call traces its
+    own loop (a new ``jax.jit`` of the same function found JAX's old trace), never the one
+    traced with an older value of what it reads."""
+    ns: dict = {"np": np}
+    exec(compile(_SHIFT_CELL.replace("(input_ids + SHIFT)", "(input_ids + SHIFT + OFFSETS[0])")
+                 + "OFFSETS = np.zeros(5000, np.int32)\n", "<cell>", "exec"), ns)
+    ids, model = jnp.array([[1, 2]], jnp.int32), ns["model"]
+    assert _decode.model_reads(model) is None
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 3, 4, 5]])
+    ns["SHIFT"] = 2
+    np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 4, 6, 1]])
+
+
 def test_sampling_is_reproducible_by_key_and_stays_in_top_k(tiny):
     model, prompt, mask = tiny
     sample = lambda key, **kw: ft.nn.generate(model, prompt, 12, attention_mask=mask, key=key, **kw)  # noqa: E731

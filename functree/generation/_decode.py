@@ -7,10 +7,17 @@ emitted an end-of-sequence token. ``beam_search`` is Hugging Face's beam search:
 continuations of all beams of a prompt, moves the ended ones into a sorted set of finished
 sequences, and gathers the cache rows of the beams that go on (each cache leaf's batch axis is
 found from ``init_cache``'s shapes for two batch sizes).
+
+Both take ``reads``, a static key of what the Python of the model's user classes reads now
+(:func:`model_reads`): a notebook's ``SHIFT = 2`` read by the model's ``__call__``, or a patched
+method, compiles the loop again, as an eager call of the model sees it.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -19,10 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from functree._module import Module
 from functree._repr import short_array
+from functree._tree import bounded_put
 from functree.generation._controls import Control, Loop, Now, applied, updated
 from functree.generation._logits import stop_hit, stop_window
 from functree.generation._memory import checked_cache
+from functree.nn._eager_keys import code_roots
+from functree.nn._reads import reads_key
 
 BAD_MODEL_OUTPUT = """\
 generate: model(input_ids, attention_mask=am, positions=pos, cache=cache) must return \
@@ -96,10 +107,52 @@ def output_buffer(ids: jax.Array, prompt: jax.Array, new: int, fill: jax.Array) 
     return jnp.where(columns < prompt, jnp.pad(ids, ((0, 0), (0, new))), fill).astype(ids.dtype)
 
 
-@partial(jax.jit, static_argnames=("new", "greedy", "ends", "scores", "stream"))
+_LOOP_STATIC = ("new", "greedy", "ends", "scores", "stream", "reads")
+_BEAM_STATIC = ("new", "scores", "beams", "returns", "eos_count", "reads")
+
+
+_ROOTS: dict[int, tuple[weakref.ref[Any], Any]] = {}  # id(model) -> (model, its code_roots)
+
+
+def _code_roots(model: Any) -> Any:
+    """:func:`~functree.nn._eager_keys.code_roots` of ``model``, kept per Module (frozen: its
+    classes never change; a notebook's prompts run on one model, a walk of a Llama's modules
+    is ~1 ms)."""
+    entry = _ROOTS.get(id(model))
+    if entry is not None and entry[0]() is model:
+        return entry[1]
+    roots = code_roots(model)
+    if isinstance(model, Module):
+        bounded_put(_ROOTS, id(model), (weakref.ref(model), roots))
+    return roots
+
+
+def model_reads(model: Any) -> Any:
+    """The loops' ``reads=``: what the Python of ``model``'s user classes and static functions
+    reads now (:func:`~functree.nn._reads.reads_key`); None where a read cannot be keyed (a
+    large NumPy global): the call then takes :func:`traced_afresh`'s loop."""
+    return reads_key(*_code_roots(model))
+
+
+def traced_afresh(compiled: Any) -> Callable[..., Any]:
+    """A loop of ``compiled``'s function traced for this call alone, never one traced with
+    older values of what the model reads: a new function, as JAX's trace caches are keyed by
+    the function (a new ``jax.jit`` of the same one found its old trace); dropped after the
+    call, nothing kept."""
+    raw = compiled.__wrapped__  # (jax.jit keeps the function it compiles)
+
+    @functools.wraps(raw)  # (its name and signature: static_argnames, the compile's name)
+    def afresh(*args: Any, **kwargs: Any) -> Any:
+        return raw(*args, **kwargs)
+
+    return jax.jit(afresh, static_argnames=_BEAM_STATIC if compiled is beam_search else _LOOP_STATIC)
+
+
+@partial(jax.jit, static_argnames=_LOOP_STATIC)
 def generate_loop(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array,
               fill: jax.Array, stop_ids: jax.Array, key: Any, controls: tuple[Control, ...] = (), *, new: int,
-              greedy: bool, ends: bool, scores: bool, stream: bool = False) -> tuple[jax.Array, jax.Array | None]:
+              greedy: bool, ends: bool, scores: bool, stream: bool = False,
+              reads: Any = None) -> tuple[jax.Array, jax.Array | None]:
     """Greedy or sampled tokens ``[batch, W + new]`` (and scores ``[batch, new]``): the prompt
     ``ids [batch, W]`` holds ``sizes[0]`` real slots (a bucket: slots from ``sizes[0]`` on are
     padding, overwritten by the new tokens), and the loop makes ``sizes[1] <= new`` tokens;
@@ -202,11 +255,11 @@ def _beams_of(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-@partial(jax.jit, static_argnames=("new", "scores", "beams", "returns", "eos_count"))
+@partial(jax.jit, static_argnames=_BEAM_STATIC)
 def beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.Array, eos_ids: jax.Array, fill: jax.Array,
                  stop_ids: jax.Array, length_penalty: jax.Array, early: jax.Array, never: jax.Array,
                  controls: tuple[Control, ...] = (), *, new: int, scores: bool, beams: int, returns: int,
-                 eos_count: int) -> tuple[jax.Array, jax.Array | None]:
+                 eos_count: int, reads: Any = None) -> tuple[jax.Array, jax.Array | None]:
     """Hugging Face's beam search; ``early`` (bool): early_stopping=True, ``never`` (bool):
     early_stopping="never" (both False: HF's default heuristic); ``ids``, ``sizes``,
     ``controls``: as ``generate_loop``'s (the controls see ``log_softmax(logits)``)."""

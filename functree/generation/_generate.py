@@ -31,7 +31,8 @@ samples, whether it filters by ``top_p`` and by ``min_p``, whether it stops at E
 many EOS ids, the stop sequences' count and length, which of the repetition penalty,
 ``min_new_tokens`` and scores are on, ``no_repeat_ngram_size``, the ``suppress_tokens`` and
 ``bad_words_ids`` ids, whether a streamer is given, the number of beams and of returned
-sequences, which other controls are on); the temperature, the ``top_p``, ``min_p``,
+sequences, which other controls are on, and what the model's Python reads: a notebook's
+global its ``__call__`` reads, as :func:`functree.nn._reads.reads_key` keys it); the temperature, the ``top_p``, ``min_p``,
 ``typical_p``, ``epsilon_cutoff`` and ``eta_cutoff`` values, the key, the EOS, pad and stop
 ids, the penalty, ``min_new_tokens``, ``exponential_decay_length_penalty``'s pair,
 ``length_penalty``, ``early_stopping`` and the tokens are traced. Options that are off add nothing to the compiled loop: plain greedy
@@ -760,13 +761,16 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     padded_ids, padded_mask, key = following(model, (_padded(ids, width, 0, jnp.int32), _padded(mask, width, 0, jnp.int32), key))
     common = (padded_ids, padded_mask, sizes, np.asarray(eos or (-1,), np.int32), np.int32(fill), _stop_ids(stops))
     options = {"new": bucket, "scores": bool(return_scores)}
+    reads = _decode.model_reads(model)  # a notebook's global the model reads: a key of the loops
+    compiled = beam_search if beams > 1 else generate_loop
+    compiled = compiled if reads is not None else _decode.traced_afresh(compiled)
     if beams > 1:
-        loop = partial(beam_search, model, *common, np.float32(lp), np.bool_(early is True),
+        loop = partial(compiled, model, *common, np.float32(lp), np.bool_(early is True),
                        np.bool_(early == "never"), controls, beams=beams, returns=returns, eos_count=len(eos),
-                       **options)
+                       reads=reads, **options)
     else:
-        loop = partial(generate_loop, model, *common, key, controls, greedy=greedy, ends=bool(eos or stops),
-                       stream=streamer is not None, **options)
+        loop = partial(compiled, model, *common, key, controls, greedy=greedy, ends=bool(eos or stops),
+                       stream=streamer is not None, reads=reads, **options)
     run = loop if streamer is None else partial(_streaming, loop, streamer, ids)
 
     def cropped() -> tuple[Any, Any]:

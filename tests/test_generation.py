@@ -23,6 +23,7 @@ import pytest
 
 import functree as ft
 from functree.generation import _controls, _decode, _generate
+from functree.nn._eager_keys import model_reads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -317,12 +318,12 @@ def test_a_global_the_model_reads_set_in_a_later_cell_generates_with_the_new_val
     ids, model = jnp.array([[1, 2]], jnp.int32), ns["model"]
     np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 3, 4, 5]])
     compiled = _decode.generate_loop._cache_size()  # pyright: ignore[reportAttributeAccessIssue]
-    reads = _decode.model_reads(model)
+    reads = model_reads(model)
     np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 3, 4, 5]])
     assert _decode.generate_loop._cache_size() == compiled  # pyright: ignore[reportAttributeAccessIssue]
     ns["SHIFT"] = 2
     np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 4, 6, 1]])
-    assert _decode.model_reads(model) != reads  # the key of beam search's loop too
+    assert model_reads(model) != reads  # the key of beam search's loop too
 
 
 def test_a_model_reading_a_global_too_large_to_key_generates_with_its_values_now():
@@ -333,7 +334,7 @@ def test_a_model_reading_a_global_too_large_to_key_generates_with_its_values_now
     exec(compile(_SHIFT_CELL.replace("(input_ids + SHIFT)", "(input_ids + SHIFT + OFFSETS[0])")
                  + "OFFSETS = np.zeros(5000, np.int32)\n", "<cell>", "exec"), ns)
     ids, model = jnp.array([[1, 2]], jnp.int32), ns["model"]
-    assert _decode.model_reads(model) is None
+    assert model_reads(model) is None
     np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 3, 4, 5]])
     ns["SHIFT"] = 2
     np.testing.assert_array_equal(ft.nn.generate(model, ids, 3), [[1, 2, 4, 6, 1]])

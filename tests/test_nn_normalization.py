@@ -580,6 +580,38 @@ def test_update_bn_refuses_a_call_that_cannot_take_the_model_and_the_batch():
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
+_SCALED_BN_CELL = """
+import jax, jax.numpy as jnp, functree as ft
+GAIN = 1.0
+class Scaled(ft.Module):
+    norm: ft.nn.BatchNorm
+    def __call__(self, x):
+        return self.norm(GAIN * x)
+model = Scaled(ft.nn.BatchNorm(2))
+"""
+
+
+def test_update_bn_after_a_cell_set_a_global_the_model_reads_uses_the_new_value():
+    """A notebook: ``GAIN = 3.0`` read by the model's ``__call__``, set after a first
+    ``ft.nn.update_bn``: the second ran the program traced with ``GAIN = 1.0`` (running mean
+    2.5 where the model now feeds 7.5), silently. The program is keyed by what the model's
+    Python reads; one too large to key traces for the call alone."""
+    ns: dict = {}
+    exec(compile(_SCALED_BN_CELL, "<cell>", "exec"), ns)
+    x = np.full((4, 2), 2.5, np.float32)
+    for gain in (1.0, 3.0):
+        ns["GAIN"] = gain
+        np.testing.assert_allclose(ft.nn.update_bn(ns["model"], [x]).norm.running_mean, [2.5 * gain] * 2,
+                                   rtol=0, atol=1e-6)
+    ns["LARGE"] = np.zeros(5000, np.float32)  # over the key's 16 KiB: read, it cannot be keyed
+    exec(compile(_SCALED_BN_CELL.replace("GAIN * x", "(GAIN + LARGE[0]) * x").replace("GAIN = 1.0\n", ""),
+                 "<cell>", "exec"), ns)
+    for gain in (1.0, 2.0):
+        ns["GAIN"] = gain
+        np.testing.assert_allclose(ft.nn.update_bn(ns["model"], [x]).norm.running_mean, [2.5 * gain] * 2,
+                                   rtol=0, atol=1e-6)
+
+
 def test_update_bn_sums_a_bfloat16_models_statistics_in_float32():
     """ft.nn.update_bn on a bfloat16 model (SWA's averaged model) took each batch's 1/n share
     into bfloat16 running statistics, where a share below half bfloat16's spacing rounds away:

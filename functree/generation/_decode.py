@@ -9,14 +9,12 @@ sequences, and gathers the cache rows of the beams that go on (each cache leaf's
 found from ``init_cache``'s shapes for two batch sizes).
 
 Both take ``reads``, a static key of what the Python of the model's user classes reads now
-(:func:`model_reads`): a notebook's ``SHIFT = 2`` read by the model's ``__call__``, or a patched
+(:func:`functree.nn._eager_keys.model_reads`): a notebook's ``SHIFT = 2`` read by the model's ``__call__``, or a patched
 method, compiles the loop again, as an eager call of the model sees it.
 """
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -26,14 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from functree._module import Module
 from functree._repr import short_array
-from functree._tree import bounded_put
 from functree.generation._controls import Control, Loop, Now, applied, updated
 from functree.generation._logits import stop_hit, stop_window
 from functree.generation._memory import checked_cache
-from functree.nn._eager_keys import code_roots
-from functree.nn._reads import reads_key
+from functree.nn._eager_keys import traced_afresh as afresh
 
 BAD_MODEL_OUTPUT = """\
 generate: model(input_ids, attention_mask=am, positions=pos, cache=cache) must return \
@@ -111,41 +106,10 @@ _LOOP_STATIC = ("new", "greedy", "ends", "scores", "stream", "reads")
 _BEAM_STATIC = ("new", "scores", "beams", "returns", "eos_count", "reads")
 
 
-_ROOTS: dict[int, tuple[weakref.ref[Any], Any]] = {}  # id(model) -> (model, its code_roots)
-
-
-def _code_roots(model: Any) -> Any:
-    """:func:`~functree.nn._eager_keys.code_roots` of ``model``, kept per Module (frozen: its
-    classes never change; a notebook's prompts run on one model, a walk of a Llama's modules
-    is ~1 ms)."""
-    entry = _ROOTS.get(id(model))
-    if entry is not None and entry[0]() is model:
-        return entry[1]
-    roots = code_roots(model)
-    if isinstance(model, Module):
-        bounded_put(_ROOTS, id(model), (weakref.ref(model), roots))
-    return roots
-
-
-def model_reads(model: Any) -> Any:
-    """The loops' ``reads=``: what the Python of ``model``'s user classes and static functions
-    reads now (:func:`~functree.nn._reads.reads_key`); None where a read cannot be keyed (a
-    large NumPy global): the call then takes :func:`traced_afresh`'s loop."""
-    return reads_key(*_code_roots(model))
-
-
 def traced_afresh(compiled: Any) -> Callable[..., Any]:
-    """A loop of ``compiled``'s function traced for this call alone, never one traced with
-    older values of what the model reads: a new function, as JAX's trace caches are keyed by
-    the function (a new ``jax.jit`` of the same one found its old trace); dropped after the
-    call, nothing kept."""
-    raw = compiled.__wrapped__  # (jax.jit keeps the function it compiles)
-
-    @functools.wraps(raw)  # (its name and signature: static_argnames, the compile's name)
-    def afresh(*args: Any, **kwargs: Any) -> Any:
-        return raw(*args, **kwargs)
-
-    return jax.jit(afresh, static_argnames=_BEAM_STATIC if compiled is beam_search else _LOOP_STATIC)
+    """A loop of ``compiled``'s function traced for this call alone (a model whose reads
+    cannot be keyed: :func:`~functree.nn._eager_keys.model_reads` is None)."""
+    return afresh(compiled, static_argnames=_BEAM_STATIC if compiled is beam_search else _LOOP_STATIC)
 
 
 @partial(jax.jit, static_argnames=_LOOP_STATIC)

@@ -78,6 +78,7 @@ from functree.generation._defaults import (
     warn_eos_outside,
 )
 from functree.generation._logits import check_in_vocabulary
+from functree.nn._eager_keys import model_reads
 from functree.nn._shared import Shared
 from functree.nn._window import is_int as _is_int
 
@@ -761,7 +762,7 @@ def _plan(model: Any, ids: Any, new: int, attention_mask: Any, key: Any, o: dict
     padded_ids, padded_mask, key = following(model, (_padded(ids, width, 0, jnp.int32), _padded(mask, width, 0, jnp.int32), key))
     common = (padded_ids, padded_mask, sizes, np.asarray(eos or (-1,), np.int32), np.int32(fill), _stop_ids(stops))
     options = {"new": bucket, "scores": bool(return_scores)}
-    reads = _decode.model_reads(model)  # a notebook's global the model reads: a key of the loops
+    reads = model_reads(model)  # a notebook's global the model reads: a key of the loops
     compiled = beam_search if beams > 1 else generate_loop
     compiled = compiled if reads is not None else _decode.traced_afresh(compiled)
     if beams > 1:

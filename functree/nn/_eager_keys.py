@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import functools
 import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +29,8 @@ from functree._paths import walk
 from functree._tree import bounded_put, cached, is_array_value
 from functree.nn._reads import library_class, reads_key
 
-__all__ = ["UNKEYED", "static_key", "exact_key", "static_values_key", "code_roots", "eager_program"]
+__all__ = ["UNKEYED", "static_key", "exact_key", "static_values_key", "code_roots", "eager_program",
+           "model_reads", "traced_afresh"]
 
 READS_LIMIT = 16  # programs kept per signature: a notebook's old values of its globals
 
@@ -106,6 +108,38 @@ def code_roots(layers: Any) -> tuple[tuple[type, ...], tuple[Any, ...]]:
     classes = {type(v): None for v in nodes if _user_code_object(v)}
     functions = {id(v): v for v in nodes if isinstance(v, _FUNCTIONS)}
     return tuple(classes), tuple(functions.values())
+
+
+_ROOTS: dict[int, tuple[weakref.ref[Any], Any]] = {}  # id(model) -> (model, its code_roots)
+
+
+def model_reads(model: Any, functions: Sequence[Any] = ()) -> Any:
+    """What the Python run on ``model`` reads now: :func:`reads_key` of its :func:`code_roots`
+    (kept per Module: frozen, its classes never change; a walk of a Llama's modules is ~1 ms)
+    and of ``functions``; None where a read cannot be keyed (then :func:`traced_afresh`). A
+    static argument of a module-level ``jax.jit`` taking the model (``ft.nn.generate``'s loops,
+    ``ft.nn.update_bn``), so a notebook's ``G = 2.0`` read by its ``__call__`` traces again."""
+    entry = _ROOTS.get(id(model))
+    if entry is not None and entry[0]() is model:
+        roots = entry[1]
+    else:
+        roots = code_roots(model)
+        if isinstance(model, Module):
+            bounded_put(_ROOTS, id(model), (weakref.ref(model), roots))
+    return reads_key(roots[0], (*roots[1], *functions))
+
+
+def traced_afresh(compiled: Any, **options: Any) -> Callable[..., Any]:
+    """``compiled``'s function (a ``jax.jit``'s) jitted with ``options`` for one call, traced
+    afresh: a new function, as JAX's trace caches are keyed by the function (a new ``jax.jit``
+    of the same one found its old trace); dropped after the call, nothing kept."""
+    raw = compiled.__wrapped__  # (jax.jit keeps the function it compiles)
+
+    @functools.wraps(raw)  # (its name and signature: static_argnames, the compile's name)
+    def afresh(*args: Any, **kwargs: Any) -> Any:
+        return raw(*args, **kwargs)
+
+    return jax.jit(afresh, **options)
 
 
 def _user_code_object(v: Any) -> bool:

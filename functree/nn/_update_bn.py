@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from functree._source import call_refusal
 from functree._where import following
+from functree.nn._eager_keys import model_reads, traced_afresh
 from functree.nn._normalization import BatchNorm
 from functree.nn._precision import statistics_dtype
 from functree.nn._state import apply_state, collect_state
@@ -94,10 +95,11 @@ def _called(model: Any, x: Any) -> Any:
     return model(x)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _recorded(model: Any, x: Any, call: Callable[[Any, Any], Any]) -> Any:
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _recorded(model: Any, x: Any, call: Callable[[Any, Any], Any], reads: Any = None) -> Any:
     """``model`` after ``call(model, x)``: the state its layers recorded written back (one
-    program per model structure, input shape and ``call``)."""
+    program per model structure, input shape, ``call`` and ``reads``, what their Python
+    reads now: :func:`~functree.nn._eager_keys.model_reads`)."""
     return apply_state(model, collect_state(lambda m: call(m, x), model)[1])
 
 
@@ -123,7 +125,8 @@ def update_bn(model: Any, batches: Iterable[Any], call: Callable[[Any, Any], Any
     summed in float32 and rounded once to its dtype (kept), where torch's sum in the buffer's
     dtype stalls: in bfloat16 a batch's ``1/n`` share of a change rounds away once below half
     its spacing. Each batch is one compiled call (a new batch
-    shape compiles again); run it eagerly, not under ``jax.jit``.
+    shape compiles again, and so does a new value of what the model's Python reads: a
+    notebook's global its ``__call__`` reads); run it eagerly, not under ``jax.jit``.
 
     Example: the statistics of averaged weights (SWA)
       >>> import functree as ft, jax, jax.numpy as jnp, numpy as np
@@ -142,11 +145,14 @@ def update_bn(model: Any, batches: Iterable[Any], call: Callable[[Any, Any], Any
     if not any(_tracking(node) for node in nodes):
         raise ValueError(NO_BATCH_NORM)
     working = treedef.unflatten([_reset(node) if _tracking(node) else node for node in nodes])
+    call = call if call is not None else _called
+    reads = model_reads(model, (call,))  # a notebook's global the model reads: a key of the program
+    recorded = _recorded if reads is not None else traced_afresh(_recorded, static_argnums=(2, 3))
     seen = 0
     for batch in batches:
-        x = batch[0] if call is None and isinstance(batch, (tuple, list)) else batch
+        x = batch[0] if call is _called and isinstance(batch, (tuple, list)) else batch
         x = following(working, x)  # a batch committed to another device than the model's: moved there
-        working = _recorded(working, x, call if call is not None else _called)
+        working = recorded(working, x, call, reads)
         seen += 1
     if not seen:
         raise ValueError(NO_BATCHES)

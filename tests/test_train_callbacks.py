@@ -173,6 +173,26 @@ def test_model_checkpoint_keeps_best_and_history_logger(tmp_path):
     assert records[-1]["samples_seen"] == 144
 
 
+def test_a_history_logger_of_a_new_job_starts_its_file_anew_as_the_csv_logger(tmp_path):
+    """A notebook's Trainer cell run again with ``HistoryLogger(path)``: the new job's records
+    followed the old job's in the file (steps 3, 6, 3 read as one history), where a CSVLogger
+    starts anew. A new job starts it anew; a restored job, the same job's next fit and
+    append=True continue it."""
+    path = tmp_path / "log.jsonl"
+
+    def fit(trainer, epochs, **options):
+        trainer.fit(data(), epochs=epochs, progress=False, callbacks=[ft.train.HistoryLogger(path, **options)])
+        return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+    make().fit(data(), epochs=1, progress=False,
+               callbacks=[ft.train.HistoryLogger(path), ft.train.ModelCheckpoint(tmp_path / "run")])
+    assert fit(make().restore(tmp_path / "run"), 2) == [3, 6]  # the restored job goes on
+    again = make()  # the Trainer cell run again: a new job
+    assert fit(again, 1) == [3]
+    assert fit(again, 2) == [3, 6]  # its next fit goes on
+    assert fit(make(), 1, append=True) == [3, 6, 3]
+
+
 def test_model_checkpoint_from_a_path_writes_asynchronously_and_every_step_restores(tmp_path):
     # ModelCheckpoint(path, asynchronous=True) was a TypeError: an asynchronous manager had to
     # be built by hand. Each checkpoint, written while the next steps ran, holds its own step.

@@ -1131,7 +1131,11 @@ class HistoryLogger(Settings, Callback):
     """Append every log and epoch record to a JSON-lines file (one object per line).
 
     Its state is the file's length: restored, it cuts off the records written after the
-    checkpoint, so a resumed job's file equals the uninterrupted job's.
+    checkpoint, so a resumed job's file equals the uninterrupted job's. As
+    :class:`~functree.train.CSVLogger`'s, ``append=False`` (default) starts the file anew at
+    a new job's first ``fit`` (a trainer that has run no step and was not restored: a
+    notebook's Trainer cell run again, whose records followed the old job's, steps 1, 2, 1,
+    2); a job that has run steps continues it, as does ``append=True``.
 
     Example:
       >>> import functree as ft, tempfile
@@ -1140,11 +1144,19 @@ class HistoryLogger(Settings, Callback):
 
     reads_model = False
     path: Path  # (any other name assigned is refused: Settings)
+    append: bool
     _NAMED = "callback"
     _ARGUMENTS = (("__init__", "callback = ft.train.HistoryLogger(path, {})"),)
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, append: bool = False):
         self.path = local_path(path)  # ~ expanded; a later chdir moves nothing
+        self.append = append
+
+    def on_train_begin(self, trainer: TrainerView) -> None:
+        """A new job (no step run, not restored) starts the file anew, unless ``append``."""
+        new_job = getattr(trainer, "checkpoint", None) is None and not trainer.steps_run  # (Trainer.checkpoint: the restored one)
+        if new_job and not self.append and jax.process_index() == 0 and self.path.exists():
+            self.path.write_text("")
 
     def state_dict(self) -> dict[str, Any]:
         """The file's length in bytes."""

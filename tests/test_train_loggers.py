@@ -162,6 +162,24 @@ def tensorboard_scalars(directory):
     return scalars
 
 
+def test_a_new_jobs_tensorboard_log_hides_the_earlier_jobs_points(tmp_path):
+    """A notebook's Trainer cell run again with ``TensorBoardLogger(logdir)``: the new job's
+    points were written beside the old job's at the same steps, and TensorBoard drew both, one
+    zigzag line of two jobs, where a CSVLogger starts its file anew. A new job's writer purges
+    from step 1 (tensorboardX's purge_step): TensorBoard shows the new job's points alone."""
+    pytest.importorskip("tensorboardX")
+    losses = []
+    for lr in (0.1, 0.3):  # the cell edited and run again
+        trainer = ft.train.Trainer({"w": jnp.zeros((2, 1))}, ft.optim.Optimizer(ft.optim.sgd(lr)), loss_fn)
+        history = trainer.fit(data(), epochs=1, log_every=1, progress=False,
+                              callbacks=[ft.train.TensorBoardLogger(tmp_path / "runs")])
+        losses.append(np.asarray(history.steps["loss"], np.float32))
+    assert not np.array_equal(*losses)
+    scalars = tensorboard_scalars(tmp_path / "runs")
+    assert [s for s, _ in scalars["step/loss"]] == [1, 2, 3]
+    np.testing.assert_array_equal([v for _, v in scalars["step/loss"]], losses[1])
+
+
 @pytest.mark.parametrize("stop, log_every, first_every", [
     (3, 1, None),   # a checkpoint at epoch 1's last step (3, a log point): its end runs again
     (6, 2, None),   # at epoch 2's last step (6, no log point there)

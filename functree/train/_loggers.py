@@ -228,9 +228,10 @@ class TensorBoardLogger(Settings, Callback):
     At every log interval each metric mean and learning rate is written as
     ``"step/<name>"``, at every epoch end each epoch mean and validation metric as
     ``"epoch/<name>"`` (``"step/head/learning_rate"`` for a parameter group), all
-    against the training step. A fit that starts at step ``s > 0`` (a restored job)
-    tells TensorBoard to drop what an earlier run wrote past ``s`` (tensorboardX's
-    ``purge_step``); one that first ends the epoch whose last step is ``s`` (a checkpoint
+    against the training step. A fit that starts at step ``s`` tells TensorBoard to drop
+    what an earlier run wrote past ``s`` (tensorboardX's ``purge_step``): a restored job's
+    later steps, and at ``s = 0`` (a new job in a used ``logdir``: a notebook's Trainer cell
+    run again) every point, as a CSVLogger starts its file anew; one that first ends the epoch whose last step is ``s`` (a checkpoint
     written at that step, before the epoch's end) drops ``s``'s points too and writes
     them again (the epoch's anew, the others as the earlier run wrote them), so each tag
     has one point per step, as in the uninterrupted run. ``every`` limits it to ``"log"``
@@ -267,7 +268,9 @@ class TensorBoardLogger(Settings, Callback):
     def on_train_begin(self, trainer: Trainer) -> None:
         self.close()
         step = trainer.steps_run
-        self._purge, self._carried = (step + 1 if step else None), []
+        # What an earlier run wrote past `step` is dropped; at step 0 (a new job: a notebook's
+        # Trainer cell run again) all of it, as a CSVLogger starts its file anew.
+        self._purge, self._carried = step + 1, []
         if step and self.every != "log" and jax.process_index() == 0 and _epoch_end_pending(trainer):
             # TensorBoard purges by step, all tags at once: to replace the epoch's points at
             # `step` (which the earlier run may have written) the purge starts at `step`,

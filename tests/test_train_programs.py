@@ -314,3 +314,27 @@ def test_a_jax_custom_vjp_or_jvp_rule_defined_again_trains_with_the_new_rule():
     exec(compile(_JAX_RULES_TRAINER_CELL, "<cell>", "exec"), ns)
     expected = [1 - 0.1 * 1.0, 1 - 0.1 * 3.0]
     np.testing.assert_allclose(np.ravel(ns["results"]), np.repeat(expected, 2), rtol=0, atol=1e-6)
+
+
+_ACTIVATION_TRAINER_CELL = """
+layer = ft.nn.Dense(2, 1, activation=sq, key=jax.random.key(0))
+trainer = ft.train.Trainer(layer, ft.optim.sgd(0.1), sum_loss)
+trainer.fit([x], epochs=1, progress=False)
+results = (layer.weight, layer.bias, trainer.model.weight)
+"""
+
+
+def test_a_layer_whose_activation_rule_is_registered_again_trains_with_the_new_rule():
+    """``ft.nn.Dense(..., activation=sq)`` with ``sq`` an ``ft.differentiable`` function: the
+    rule cell edited and run again, a new Trainer ran the program traced with the old rule
+    (the activation, a static value, was keyed by identity: weights 0.74 where the new rule
+    gives -3.97), silently."""
+    ns: dict = {"x": np.ones((1, 2), np.float32), "SLOPE": 2.0}
+    exec(compile(_SCALED_CELL + _SQUARE_CELL + _RULE_CELL + "def sum_loss(m, batch):\n    return jnp.sum(m(batch))\n",
+                 "<cell>", "exec"), ns)
+    for cell, slope in ((_ACTIVATION_TRAINER_CELL, 2.0), (_RULE_CELL.replace("SLOPE", "20.0"), None),
+                        (_ACTIVATION_TRAINER_CELL, 20.0)):
+        exec(compile(cell, "<cell>", "exec"), ns)
+        if slope is not None:  # sum(sq(x @ w + b)) at x = 1: the rule's slope * y for each weight
+            w, b, trained = map(np.asarray, ns["results"])
+            np.testing.assert_allclose(trained, w - 0.1 * slope * (w.sum() + b), rtol=0, atol=1e-5)

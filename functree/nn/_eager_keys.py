@@ -27,7 +27,7 @@ import numpy as np
 from functree._module import Module
 from functree._paths import walk
 from functree._tree import bounded_put, cached, is_array_value
-from functree.nn._reads import library_class, reads_key
+from functree.nn._reads import carries_rules, library_class, reads_key
 
 __all__ = ["UNKEYED", "static_key", "exact_key", "static_values_key", "code_roots", "eager_program",
            "model_reads", "traced_afresh"]
@@ -101,12 +101,13 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial)
 def code_roots(layers: Any) -> tuple[tuple[type, ...], tuple[Any, ...]]:
     """``(classes, functions)`` whose Python an eager scan of ``layers`` runs: the user
     classes of its modules (library classes are fixed code, compared through the tree
-    definition), the functions held as static values (an activation) and the user classes
+    definition), the functions held as static values (an activation; an ``ft.differentiable``
+    one or a ``jax.custom_vjp``, whose rules are set in place, too) and the user classes
     of the callable objects held as static values (``act=Scaled()``: the block runs
     ``type(act).__call__``, which may read a global the notebook changes)."""
     nodes = [layers, *(v for _, v in walk(layers))]
     classes = {type(v): None for v in nodes if _user_code_object(v)}
-    functions = {id(v): v for v in nodes if isinstance(v, _FUNCTIONS)}
+    functions = {id(v): v for v in nodes if isinstance(v, _FUNCTIONS) or carries_rules(v)}
     return tuple(classes), tuple(functions.values())
 
 

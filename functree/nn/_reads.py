@@ -63,7 +63,8 @@ from functree._derivative import DifferentiableFunction
 from functree._module import GENERATED_INIT, Module
 from functree._tree import WeakIdentity, bounded_put
 
-__all__ = ["reads_key", "is_library", "library_class", "MAX_DEPTH", "MAX_ITEMS", "MAX_ARRAY_BYTES"]
+__all__ = ["reads_key", "is_library", "library_class", "carries_rules", "MAX_DEPTH", "MAX_ITEMS",
+           "MAX_ARRAY_BYTES"]
 
 MAX_DEPTH = 8  # functions followed from a block's __call__ (a helper's helper ...)
 MAX_ITEMS = 256  # entries of a list, tuple or dict keyed by contents
@@ -389,6 +390,13 @@ def _rules(v: Any) -> tuple[Any, ...] | None:
     if isinstance(v, _JAX_RULES) and not is_library(getattr(v, "__module__", None)):
         return tuple(getattr(v, name, None) for name in _RULE_FIELDS)
     return None
+
+
+def carries_rules(v: Any) -> bool:
+    """Whether ``v`` is a function whose derivative rules are set on it in place (an
+    ``ft.differentiable`` function, a user's ``jax.custom_vjp`` / ``custom_jvp``): held as a
+    static value (an activation), it is keyed by its rules as they are now."""
+    return _rules(v) is not None
 
 
 def _mutable_record(v: Any) -> bool:

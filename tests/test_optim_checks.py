@@ -970,3 +970,32 @@ def test_deliberate_ascent_with_maximize_is_not_refused():
     model, loss, _ = _body_and_head()
     opt = ft.optim.Optimizer(fo.sgd(0.05, maximize=True))
     jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))  # no error
+
+
+def test_a_negative_rate_given_to_inject_hyperparams_is_refused():
+    """optax.inject_hyperparams keeps its numbers in the state, which starts from the values
+    given: inject_hyperparams(optax.adam)(learning_rate=-0.05) and (optax.sgd)(learning_rate=-0.1)
+    scale by -(-lr) and climbed (the loss 5.3 -> 9.2 and 24 in 8 steps) with no error, the
+    walk building the factory from abstract values of either sign. The number given is read
+    (the first step's value), in a chain too and through the Optimizer's traced step; a
+    positive one, and a negative one that a flipped sign makes a descent, pass."""
+    for tx, given in ((optax.inject_hyperparams(optax.adam)(learning_rate=-0.05), r"adam\)\(learning_rate=-0\.05\)"),
+                      (optax.inject_hyperparams(optax.sgd)(learning_rate=-0.1, momentum=0.9),
+                       r"sgd\)\(learning_rate=-0\.1\)"),
+                      (optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.sgd)(
+                          learning_rate=jnp.asarray(-0.1))), r"sgd\)\(learning_rate=-0\.1")):
+        with pytest.raises(ValueError, match=rf"(?s)moves v, w \(2 of 2 parameters\) up the loss.*Given: "
+                                             rf"optax.inject_hyperparams\(optax.{given}"):
+            check_rate_applied(tx, _Q, None)
+    before, after = _two_raw_steps(optax.inject_hyperparams(optax.sgd)(learning_rate=-0.1, momentum=0.9))
+    assert after > before  # optax's own steps: up the loss
+    model, loss, _ = _body_and_head()
+    opt = ft.optim.Optimizer(optax.inject_hyperparams(optax.adam)(learning_rate=-0.05))
+    with pytest.raises(ValueError, match=r"moves body\.weight, body\.bias, head\.weight, head\.bias \(4 of 4"):
+        jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))
+    flipped = optax.inject_hyperparams(lambda learning_rate: optax.chain(optax.scale_by_adam(), optax.scale(
+        learning_rate)))(learning_rate=-0.05)
+    before, after = _two_raw_steps(flipped)
+    assert after < before
+    for tx in (optax.inject_hyperparams(optax.adam)(learning_rate=0.05), flipped):
+        check_rate_applied(tx, _Q, None)  # no error

@@ -39,9 +39,10 @@ they surely multiply to a plus, the update climbs, :data:`ASCENDING_UPDATE`
 (``chain(adam(lr), scale(-1))``, ``chain(scale_by_adam(), scale(lr))``,
 ``optax.contrib.galore(1.0, base_optimizer=adam(lr))``: -lr, then -1.0). A factor built from
 hyperparameters (traced: ``inject_hyperparams``, ft.optim's optimizers) gets its sign from the
-build's jaxpr, ft.optim's checked ones (its learning rate) >= 0, optax's of either sign
-(``chain(ft.optim.adam(lr), scale(-1))`` is refused, ``chain(inject_hyperparams(adam)(lr),
-scale(-1))`` is not); a schedule in optax's transforms has no known sign; ``ft.optim``'s
+build's jaxpr, ft.optim's checked ones (its learning rate) >= 0, optax's the sign of the
+number it was given, which its state starts from (:func:`_injected`: the first step's value;
+``inject_hyperparams(adam)(learning_rate=-lr)`` and ``chain(ft.optim.adam(lr), scale(-1))``
+are refused; a value set in the state later is not read); a schedule in optax's transforms has no known sign; ``ft.optim``'s
 ``maximize=True`` (the gradient negated before the optimizer) is not opened: a deliberate ascent. Anything else counts as
 applying a rate (a rate or schedule of either sign, another library's or a hand-written
 transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
@@ -55,6 +56,7 @@ tree the walk does not see).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import operator
@@ -95,10 +97,10 @@ rate, last in a chain, it leaves them unscaled.
 ASCENDING_UPDATE = """\
 The optimizer's transform moves {paths} ({count} of {total} parameters) up the loss: the \
 factors that the transforms reaching them scale the direction by multiply to a positive number \
-(two minus signs, or a rate without its minus sign), and the update is added to the parameter: \
-p + lr * direction, a step up the loss. optax's rates carry the minus sign themselves \
-(optax.adam(lr), optax.sgd(lr), optax.scale_by_learning_rate(lr) scale by -lr): a chain needs \
-one of them, or optax.scale with a negative factor, not both. optax.contrib.galore scales by \
+(two minus signs, a rate without its minus sign, or a negative learning rate), and the update is \
+added to the parameter: p + lr * direction, a step up the loss.{read} optax's rates carry the \
+minus sign themselves (optax.adam(lr), optax.sgd(lr), optax.scale_by_learning_rate(lr) scale by \
+-lr): a chain needs one of them, or optax.scale with a negative factor, not both. optax.contrib.galore scales by \
 -learning_rate after its base: give it a base without a rate, as its docstring asks. To climb \
 on purpose, pass maximize=True to an ft.optim optimizer, or minimize the negated objective.
 
@@ -108,6 +110,8 @@ on purpose, pass maximize=True to an ft.optim optimizer, or minimize the negated
     right:  optax.chain(optax.scale_by_adam(), optax.scale(-1e-3))
     wrong:  optax.contrib.galore(1.0, base_optimizer=optax.adam(1e-3))   # -1e-3, then -1.0
     right:  optax.contrib.galore(1e-3, base_optimizer=optax.scale_by_adam())
+    wrong:  optax.inject_hyperparams(optax.adam)(learning_rate=-1e-3)   # its state's rate: -(-1e-3)
+    right:  optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
     right:  ft.optim.adam(1e-3, maximize=True)   # gradient ascent, on purpose"""
 
 SKIPPED_UNSCALED = """\
@@ -224,12 +228,16 @@ class _Walk:
     """One reading of a transform: the gradient's leaves (indexed by the views), and which
     ``optax.conditionally_transform`` it reads on a step those skip (``skipping``: their
     places in the walk's order; the others transform). ``met`` counts those seen;
-    ``traced`` holds the traced factors met while :func:`_built` builds (None outside)."""
+    ``traced`` holds the traced factors met while :func:`_built` builds (None outside);
+    ``injected``, the values each ``optax.inject_hyperparams`` starts from
+    (:func:`_injected`); ``reads``, the negative values read from those, for the message."""
 
     leaves: list[Any]
     skipping: frozenset[int] = frozenset()
     met: list[int] = dataclasses.field(default_factory=lambda: [0])
     traced: list[Any] | None = None
+    injected: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    reads: list[str] = dataclasses.field(default_factory=list)
 
     def skips(self) -> bool:
         """Whether the conditionally_transform met now is a skipping one (counts it)."""
@@ -308,7 +316,7 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
         return _directions(view) if skipped else found  # a skipped step: the updates forwarded as they came
     if package == "optax" and built == "scale_by_galore" and "base_optimizer" in env:
         return _galore(env, view, updates, walk, depth)
-    if (factory := _factory(package, built, env)) is not None:
+    if (factory := _factory(package, built, env, walk)) is not None:
         return _built(*factory, view, walk, depth)
     if package == "optax" and built == "flatten" and "inner" in env:
         return _flattened(env["inner"].update, view, walk, depth)
@@ -468,24 +476,79 @@ def _wrapped(package: str, built: str, env: dict[str, Any], updates: Any) -> Any
     return None
 
 
-def _factory(package: str, built: str, env: dict[str, Any]
-             ) -> tuple[Any, list[str], dict[str, Any], frozenset[str]] | None:
-    """``(factory, hyperparameter names, fixed arguments, those surely >= 0)`` of a
+def _factory(package: str, built: str, env: dict[str, Any], walk: _Walk
+             ) -> tuple[Any, list[str], dict[str, Any], dict[str, int | None]] | None:
+    """``(factory, hyperparameter names, fixed arguments, the signs known of some)`` of a
     transform rebuilt at each step from its hyperparameters (``optax.inject_hyperparams``,
-    ``ft.optim.inject`` and the ft.optim optimizers made by it), or None. optax's are of
-    either sign (its state takes any value); ft.optim's checks keep some >= 0
+    ``ft.optim.inject`` and the ft.optim optimizers made by it), or None. optax's take the
+    sign of the number given (its state starts from it: the first step's value,
+    :func:`_injected`), its schedules none; ft.optim's checks keep some >= 0
     (:func:`_non_negative`)."""
     if package == "optax" and built == "inject_hyperparams" and {"inner_factory", "other_hps"} <= env.keys():
         fixed = env["other_hps"]  # (booleans, None, static_args: the rest are numbers or schedules)
         named = inspect.signature(env["inner_factory"]).parameters.values()
         names = [p.name for p in named if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed]
-        return env["inner_factory"], names, fixed, frozenset()
+        numbers = walk.injected.get(id(env.get("sched_hps")), {})
+        signs = {name: _constant_sign(value) for name, value in numbers.items()}
+        walk.reads.extend(f"{_factory_name(env['inner_factory'])}({name}={_shown(numbers[name])})"
+                          for name, sign in signs.items() if sign == -1)
+        return env["inner_factory"], names, fixed, signs
     if package == "functree" and built == "inject" and "step" in env:
         made = _closure(_closure(env["step"]).get("build"))
         if {"factory", "specs", "static"} <= made.keys():
-            signed = frozenset(name for name, spec in made["specs"].items() if _non_negative(name, spec))
+            signed: dict[str, int | None] = {name: 1 for name, spec in made["specs"].items() if _non_negative(name, spec)}
             return made["factory"], list(made["specs"]), made["static"], signed
     return None
+
+
+def _factory_name(factory: Any) -> str:
+    """``optax.inject_hyperparams(optax.adam)`` for the message (the factory's own name)."""
+    package, built = _name(factory)
+    return f"optax.inject_hyperparams({package + '.' if package == 'optax' else ''}{built or 'factory'})"
+
+
+def _shown(value: Any) -> str:
+    """A hyperparameter's value as code (a scalar array as its number)."""
+    try:
+        return repr(np.asarray(value).item())
+    except Exception:  # an array of several values: its repr
+        return repr(value)
+
+
+def _injected(init: Any) -> dict[int, dict[str, Any]]:
+    """The numbers each ``optax.inject_hyperparams`` reachable from ``init`` (the user's
+    transform's init function) was given, keyed by the identity of its dict of schedules
+    (``sched_hps``), which its init and update functions share. Its state starts from them,
+    the first step's values: the update function, which the walk reads, finds them only in
+    the state (traced in the jitted step). Read from the closures of optax's and functree's
+    functions, tuples (a transform's init and update), dicts and optax's objects."""
+    found: dict[int, dict[str, Any]] = {}
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(init, 0)]
+    while stack:
+        part, depth = stack.pop()
+        if id(part) in seen or depth > _DEPTH:
+            continue
+        seen.add(id(part))
+        stack.extend((inner, depth + 1) for inner in _parts(part, found))
+    return found
+
+
+def _parts(part: Any, found: dict[int, dict[str, Any]]) -> list[Any]:
+    """What :func:`_injected` reads next in ``part`` (an inject_hyperparams' init: its numbers, into ``found``)."""
+    if isinstance(part, (tuple, list)):
+        return list(part)
+    if isinstance(part, dict):
+        return list(part.values())
+    package, built = _name(part)
+    if package not in ("optax", "functree"):
+        return []
+    if inspect.isfunction(part) or inspect.ismethod(part):
+        env = _closure(part)
+        if package == "optax" and built == "inject_hyperparams" and {"numeric_hps", "sched_hps"} <= env.keys():
+            found[id(env["sched_hps"])] = env["numeric_hps"]
+        return list(env.values())
+    return list(vars(part).values()) if package == "optax" and hasattr(part, "__dict__") else []
 
 
 def _non_negative(name: str, spec: Any) -> bool:
@@ -497,14 +560,14 @@ def _non_negative(name: str, spec: Any) -> bool:
     return rule is not None and not rule[0](-1e-30) and (not scheduled or values_of(spec.rate.value) is not None)
 
 
-def _built(factory: Any, names: list[str], fixed: dict[str, Any], signed: frozenset[str], view: Any,
+def _built(factory: Any, names: list[str], fixed: dict[str, Any], signs: dict[str, int | None], view: Any,
            walk: _Walk, depth: int) -> Factors:
     """:func:`_factors` of ``factory(**fixed, **hyperparameters)``, built as the jitted step
     builds it: each hyperparameter an abstract scalar, so its structure is the step's (a
     factory whose structure reads a value raises here: no verdict). A factor made of
     hyperparameters (optax's ``scale_by_learning_rate``: ``-1.0 * learning_rate``) is traced;
-    its sign is read from the build's jaxpr (:func:`_traced_signs`), the hyperparameters in
-    ``signed`` taken as >= 0, the others of either sign (no refusal on a guess)."""
+    its sign is read from the build's jaxpr (:func:`_traced_signs`), the hyperparameters'
+    from ``signs`` (+1: >= 0, -1: < 0), the others of either sign (no refusal on a guess)."""
     found: list[Factors] = []
     traced: list[Any] = []
 
@@ -514,9 +577,9 @@ def _built(factory: Any, names: list[str], fixed: dict[str, Any], signed: frozen
         return traced
 
     closed = jax.make_jaxpr(build)({name: jax.ShapeDtypeStruct((), jnp.float32) for name in names})
-    signs = _traced_signs(closed, [1 if name in signed else None for name in sorted(names)])
-    return {i: (f[0] * math.prod(signs[k] or 0 for k in f[2]), f[1], frozenset())
-            for i, f in found[0].items() if all(signs[k] for k in f[2])}
+    factors = _traced_signs(closed, [signs.get(name) for name in sorted(names)])
+    return {i: (f[0] * math.prod(factors[k] or 0 for k in f[2]), f[1], frozenset())
+            for i, f in found[0].items() if all(factors[k] for k in f[2])}
 
 
 _SIGN_KEEPING = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision"})
@@ -553,11 +616,12 @@ def _constant_sign(value: Any) -> int | None:
     return 1 if np.all(array > 0) else -1 if np.all(array < 0) else None
 
 
-def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[int, ...], ...]:
+def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[tuple[int, ...], ...], str]:
     """The indices of ``grads``' leaves (flattened with ``None`` as a leaf) whose parameter
     ``transform`` applies no rate to at any step, those it surely moves up the loss (on a
     step an ``optax.conditionally_transform`` skips too), and those it applies no rate to on
-    the steps one skips: once per transform and gradient signature."""
+    the steps one skips, with the negative values it read (:attr:`_Walk.reads`, for the
+    message): once per transform and gradient signature."""
     leaves, treedef = jax.tree.flatten(grads, is_leaf=is_none)
     try:
         who: Any = WeakIdentity(transform)
@@ -567,30 +631,33 @@ def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[int, ...], ...]:
     key, found = cached(_UNRATED, (who, treedef, signature))
     if found is None:
         view = treedef.unflatten([None if g is None else i for i, g in enumerate(leaves)])
-        found = _unrated_walks(getattr(transform, "update", None), view, leaves)
+        found = _unrated_walks(transform, view, leaves)
         if key is not None and who is not None:
             bounded_put(_UNRATED, key, found)
     return found
 
 
-def _unrated_walks(update: Any, view: Any, leaves: list[Any]) -> tuple[tuple[int, ...], ...]:
+def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[tuple[int, ...], ...], str]:
     """:func:`_unrated_indices` walked: once with every conditionally_transform transforming,
     then once per one of them skipping (each has its own condition: never all at once). A
     direction stays one whatever else skips; an ascent is refused only where every
     combination of them skipping ascends (two that skip on alternate steps, each with a
     minus sign, never apply both), and not read past :data:`_COMBINED` of them."""
-    first = _Walk(leaves)
+    update = getattr(transform, "update", None)
+    first = _Walk(leaves, injected=_injected(getattr(transform, "init", None)))
+    walk = functools.partial(_Walk, leaves, injected=first.injected)
     always = _factors(update, view, first)
     count = first.met[0]
     unrated = {i for i, f in always.items() if f == _DIRECTION}
-    skipped = set().union(*({i for i, f in _factors(update, view, _Walk(leaves, frozenset({k}))).items()
+    skipped = set().union(*({i for i, f in _factors(update, view, walk(frozenset({k}))).items()
                              if f == _DIRECTION} for k in range(count))) - unrated
     ascending = {i for i, f in always.items() if f == _ASCENT} if count <= _COMBINED else set()
     for combination in range(1, 2**count if ascending else 1):
         skipping = frozenset(k for k in range(count) if combination >> k & 1)
-        found = _factors(update, view, _Walk(leaves, skipping))
+        found = _factors(update, view, walk(skipping))
         ascending = {i for i in ascending if found.get(i) == _ASCENT}
-    return tuple(sorted(unrated)), tuple(sorted(ascending)), tuple(sorted(skipped))
+    read = f" Given: {', '.join(dict.fromkeys(first.reads))}." if first.reads else ""
+    return (tuple(sorted(unrated)), tuple(sorted(ascending)), tuple(sorted(skipped))), read
 
 
 def _trained(missing: Any) -> bool:
@@ -618,7 +685,7 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
     """
     if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(grads)):
         return  # trained as pairs of reals (RealPair): another tree than the one walked here
-    refused = _unrated_indices(transform, grads)
+    refused, read = _unrated_indices(transform, grads)
     if not any(refused):
         return
     flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
@@ -628,4 +695,4 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
         same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in trained]
         if same:
             shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
-            raise ConfigurationError(message.format(paths=shown, count=len(same), total=len(trained)))
+            raise ConfigurationError(message.format(paths=shown, count=len(same), total=len(trained), read=read))

@@ -761,16 +761,16 @@ def _quadratic(p):
     return 0.5 * sum(jnp.sum((x - 0.25) ** 2) for x in jax.tree.leaves(p))
 
 
-def _two_raw_steps(tx):
+def _two_raw_steps(tx, count=2):
     """The loss before and after two plain optax steps of ``tx`` on the quadratic (two: adopt's
-    first update is zero; sam's second is its outer step, its first the adversarial one)."""
+    first update is zero; sam's second is its outer step, its first the adversarial one), or ``count``."""
     tx = optax.with_extra_args_support(tx)  # (sam's opaque mode takes the gradient function)
     grad = jax.grad(_quadratic)
 
     @jax.jit  # one program (eager: one per op)
     def steps(p):
         state = tx.init(p)
-        for _ in range(2):
+        for _ in range(count):
             with jax.numpy_dtype_promotion("standard"):  # optax mixes float literals and int counts
                 updates, state = tx.update(grad(p), state, p, grad_fn=lambda q, _: grad(q))
             p = optax.apply_updates(p, updates)
@@ -999,3 +999,62 @@ def test_a_negative_rate_given_to_inject_hyperparams_is_refused():
     assert after < before
     for tx in (optax.inject_hyperparams(optax.adam)(learning_rate=0.05), flipped):
         check_rate_applied(tx, _Q, None)  # no error
+
+
+def test_a_learning_rate_schedule_negative_at_step_0_is_refused():
+    """A schedule is a function of the step count, and the walk took it for a rate of either
+    sign: optax.sgd(lambda step: -0.1), sgd(constant_schedule(-0.1)) and inject_hyperparams(sgd)
+    with such a schedule scale by -(-0.1) and climbed from the first step (the loss 5.3 -> 24 in
+    8 steps) with no error. The schedule is evaluated at the step counts (once, concretely,
+    while the step traces too): negative at step 0 is refused with ASCENDING_UPDATE, naming it."""
+    for tx, given in ((optax.sgd(lambda step: -0.1), r"the learning rate <lambda> is -0\.1 at step 0"),
+                      (optax.sgd(optax.constant_schedule(-0.1)),
+                       r"the learning rate optax\.constant_schedule is -0\.1 at step 0"),
+                      (optax.inject_hyperparams(optax.sgd)(learning_rate=lambda step: -0.1),
+                       r"optax\.inject_hyperparams\(optax\.sgd\)\(learning_rate=schedule\) is -0\.1 at step 0")):
+        with pytest.raises(ValueError, match=rf"(?s)moves v, w \(2 of 2 parameters\) up the loss.*Given: {given}\..*"
+                                             r"optax.sgd\(optax.constant_schedule\(0\.1\)\)"):
+            check_rate_applied(tx, _Q, None)
+    before, after = _two_raw_steps(optax.sgd(lambda step: -0.1))
+    assert after > before  # optax's own steps: up the loss
+    model, loss, _ = _body_and_head()
+    opt = ft.optim.Optimizer(optax.sgd(optax.constant_schedule(-0.1)))
+    with pytest.raises(ValueError, match=r"moves body\.weight, body\.bias, head\.weight, head\.bias \(4 of 4.*at step 0"):
+        jax.jit(lambda m, s: opt.minimize(loss, m, s)).lower(model, opt.init(model))
+
+
+def test_a_schedule_that_turns_and_holds_the_wrong_sign_is_refused_from_that_step():
+    """optax.adam(optax.linear_schedule(0.05, -0.05, 4)) descends for two steps, then holds -0.05
+    (optax's schedules hold their last value): adam's -lr climbs at every step after (the loss
+    5.3 -> 6.5 in 8 steps), with no error. A schedule whose held end has another sign than its
+    step 0 is read there too: refused with ASCENDING_LATER, naming the step it turns at."""
+    for tx, given in ((optax.adam(optax.linear_schedule(0.05, -0.05, 4)),
+                       r"the learning rate optax\.polynomial_schedule is -0\.05 from step 3 on"),
+                      (optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(0.05, -0.05, 4)),
+                       r"optax\.inject_hyperparams\(optax\.adam\)\(learning_rate=schedule\) is -0\.05 from step 3"),
+                      (optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(  # a ramp up to a plus
+                          optax.linear_schedule(-0.05, 0.05, 4))), r"optax\.scale_by_schedule\(optax\.polynomial_schedule\) is 0\.05")):
+        with pytest.raises(ValueError, match=rf"(?s)moves v, w \(2 of 2 parameters\) up the loss from the step its "
+                                             rf"schedule turns: {given}.*right:  optax.adam\(optax.linear_schedule\(1e-3, 0.0, 100\)\)"):
+            check_rate_applied(tx, _Q, None)
+    tx = optax.adam(optax.linear_schedule(0.05, -0.05, 4))
+    before, after = _two_raw_steps(tx, 8)
+    assert after > before  # optax's own steps: up the loss
+    assert _two_raw_steps(tx, 2)[1] < before  # (down at first)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.adam(optax.linear_schedule(0.05, 0.0, 4)),  # (its end: -1.5e-10 in float32, read as 0)
+    lambda: optax.sgd(lambda step: 0.05 * (1 - step / 1000)),  # negative past its end: still falling, not read
+    lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, 0.05, 2, 10)),
+    lambda: optax.sgd(optax.sgdr_schedule([dict(init_value=0.0, peak_value=0.05, warmup_steps=2, decay_steps=4)] * 2)),
+    lambda: optax.inject_hyperparams(optax.adam)(learning_rate=optax.exponential_decay(0.05, 2, 0.5)),
+    lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(lambda step: -0.05)),  # by hand, descends
+    lambda: fo.sgd(fo.linear_warmup(0.05, 2), maximize=True),
+], ids=["linear to 0", "a line falling past its end", "warmup_cosine_decay", "sgdr", "inject exponential_decay",
+        "scale_by_schedule(-lr)", "ft.optim maximize"])
+def test_schedules_that_stay_of_their_sign_pass(make):
+    """Schedules of the right sign at every step pass (a warmup from 0 too), as does a user's
+    line that turns negative only past the step its user stops at (it is not held there:
+    not read), and ft.optim's deliberate ascent."""
+    check_rate_applied(make(), _Q, None)  # no error

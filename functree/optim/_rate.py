@@ -42,7 +42,14 @@ hyperparameters (traced: ``inject_hyperparams``, ft.optim's optimizers) gets its
 build's jaxpr, ft.optim's checked ones (its learning rate) >= 0, optax's the sign of the
 number it was given, which its state starts from (:func:`_injected`: the first step's value;
 ``inject_hyperparams(adam)(learning_rate=-lr)`` and ``chain(ft.optim.adam(lr), scale(-1))``
-are refused; a value set in the state later is not read); a schedule in optax's transforms has no known sign; ``ft.optim``'s
+are refused; a value set in the state later is not read). A schedule in optax's transforms
+(``scale_by_schedule``, and so ``optax.adam(schedule)``; ``inject_hyperparams``' schedules) is
+evaluated at the step counts (:data:`_COUNTS`, once): its sign at step 0 is the first step's
+(``optax.sgd(lambda step: -0.1)`` is refused), and where it holds a value of the other sign
+at its end (optax's schedules hold their last: ``linear_schedule(lr, -lr, n)``), a walk
+reading it there refuses what climbs from the step it turns, :data:`ASCENDING_LATER`; a
+function still changing at its end (a line falling past the steps trained) or one that
+cannot be evaluated on concrete counts is of either sign there. ``ft.optim``'s
 ``maximize=True`` (the gradient negated before the optimizer) is not opened: a deliberate ascent. Anything else counts as
 applying a rate (a rate or schedule of either sign, another library's or a hand-written
 transform, a wrapper the walk does not open: ``per_member`` on a Stack, whose inner
@@ -76,7 +83,7 @@ from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
 from functree.optim._schedules import values_of
 
-__all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
+__all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "ASCENDING_LATER", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
 
 NO_LEARNING_RATE = """\
 The optimizer's transform applies no learning rate to {paths} ({count} of {total} parameters): \
@@ -112,6 +119,21 @@ on purpose, pass maximize=True to an ft.optim optimizer, or minimize the negated
     right:  optax.contrib.galore(1e-3, base_optimizer=optax.scale_by_adam())
     wrong:  optax.inject_hyperparams(optax.adam)(learning_rate=-1e-3)   # its state's rate: -(-1e-3)
     right:  optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    wrong:  optax.sgd(optax.constant_schedule(-0.1))   # -(-0.1) from step 0
+    right:  optax.sgd(optax.constant_schedule(0.1))
+    right:  ft.optim.adam(1e-3, maximize=True)   # gradient ascent, on purpose"""
+
+ASCENDING_LATER = """\
+The optimizer's transform moves {paths} ({count} of {total} parameters) up the loss from the \
+step its schedule turns: {read}, and optax's schedules hold their last value at every step \
+after it. From there the factors that the transforms reaching them scale the direction by \
+multiply to a positive number, and the update is added to the parameter: p + lr * direction, \
+a step up the loss at each step. optax's rates carry the minus sign themselves \
+(optax.adam(schedule) scales by -schedule(step)): a learning-rate schedule stays >= 0; one that \
+decays to nothing ends at 0.
+
+    wrong:  optax.adam(optax.linear_schedule(1e-3, -1e-3, 100))   # -1e-3 from step 100: p + 1e-3 * direction
+    right:  optax.adam(optax.linear_schedule(1e-3, 0.0, 100))
     right:  ft.optim.adam(1e-3, maximize=True)   # gradient ascent, on purpose"""
 
 SKIPPED_UNSCALED = """\
@@ -175,6 +197,7 @@ WRAPPERS = {
 _DEPTH = 24  # one level per wrapper: chain, masked, partition ...
 _COMBINED = 4  # conditionally_transforms read in every combination of skipping (2**4 walks) for an ascent
 _UNRATED: dict[Any, Any] = {}  # (transform, gradient signature) -> indices refused, by message
+_SCHEDULES: dict[Any, Any] = {}  # schedule -> (its values at _COUNTS, or None,)
 
 # What the walk knows of a parameter's update: the sign of the factor it multiplies the
 # ascent direction by (+1: up the loss), whether a factor (a rate) was met, and the traced
@@ -230,7 +253,10 @@ class _Walk:
     places in the walk's order; the others transform). ``met`` counts those seen;
     ``traced`` holds the traced factors met while :func:`_built` builds (None outside);
     ``injected``, the values each ``optax.inject_hyperparams`` starts from
-    (:func:`_injected`); ``reads``, the negative values read from those, for the message."""
+    (:func:`_injected`); ``reads``, the negative values read from those and from schedules,
+    for the message. ``at_end``: schedules read at their held end (:func:`_scheduled`), else at
+    step 0; ``turns``: one whose sign at
+    its end differs from step 0's was met (an end walk is needed)."""
 
     leaves: list[Any]
     skipping: frozenset[int] = frozenset()
@@ -238,6 +264,8 @@ class _Walk:
     traced: list[Any] | None = None
     injected: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     reads: list[str] = dataclasses.field(default_factory=list)
+    at_end: bool = False
+    turns: list[bool] = dataclasses.field(default_factory=lambda: [False])
 
     def skips(self) -> bool:
         """Whether the conditionally_transform met now is a skipping one (counts it)."""
@@ -305,6 +333,8 @@ def _opened(package: str, built: str, env: dict[str, Any], view: Any, walk: _Wal
     ascent is deliberate."""
     if package == "optax" and built == "scale" and "step_size" in env:  # (scale_by_learning_rate's too)
         return _scaled(_directions(view), _concrete(env["step_size"], False, walk))
+    if package == "optax" and built == "scale_by_schedule" and "step_size_fn" in env:
+        return _scaled(_directions(view), _step_size(env["step_size_fn"], walk))
     if package == "optax" and built in FACTORED and FACTORED[built][0] in env:
         name, any_positive = FACTORED[built]
         return _scaled(_directions(view), _concrete(env[name], any_positive, walk))
@@ -450,6 +480,84 @@ def _possible(name: str, args: list[Any], params: dict[str, Any]) -> Any:
     return None
 
 
+# The step counts a schedule is read at: each of the first 4096, then spaced out to int32's
+# largest (optax's counts saturate there), 5% apart; the last _HELD (from 4e8 on) read whether
+# it holds one value at its end (a line still falling there does not).
+_COUNTS = np.unique(np.concatenate([np.arange(4096), np.geomspace(4096, np.iinfo(np.int32).max, 256).astype(np.int64)]
+                                   )).astype(np.int32)
+_HELD = 32
+_ROUNDING = 1e-5  # a schedule's values this small next to its largest are 0 (float32's rounding)
+
+
+def _step_size(fn: Any, walk: _Walk) -> Factor | None:
+    """The factor of ``optax.scale_by_schedule(fn)``: ``scale_by_learning_rate(schedule)``'s
+    ``m * schedule(count)`` read as the learning rate's schedule times its sign ``m``."""
+    env = _closure(fn)
+    if _name(fn) == ("optax", "scale_by_learning_rate") and env.get("m") in (1, -1) and callable(
+            env.get("learning_rate")):
+        return _scheduled(env["learning_rate"], env["m"], walk, f"the learning rate {_schedule_name(env['learning_rate'])}")
+    return _scheduled(fn, 1, walk, f"optax.scale_by_schedule({_schedule_name(fn)})")
+
+
+def _schedule_name(fn: Any) -> str:
+    """A schedule for the message: optax's by the function that made it, another by its name."""
+    package, built = _name(fn)
+    return f"optax.{built}" if package == "optax" else str(getattr(fn, "__name__", "") or repr(fn))
+
+
+def _scheduled(fn: Any, sign: int, walk: _Walk, what: str) -> Factor | None:
+    """The factor of ``sign * fn(count)``, a schedule of the step count: its sign at step 0
+    (the first step's), or with ``walk.at_end`` at its end where it holds one value from a
+    step on (optax's schedules hold their last value; a function still changing there, as a
+    line falling past its last step, has none: not read). None where it is 0 there, not of one
+    sign, or cannot be evaluated on concrete counts (:func:`_schedule_values`)."""
+    values = _schedule_values(fn)
+    if values is None:
+        return None
+    first = _constant_sign(values[0])
+    held = bool(np.all(values[-_HELD:] == values[-1])) and values[-1] != 0
+    end = _constant_sign(values[-1]) if held else None
+    walk.turns[0] = walk.turns[0] or (end is not None and end != first)
+    at, known = (values[-1], end) if walk.at_end else (values[0], first)
+    if known is None:
+        return None
+    if walk.at_end and end != first:  # (the schedule that turns: named with the step it turns at)
+        since = int(_COUNTS[np.flatnonzero(np.sign(values) != end)[-1] + 1])
+        walk.reads.append(f"{what} is {float(at):.6g} from step {since} on")
+    elif not walk.at_end and at < 0:
+        walk.reads.append(f"{what} is {float(at):.6g} at step 0")
+    return sign * known, True, frozenset()
+
+
+def _schedule_values(fn: Any) -> Any:
+    """``fn`` at :data:`_COUNTS` (int32, as optax counts), evaluated concretely (also while a
+    step traces: one small program), once per schedule; None where it fails there (a Python
+    condition on the count, a value closed over from a trace) or is not one finite number
+    per count; a value that rounding makes of the wrong sign, 0."""
+    try:
+        key, found = cached(_SCHEDULES, WeakIdentity(fn))
+    except TypeError:  # a schedule taking no weak reference: evaluated, never cached
+        key, found = None, None
+    if found is None:
+        found = (_evaluated(fn),)
+        if key is not None:
+            bounded_put(_SCHEDULES, key, found)
+    return found[0]
+
+
+def _evaluated(fn: Any) -> np.ndarray | None:
+    """:func:`_schedule_values` computed (one program: jitted, vectorized over the counts)."""
+    try:
+        with jax.ensure_compile_time_eval(), jax.numpy_dtype_promotion("standard"):
+            values = np.asarray(jax.jit(jax.vmap(fn))(_COUNTS), dtype=float)
+    except Exception:  # not a function of a traced count alone: no verdict
+        return None
+    if values.shape != _COUNTS.shape or not np.all(np.isfinite(values)):
+        return None
+    # float32 rounding of a line ending at 0 (optax.linear_schedule(1e-2, 0, 10): -1.5e-10) is 0
+    return np.where(np.abs(values) <= _ROUNDING * np.max(np.abs(values)), 0.0, values)
+
+
 def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> Factors:
     """:func:`_factors` of ``optax.flatten``'s inner transform, which sees one vector, the
     parameters it receives raveled end to end: they all get its one factor. Read on an
@@ -492,6 +600,11 @@ def _factory(package: str, built: str, env: dict[str, Any], walk: _Walk
         signs = {name: _constant_sign(value) for name, value in numbers.items()}
         walk.reads.extend(f"{_factory_name(env['inner_factory'])}({name}={_shown(numbers[name])})"
                           for name, sign in signs.items() if sign == -1)
+        for name, schedule in (env.get("sched_hps") or {}).items():  # (a StatefulSchedule: not read)
+            what = f"{_factory_name(env['inner_factory'])}({name}=schedule)"
+            if callable(fn := getattr(schedule, "schedule_fn", None)):
+                found = _scheduled(fn, 1, walk, what)
+                signs[name] = None if found is None else found[0]
         return env["inner_factory"], names, fixed, signs
     if package == "functree" and built == "inject" and "step" in env:
         made = _closure(_closure(env["step"]).get("build"))
@@ -616,12 +729,12 @@ def _constant_sign(value: Any) -> int | None:
     return 1 if np.all(array > 0) else -1 if np.all(array < 0) else None
 
 
-def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[tuple[int, ...], ...], str]:
+def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[tuple[int, ...], str], ...]:
     """The indices of ``grads``' leaves (flattened with ``None`` as a leaf) whose parameter
     ``transform`` applies no rate to at any step, those it surely moves up the loss (on a
-    step an ``optax.conditionally_transform`` skips too), and those it applies no rate to on
-    the steps one skips, with the negative values it read (:attr:`_Walk.reads`, for the
-    message): once per transform and gradient signature."""
+    step an ``optax.conditionally_transform`` skips too), those it applies no rate to on the
+    steps one skips, and those it moves up the loss once a schedule turns, each with the
+    values read for its message (:attr:`_Walk.reads`): once per transform and gradient signature."""
     leaves, treedef = jax.tree.flatten(grads, is_leaf=is_none)
     try:
         who: Any = WeakIdentity(transform)
@@ -637,12 +750,14 @@ def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[tuple[int, ...],
     return found
 
 
-def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[tuple[int, ...], ...], str]:
+def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[tuple[int, ...], str], ...]:
     """:func:`_unrated_indices` walked: once with every conditionally_transform transforming,
     then once per one of them skipping (each has its own condition: never all at once). A
     direction stays one whatever else skips; an ascent is refused only where every
     combination of them skipping ascends (two that skip on alternate steps, each with a
-    minus sign, never apply both), and not read past :data:`_COMBINED` of them."""
+    minus sign, never apply both), and not read past :data:`_COMBINED` of them. Where a
+    schedule turns sign, its held end is read too (:data:`ASCENDING_LATER`). Each refusal's
+    indices come with the values read for its message."""
     update = getattr(transform, "update", None)
     first = _Walk(leaves, injected=_injected(getattr(transform, "init", None)))
     walk = functools.partial(_Walk, leaves, injected=first.injected)
@@ -651,13 +766,29 @@ def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[
     unrated = {i for i, f in always.items() if f == _DIRECTION}
     skipped = set().union(*({i for i, f in _factors(update, view, walk(frozenset({k}))).items()
                              if f == _DIRECTION} for k in range(count))) - unrated
+    ascending = _ascending(update, view, walk, always, count)
+    later: set[int] = set()
+    end = walk(at_end=True)
+    if first.turns[0]:  # (else each schedule's end has its step 0's sign: the same verdict)
+        later = _ascending(update, view, functools.partial(walk, at_end=True), _factors(update, view, end), count)
+    return ((tuple(sorted(unrated)), ""), (tuple(sorted(ascending)), _given(first.reads)), (tuple(sorted(skipped)), ""),
+            (tuple(sorted(later - ascending)), "; ".join(dict.fromkeys(end.reads))))
+
+
+def _ascending(update: Any, view: Any, walk: Any, always: Factors, count: int) -> set[int]:
+    """The parameters ``always`` (the walk with every conditionally_transform transforming)
+    moves up the loss, which every combination of them skipping (``walk(skipping)``) does too."""
     ascending = {i for i, f in always.items() if f == _ASCENT} if count <= _COMBINED else set()
     for combination in range(1, 2**count if ascending else 1):
         skipping = frozenset(k for k in range(count) if combination >> k & 1)
         found = _factors(update, view, walk(skipping))
         ascending = {i for i in ascending if found.get(i) == _ASCENT}
-    read = f" Given: {', '.join(dict.fromkeys(first.reads))}." if first.reads else ""
-    return (tuple(sorted(unrated)), tuple(sorted(ascending)), tuple(sorted(skipped))), read
+    return ascending
+
+
+def _given(reads: list[str]) -> str:
+    """The values read for :data:`ASCENDING_UPDATE` (a sentence, or nothing)."""
+    return f" Given: {', '.join(dict.fromkeys(reads))}." if reads else ""
 
 
 def _trained(missing: Any) -> bool:
@@ -685,13 +816,14 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
     """
     if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(grads)):
         return  # trained as pairs of reals (RealPair): another tree than the one walked here
-    refused, read = _unrated_indices(transform, grads)
-    if not any(refused):
+    refused = _unrated_indices(transform, grads)
+    if not any(indices for indices, _ in refused):
         return
     flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
     missing = [False] * len(flat) if partial is None else list(partial[1])
     trained = {i for i, ((_, g), m) in enumerate(zip(flat, missing)) if g is not None and _trained(m)}
-    for unrated, message in zip(refused, (NO_LEARNING_RATE, ASCENDING_UPDATE, SKIPPED_UNSCALED)):
+    for (unrated, read), message in zip(refused, (NO_LEARNING_RATE, ASCENDING_UPDATE, SKIPPED_UNSCALED,
+                                                  ASCENDING_LATER)):
         same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in trained]
         if same:
             shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")

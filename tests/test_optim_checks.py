@@ -1058,3 +1058,31 @@ def test_schedules_that_stay_of_their_sign_pass(make):
     line that turns negative only past the step its user stops at (it is not held there:
     not read), and ft.optim's deliberate ascent."""
     check_rate_applied(make(), _Q, None)  # no error
+
+
+def test_a_conditionally_transform_that_climbs_on_its_transforming_steps_is_refused():
+    """chain(conditionally_transform(adam(lr), fn), scale(-1)) climbs on the steps fn is True
+    (-lr, then -1) and descends on those it skips: the check refused an ascent only where every
+    reading of its skipping climbed, so it trained up the loss (5.3 -> 6.1 in 2 steps) with no
+    error. With one conditionally_transform both readings happen: an ascent in either is
+    refused, naming its steps (those it skips too: the updates passed through as they came)."""
+    late = lambda step: step < 1000  # noqa: E731
+    climbs = optax.chain(optax.conditionally_transform(optax.adam(0.05), late), optax.scale(-1.0))
+    before, after = _two_raw_steps(climbs)
+    assert after > before  # optax's own steps: up the loss
+    for tx, when in ((climbs, r"transforms \(its should_transform_fn True\)"),
+                     (optax.chain(optax.conditionally_transform(optax.scale(-1.0), lambda step: step % 2 == 0),
+                                  optax.adam(0.05)), r"transforms"),
+                     (optax.chain(optax.conditionally_transform(optax.scale(-1.0), late), optax.sgd(0.05),
+                                  optax.scale(-1.0)), r"skips \(its should_transform_fn False")):
+        with pytest.raises(ValueError, match=rf"(?s)moves v, w \(2 of 2 parameters\) up the loss on the steps "
+                                             rf"optax.conditionally_transform {when}.*optax.conditionally_mask"):
+            check_rate_applied(tx, _Q, None)
+    model, loss, _ = _body_and_head()
+    opt = ft.optim.Optimizer(climbs)
+    with pytest.raises(ValueError, match=r"moves body\.weight, body\.bias, head\.weight, head\.bias \(4 of 4"):
+        jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))
+    rated_after = optax.chain(optax.conditionally_transform(optax.scale_by_adam(), late), optax.scale(-0.05))
+    before, after = _two_raw_steps(rated_after)
+    assert after < before
+    check_rate_applied(rated_after, _Q, None)  # no error

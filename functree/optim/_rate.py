@@ -26,7 +26,9 @@ values. ``optax.conditionally_transform`` forwards the updates unchanged on the 
 skips: read once with it transforming and once with it skipping (its parameters then reached
 by what comes after it alone), each apart, a skipped step's refusal :data:`SKIPPED_UNSCALED`
 (``conditionally_transform(adam(lr), fn)``: p + g on those steps); not read as skipping where
-its condition surely never skips (:func:`_never_skips`: ``step >= 0``, a constant True). A parameter is refused
+its condition surely never skips (:func:`_never_skips`: ``step >= 0``, a constant True); where
+it is the only one, a reading that climbs is refused, :data:`ASCENDING_ON_STEPS`
+(``chain(conditionally_transform(adam(lr), fn), scale(-1))``: -lr, then -1, where fn is True). A parameter is refused
 only where every transform that reaches it is one of optax's that give a direction with
 neither a rate nor a sign (:data:`DIRECTIONS`: ``scale_by_adam``, ``scale_by_sign``,
 ``clip_by_global_norm``, ``identity``, ``optax.contrib.normalize`` ...; :data:`FACTORED`:
@@ -83,7 +85,7 @@ from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
 from functree.optim._schedules import values_of
 
-__all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "ASCENDING_LATER", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
+__all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "ASCENDING_LATER", "ASCENDING_ON_STEPS", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
 
 NO_LEARNING_RATE = """\
 The optimizer's transform applies no learning rate to {paths} ({count} of {total} parameters): \
@@ -105,7 +107,7 @@ ASCENDING_UPDATE = """\
 The optimizer's transform moves {paths} ({count} of {total} parameters) up the loss: the \
 factors that the transforms reaching them scale the direction by multiply to a positive number \
 (two minus signs, a rate without its minus sign, or a negative learning rate), and the update is \
-added to the parameter: p + lr * direction, a step up the loss.{read} optax's rates carry the \
+added to the parameter: p + lr * direction, a step up the loss.{detail} optax's rates carry the \
 minus sign themselves (optax.adam(lr), optax.sgd(lr), optax.scale_by_learning_rate(lr) scale by \
 -lr): a chain needs one of them, or optax.scale with a negative factor, not both. optax.contrib.galore scales by \
 -learning_rate after its base: give it a base without a rate, as its docstring asks. To climb \
@@ -125,7 +127,7 @@ on purpose, pass maximize=True to an ft.optim optimizer, or minimize the negated
 
 ASCENDING_LATER = """\
 The optimizer's transform moves {paths} ({count} of {total} parameters) up the loss from the \
-step its schedule turns: {read}, and optax's schedules hold their last value at every step \
+step its schedule turns: {detail}, and optax's schedules hold their last value at every step \
 after it. From there the factors that the transforms reaching them scale the direction by \
 multiply to a positive number, and the update is added to the parameter: p + lr * direction, \
 a step up the loss at each step. optax's rates carry the minus sign themselves \
@@ -135,6 +137,22 @@ decays to nothing ends at 0.
     wrong:  optax.adam(optax.linear_schedule(1e-3, -1e-3, 100))   # -1e-3 from step 100: p + 1e-3 * direction
     right:  optax.adam(optax.linear_schedule(1e-3, 0.0, 100))
     right:  ft.optim.adam(1e-3, maximize=True)   # gradient ascent, on purpose"""
+
+ASCENDING_ON_STEPS = """\
+The optimizer's transform moves {paths} ({count} of {total} parameters) up the loss on the \
+steps optax.conditionally_transform {detail}: there the factors that the transforms reaching \
+them scale the direction by multiply to a positive number (two minus signs: a rate inside it \
+and another factor of the wrong sign after it, or the other way round), and the update is \
+added to the parameter: p + lr * direction, a step up the loss on each of those steps. A \
+conditionally_transform around a whole optimizer needs nothing after it that changes the \
+sign; one that only shapes the direction needs the rate after it.
+
+    wrong:  optax.chain(optax.conditionally_transform(optax.adam(1e-3), fn), optax.scale(-1.0))   # -1e-3 * -1.0 where fn is True
+    right:  optax.chain(optax.conditionally_transform(optax.scale_by_adam(), fn), optax.scale(-1e-3))
+       or:  optax.conditionally_mask(optax.adam(1e-3), fn)   # no update where fn is False"""
+
+_TRANSFORMING = "transforms (its should_transform_fn True)"
+_SKIPPING = "skips (its should_transform_fn False: the updates passed through as they came)"
 
 SKIPPED_UNSCALED = """\
 optax.conditionally_transform passes the updates through unchanged on the steps it skips (its \
@@ -753,9 +771,11 @@ def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[tuple[int, ...],
 def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[tuple[int, ...], str], ...]:
     """:func:`_unrated_indices` walked: once with every conditionally_transform transforming,
     then once per one of them skipping (each has its own condition: never all at once). A
-    direction stays one whatever else skips; an ascent is refused only where every
-    combination of them skipping ascends (two that skip on alternate steps, each with a
-    minus sign, never apply both), and not read past :data:`_COMBINED` of them. Where a
+    direction stays one whatever else skips; an ascent is refused where every combination of
+    them skipping ascends (two that skip on alternate steps, each with a minus sign, never
+    apply both), not read past :data:`_COMBINED` of them; with one, where either reading
+    ascends (:data:`ASCENDING_ON_STEPS`: it transforms on some steps and may skip on others,
+    ``chain(conditionally_transform(adam(lr), fn), scale(-1))`` climbs where fn is True). Where a
     schedule turns sign, its held end is read too (:data:`ASCENDING_LATER`). Each refusal's
     indices come with the values read for its message."""
     update = getattr(transform, "update", None)
@@ -764,14 +784,18 @@ def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[
     always = _factors(update, view, first)
     count = first.met[0]
     unrated = {i for i, f in always.items() if f == _DIRECTION}
-    skipped = set().union(*({i for i, f in _factors(update, view, walk(frozenset({k}))).items()
-                             if f == _DIRECTION} for k in range(count))) - unrated
+    skips = [_factors(update, view, walk(frozenset({k}))) for k in range(count)]
+    skipped = set().union(*({i for i, f in found.items() if f == _DIRECTION} for found in skips)) - unrated
     ascending = _ascending(update, view, walk, always, count)
+    # one conditionally_transform: each reading happens (its condition may skip), so an ascent in either is sure
+    transforming, skipping = ({i for i, f in found.items() if f == _ASCENT} - ascending if count == 1 else set()
+                              for found in (always, skips[0] if skips else {}))
     later: set[int] = set()
     end = walk(at_end=True)
     if first.turns[0]:  # (else each schedule's end has its step 0's sign: the same verdict)
         later = _ascending(update, view, functools.partial(walk, at_end=True), _factors(update, view, end), count)
     return ((tuple(sorted(unrated)), ""), (tuple(sorted(ascending)), _given(first.reads)), (tuple(sorted(skipped)), ""),
+            (tuple(sorted(transforming)), _TRANSFORMING), (tuple(sorted(skipping)), _SKIPPING),
             (tuple(sorted(later - ascending)), "; ".join(dict.fromkeys(end.reads))))
 
 
@@ -822,9 +846,9 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
     flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
     missing = [False] * len(flat) if partial is None else list(partial[1])
     trained = {i for i, ((_, g), m) in enumerate(zip(flat, missing)) if g is not None and _trained(m)}
-    for (unrated, read), message in zip(refused, (NO_LEARNING_RATE, ASCENDING_UPDATE, SKIPPED_UNSCALED,
-                                                  ASCENDING_LATER)):
+    for (unrated, detail), message in zip(refused, (NO_LEARNING_RATE, ASCENDING_UPDATE, SKIPPED_UNSCALED,
+                                                    ASCENDING_ON_STEPS, ASCENDING_ON_STEPS, ASCENDING_LATER)):
         same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in trained]
         if same:
             shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
-            raise ConfigurationError(message.format(paths=shown, count=len(same), total=len(trained), read=read))
+            raise ConfigurationError(message.format(paths=shown, count=len(same), total=len(trained), detail=detail))

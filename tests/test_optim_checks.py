@@ -1,6 +1,7 @@
 """The optimizer's input checks (functree/optim/_checks.py): a state that does not fit the
 gradients (a changed layer, a state made with or without ``wrt=``) is refused by name."""
 
+import logging
 import re
 from typing import Any
 
@@ -1086,3 +1087,58 @@ def test_a_conditionally_transform_that_climbs_on_its_transforming_steps_is_refu
     before, after = _two_raw_steps(rated_after)
     assert after < before
     check_rate_applied(rated_after, _Q, None)  # no error
+
+
+_OPTAX_SCHEDULES = {  # optax's constructors (those this optax has), each >= 0 at every step
+    "constant_schedule": lambda: optax.constant_schedule(1e-3),
+    "linear_schedule": lambda: optax.linear_schedule(1e-3, 0.0, 100),
+    "polynomial_schedule": lambda: optax.polynomial_schedule(1e-3, 1e-5, 2, 100, 10),
+    "cosine_decay_schedule": lambda: optax.cosine_decay_schedule(1e-3, 100, 0.1),
+    "warmup_cosine_decay_schedule": lambda: optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 1000),
+    "warmup_constant_schedule": lambda: optax.warmup_constant_schedule(0.0, 1e-3, 10),
+    "warmup_exponential_decay_schedule": lambda: optax.warmup_exponential_decay_schedule(0.0, 1e-3, 10, 100, 0.5,
+                                                                                         end_value=1e-4),
+    "exponential_decay": lambda: optax.exponential_decay(1e-3, 100, 0.9, staircase=True),
+    "piecewise_constant_schedule": lambda: optax.piecewise_constant_schedule(1e-3, {100: 0.1, 200: 0.1}),
+    "piecewise_interpolate_schedule": lambda: optax.piecewise_interpolate_schedule("linear", 1e-3, {10: 2.0, 20: 0.0}),
+    "cosine_onecycle_schedule": lambda: optax.cosine_onecycle_schedule(1000, 1e-3),
+    "linear_onecycle_schedule": lambda: optax.linear_onecycle_schedule(1000, 1e-3),
+    "sgdr_schedule": lambda: optax.sgdr_schedule([dict(init_value=0.0, peak_value=0.05, warmup_steps=2,
+                                                       decay_steps=4)] * 2),
+    "join_schedules": lambda: optax.join_schedules([optax.constant_schedule(0.0),
+                                                    optax.linear_schedule(1e-3, 1e-4, 10)], [5]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPTAX_SCHEDULES))
+def test_optax_schedule_constructors_are_read_without_compiling(name, caplog):
+    """The rate check evaluated every schedule over the step counts: one program compiled per
+    schedule, 0.15-0.45 s added to the first step of optax.adam(warmup_cosine_decay_schedule(
+    ...)). optax's constructors are read from the numbers their closures hold: nothing is
+    compiled, and what is read (the value at step 0, the one held at the end) is what the
+    evaluation gives."""
+    if not hasattr(optax, name):
+        pytest.skip(f"optax {optax.__version__} has no {name}")
+    schedule = _OPTAX_SCHEDULES[name]()
+    with caplog.at_level(logging.WARNING), jax.log_compiles():
+        for tx in (optax.adam(schedule), optax.inject_hyperparams(optax.adam)(learning_rate=schedule)):
+            check_rate_applied(tx, _Q, None)  # no error
+    assert not [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    from functree.optim._schedule_reads import HELD, evaluated, schedule_read
+
+    read, values = schedule_read(schedule), evaluated(schedule)
+    assert read is not None and read.values is None and values is not None  # (derived, not evaluated)
+    np.testing.assert_allclose(read.start, values[0], rtol=1e-5, atol=0)
+    held = bool(np.all(values[-HELD:] == values[-1])) and values[-1] != 0
+    assert (read.end is not None) == held
+    np.testing.assert_allclose(read.end or 0.0, values[-1] if held else 0.0, rtol=1e-5, atol=0)
+
+
+def test_a_schedule_read_from_its_numbers_that_turns_names_the_step_it_turns_at():
+    """A schedule read from its numbers (none compiled) that is 0 at step 0 and holds a value
+    of the sign that climbs: refused with ASCENDING_LATER, the step it turns at evaluated for
+    the message (only then)."""
+    tx = optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(optax.linear_schedule(0.0, 0.05, 4)))
+    with pytest.raises(ValueError, match=r"schedule turns: optax\.scale_by_schedule\(optax\.polynomial_schedule\) "
+                                         r"is 0\.05 from step 1 on"):
+        check_rate_applied(tx, _Q, None)

@@ -46,7 +46,9 @@ number it was given, which its state starts from (:func:`_injected`: the first s
 ``inject_hyperparams(adam)(learning_rate=-lr)`` and ``chain(ft.optim.adam(lr), scale(-1))``
 are refused; a value set in the state later is not read). A schedule in optax's transforms
 (``scale_by_schedule``, and so ``optax.adam(schedule)``; ``inject_hyperparams``' schedules) is
-evaluated at the step counts (:data:`_COUNTS`, once): its sign at step 0 is the first step's
+read once (:mod:`functree.optim._schedule_reads`: optax's constructors from the numbers they
+hold, >= 0, with no program compiled; others evaluated at the step counts, one small program
+for the CPU): its sign at step 0 is the first step's
 (``optax.sgd(lambda step: -0.1)`` is refused), and where it holds a value of the other sign
 at its end (optax's schedules hold their last: ``linear_schedule(lr, -lr, n)``), a walk
 reading it there refuses what climbs from the step it turns, :data:`ASCENDING_LATER`; a
@@ -83,6 +85,7 @@ from functree.optim._checks import ConfigurationError
 from functree.optim._hyper import RULES
 from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
+from functree.optim._schedule_reads import schedule_read, turning_step
 from functree.optim._schedules import values_of
 
 __all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "ASCENDING_LATER", "ASCENDING_ON_STEPS", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
@@ -215,7 +218,6 @@ WRAPPERS = {
 _DEPTH = 24  # one level per wrapper: chain, masked, partition ...
 _COMBINED = 4  # conditionally_transforms read in every combination of skipping (2**4 walks) for an ascent
 _UNRATED: dict[Any, Any] = {}  # (transform, gradient signature) -> indices refused, by message
-_SCHEDULES: dict[Any, Any] = {}  # schedule -> (its values at _COUNTS, or None,)
 
 # What the walk knows of a parameter's update: the sign of the factor it multiplies the
 # ascent direction by (+1: up the loss), whether a factor (a rate) was met, and the traced
@@ -281,7 +283,7 @@ class _Walk:
     met: list[int] = dataclasses.field(default_factory=lambda: [0])
     traced: list[Any] | None = None
     injected: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    reads: list[str] = dataclasses.field(default_factory=list)
+    reads: list[Any] = dataclasses.field(default_factory=list)  # (strings, and _Turned)
     at_end: bool = False
     turns: list[bool] = dataclasses.field(default_factory=lambda: [False])
 
@@ -498,15 +500,6 @@ def _possible(name: str, args: list[Any], params: dict[str, Any]) -> Any:
     return None
 
 
-# The step counts a schedule is read at: each of the first 4096, then spaced out to int32's
-# largest (optax's counts saturate there), 5% apart; the last _HELD (from 4e8 on) read whether
-# it holds one value at its end (a line still falling there does not).
-_COUNTS = np.unique(np.concatenate([np.arange(4096), np.geomspace(4096, np.iinfo(np.int32).max, 256).astype(np.int64)]
-                                   )).astype(np.int32)
-_HELD = 32
-_ROUNDING = 1e-5  # a schedule's values this small next to its largest are 0 (float32's rounding)
-
-
 def _step_size(fn: Any, walk: _Walk) -> Factor | None:
     """The factor of ``optax.scale_by_schedule(fn)``: ``scale_by_learning_rate(schedule)``'s
     ``m * schedule(count)`` read as the learning rate's schedule times its sign ``m``."""
@@ -527,53 +520,39 @@ def _scheduled(fn: Any, sign: int, walk: _Walk, what: str) -> Factor | None:
     """The factor of ``sign * fn(count)``, a schedule of the step count: its sign at step 0
     (the first step's), or with ``walk.at_end`` at its end where it holds one value from a
     step on (optax's schedules hold their last value; a function still changing there, as a
-    line falling past its last step, has none: not read). None where it is 0 there, not of one
-    sign, or cannot be evaluated on concrete counts (:func:`_schedule_values`)."""
-    values = _schedule_values(fn)
-    if values is None:
+    line falling past its last step, has none: not read). None where it is 0 there, or cannot
+    be read (:func:`~functree.optim._schedule_reads.schedule_read`: optax's constructors from
+    their numbers, other functions evaluated on concrete counts)."""
+    read = schedule_read(fn)
+    if read is None:
         return None
-    first = _constant_sign(values[0])
-    held = bool(np.all(values[-_HELD:] == values[-1])) and values[-1] != 0
-    end = _constant_sign(values[-1]) if held else None
+    first = _constant_sign(read.start)
+    end = None if read.end is None else _constant_sign(read.end)
     walk.turns[0] = walk.turns[0] or (end is not None and end != first)
-    at, known = (values[-1], end) if walk.at_end else (values[0], first)
-    if known is None:
+    at, known = (read.end, end) if walk.at_end else (read.start, first)
+    if known is None or at is None:
         return None
-    if walk.at_end and end != first:  # (the schedule that turns: named with the step it turns at)
-        since = int(_COUNTS[np.flatnonzero(np.sign(values) != end)[-1] + 1])
-        walk.reads.append(f"{what} is {float(at):.6g} from step {since} on")
+    if walk.at_end and end != first:  # (the schedule that turns: named with the step it turns at, if refused)
+        walk.reads.append(_Turned(what, at, read, fn, known))
     elif not walk.at_end and at < 0:
-        walk.reads.append(f"{what} is {float(at):.6g} at step 0")
+        walk.reads.append(f"{what} is {at:.6g} at step 0")
     return sign * known, True, frozenset()
 
 
-def _schedule_values(fn: Any) -> Any:
-    """``fn`` at :data:`_COUNTS` (int32, as optax counts), evaluated concretely (also while a
-    step traces: one small program), once per schedule; None where it fails there (a Python
-    condition on the count, a value closed over from a trace) or is not one finite number
-    per count; a value that rounding makes of the wrong sign, 0."""
-    try:
-        key, found = cached(_SCHEDULES, WeakIdentity(fn))
-    except TypeError:  # a schedule taking no weak reference: evaluated, never cached
-        key, found = None, None
-    if found is None:
-        found = (_evaluated(fn),)
-        if key is not None:
-            bounded_put(_SCHEDULES, key, found)
-    return found[0]
+@dataclasses.dataclass(frozen=True)
+class _Turned:
+    """A schedule that turns, for :data:`ASCENDING_LATER`'s message: the step it turns at is
+    found (for one derived from its numbers, evaluated) only where the message is made."""
 
+    what: str
+    at: float
+    read: Any
+    fn: Any
+    sign: int
 
-def _evaluated(fn: Any) -> np.ndarray | None:
-    """:func:`_schedule_values` computed (one program: jitted, vectorized over the counts)."""
-    try:
-        with jax.ensure_compile_time_eval(), jax.numpy_dtype_promotion("standard"):
-            values = np.asarray(jax.jit(jax.vmap(fn))(_COUNTS), dtype=float)
-    except Exception:  # not a function of a traced count alone: no verdict
-        return None
-    if values.shape != _COUNTS.shape or not np.all(np.isfinite(values)):
-        return None
-    # float32 rounding of a line ending at 0 (optax.linear_schedule(1e-2, 0, 10): -1.5e-10) is 0
-    return np.where(np.abs(values) <= _ROUNDING * np.max(np.abs(values)), 0.0, values)
+    def __str__(self) -> str:
+        since = turning_step(self.read, self.fn, self.sign)
+        return f"{self.what} is {self.at:.6g} " + ("at its end" if since is None else f"from step {since} on")
 
 
 def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> Factors:
@@ -794,9 +773,10 @@ def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[
     end = walk(at_end=True)
     if first.turns[0]:  # (else each schedule's end has its step 0's sign: the same verdict)
         later = _ascending(update, view, functools.partial(walk, at_end=True), _factors(update, view, end), count)
+    turned = "; ".join(dict.fromkeys(map(str, end.reads))) if later - ascending else ""  # (a step evaluated: refused only)
     return ((tuple(sorted(unrated)), ""), (tuple(sorted(ascending)), _given(first.reads)), (tuple(sorted(skipped)), ""),
             (tuple(sorted(transforming)), _TRANSFORMING), (tuple(sorted(skipping)), _SKIPPING),
-            (tuple(sorted(later - ascending)), "; ".join(dict.fromkeys(end.reads))))
+            (tuple(sorted(later - ascending)), turned))
 
 
 def _ascending(update: Any, view: Any, walk: Any, always: Factors, count: int) -> set[int]:

@@ -29,6 +29,7 @@ def pairwise_distance_terms(x1: jax.Array, x2: jax.Array, p: float, eps: float) 
     a square root's is inf there, ``jnp.linalg.norm``'s NaN) and ``sign`` per component (0 at
     0, as torch's ``p = 1``; JAX's ``|x|`` has 1 there; 0 at a zero component for ``p < 1``
     too). ``p = 0`` counts the nonzero components, as torch's."""
+    x1, x2 = jnp.broadcast_arrays(x1, x2)  # torch's broadcasting of the two, by hand (rank promotion may raise)
     d = _absolute(x1 - x2 + jnp.asarray(eps, jnp.result_type(x1, x2)))
     if p == 0:  # torch's p = 0: the number of nonzero components, its gradient 0
         return jnp.sum(d != 0, axis=-1).astype(d.dtype)

@@ -194,7 +194,7 @@ LOWEST = -jnp.inf  # a token a control removes
 
 def _removed(mask: jax.Array, scores: jax.Array) -> jax.Array:
     """``scores`` with the tokens where ``mask`` is True removed (:data:`LOWEST`)."""
-    return jnp.where(mask, jnp.asarray(LOWEST, jnp.float32), scores)
+    return jnp.where(jax.lax.broadcast_to_rank(mask, scores.ndim), jnp.asarray(LOWEST, jnp.float32), scores)
 
 
 def _distribution(scores: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -239,7 +239,7 @@ class Now(NamedTuple):
         """bool ``[rows, W + new]``: the row's tokens before new token ``t``, its left padding
         included: Hugging Face's ``input_ids``, which its n-grams, bad words and sequence biases
         are matched against (pad ids and all; its repetition penalty alone skips the padding)."""
-        slots = jnp.arange(self.tokens.shape[1])
+        slots = jnp.arange(self.tokens.shape[1])[None]  # (a row: rank promotion may raise)
         return jnp.broadcast_to(slots < self.loop.prompt + self.t, self.tokens.shape)
 
 
@@ -366,7 +366,7 @@ class RepetitionPenalty(Control):
 
     def init(self, loop: Loop) -> Any:
         # from the first real slot to the prompt's end (slot `prompt` on: the bucket's padding)
-        slots = jnp.arange(loop.prompt_mask.shape[1])
+        slots = jnp.arange(loop.prompt_mask.shape[1])[None]  # (a row: rank promotion may raise)
         counted = (jnp.cumsum(loop.prompt_mask != 0, axis=1) > 0) & (slots < loop.prompt)
         return prompt_tokens(loop.ids, counted.astype(jnp.int32), loop.vocab)
 
@@ -447,7 +447,7 @@ class MinNewTokens(Control):
         return now.t
 
     def apply(self, scores: jax.Array, state: Any, now: Any) -> jax.Array:
-        is_eos = jnp.isin(jnp.arange(scores.shape[-1]), self.eos_ids)
+        is_eos = jnp.isin(jnp.arange(scores.shape[-1]), self.eos_ids)[None]  # (a row: rank promotion may raise)
         return _removed(is_eos & (self.length(now) < self.n), scores)
 
 
@@ -495,7 +495,7 @@ def _only(ids: Any, scores: jax.Array, now: jax.Array) -> jax.Array:
     """``scores`` where ``now`` is False; where True, 0 at ``ids`` and removed elsewhere (HF's
     forced tokens)."""
     forced = jnp.where(jnp.isin(jnp.arange(scores.shape[-1]), ids), jnp.float32(0.0), jnp.float32(LOWEST))
-    return jnp.where(now, forced, scores)
+    return jnp.where(jax.lax.broadcast_to_rank(now, scores.ndim), jax.lax.broadcast_to_rank(forced, scores.ndim), scores)
 
 
 @record()

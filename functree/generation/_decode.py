@@ -241,7 +241,7 @@ def beam_search(model: Any, ids: jax.Array, prompt_mask: jax.Array, sizes: jax.A
     loop = Loop(ids, prompt_mask, prompt, new, vocab, beams, limit=limit)
     keep = max(2, 1 + eos_count) * beams  # HF's candidates per prompt: enough for `beams` that do not end
     stopping = stop_ids.shape[0] > 0
-    first_k = jnp.arange(keep) < beams
+    first_k = (jnp.arange(keep) < beams)[None]  # (a row: rank promotion may raise)
     lowest = jnp.float32(NEG)
 
     def select(state: dict[str, Any], logits: jax.Array, t: Any, reorder: bool) -> dict[str, Any]:

@@ -40,6 +40,7 @@ def word_matches(tokens: jax.Array, real: jax.Array, length: Any, words: tuple[t
         if len(word) > 1:
             row[width - (len(word) - 1):] = word[:-1]
     tail = _last(tokens, real, length, width)
+    prefixes = prefixes[None]  # [1, words, width] (by hand: rank promotion may raise)
     return jnp.all((tail[:, None, :] == prefixes) | (prefixes < 0), axis=-1)
 
 
@@ -54,7 +55,7 @@ def ngram_completions(tokens: jax.Array, real: jax.Array, length: Any, n: int, v
     starts = total - n + 1
     grams = jnp.stack([tokens[:, i:starts + i] for i in range(n)], axis=-1)  # [rows, starts, n]
     whole = jnp.stack([real[:, i:starts + i] for i in range(n)], axis=-1).all(-1)
-    whole = whole & (jnp.arange(starts) + n <= length)  # n-grams that end before the next token
+    whole = whole & (jax.lax.broadcast_to_rank(jnp.arange(starts) + n, whole.ndim) <= length)  # n-grams that end before the next token
     if n > 1:  # (a -2 in the tail, not real or before the row, equals no token)
         whole = whole & jnp.all(grams[..., :-1] == _last(tokens, real, length, n - 1)[:, None, :], axis=-1)
     counts = jnp.zeros((rows, vocab), jnp.int32)
@@ -96,5 +97,6 @@ def stop_hit(window: jax.Array, token: jax.Array, stop_ids: jax.Array) -> tuple[
     """Whether ``window`` ``[..., L-1]`` then ``token`` ``[...]`` ends in a stop sequence (the
     rows of ``stop_ids`` ``[S, L]``, right-aligned, -1 before a shorter one); the next window."""
     full = jnp.concatenate([window, token[..., None]], axis=-1)
-    hit = jnp.all((full[..., None, :] == stop_ids) | (stop_ids < 0), axis=-1).any(axis=-1)
+    stops = jax.lax.broadcast_to_rank(stop_ids, full.ndim + 1)  # [..., S, L] (by hand: rank promotion may raise)
+    hit = jnp.all((full[..., None, :] == stops) | (stops < 0), axis=-1).any(axis=-1)
     return hit, full[..., 1:]

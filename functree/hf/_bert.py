@@ -167,7 +167,7 @@ class BertModel(HFModel):
         check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
         types = _token_types(self, ids, token_type_ids, e.token_type_embeddings.embeddings.shape[0])
         pad = padding_row(self, e.word_embeddings.embeddings.shape[0])
-        return (lookup_rows(e.word_embeddings, ids, pad) + e.position_embeddings(jnp.arange(ids.shape[1]))
+        return (lookup_rows(e.word_embeddings, ids, pad) + e.position_embeddings(jnp.arange(ids.shape[1]))[None]
                 + lookup_rows(e.token_type_embeddings, types))
 
     @classmethod

@@ -135,7 +135,7 @@ class DistilBertModel(BertModel):
         e = self.embeddings
         check_length(self, ids.shape[1], e.position_embeddings.embeddings.shape[0], "max_position_embeddings")
         pad = padding_row(self, e.word_embeddings.embeddings.shape[0])
-        return lookup_rows(e.word_embeddings, ids, pad) + e.position_embeddings(jnp.arange(ids.shape[1]))
+        return lookup_rows(e.word_embeddings, ids, pad) + e.position_embeddings(jnp.arange(ids.shape[1]))[None]
 
     @classmethod
     def from_config(cls, config: Any, names: set[str], dtype: Any, key: jax.Array, attention: str) -> Any:

@@ -445,7 +445,7 @@ def last_tokens(model: Any, ids: jax.Array) -> jax.Array:
             raise ValueError(NO_PAD_TOKEN.format(model=type(model).__name__, batch=ids.shape[0]))
         return jnp.full((1,), ids.shape[1] - 1, jnp.int32)
     real = (ids != pad).astype(jnp.int32)
-    return jnp.argmax(jnp.arange(ids.shape[1], dtype=jnp.int32) * real, axis=-1)
+    return jnp.argmax(jax.lax.broadcast_to_rank(jnp.arange(ids.shape[1], dtype=jnp.int32), real.ndim) * real, axis=-1)
 
 
 class TokenClassifier(TaskModel):
@@ -683,7 +683,7 @@ class MaskedLM(TaskModel):
         if head.decoder is not None:
             return head.decoder(x)
         table = self.body.embeddings.word_embeddings.embeddings
-        return x @ table.T.astype(x.dtype) + head.bias.astype(x.dtype)
+        return x @ table.T.astype(x.dtype) + jax.lax.broadcast_to_rank(head.bias.astype(x.dtype), x.ndim)
 
     def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
         return _token_loss(self, logits, labels)

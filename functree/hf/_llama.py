@@ -145,7 +145,7 @@ class GemmaRMSNorm(Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         xs = x.astype(jnp.float32)
         y = xs * jax.lax.rsqrt(jnp.mean(jnp.square(xs), axis=-1, keepdims=True) + jnp.float32(self.epsilon))
-        return (y * (1.0 + self.weight.astype(jnp.float32))).astype(x.dtype)
+        return (y * jax.lax.broadcast_to_rank(1.0 + self.weight.astype(jnp.float32), y.ndim)).astype(x.dtype)
 
 
 def _self_attention(d: int, heads: int, kv_heads: int, head_dim: int, epsilon: float, rotary: Rotary,

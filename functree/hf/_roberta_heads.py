@@ -163,7 +163,7 @@ class LMHeadMaskedLM(TaskModel):
         if head.decoder is not None:
             return head.decoder(x)
         table = self.body.embeddings.word_embeddings.embeddings
-        return x @ table.T.astype(x.dtype) + head.bias.astype(x.dtype)
+        return x @ table.T.astype(x.dtype) + jax.lax.broadcast_to_rank(head.bias.astype(x.dtype), x.ndim)
 
     def _loss(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
         return _token_loss(self, logits, labels)

@@ -425,7 +425,7 @@ def _smoothed(logits: jax.Array, targets: jax.Array, smoothing: float, weight: j
         targets = optax.smooth_labels(targets, smoothing)
     if weight is None:
         return optax.softmax_cross_entropy(logits, targets)
-    return -jnp.sum(weight * targets * jax.nn.log_softmax(logits), axis=-1)
+    return -jnp.sum(jax.lax.broadcast_to_rank(weight, targets.ndim) * targets * jax.nn.log_softmax(logits), axis=-1)
 
 
 def _weighted(logits: jax.Array, labels: jax.Array, weight: jax.Array, smoothing: float) -> tuple[jax.Array, jax.Array]:
@@ -436,7 +436,7 @@ def _weighted(logits: jax.Array, labels: jax.Array, weight: jax.Array, smoothing
     counted = weight[labels]
     values = -counted * jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
     if smoothing:
-        values = (1 - smoothing) * values - smoothing / logits.shape[-1] * jnp.sum(weight * log_p, axis=-1)
+        values = (1 - smoothing) * values - smoothing / logits.shape[-1] * jnp.sum(jax.lax.broadcast_to_rank(weight, log_p.ndim) * log_p, axis=-1)
     return values, counted
 
 
@@ -509,10 +509,10 @@ def _sigmoid_terms(logits: jax.Array, labels: jax.Array, w: jax.Array | None, sc
     if w is None:
         values = optax.sigmoid_binary_cross_entropy(logits, labels)
     else:
-        w = w.astype(labels.dtype)
+        w = jnp.broadcast_to(w.astype(labels.dtype), labels.shape)  # (it broadcasts: _positive_weight)
         values = -(w * labels * jax.nn.log_sigmoid(logits) + (1 - labels) * jax.nn.log_sigmoid(-logits))
     if scale is not None:
-        values = values * scale.astype(values.dtype)
+        values = values * jax.lax.broadcast_to_rank(scale.astype(values.dtype), values.ndim)
     # A traced label outside [0, 1] (the check could not read it): NaN, never a plausible number.
     return jnp.where((labels < 0) | (labels > 1), jnp.full((), jnp.nan, values.dtype), values)
 

@@ -203,7 +203,7 @@ def _binary_cross_entropy(probs: jax.Array, labels: jax.Array, w: jax.Array | No
     labels = labels.astype(probs.dtype)
     values = _bce_terms(probs, labels)
     if w is not None:
-        values = values * w.astype(probs.dtype)
+        values = values * jax.lax.broadcast_to_rank(w.astype(probs.dtype), values.ndim)
     bad = (probs < 0) | (probs > 1) | (labels < 0) | (labels > 1)  # traced: the checks could not read them
     return reduce("binary_cross_entropy", jnp.where(bad, jnp.full((), jnp.nan, values.dtype), values), reduction)
 

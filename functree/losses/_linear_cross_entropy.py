@@ -191,7 +191,7 @@ def _matmul_head(w: jax.Array, bias: Any, hidden: jax.Array) -> Callable[[jax.Ar
     b = jnp.asarray(bias)
     if b.shape != (w.shape[1],):
         raise ValueError(BIAS_SHAPE.format(classes=w.shape[1], weight=short_array(w), given=short_array(b)))
-    return lambda rows: rows @ w + b.astype(rows.dtype)
+    return lambda rows: rows @ w + jax.lax.broadcast_to_rank(b.astype(rows.dtype), rows.ndim)
 
 
 def _given(x: Any) -> str:

@@ -164,7 +164,7 @@ def _multi_margin(scores: jax.Array, labels: jax.Array, w: jax.Array | None, *, 
     hinge = jax.nn.relu(margin - target + scores) ** p
     if w is not None:
         hinge = hinge * w.astype(scores.dtype)[safe][..., None]
-    others = jnp.arange(classes, dtype=safe.dtype) != safe[..., None]
+    others = jax.lax.broadcast_to_rank(jnp.arange(classes, dtype=safe.dtype), safe.ndim + 1) != safe[..., None]
     values = jnp.sum(jnp.where(others, hinge, jnp.zeros((), hinge.dtype)), axis=-1) / classes
     return reduce("multi_margin", jnp.where(inside, values, jnp.full((), jnp.nan, values.dtype)), reduction)
 
@@ -197,7 +197,7 @@ def _multilabel_margin(scores: jax.Array, labels: jax.Array, *, reduction: str) 
     listed = jnp.cumprod(labels >= 0, axis=-1).astype(bool)  # the targets before the first -1
     inside = (labels < classes) | ~listed
     safe = jnp.where(listed & inside, labels, 0)
-    is_target = jnp.any((safe[..., :, None] == jnp.arange(classes, dtype=safe.dtype)) & listed[..., :, None], axis=-2)
+    is_target = jnp.any((safe[..., :, None] == jax.lax.broadcast_to_rank(jnp.arange(classes, dtype=safe.dtype), safe.ndim + 1)) & listed[..., :, None], axis=-2)
     target = jnp.take_along_axis(scores, safe, axis=-1)  # x[y_s]
     hinge = jax.nn.relu(1 - target[..., :, None] + scores[..., None, :])  # [.., s, i]
     counted = listed[..., :, None] & ~is_target[..., None, :]
@@ -235,6 +235,6 @@ def _multilabel_soft_margin(logits: jax.Array, labels: jax.Array, w: jax.Array |
     y = labels.astype(logits.dtype)
     values = -(y * jax.nn.log_sigmoid(logits) + (1 - y) * jax.nn.log_sigmoid(-logits))
     if w is not None:
-        values = values * w.astype(logits.dtype)
+        values = values * jax.lax.broadcast_to_rank(w.astype(logits.dtype), values.ndim)
     values = jnp.where((y < 0) | (y > 1), jnp.full((), jnp.nan, values.dtype), values)
     return reduce("multilabel_soft_margin", jnp.mean(values, axis=-1), reduction)

@@ -140,11 +140,11 @@ def _ctc(logits: jax.Array, labels: jax.Array, input_lengths: jax.Array, label_l
     classes, frames, width = logits.shape[-1], logits.shape[1], labels.shape[1]
     wide = jax.dtypes.canonicalize_dtype(np.int64)  # (a sum's dtype: int32, int64 under x64)
     labels, input_lengths, label_lengths = (x.astype(wide) for x in (labels, input_lengths, label_lengths))
-    within = jnp.arange(width, dtype=wide) < label_lengths[:, None]
+    within = jnp.arange(width, dtype=wide)[None] < label_lengths[:, None]
     valid = jnp.all(~within | ((labels >= 0) & (labels < classes) & (labels != blank)), axis=-1)
     valid &= (input_lengths >= 0) & (input_lengths <= frames) & (label_lengths >= 0) & (label_lengths <= width)
     safe = jnp.where(within & valid[:, None], labels, 0)
-    frame_paddings = (jnp.arange(frames, dtype=wide) >= input_lengths[:, None]).astype(logits.dtype)
+    frame_paddings = (jnp.arange(frames, dtype=wide)[None] >= input_lengths[:, None]).astype(logits.dtype)
     label_paddings = (~within).astype(logits.dtype)
     # optax mixes a float32 constant into float64 logits (under jax_enable_x64): standard
     # promotion for its call alone, which keeps float64 (a float32 input stays float32)

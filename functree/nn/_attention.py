@@ -551,11 +551,11 @@ class MultiheadAttention(Layer):
         if bias is not None:
             self._check_mask(bias, (*lead, self.num_heads, q.shape[-3], k.shape[-3]), additive=True)
         if self.member_window is not None:  # a window held as data (a Stack member's own)
-            band = _band(jnp.arange(k.shape[-3]), jnp.arange(q.shape[-3])[:, None], self.member_window)
-            mask = band if mask is None else mask & band
+            band = _band(jnp.arange(k.shape[-3])[None], jnp.arange(q.shape[-3])[:, None], self.member_window)
+            mask = band if mask is None else _both(mask, band)
         elif self.window is not None:  # keys j > i - window (indices in the sequence)
-            band = jnp.arange(k.shape[-3]) > jnp.arange(q.shape[-3])[:, None] - self.window
-            mask = band if mask is None else mask & band
+            band = jnp.arange(k.shape[-3])[None] > jnp.arange(q.shape[-3])[:, None] - self.window
+            mask = band if mask is None else _both(mask, band)
         causal = self.causal
         if self.add_zero_attn:  # torch's: a zero key and value every query attends
             k, v, mask, bias = _zero_attention(k, v, mask, bias, q.shape[-3], causal)
@@ -635,11 +635,12 @@ class MultiheadAttention(Layer):
         inside = _inside_cache(positions, length)
         slots = positions if inside is None else jnp.where(inside, positions, length)  # outside: dropped, never wrapped
         cache = KVCache(_write(cache.keys, k, slots), _write(cache.values, v, slots))
-        allowed = jnp.arange(length, dtype=positions.dtype) <= positions[..., None]  # [batch, T, slots]
+        slot = jax.lax.broadcast_to_rank(jnp.arange(length, dtype=positions.dtype), positions.ndim + 1)  # (by hand: rank promotion may raise)
+        allowed = slot <= positions[..., None]  # [batch, T, slots]
         if self.member_window is not None:  # a window held as data (a Stack member's own)
-            allowed = allowed & _band(jnp.arange(length, dtype=positions.dtype), positions[..., None], self.member_window)
+            allowed = allowed & _band(slot, positions[..., None], self.member_window)
         elif self.window is not None:
-            allowed = allowed & (jnp.arange(length, dtype=positions.dtype) > positions[..., None] - self.window)
+            allowed = allowed & (slot > positions[..., None] - self.window)
         if mask is not None:
             allowed = allowed & self._slot_mask(mask, batch, length)[:, None, :]
         ck, cv = (a.astype(q.dtype) for a in (cache.keys, cache.values))
@@ -738,8 +739,8 @@ def _zero_attention(k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: ja
     keys = k.shape[-3]
     k, v = (jnp.concatenate([a, jnp.zeros((*a.shape[:-3], 1, *a.shape[-2:]), a.dtype)], axis=-3) for a in (k, v))
     if causal:  # JAX's band (key j <= query i), made a mask: the appended key lies outside it
-        band = jnp.arange(keys) <= jnp.arange(queries)[:, None]
-        mask = band if mask is None else mask & band
+        band = jnp.arange(keys)[None] <= jnp.arange(queries)[:, None]
+        mask = band if mask is None else _both(mask, band)
     padded = []
     for a, value in ((mask, True), (bias, 0)):
         if a is not None:
@@ -752,6 +753,13 @@ def _zero_attention(k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: ja
 def _clipped(arrays: tuple[jax.Array, ...], clip: float) -> tuple[jax.Array, ...]:
     """Each array clamped to ``[-clip, clip]`` (OLMo's ``clip_qkv``: torch's ``clamp_``)."""
     return tuple(jnp.clip(a, -jnp.asarray(clip, a.dtype), jnp.asarray(clip, a.dtype)) for a in arrays)
+
+
+def _both(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a & b`` of two masks, the one of fewer axes given the leading ones by hand (a user's
+    rank promotion may raise)."""
+    rank = max(a.ndim, b.ndim)
+    return jax.lax.broadcast_to_rank(a, rank) & jax.lax.broadcast_to_rank(b, rank)
 
 
 def _band(keys: jax.Array, queries: jax.Array, window: Any) -> jax.Array:
@@ -891,10 +899,10 @@ def attention_weights_times_values(
         cap = jnp.asarray(softcap, logits.dtype)
         logits = cap * jnp.tanh(logits / cap)
     if bias is not None:
-        logits = logits + bias.astype(logits.dtype)
-    allowed = None if mask is None else mask
+        logits = logits + jax.lax.broadcast_to_rank(bias.astype(logits.dtype), logits.ndim)
+    allowed = None if mask is None else jax.lax.broadcast_to_rank(mask, logits.ndim)
     if causal:
-        tril = jnp.tril(jnp.ones(logits.shape[-2:], bool))
+        tril = jax.lax.broadcast_to_rank(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits.ndim)
         allowed = tril if allowed is None else allowed & tril
     if allowed is not None:
         logits = jnp.where(allowed, logits, jnp.finfo(logits.dtype).min)

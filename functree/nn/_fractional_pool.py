@@ -87,7 +87,7 @@ def fractional_intervals(u: jax.Array, length: int, size: int, k: int) -> jax.Ar
     if size == 1:
         return last
     alpha = jnp.asarray(length - k, u.dtype) / jnp.asarray(size - 1, u.dtype)
-    i = jnp.arange(size - 1, dtype=u.dtype)
+    i = jax.lax.broadcast_to_rank(jnp.arange(size - 1, dtype=u.dtype), u.ndim + 1)
     # floor of a value >= 0: torch's static_cast<int64_t> truncates, the same
     starts = jnp.floor((i + u[..., None]) * alpha) - jnp.floor(u[..., None] * alpha)
     return jnp.concatenate([starts.astype(jnp.int32), last], axis=-1)
@@ -150,7 +150,7 @@ class _FractionalMaxPool(Layer):
         flat = jnp.zeros((*u.shape[:-1], *sizes, len(offsets)), jnp.int32)
         for a in range(n):
             at = starts[a].reshape((*u.shape[:-1],) + tuple(sizes[a] if b == a else 1 for b in range(n)) + (1,))
-            flat = flat + (at + jnp.asarray(offsets[:, a], jnp.int32)) * strides[a]
+            flat = flat + (at + jax.lax.broadcast_to_rank(jnp.asarray(offsets[:, a], jnp.int32), at.ndim)) * strides[a]
         lead = x.ndim - n - 1
         planes = jnp.moveaxis(x, -1, lead).reshape((*x.shape[:lead], x.shape[-1], -1))  # [..., C, H W]
         values = jnp.take_along_axis(planes, flat.reshape((*flat.shape[:lead + 1], -1)), axis=-1).reshape(flat.shape)

@@ -132,9 +132,9 @@ def _read(x: jax.Array, taps: jax.Array) -> jax.Array:
     (integral, the spatial axes in order), zero where a tap is outside: ``[N, ..., C]``, one
     gather for every tap."""
     n_batch, spatial, channels = x.shape[0], x.shape[1:-1], x.shape[-1]
-    high = jnp.asarray([size - 1 for size in spatial], taps.dtype)
+    high = jax.lax.broadcast_to_rank(jnp.asarray([size - 1 for size in spatial], taps.dtype), taps.ndim)
     inside = jnp.all((taps >= 0) & (taps <= high), axis=-1)
-    flat = jnp.sum(jnp.clip(taps, 0, high).astype(jnp.int32) * jnp.asarray(_strides(spatial), jnp.int32), axis=-1)
+    flat = jnp.sum(jnp.clip(taps, 0, high).astype(jnp.int32) * jax.lax.broadcast_to_rank(jnp.asarray(_strides(spatial), jnp.int32), taps.ndim), axis=-1)
     values = jnp.take_along_axis(x.reshape(n_batch, -1, channels), flat.reshape(n_batch, -1, 1), axis=1)
     values = values.reshape((*flat.shape, channels))
     return jnp.where(inside[..., None], values, jnp.zeros((), x.dtype))
@@ -215,6 +215,7 @@ def grid_sample(
         return _read(x, jnp.round(positions))
     low = jnp.floor(positions)
     corners = jnp.asarray(list(itertools.product((0, 1), repeat=n)), positions.dtype)  # [2^n, n]
+    corners = jax.lax.broadcast_to_rank(corners, low.ndim + 1)
     taps = low[..., None, :] + corners  # [N, *O, 2^n, n]
     # each corner's weight: the product over axes of 1 - distance, as torch's ((low + 1) - p or p - low)
     weights = jnp.where(corners == 1, (positions - low)[..., None, :], ((low + 1) - positions)[..., None, :])
@@ -230,7 +231,7 @@ def _bicubic(x: jax.Array, coords: Sequence[jax.Array], padding_mode: str, align
     (height, width) = x.shape[1:3]
     iy, ix = (_unnormalize(c, size, align) for c, size in zip(coords, (height, width)))
     y0, x0 = jnp.floor(iy), jnp.floor(ix)
-    steps = jnp.arange(-1, 3, dtype=iy.dtype)
+    steps = jax.lax.broadcast_to_rank(jnp.arange(-1, 3, dtype=iy.dtype), iy.ndim + 1)
     ty = _pad(y0[..., None] + steps, height, padding_mode, align)  # [N, *O, 4]
     tx = _pad(x0[..., None] + steps, width, padding_mode, align)
     taps = jnp.stack(jnp.broadcast_arrays(ty[..., :, None], tx[..., None, :]), axis=-1)  # [N, *O, 4, 4, 2]

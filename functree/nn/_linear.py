@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from functree._activations import activation_argument, identity
+from functree._broadcast import plus
 from functree._module import field
 from functree.nn._abstract import initialized
 from functree.nn._check import check_input, check_unbatched, size_arguments
@@ -32,9 +33,9 @@ def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
     """
     dtype = jnp.result_type(y, bias)
     if not jnp.issubdtype(dtype, jnp.floating) or statistics_dtype(dtype) == dtype:
-        return y + bias
+        return plus(y, bias)  # (the leading axes by hand: a user's rank promotion may raise)
     wide = statistics_dtype(dtype)
-    return (y.astype(wide) + bias.astype(wide)).astype(dtype)
+    return plus(y.astype(wide), bias.astype(wide)).astype(dtype)
 
 
 class Dense(Layer):

@@ -642,7 +642,8 @@ def merge_lora(model: Any) -> Any:
             return x
         wide = statistics_dtype(x.weight.dtype)  # float32, float64 for float64 weights (strict promotion)
         scale = jnp.asarray(x.scale, wide)[..., None, None]  # a Stack's members' own scales: theirs
-        delta = jnp.matmul(x.lora_a.astype(wide), x.lora_b.astype(wide)) * scale
+        delta = jnp.matmul(x.lora_a.astype(wide), x.lora_b.astype(wide))
+        delta = delta * jax.lax.broadcast_to_rank(scale, delta.ndim)
         merged = (x.weight.astype(wide) + delta).astype(x.weight.dtype)
         return from_fields(Dense, {"weight": merged, "bias": x.bias, "activation": x.activation})
 

@@ -143,7 +143,8 @@ class LoraParameter(Module):
         """The effective weight ``W + scale · A B`` (``[E, in, out]``), in the weight's dtype."""
         wide = statistics_dtype(self.weight.dtype)  # float32, float64 for float64 weights
         scale = jnp.asarray(self.scale, wide)[..., None, None, None]  # a Stack's members' own scales: theirs
-        delta = jnp.matmul(self.lora_a.astype(wide), self.lora_b.astype(wide)) * scale
+        delta = jnp.matmul(self.lora_a.astype(wide), self.lora_b.astype(wide))
+        delta = delta * jax.lax.broadcast_to_rank(scale, delta.ndim)
         return (self.weight.astype(wide) + delta).astype(self.weight.dtype)
 
     def __getitem__(self, index: Any) -> jax.Array:

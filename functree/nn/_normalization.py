@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from functree._broadcast import plus, times
 from functree._module import field
 from functree._parameters import VIEW_CALLED
 from functree._repr import short_array
@@ -128,11 +129,12 @@ def _normalized_shape(cls: str, shape: Any) -> tuple[int, ...]:
 def _scale_and_shift(
     y: jax.Array, scale: jax.Array | None, offset: jax.Array | None, dtype: Any
 ) -> jax.Array:
-    """``y * scale + offset`` in ``y``'s (statistics) dtype, returned in ``dtype``."""
+    """``y * scale + offset`` in ``y``'s (statistics) dtype, returned in ``dtype``; ``scale`` and
+    ``offset`` are the trailing axes' (broadcast by hand: a user's rank promotion may raise)."""
     if scale is not None:
-        y = y * scale.astype(y.dtype)
+        y = times(y, scale.astype(y.dtype))
     if offset is not None:
-        y = y + offset.astype(y.dtype)
+        y = plus(y, offset.astype(y.dtype))
     return y.astype(dtype)
 
 
@@ -575,7 +577,7 @@ class _InstanceNorm(Layer):
                 )
         else:
             assert self.running_mean is not None and self.running_variance is not None
-            mean, var = self.running_mean.astype(xs.dtype), self.running_variance.astype(xs.dtype)
+            mean, var = (jax.lax.broadcast_to_rank(s.astype(xs.dtype), xs.ndim) for s in (self.running_mean, self.running_variance))
         y = (xs - mean) * jax.lax.rsqrt(var + jnp.asarray(self.epsilon, xs.dtype))
         return _scale_and_shift(y, self.scale, self.offset, x.dtype)
 

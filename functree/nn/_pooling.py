@@ -254,7 +254,7 @@ class _MaxPool(_Pool):
             part = jax.lax.slice(padded, (0,) * lead + tuple(starts) + (0,),
                                  padded.shape[:lead] + tuple(ends) + padded.shape[-1:],
                                  (1,) * lead + self.strides + (1,))
-            at = jax.lax.slice(flat, (*starts, 0), (*ends, 1), (*self.strides, 1))
+            at = jax.lax.broadcast_to_rank(jax.lax.slice(flat, (*starts, 0), (*ends, 1), (*self.strides, 1)), part.ndim)
             if y is None or index is None:
                 y, index = part, jnp.broadcast_to(at, part.shape)
                 continue
@@ -334,7 +334,7 @@ class _AvgPool(_Pool):
             ones = jnp.pad(ones, [*own, (0, 0)], constant_values=1)
             pads = tuple((0, hi - pad_hi) for (_, hi), (_, pad_hi) in zip(pads, own))
         counts = self._window(ones, 0.0, jax.lax.add, pads)
-        return (total / counts).astype(x.dtype)
+        return (total / jax.lax.broadcast_to_rank(counts, total.ndim)).astype(x.dtype)
 
 
 _POOL_DOC = """{op} pooling over ``[..., {spatial}, channels]`` (``pool_size=2``, ``strides=pool_size``, ``padding="VALID"``).
@@ -663,12 +663,12 @@ def _adaptive_axis(x: jax.Array, axis: int, size: int, is_max: bool = False) -> 
     index = np.array([[min(start + j, length - 1) for j in range(width)] for start, _ in bounds])
     real = np.array([[start + j < end for j in range(width)] for start, end in bounds])
     gathered = jnp.take(x, jnp.asarray(index), axis=axis)  # [..., size, width, ...]
-    mask = jnp.asarray(real).reshape(real.shape + (1,) * (x.ndim - axis - 1))
+    mask = jax.lax.broadcast_to_rank(jnp.asarray(real).reshape(real.shape + (1,) * (x.ndim - axis - 1)), gathered.ndim)
     if is_max:  # torch's one maximum (the first of equal ones, where the gradient goes; NaN: the first)
         first = jnp.argmax(jnp.where(mask, gathered, -jnp.inf), axis=axis + 1, keepdims=True)
         return jnp.squeeze(jnp.take_along_axis(gathered, first, axis=axis + 1), axis + 1)
     counts = np.array([end - start for start, end in bounds]).reshape((size,) + (1,) * (x.ndim - axis - 1))
-    return jnp.sum(jnp.where(mask, gathered, 0), axis=axis + 1) / jnp.asarray(counts, x.dtype)
+    return jnp.sum(jnp.where(mask, gathered, 0), axis=axis + 1) / jax.lax.broadcast_to_rank(jnp.asarray(counts, x.dtype), x.ndim)
 
 
 class _AdaptivePool(Layer):
@@ -724,7 +724,7 @@ def _adaptive_axis_indexed(x: jax.Array, index: jax.Array, axis: int, size: int)
             y, at = part, part_at
             continue
         real = np.array([start + j < end for start, end in bounds]).reshape((size,) + (1,) * (x.ndim - axis - 1))
-        take = jnp.asarray(real) & ((part > y) | jnp.isnan(part))
+        take = jax.lax.broadcast_to_rank(jnp.asarray(real), part.ndim) & ((part > y) | jnp.isnan(part))
         y, at = jnp.where(take, part, y), jnp.where(take, part_at, at)
     assert y is not None and at is not None  # windows hold one element at least
     return y, at

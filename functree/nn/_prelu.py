@@ -66,7 +66,7 @@ class PReLU(Layer):
             if jnp.ndim(x) == 0 or not -x.ndim <= axis < x.ndim or x.shape[axis] != n:
                 raise LayerInputError(self, f"[..., {n}] on axis {axis} (float)", short_array(x),
                                       BAD_CHANNELS.format(axis=axis, n=n))
-            slope = slope.reshape((n,) + (1,) * (x.ndim - axis % x.ndim - 1))
+            slope = jax.lax.broadcast_to_rank(slope.reshape((n,) + (1,) * (x.ndim - axis % x.ndim - 1)), x.ndim)
         else:  # one slope: a scalar, so a scalar input stays a scalar (a [1] slope made it [1])
             slope = slope.reshape(())
         return jnp.where(x > 0, x, slope * x)  # torch's: at 0 the gradient is the slope

@@ -557,7 +557,7 @@ class RNN(Layer):
             # the steps and lengths in one integer type that holds every step: int32 (int64 for
             # a 64-bit array under x64), never the lengths' own narrow one (uint8 wraps at 256)
             wide = jnp.dtype(jnp.int32) if given.dtype.itemsize < 4 else given.dtype
-            return jnp.arange(time, dtype=wide).reshape(index) < given.astype(wide)
+            return jnp.arange(time, dtype=wide).reshape(index) < given.astype(wide)[None]
         known = np.asarray(given)  # known values: checked and compared on the host, no program compiled
         if not (ok and ((known >= 0) & (known <= time)).all()):
             fix = f"{FIX_LENGTHS}\n{LENGTHS_OUTSIDE}" if ok else FIX_LENGTHS  # the values outside [0, T]

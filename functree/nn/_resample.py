@@ -261,7 +261,7 @@ def _resize_axis(x: jax.Array, axis: int, index: np.ndarray, weight: np.ndarray)
     if weight.shape[1] == 1:
         return jnp.take(x, jnp.asarray(index[:, 0]), axis=axis)
     gathered = jnp.take(x, jnp.asarray(index), axis=axis)  # [..., out, taps, ...]
-    w = jnp.asarray(weight, x.dtype).reshape(weight.shape + (1,) * (x.ndim - axis - 1))
+    w = jax.lax.broadcast_to_rank(jnp.asarray(weight, x.dtype).reshape(weight.shape + (1,) * (x.ndim - axis - 1)), gathered.ndim)
     return jnp.sum(gathered * w, axis=axis + 1)
 
 

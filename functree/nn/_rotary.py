@@ -362,12 +362,13 @@ def _rotated(x: jax.Array, positions: jax.Array, base: Any, choice: Any = None) 
         scale = None if base.scale == 1.0 else jnp.asarray(base.scale, dtype)
     else:
         theta = jnp.asarray(base, dtype) ** (-jnp.arange(half, dtype=dtype) * 2 / size)
-    angle = positions.astype(dtype)[..., None] * theta
+    angle = positions.astype(dtype)[..., None] * jax.lax.broadcast_to_rank(theta, positions.ndim + 1)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if scale is not None:
         cos, sin = cos * scale, sin * scale
     xs = x.astype(dtype)
     first, second = xs[..., :half], xs[..., half:]
+    cos, sin = (jax.lax.broadcast_to_rank(a, first.ndim) for a in (cos, sin))  # (by hand: rank promotion may raise)
     y = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return y.astype(x.dtype)
 

@@ -201,13 +201,14 @@ def attention_masks(
     if is_causal:
         allowed.append(jnp.tril(jnp.ones((queries, keys), bool)))
     mask = None
-    for a in allowed:
+    for a in allowed:  # (each [L, S] or [N, nhead or 1, L, S]: broadcast by hand, rank promotion may raise)
+        a = jax.lax.broadcast_to_rank(a, 4)
         mask = a if mask is None else mask & a
     bias = None
     if added:  # summed in their widest dtype, as torch's type promotion (a float16 mask kept a float32 one's digits)
         with jax.numpy_dtype_promotion("standard"):  # the type lattice, named here; nothing is added implicitly
             dtype = functools.reduce(jnp.promote_types, [b.dtype for b in added])
-        bias = functools.reduce(jnp.add, [b.astype(dtype) for b in added])
+        bias = functools.reduce(jnp.add, [jax.lax.broadcast_to_rank(b.astype(dtype), 4) for b in added])
     return mask, bias
 
 
@@ -243,7 +244,7 @@ class TransformerEncoderLayer(Layer):
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> layer = ft.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True, key=jax.random.key(0))
       >>> x = jnp.ones((3, 5, 8))                          # 3 sequences of 5 tokens
-      >>> padding = jnp.array([5, 4, 2])[:, None] <= jnp.arange(5)   # True: padding
+      >>> padding = jnp.array([5, 4, 2])[:, None] <= jnp.arange(5)[None]   # True: padding
       >>> layer(x, src_key_padding_mask=padding).shape
       (3, 5, 8)
       >>> sorted(ft.nn.torch_state_dict(layer, numpy=True))[:3]

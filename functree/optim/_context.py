@@ -322,7 +322,7 @@ def _counters_at(treedef: Any) -> tuple[int, ...]:
 
 @jax.jit
 def _plus_sweep(counters: jax.Array) -> jax.Array:
-    return counters + _SWEEP
+    return counters + jax.lax.broadcast_to_rank(jnp.asarray(_SWEEP), counters.ndim)
 
 
 def next_sweep(state: Any) -> Any:

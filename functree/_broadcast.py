@@ -5,7 +5,8 @@ user's ``jax.config.update("jax_numpy_rank_promotion", "raise")`` refuses that, 
 own code writes them out (``jax.lax.broadcast_to_rank``: the same axes, the same numbers). On
 the eager path of a layer (a notebook cell) each operation outside a program is a dispatch of
 its own and a compile at each new shape: :func:`plus` and :func:`times` are one program each
-(inlined where they are traced), as ``jnp.add`` and ``jnp.multiply`` are.
+(inlined where they are traced), as ``jnp.add`` and ``jnp.multiply`` are; :func:`both`, two
+masks' ``a & b``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -20,10 +21,10 @@ import functools
 
 import jax
 
-__all__ = ["plus", "times"]
+__all__ = ["plus", "times", "both", "ranked"]
 
 
-def _ranked(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def ranked(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``a`` and ``b`` with the leading axes the one of fewer lacks (JAX's rank promotion)."""
     rank = max(a.ndim, b.ndim)
     return jax.lax.broadcast_to_rank(a, rank), jax.lax.broadcast_to_rank(b, rank)
@@ -32,12 +33,19 @@ def _ranked(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
 @functools.partial(jax.jit, inline=True)
 def plus(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a + b``, the leading axes broadcast by hand."""
-    a, b = _ranked(a, b)
+    a, b = ranked(a, b)
     return a + b
 
 
 @functools.partial(jax.jit, inline=True)
 def times(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a * b``, the leading axes broadcast by hand."""
-    a, b = _ranked(a, b)
+    a, b = ranked(a, b)
     return a * b
+
+
+@functools.partial(jax.jit, inline=True)
+def both(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a & b`` of two masks, the leading axes broadcast by hand."""
+    a, b = ranked(a, b)
+    return a & b

@@ -18,6 +18,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 
+from functree._broadcast import both
 from functree._module import Module, field
 from functree._random import TRAINER_KEY, flat_key, one_key
 from functree._repr import short_array
@@ -552,10 +553,10 @@ class MultiheadAttention(Layer):
             self._check_mask(bias, (*lead, self.num_heads, q.shape[-3], k.shape[-3]), additive=True)
         if self.member_window is not None:  # a window held as data (a Stack member's own)
             band = _band(jnp.arange(k.shape[-3])[None], jnp.arange(q.shape[-3])[:, None], self.member_window)
-            mask = band if mask is None else _both(mask, band)
+            mask = band if mask is None else both(mask, band)
         elif self.window is not None:  # keys j > i - window (indices in the sequence)
             band = jnp.arange(k.shape[-3])[None] > jnp.arange(q.shape[-3])[:, None] - self.window
-            mask = band if mask is None else _both(mask, band)
+            mask = band if mask is None else both(mask, band)
         causal = self.causal
         if self.add_zero_attn:  # torch's: a zero key and value every query attends
             k, v, mask, bias = _zero_attention(k, v, mask, bias, q.shape[-3], causal)
@@ -740,7 +741,7 @@ def _zero_attention(k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: ja
     k, v = (jnp.concatenate([a, jnp.zeros((*a.shape[:-3], 1, *a.shape[-2:]), a.dtype)], axis=-3) for a in (k, v))
     if causal:  # JAX's band (key j <= query i), made a mask: the appended key lies outside it
         band = jnp.arange(keys)[None] <= jnp.arange(queries)[:, None]
-        mask = band if mask is None else _both(mask, band)
+        mask = band if mask is None else both(mask, band)
     padded = []
     for a, value in ((mask, True), (bias, 0)):
         if a is not None:
@@ -753,13 +754,6 @@ def _zero_attention(k: jax.Array, v: jax.Array, mask: jax.Array | None, bias: ja
 def _clipped(arrays: tuple[jax.Array, ...], clip: float) -> tuple[jax.Array, ...]:
     """Each array clamped to ``[-clip, clip]`` (OLMo's ``clip_qkv``: torch's ``clamp_``)."""
     return tuple(jnp.clip(a, -jnp.asarray(clip, a.dtype), jnp.asarray(clip, a.dtype)) for a in arrays)
-
-
-def _both(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a & b`` of two masks, the one of fewer axes given the leading ones by hand (a user's
-    rank promotion may raise)."""
-    rank = max(a.ndim, b.ndim)
-    return jax.lax.broadcast_to_rank(a, rank) & jax.lax.broadcast_to_rank(b, rank)
 
 
 def _band(keys: jax.Array, queries: jax.Array, window: Any) -> jax.Array:

@@ -410,8 +410,8 @@ for name, restore in [("load", lambda: ft.train.load(d + "/f32", template)),
     code = printed.split("cast it into the template")[1].split(": ", 1)[1].split("   #")[0]
     with ft.train.CheckpointManager(d + "/run") as manager:  # as the note says for trainer.restore(path)
         cast = eval(code, {"ft": ft, "template": template, "path": d + "/f32", "manager": manager})
-    out["cast"][name] = {"printed": printed, "devices": sorted({str(dv) for x in jax.tree.leaves(cast)
-                                                                  for dv in x.devices()}),
+    out["cast"][name] = {"printed": printed, "devices": sorted({f"{dv.platform}:{dv.id}"  # (str(device) is TFRT_CPU_2 on jax 0.9)
+                                                                  for x in jax.tree.leaves(cast) for dv in x.devices()}),
                          "leaves": [[str(x.dtype), np.asarray(x.astype(jnp.float32)).tolist()]
                                     for x in jax.tree.leaves(cast)]}
 out["saved"] = [np.asarray(x).tolist() for x in jax.tree.leaves(saved)]

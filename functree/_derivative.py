@@ -342,7 +342,9 @@ def derivative(
     arguments: ``of``'s defaults are not filled in (``of=jnp.round`` takes ``x`` alone).
     If ``f`` was declared with
     :func:`differentiable`, the derivative is registered on it (replacing one of the same
-    mode) and the decorated function is returned unchanged, unless it has ``f``'s name: then
+    mode, and one of the other mode registered under the rule's own name from another cell:
+    a notebook cell run again with ``mode=`` changed; name the two rules apart, or ``_``, to
+    keep both) and the decorated function is returned unchanged, unless it has ``f``'s name: then
     ``f`` is returned (``@ft.derivative(of=q)`` over ``def q``, in a notebook cell run
     again, replaces the rule and leaves ``q`` differentiable, as the first run did);
     otherwise a new differentiable function carrying the derivative is returned. A method
@@ -386,6 +388,9 @@ def derivative(
     def register(deriv: Callable[..., Any]) -> Any:
         _warn_undecorated_method(fn, deriv)
         target = fn if isinstance(fn, DifferentiableFunction) else DifferentiableFunction(fn)
+        other = "forward" if mode == "reverse" else "reverse"
+        if _earlier_run(getattr(target, other), deriv):
+            setattr(target, other, None)
         setattr(target, mode, (deriv, indices))
         return deriv if target is fn and not _rebinds(deriv, target) else target
 
@@ -414,6 +419,29 @@ def _warn_undecorated_method(fn: Callable[..., Any], deriv: Callable[..., Any]) 
         qualname=f"{cls}.{name}", cls=cls, name=name, call=call, rule=getattr(deriv, "__name__", "rule"),
         bases="(ft.Module)" if is_method else "", static="" if is_method else "@staticmethod\n                ", params="self, ..." if is_method else "...",
         args="model, ..." if is_method else "..."), DifferentiationWarning)
+
+
+def _earlier_run(registered: tuple[Callable[..., Any], Any] | None, deriv: Callable[..., Any]) -> bool:
+    """Whether the other mode's ``registered`` rule is an earlier run of ``deriv``'s
+    definition: a notebook cell run again with ``mode=`` changed. Kept, the old rule would
+    still serve its mode (the gradient with a stale reverse rule). The same rule is known
+    by its module and qualified name, defined in another cell (another file name) or at the
+    same place of the same file (``%run`` again); two rules of one cell or file, at
+    different places, are both kept, as registered on purpose, and so are rules without a
+    name of their own (``def _``, a lambda): nothing tells their cells apart."""
+    if registered is None:
+        return False
+    old, new = registered[0], deriv
+    old_code, new_code = getattr(old, "__code__", None), getattr(new, "__code__", None)
+    if old_code is None or new_code is None or getattr(new, "__name__", "_") in ("_", "<lambda>"):
+        return False
+    same_name = _rule_name(old) == _rule_name(new)
+    other_place = old_code.co_filename != new_code.co_filename or old_code.co_firstlineno == new_code.co_firstlineno
+    return same_name and other_place
+
+
+def _rule_name(rule: Callable[..., Any]) -> tuple[Any, Any]:
+    return getattr(rule, "__module__", None), getattr(rule, "__qualname__", None)
 
 
 def _rebinds(deriv: Callable[..., Any], target: DifferentiableFunction) -> bool:

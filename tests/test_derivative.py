@@ -1289,3 +1289,46 @@ def test_a_rule_whose_value_is_not_the_functions_result_is_an_error_naming_both(
     value, grad = ft.value_with_gradient(lambda x: jnp.sum(right(x) * w), at=x)
     np.testing.assert_allclose(float(value), 22.0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), [0.0, 4.0, 12.0], atol=1e-5)
+
+
+_SQUARE_CELL = """
+@ft.differentiable
+def sq(x):
+    return x * x
+"""
+
+_REVERSE_RULE_CELL = """
+@ft.derivative(of=sq)
+def d_sq(x):
+    return sq(x), lambda v: 10.0 * v   # deliberately not 2x
+"""
+
+_FORWARD_RULE_CELL = """
+@ft.derivative(of=sq, mode="forward")
+def d_sq(x):
+    return sq(x), lambda t: 2.0 * x * t
+"""
+
+
+def test_a_rule_cell_run_again_in_the_other_mode_replaces_the_old_rule() -> None:
+    """A notebook: the reverse rule's cell edited to ``mode="forward"`` and run again. The
+    reverse rule stayed registered beside the forward one, so the gradient used the old rule
+    (10.0 where a fresh process gives 6.0), silently. Rules named apart (or ``_``), in one cell
+    or in two, are both kept."""
+    ns: dict[str, Any] = {"ft": ft, "jnp": jnp}
+    for run, cell in enumerate((_SQUARE_CELL, _REVERSE_RULE_CELL, _FORWARD_RULE_CELL)):
+        exec(compile(cell, f"<cell {run}>", "exec"), ns)
+    sq = ns["sq"]
+    np.testing.assert_allclose(ft.gradient(sq, at=3.0), 6.0, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ft.differential(sq, at=3.0)(1.0), 6.0, rtol=0, atol=1e-6)
+    assert sq.reverse is None
+    exec(compile(_REVERSE_RULE_CELL, "<cell 3>", "exec"), ns)  # and back: the forward rule goes
+    np.testing.assert_allclose(ft.gradient(sq, at=3.0), 10.0, rtol=0, atol=1e-6)
+    assert sq.forward is None
+    both = _REVERSE_RULE_CELL + _FORWARD_RULE_CELL.replace("d_sq", "d_sq_forward")
+    exec(compile(_SQUARE_CELL, "<cell 4>", "exec"), ns)
+    for run, cell in enumerate((both, both, both.replace("d_sq", "_"))):
+        exec(compile(cell, f"<cell {run + 5}>", "exec"), ns)
+        sq = ns["sq"]
+        np.testing.assert_allclose(ft.gradient(sq, at=3.0), 10.0, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(ft.differential(sq, at=3.0)(1.0), 6.0, rtol=0, atol=1e-6)

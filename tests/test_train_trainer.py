@@ -1468,3 +1468,24 @@ def test_a_frozen_attention_is_not_named_as_running_statistics_that_training_cha
     with pytest.warns(FrozenStateWarning) as record:
         Trainer(Net(Backbone(attn, ft.nn.BatchNorm(4)), head), ft.optim.sgd(0.1), loss, wrt="head.*")
     assert "the running statistics of backbone.norm (BatchNorm) will change" in str(record[0].message)
+
+
+def test_a_model_of_other_arrays_assigned_between_fits_is_refused_at_the_assignment():
+    """A notebook: ``trainer.model = Other(...)`` between fits. The next fit failed at its
+    first step with the optimizer's state error prefixed as "minibatch 0 ... failed in the
+    training step" (the data was fine), one of them saying "The model did not change". A model
+    of the job's arrays, its values changed, is taken as before."""
+    trainer = Trainer(mlp(), adam(), regress)
+    trainer.fit((X, Y), steps=1, batch_size=16, progress=False)
+    wider = ft.nn.Sequential(ft.nn.Dense(3, 4, jax.nn.relu, key=jax.random.key(1)), ft.nn.Dense(4, 2, key=jax.random.key(2)))
+    others = {"model.layers[0].weight has shape (3, 4), the job's (3, 8)": wider,
+              "the job's model.layers[0].weight, model.layers[0].bias, model.layers[1].weight ... missing; "
+              "model.weight, model.bias added": ft.nn.Dense(3, 2, key=jax.random.key(1))}
+    for detail, other in others.items():
+        with pytest.raises(ValueError) as info:
+            trainer.model = other
+        assert f"the new model's arrays are not the job's: {detail}" in str(info.value)
+        assert "right:  trainer = ft.train.Trainer(new_model, optimizer, loss_fn)" in str(info.value)
+    trainer.model = jax.tree.map(lambda w: 0.5 * w, trainer.model)  # the same arrays
+    trainer.fit((X, Y), steps=2, batch_size=16, progress=False)
+    assert trainer.steps_run == 2

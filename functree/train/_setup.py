@@ -30,7 +30,7 @@ from functree.train._modes import (
 from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
 
-__all__ = ["make_step", "check_key", "job_field", "check_arguments", "MISSING", "in_training_mode",
+__all__ = ["make_step", "check_key", "job_field", "check_same_model", "MODEL_CHANGED", "check_arguments", "MISSING", "in_training_mode",
            "warn_frozen_state", "FrozenStateWarning", "warn_step_in_inference", "STEP_IN_INFERENCE",
            "TrainingModeWarning"]
 
@@ -42,6 +42,18 @@ was built; it would have moved the array back there without a word.
     right:  trainer.{name} = jax.device_put(new_{name}, {fix})    # the trainer's devices (or NumPy arrays)
        or:  trainer.{name} = ft.train.load(path, trainer.{name})    # a checkpoint read onto the trainer's devices
        or:  trainer.save(path); trainer = ft.train.Trainer(jax.device_put(model, jax.devices()[{other_id}]), optimizer, loss_fn).restore(path)"""
+
+
+MODEL_CHANGED = """\
+trainer.model = ...: the new model's arrays are not the job's: {detail}. A Trainer's job is one \
+model's: its optimizer state (the moments of each parameter) was made for the job's model, so \
+the next step would fail against it. Set a model with the same arrays (key \
+paths and shapes: an average of the weights, the best model so far), or start a job for the new \
+model:
+
+    wrong:  trainer.model = {given}(...)    # another model
+    right:  trainer = ft.train.Trainer(new_model, optimizer, loss_fn)    # a new job: its optimizer state starts anew
+       or:  trainer.model = jax.tree.map(f, trainer.model)               # the job's model, its values changed"""
 
 
 WRT_WITH_STEP = """\
@@ -553,17 +565,40 @@ def check_placed(value: Any, name: str, where: Any) -> None:
             other_id=min(d.id for d in sharding.device_set), fix=fix))
 
 
-def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any], None] | None = None,
+def _array_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """The shape of each array of ``model`` by its key path (``model.layers[0].weight``)."""
+    leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+    return {f"model{jax.tree_util.keystr(path)}": tuple(np.shape(x)) for path, x in leaves if hasattr(x, "dtype")}
+
+
+def check_same_model(value: Any, current: Any) -> None:
+    """:data:`MODEL_CHANGED` when ``trainer.model = value`` has other arrays (key paths or
+    shapes) than the job's model ``current``: the optimizer state is the old model's, and
+    the step refused it only at the next minibatch, as that minibatch's failure (or said
+    "the model did not change"). A static value changed (an activation) is the optimizer's
+    to name (its moments fit: STATE_STATIC_CHANGED carries them over), or restore's."""
+    old, new = _array_shapes(current), _array_shapes(value)
+    if old == new:
+        return
+    gone, added = [p for p in old if p not in new], [p for p in new if p not in old]
+    reshaped = [f"{p} has shape {new[p]}, the job's {old[p]}" for p in old if p in new and old[p] != new[p]]
+    parts = ([f"the job's {', '.join(gone[:3])}{' ...' if len(gone) > 3 else ''} missing"] if gone else []) + \
+        ([f"{', '.join(added[:3])}{' ...' if len(added) > 3 else ''} added"] if added else []) + reshaped[:3]
+    raise ValueError(MODEL_CHANGED.format(detail="; ".join(parts), given=type(value).__name__))
+
+
+def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any, Any], None] | None = None,
               arrays: bool = False) -> Any:
     """A property reading ``name`` of the current :class:`JobState` (setting it commits a
     new record: callbacks replace ``trainer.model``, set ``trainer.stop_training``).
-    ``arrays``: the step's inputs, committed where the trainer's model lives (one compiled step)."""
+    ``arrays``: the step's inputs, committed where the trainer's model lives (one compiled step).
+    ``check(value, current)`` refuses a value before it is set."""
     def get(self: Any) -> Any:
         return getattr(self._job, name)
 
     def set_(self: Any, value: Any) -> None:
         if check is not None:
-            check(value)
+            check(value, getattr(self._job, name))
         if arrays:
             check_placed(value, name, self._where)
             value = put(value, self._where)

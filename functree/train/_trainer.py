@@ -87,6 +87,7 @@ from functree.train._setup import (
     MISSING,
     check_arguments,
     check_key,
+    check_same_model,
     in_training_mode,
     job_field,
     make_step,
@@ -581,13 +582,14 @@ class Trainer(Settings, Evaluation):
       (2, 1)
     """
 
-    model = job_field("model", "The model (training mode) after the last step committed.", settable=True,
-                      arrays=True)
+    model = job_field("model", "The model (training mode) after the last step committed. Set it to a model "
+                      "with the job's arrays (key paths and shapes); another is refused (MODEL_CHANGED).",
+                      settable=True, check=check_same_model, arrays=True)
     opt_state = job_field("opt_state", "The optimizer state (with its learning context).", settable=True,
                           arrays=True)
     key = job_field("key", "The base PRNG key (None: the loss takes none).", settable=True, arrays=True)
     extra = job_field("extra", "User state saved with every checkpoint: a tree of arrays and plain values.",
-                      settable=True, check=check_extra)
+                      settable=True, check=lambda value, _: check_extra(value))
     stop_training = job_field("stopped", "Set True (a callback) to stop after this step.", settable=True)
     steps_run = job_field("steps_run", "Training steps run by the job (all ``fit`` calls).")
     epoch = job_field("epoch", "Epochs completed.")

@@ -206,6 +206,13 @@ def jit(
     Other options (``static_argnames``, ``in_shardings``, ``out_shardings`` ...) pass
     through to ``jax.jit``. Usable as ``@ft.jit`` or ``@ft.jit(donate=(0, 1))``.
 
+    A global the function reads is read while it is traced, as ``jax.jit`` reads it: its
+    value is a constant of the compiled program until the function is traced again (another
+    shape or dtype). A notebook cell that sets ``G = 3.0`` after the first call is not seen,
+    and ``ft.jit(f)`` again of the same ``f`` finds the old program in JAX's cache. Pass a
+    value that changes as an argument (traced: a new value compiles nothing), or run the
+    cell that defines ``f`` again (a new function, traced anew).
+
     Example:
       >>> import functree as ft, jax, jax.numpy as jnp
       >>> @ft.jit
@@ -216,6 +223,24 @@ def jit(
       >>> apply = ft.jit(lambda layer, x: layer["fn"](x), static_leaves=True)
       >>> apply({"fn": jax.nn.relu}, jnp.array([-1.0, 2.0]))  # a function as a leaf
       Array([0., 2.], dtype=float32)
+
+    A global read while tracing, then set by a later cell (as with ``jax.jit``):
+      >>> G = 2.0
+      >>> def scaled(x):
+      ...     return G * x
+      >>> fast = ft.jit(scaled)
+      >>> fast(jnp.ones(1))
+      Array([2.], dtype=float32)
+      >>> G = 3.0  # a later cell
+      >>> fast(jnp.ones(1)), ft.jit(scaled)(jnp.ones(1))  # wrong: both traced with G = 2.0
+      (Array([2.], dtype=float32), Array([2.], dtype=float32))
+      >>> scale = ft.jit(lambda x, g: g * x)  # right: the value as an argument
+      >>> scale(jnp.ones(1), G)
+      Array([3.], dtype=float32)
+      >>> def scaled(x):  # or: the cell defining the function run again
+      ...     return G * x
+      >>> ft.jit(scaled)(jnp.ones(1))
+      Array([3.], dtype=float32)
     """
     if f is None:
         return functools.partial(jit, donate=donate, static_leaves=static_leaves, **jax_jit_options)

@@ -2,6 +2,7 @@
 by exact type and value, the code a call runs, and UNKEYED where neither keys a value."""
 
 import enum
+import sys
 import types
 
 import jax
@@ -72,3 +73,23 @@ def test_eager_program_is_made_once_per_signature_and_none_without_a_key():
     assert eager_program(cache, model, (model, 1.0), "flags", make) is None  # a Python number: no key
     knobbed = _Scaled(jnp.ones(2), _Knobs())  # a mutable object as a static value
     assert eager_program(cache, knobbed, (knobbed, jnp.ones(2)), "flags", make) is None
+
+
+def test_the_hf_ports_are_library_classes_before_their_recorded_module_is_imported(monkeypatch):
+    """The ports' ``__module__`` is ``functree.nn._hf_models`` (checkpoints' recorded name), a
+    module only a pickle imports. Before one was unpickled, ``library_class`` took them for a
+    user's classes and ``generate``, ``update_bn`` and eager scans re-read their code at every
+    call (2.6 ms of ``model_reads`` against 0.02 ms for a tiny GPT-2): an answer depending on
+    import order. The process's import state and answers are set as a fresh process has them."""
+    from functree.hf import _models
+    from functree.nn import _reads
+
+    monkeypatch.delitem(sys.modules, _models.RECORDED_HOME, raising=False)  # as before any unpickling
+    monkeypatch.setattr(_reads, "_CLASSES", {})  # (no answer kept from earlier tests)
+    for cls in _models.RECORDED:
+        assert cls.__module__ == _models.RECORDED_HOME
+        assert _reads.library_class(cls), cls
+        assert _reads.reads_key([cls]) == (cls,)  # by identity alone, its code not read
+    namespace = {"__name__": "functree.hf._gpt2"}  # a class exec'd under a library's name stays the user's
+    exec("class GPT2LMHeadModel:\n    def __call__(self, x):\n        return x\n", namespace)
+    assert not _reads.library_class(namespace["GPT2LMHeadModel"])

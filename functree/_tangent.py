@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from functree._alias import warn_aliases
 from functree._parameters import (
@@ -149,9 +150,10 @@ def move(x: Any, *, along: Any) -> Any:
     tangent. Each parameter keeps its dtype. A value at a non-parameter (a
     ``no_derivative`` field, an integer leaf), as in the full-structure tree ``jax.grad``
     returns, is an error naming its key path (see :func:`check_tangent`): never written.
-    One array object at two parameters (one layer put at two fields) is untied by the move:
-    the first move of each model holding one warns (:class:`ft.AliasWarning`), unless an
-    optimizer's ``init`` named that tie already.
+    One array object at two parameters (one layer put at two fields) given the same update
+    at both (a frozen group's zeros) stays one array; given different ones it is untied by
+    the move: the first move of each model holding one warns (:class:`ft.AliasWarning`),
+    unless an optimizer's ``init`` named that tie already.
 
     Example:
       >>> import functree as ft, jax.numpy as jnp
@@ -159,18 +161,24 @@ def move(x: Any, *, along: Any) -> Any:
       {'n': 3, 'w': Array([0.5, 0.5], dtype=float32)}
     """
     check_tangent("ft.move", along, x, advice=_MOVE)
-    ids: list[int] = []
+    first: dict[int, tuple[Any, Any]] = {}  # id of a leaf -> (its tangent, its moved value)
+    apart: set[int] = set()  # arrays at several leaves given different tangents
 
     def moved(t: Any, leaf: Any) -> Any:
-        if t is not None:  # the moved leaves, seen on the way (a second pass costs a flatten)
-            ids.append(id(leaf))
-        return move_leaf(t, leaf)
+        new = move_leaf(t, leaf)  # (the repeats are found on the way: a second pass costs a flatten)
+        seen = first.setdefault(id(leaf), (t, new))
+        if seen[1] is new:
+            return new
+        if _same_tangent(seen[0], t):  # a tie moved alike (a frozen one: zeros) stays one array
+            return seen[1]
+        apart.add(id(leaf))
+        return new
 
     try:
         out = map_checked("ft.move", moved, along, x, is_leaf=is_none)
-        if len(set(ids)) < len(ids):  # every model, every call: a set of ids, no second flatten
-            # a hand loop with a plain optax init: one array at two parameters is untied now
-            warn_aliases(parameters(x), what="The model given to ft.move", copied=False)
+        if apart:  # a hand loop with a plain optax init: one array at two parameters is untied now
+            warn_aliases(parameters(x), what="The model given to ft.move", copied=False,
+                         trained=lambda: jax.tree.map(lambda v: v if id(v) in apart else None, parameters(x)))
         return out
     except ShapeMismatch as e:
         raise ValueError(TANGENT_SHAPE.format(what="ft.move", path=path_of(along, e.leaf), given=e.given,
@@ -184,6 +192,18 @@ def move(x: Any, *, along: Any) -> Any:
             "ft.move: the tangent has a value at a leaf that is not a parameter (an integer "
             "or bool leaf). Build it with ft.gradient(loss, at=model) or ft.parameters(tangent)."
         ) from None
+
+
+def _same_tangent(a: Any, b: Any) -> bool:
+    """Whether two tangents move one array to the same value (``None`` is zero): the tie
+    then survives the move. A traced tangent is not known here, so it counts as another."""
+    if a is b:
+        return True
+    if isinstance(a, Tracer) or isinstance(b, Tracer):
+        return False
+    if a is None or b is None:
+        return not np.any(b if a is None else a)
+    return np.shape(a) == np.shape(b) and jnp.result_type(a) == jnp.result_type(b) and bool(np.array_equal(a, b))
 
 
 TANGENT_SHAPE = """\

@@ -185,7 +185,9 @@ def test_a_plain_optax_hand_loop_is_told_at_its_first_move():
     model = {"tied_move_a": layer, "tied_move_b": layer}  # (a structure ft.move has not seen)
     tx = optax.sgd(0.1)
     state = tx.init(ft.parameters(model))
-    updates, state = tx.update(jax.tree.map(jnp.ones_like, ft.parameters(model)), state)
+    grads = {"tied_move_a": jax.tree.map(jnp.ones_like, ft.parameters(layer)),  # the two uses' gradients differ
+             "tied_move_b": jax.tree.map(lambda v: -jnp.ones_like(v), ft.parameters(layer))}
+    updates, state = tx.update(grads, state)
     with pytest.warns(ft.AliasWarning, match=r"The model given to ft\.move holds one array object at several "
                                              r"leaves: 'tied_move_a.weight' and 'tied_move_b.weight'") as caught:
         moved = ft.move(model, along=updates)
@@ -204,7 +206,8 @@ def test_a_second_model_of_the_same_structure_is_told_at_its_first_move():
         layer = ft.nn.Dense(2, 2, key=jax.random.key(seed))
         return {"cell_move_a": layer, "cell_move_b": layer}
 
-    updates = jax.tree.map(jnp.ones_like, ft.parameters(fresh(0)))
+    layer = ft.parameters(fresh(0)["cell_move_a"])  # the two uses' updates differ
+    updates = {"cell_move_a": jax.tree.map(jnp.ones_like, layer), "cell_move_b": jax.tree.map(jnp.zeros_like, layer)}
     for seed in (0, 1):
         model = fresh(seed)
         with pytest.warns(ft.AliasWarning, match=r"The model given to ft\.move holds one array object at several "
@@ -215,6 +218,38 @@ def test_a_second_model_of_the_same_structure_is_told_at_its_first_move():
             warnings.simplefilter("error")
             ft.move(moved, along=updates)
             ft.move(model, along=updates)  # (its tie named above)
+
+
+def test_a_tie_moved_alike_stays_tied_and_warns_only_when_its_updates_differ():
+    """A hand loop (opt.minimize, or opt.update and ft.move) whose tied layer is in a frozen
+    group (ft.optim.freeze() or optax.set_to_zero()) was warned by ft.move that the tie is
+    trained apart (AliasWarning), though both paths got zero updates: a tie whose paths get
+    the same update stays one array; paths given different updates are warned of."""
+    def loss(m, x):
+        return jnp.mean(m["head"](m["tie_zero_b"](m["tie_zero_a"](x))) ** 2)
+
+    def model():
+        tied = ft.nn.Dense(2, 2, key=jax.random.key(0))
+        return {"tie_zero_a": tied, "tie_zero_b": tied, "head": ft.nn.Dense(2, 2, key=jax.random.key(1))}
+
+    x = jnp.ones((3, 2))
+    for frozen in (ft.optim.freeze(), optax.set_to_zero()):
+        opt = ft.optim.Optimizer(ft.optim.groups({"head.*": ft.optim.sgd(0.1)}, default=frozen))
+        start = model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ft.AliasWarning)
+            state = opt.init(start)
+            trained, state, _ = opt.minimize(loss, start, state, x)
+            updates, _ = opt.update(ft.gradient(lambda m: loss(m, x), at=trained), state, trained)
+            moved = ft.move(trained, along=updates)
+        assert moved["tie_zero_a"].weight is moved["tie_zero_b"].weight  # still one array
+        np.testing.assert_array_equal(moved["tie_zero_a"].weight, start["tie_zero_a"].weight)
+        assert not np.array_equal(moved["head"].weight, start["head"].weight)
+    untied = model()  # trained at both paths (a plain optax loop): different gradients, untied
+    updates = jax.tree.map(lambda g: -0.1 * g, ft.gradient(lambda m: loss(m, x), at=untied))
+    with pytest.warns(ft.AliasWarning, match=r"ft\.move .*'tie_zero_a.weight' and 'tie_zero_b.weight'"):
+        moved = ft.move(untied, along=updates)
+    assert moved["tie_zero_a"].weight is not moved["tie_zero_b"].weight
 
 
 def test_no_hand_loop_warning_for_shared_or_for_equal_distinct_arrays():

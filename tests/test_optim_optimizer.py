@@ -922,3 +922,29 @@ def test_a_loss_or_get_gradients_hook_of_the_wrong_arity_is_refused_naming_the_c
                              (own, lambda m, x: -(m["w"] * x).mean(), ({"x": x},))):
         trained, _, _ = opt.minimize(loss, w, opt.init(w), *batch)
         np.testing.assert_allclose(trained["w"], 0.75, rtol=0, atol=1e-6)  # 0.5 * mean(x)
+
+
+def test_a_gradient_loss_or_update_hook_of_the_wrong_arity_is_refused_naming_the_hook_and_its_call():
+    """transform_gradients=lambda g, s: ..., apply_updates=lambda updates: ... and their kin
+    failed inside the step with Python's bare arity error, naming neither the hook nor the
+    call it gets. HOOK_ARITY names both at the Optimizer, with code that takes the call; a
+    hook taking *args or a default for the rest is never refused, and trains."""
+    from functree.optim._hooks import HOOK_ARITY
+    from tests._errors import raises_named
+
+    for hook, wrong, right in (("transform_loss", lambda loss, model: loss, "right:  transform_loss=lambda loss: ..."),
+                               ("transform_unaggregated_gradients", lambda: 0, "f(grads)"),
+                               ("aggregate_gradients", lambda g, axis: g, "f(grads)"),
+                               ("transform_gradients", lambda g, state: g, "right:  transform_gradients=lambda grads: ..."),
+                               ("transform_gradients", (lambda g: g, lambda g, s: g), "wrong:  transform_gradients=lambda g, s: ..."),
+                               ("apply_updates", lambda updates: updates, "f(model, updates)"),
+                               ("apply_updates", lambda m, u, s: m,
+                                "right:  apply_updates=lambda model, updates: ft.move(model, along=updates)")):
+        raises_named(lambda hook=hook, wrong=wrong: ft.optim.Optimizer(optax.sgd(0.5), **{hook: wrong}), TypeError,
+                     HOOK_ARITY, right)
+    w, x = {"w": jnp.zeros(())}, jnp.array([1.0, 2.0])
+    opt = ft.optim.Optimizer(optax.sgd(0.5), transform_loss=lambda loss, scale=1.0: loss * scale,
+                             transform_gradients=lambda *grads: grads[0], aggregate_gradients=lambda g, **_: g,
+                             apply_updates=lambda model, updates, *rest: ft.move(model, along=updates))
+    trained, _, _ = opt.minimize(lambda m, x: -(m["w"] * x).mean(), w, opt.init(w), x)
+    np.testing.assert_allclose(trained["w"], 0.75, rtol=0, atol=1e-6)  # 0.5 * mean(x)

@@ -13,9 +13,9 @@ import optax
 
 from functree._source import call_refusal
 
-__all__ = ["checked_hooks", "chain_hooks", "takes_scale", "takes_keyword", "check_hook_call", "check_loss_call",
+__all__ = ["checked_hooks", "checked_hook", "chain_hooks", "takes_scale", "takes_keyword", "check_hook_call", "check_loss_call",
            "STATEFUL_HOOK", "BOTH_LOSS_HOOKS", "HOOK_WITHOUT_SCALE", "SCALED_HOOK", "HOOK_CALL", "LOSS_CALL",
-           "CALLS_LOSS_AS_GIVEN"]
+           "HOOK_ARITY", "CALLS_LOSS_AS_GIVEN"]
 
 STATEFUL_HOOK = """\
 {hook}= takes functions from a gradient tree to a gradient tree; got the optax \
@@ -54,9 +54,46 @@ SCALED_HOOK = """\
                 return out, grads                         # (unscaled loss, grads of scale * loss)"""
 
 
+HOOK_ARITY = """\
+ft.optim.Optimizer calls its {hook}= hook as {call} and takes back {returns}; {name}{signature} \
+cannot be called so (Python's "{problem}", which the step would raise from inside its trace). \
+Take exactly those arguments:
+
+    wrong:  {hook}={wrong}
+    right:  {hook}={right}"""
+
+# hook -> (its call, what it returns, a hook that takes the call)
+_HOOK_CALLS = {
+    "transform_loss": ("f(loss)", "the loss that is differentiated", "lambda loss: ..."),
+    "transform_unaggregated_gradients": ("f(grads)", "a gradient tree (one replica's)", "lambda grads: ..."),
+    "aggregate_gradients": ("f(grads)", "the replicas' aggregate gradient tree",
+                            'lambda grads: jax.lax.pmean(grads, "data")'),
+    "transform_gradients": ("f(grads)", "a gradient tree", "lambda grads: ..."),
+    "apply_updates": ("f(model, updates)", "the new model", "lambda model, updates: ft.move(model, along=updates)"),
+}
+
+
+def checked_hook(hook: str, f: Any) -> Any:
+    """``f`` (None passes), refused with :data:`HOOK_ARITY` where its signature cannot bind the
+    call the optimizer makes of ``hook`` (``transform_gradients=lambda g, s: ...``): Python's
+    bare arity error came from inside the step's trace, naming neither the hook nor the call.
+    A function taking ``*args``, or one without a readable signature, is never refused."""
+    if f is None:
+        return f
+    call, returns, right = _HOOK_CALLS[hook]
+    refused = call_refusal(f, *call[2:-1].split(", "))
+    if refused is not None:
+        name, signature, problem = refused
+        wrong = _written(name, ", ".join(map(str, signature.parameters.values())))
+        raise TypeError(HOOK_ARITY.format(hook=hook, call=call, returns=returns, name=name, signature=signature,
+                                          problem=problem, wrong=wrong, right=right))
+    return f
+
+
 def checked_hooks(hook: str, fns: Any) -> tuple[Callable[[Any], Any], ...]:
     """The functions given as the ``hook=`` argument (one, a sequence, or None) as a tuple:
-    :data:`STATEFUL_HOOK` for an optax transformation (it has state) or anything not callable."""
+    :data:`STATEFUL_HOOK` for an optax transformation (it has state) or anything not callable,
+    :data:`HOOK_ARITY` for one that cannot take the gradients alone."""
     if fns is None:
         return ()
     if callable(fns) and not isinstance(fns, optax.GradientTransformation):
@@ -67,6 +104,7 @@ def checked_hooks(hook: str, fns: Any) -> tuple[Callable[[Any], Any], ...]:
     for f in fns:
         if isinstance(f, optax.GradientTransformation) or not callable(f):
             raise TypeError(STATEFUL_HOOK.format(hook=hook, given=type(f).__name__))
+        checked_hook(hook, f)
     return fns
 
 

@@ -81,6 +81,7 @@ from functree.optim._hooks import (
     chain_hooks,
     check_hook_call,
     check_loss_call,
+    checked_hook,
     checked_hooks,
     takes_keyword,
     takes_scale,
@@ -386,12 +387,12 @@ class Optimizer:
         set_(self, "_transform", optax.with_extra_args_support(
             with_average(real_pairs(taking_extras(from_optax(with_extras(transform)))), average)))
         set_(self, "_raw_transform", transform)
-        set_(self, "_transform_loss", transform_loss)
+        set_(self, "_transform_loss", checked_hook("transform_loss", transform_loss))
         set_(self, "_get_gradients", get_gradients)
         set_(self, "_unaggregated", checked_hooks("transform_unaggregated_gradients", transform_unaggregated_gradients))
-        set_(self, "_aggregate", aggregate_gradients)
+        set_(self, "_aggregate", checked_hook("aggregate_gradients", aggregate_gradients))
         set_(self, "_transform_gradients", checked_hooks("transform_gradients", transform_gradients))
-        set_(self, "_apply_updates", apply_updates)
+        set_(self, "_apply_updates", checked_hook("apply_updates", apply_updates))
         set_(self, "_axis_name", axis_name)
         set_(self, "_accumulate", accumulate)
         set_(self, "_wrt", check_wrt(wrt))

@@ -84,7 +84,8 @@ class AliasWarning(UserWarning):
     of each model holding it, a train step, the Trainer, a donating ``ft.jit``.
     Only a repeat that training moves is named: a buffer at several leaves (a ``no_derivative``
     table, an integer or bool mask) or a layer the optimizer's ``wrt=`` leaves frozen (or
-    its ``ft.optim.groups``' ``ft.optim.freeze()`` or ``optax.set_to_zero()`` groups: ``moved_view``) is trained by
+    its ``ft.optim.groups``' ``ft.optim.freeze()`` or ``optax.set_to_zero()`` groups, an ``optax.partition``'s
+    ``set_to_zero()`` labels: ``moved_view``) is trained by
     nothing, and a donated call copies it silently.
 
     Example:

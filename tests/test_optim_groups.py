@@ -486,3 +486,43 @@ def test_a_bare_optax_set_to_zero_group_freezes_as_freeze_does_with_no_alias_war
         np.testing.assert_array_equal(a, b)
     with pytest.warns(ft.AliasWarning, match=r"'enc_a.weight' and 'enc_b.weight'"):  # a group training one: warned
         ft.optim.Optimizer(ft.optim.groups({**head, "enc_a.*": optax.set_to_zero()}, default=ft.optim.sgd(0.1))).init(model())
+
+
+def test_optax_partition_with_set_to_zero_freezes_its_labels_as_freeze_does_with_no_alias_warning():
+    """optax.partition / multi_transform with a label given optax.set_to_zero() (optax's way to
+    freeze) left those parameters unchanged, but a layer at two fields under that label was
+    warned of (AliasWarning: "trained as independent copies") by Optimizer.init, the train
+    step and the Trainer: the partition's groups are read as ft.optim.groups' are, so it
+    trains exactly as freeze= does, silently; a tie the partition trains at one path is still warned of."""
+    import warnings
+
+    def model():
+        encoder = ft.nn.Dense(2, 2, key=jax.random.key(0))
+        return {"enc_a": encoder, "enc_b": encoder, "head": ft.nn.Dense(2, 2, key=jax.random.key(1))}
+
+    def loss(m, x):
+        return jnp.mean(m["head"](m["enc_b"](m["enc_a"](x))) ** 2)
+
+    def labels(params, trained=("head",)):
+        return {k: jax.tree.map(lambda _, k=k: "train" if k in trained else "frozen", v) for k, v in params.items()}
+
+    x, start = jnp.ones((4, 2)), model()
+    grads = ft.gradient(lambda m: loss(m, x), at=start)
+    reference = ft.optim.Optimizer(ft.optim.groups({"head.*": optax.sgd(0.1)}, default=ft.optim.freeze()))
+    expected = reference.apply_gradients(grads, start, reference.init(start))[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ft.AliasWarning)
+        ft.optim.Optimizer(optax.multi_transform({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()},
+                                                 labels)).init(model())
+        tx = optax.partition({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels)
+        opt = ft.optim.Optimizer(tx)
+        trained = opt.apply_gradients(grads, start, opt.init(start))[0]
+        ft.train.Trainer(model(), tx, loss)  # (its step reads the optimizer as init does)
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(trained["enc_a"].weight, start["enc_a"].weight)
+    assert not np.array_equal(trained["head"].weight, start["head"].weight)
+    half = optax.partition({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()},
+                           lambda p: labels(p, trained=("head", "enc_a")))
+    with pytest.warns(ft.AliasWarning, match=r"'enc_a.weight' and 'enc_b.weight'"):
+        ft.optim.Optimizer(half).init(model())

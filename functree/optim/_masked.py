@@ -15,6 +15,7 @@ numbers of a hand-masked update.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
@@ -87,6 +88,43 @@ _FREEZES: weakref.WeakKeyDictionary[Any, Callable[[Any], list[bool]]] = weakref.
 _SET_TO_ZERO = getattr(optax.set_to_zero().update, "__code__", None)
 
 
+# optax.partition's (and multi_transform's) update, known by its code: its groups are read as
+# ft.optim.groups' are (a label given optax.set_to_zero() freezes its parameters).
+_PARTITION = getattr(optax.partition({}, {}).update, "__code__", None)
+# optax.with_extra_args_support's wrapper of a plain transform: read as the transform it wraps.
+_EXTRA_ARGS = getattr(optax.with_extra_args_support(optax.GradientTransformation(*optax.identity())).update,
+                      "__code__", None)
+
+
+def _closed_over(update: Any) -> dict[str, Any]:
+    """The variables an optax ``update`` closes over (empty where none can be read)."""
+    try:
+        return dict(inspect.getclosurevars(update).nonlocals)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _partition_frozen(update: Any, params: Any) -> list[bool]:
+    """:func:`frozen_leaves` of an ``optax.partition``: a leaf is frozen where its label's
+    transform freezes it (its labels read as optax reads them, from ``params``); every
+    leaf taken as moved where the labels cannot be read here (optax's init then says why)."""
+    leaves, treedef = jax.tree.flatten(params, is_leaf=is_none)
+    out = [False] * len(leaves)
+    try:
+        env = _closed_over(update)
+        given = env["param_labels"]
+        labels = given(params) if callable(given) else given
+        by_group = {k: frozen_leaves(tx, params) for k, tx in env["transforms"].items()}
+
+        def mark(label: Any, index: Any) -> None:
+            for i in jax.tree.leaves(index):
+                out[i] = label in by_group and by_group[label][i]
+        jax.tree.map(mark, labels, treedef.unflatten(range(len(leaves))), is_leaf=is_none)
+    except (KeyError, TypeError, ValueError):
+        return [False] * len(leaves)
+    return out
+
+
 def declare_frozen(transform: Any, frozen: Callable[[Any], list[bool]]) -> Any:
     """``transform``, declared to leave the leaves ``frozen(params)`` marks unchanged (zero
     updates, read by key path from the parameters); returns ``transform``."""
@@ -106,6 +144,11 @@ def frozen_leaves(transform: Any, params: Any) -> list[bool]:
         frozen = None
     if frozen is None and _SET_TO_ZERO is not None and getattr(update, "__code__", None) is _SET_TO_ZERO:
         return [True] * len(jax.tree.leaves(params, is_leaf=is_none))
+    code = getattr(update, "__code__", None)
+    if frozen is None and code is _PARTITION:
+        return _partition_frozen(update, params)
+    if frozen is None and code is _EXTRA_ARGS:  # (optax.partition wraps each group's transform so)
+        return frozen_leaves(_closed_over(update).get("tx"), params)
     if frozen is None:
         return [False] * len(jax.tree.leaves(params, is_leaf=is_none))
     return frozen(params)

@@ -16,6 +16,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _tolerance import needs_float16_conversions
 
@@ -569,3 +570,32 @@ def test_lora_refuses_the_dense_a_wrapper_computes_the_weight_of():
     assert 'wrt="layers.0.*"' in str(info.value) and "there is no stored weight" in COMPUTED_WEIGHT
     adapted = ft.nn.lora(model, "layers.1", rank=2, key=jax.random.key(0))  # the others adapt
     assert type(adapted.layers[1]).__name__ == "LoraDense"
+
+
+def test_the_base_weights_warning_reads_what_the_optimizer_trains_not_wrt_alone():
+    """LoraBaseWarning read wrt= alone: an optimizer freezing the base weights another way
+    (ft.optim.groups with freeze() or optax.set_to_zero() beside the adapters' group, an
+    optax.partition whose base label is set_to_zero()) was told they train. It reads the
+    parameters the optimizer moves: those say nothing; one that trains a base weight (the
+    adapters frozen, the rest trained) still warns, naming it."""
+    @jax.jit  # one program (eagerly, each initializer compiled apart)
+    def built():
+        model = {"enc": ft.nn.Dense(2, 2, key=jax.random.key(0)), "head": ft.nn.Dense(2, 2, key=jax.random.key(1))}
+        return ft.nn.lora(model, "enc", rank=1, key=jax.random.key(2))
+
+    adapted = built()
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(lambda p, _: "lora" if "lora_" in jax.tree_util.keystr(p) else "base",
+                                                params)
+
+    sgd = ft.optim.sgd(0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ft.nn.LoraBaseWarning)
+        for tx in (ft.optim.groups({"*.lora_*": sgd}, default=ft.optim.freeze()),
+                   ft.optim.groups({"*.lora_*": sgd, "head.*": sgd}, default=optax.set_to_zero()),
+                   optax.partition({"lora": optax.sgd(0.1), "base": optax.set_to_zero()}, labels)):
+            ft.optim.Optimizer(tx).init(adapted)
+    for tx in (sgd, ft.optim.groups({"*.lora_*": ft.optim.freeze()}, default=sgd)):
+        with pytest.warns(ft.nn.LoraBaseWarning, match=r"the adapted layers' own weights too \(enc\.weight\)"):
+            ft.optim.Optimizer(tx).init(adapted)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -599,21 +599,35 @@ def lora(model: Any, pattern: str | Sequence[str], *, rank: int = 8, alpha: floa
     return jax.tree_util.tree_map_with_path(one, model, is_leaf=lambda x: x is None or is_dense(x) or is_experts(x))
 
 
-def check_base_untrained(model: Any, wrt: Any, call: str = "ft.optim.Optimizer") -> None:
+def check_base_untrained(model: Any, wrt: Any, call: str = "ft.optim.Optimizer",
+                         trained: Callable[[], Any] | None = None) -> None:
     """Warn (:class:`LoraBaseWarning`) when ``wrt`` is None and ``model`` holds LoRA
     adapters: the optimizer would train their base weights too, which ``save_lora`` does not
-    write (PEFT's adapters train alone). Any ``wrt`` given, ``"*"`` too, is the user's choice."""
+    write (PEFT's adapters train alone). Any ``wrt`` given, ``"*"`` too, is the user's choice.
+    ``trained`` gives what the optimizer moves (its ``moved_view``: ``ft.optim.groups``'
+    ``freeze()`` or ``optax.set_to_zero()`` groups, an ``optax.partition``'s frozen labels):
+    an adapted layer whose base arrays it leaves all frozen trains as PEFT's does."""
     if wrt is not None:
         return
-    adapted = [layer for layer in dense_layers(model) if isinstance(layer.node, LoraDense)]
-    names = [layer.info.name for layer in adapted]
-    names += [w.info.name for w in expert_weights(model) if isinstance(getattr(w.node, w.field), LoraParameter)]
+    adapted = [(layer.info.name, layer.node) for layer in dense_layers(model) if isinstance(layer.node, LoraDense)]
+    adapted += [(w.info.name, getattr(w.node, w.field)) for w in expert_weights(model)
+                if isinstance(getattr(w.node, w.field), LoraParameter)]
+    if adapted and trained is not None:  # the same arrays as the model's, None where nothing moves them
+        moved = {id(x) for x in jax.tree.leaves(trained())}
+        adapted = [(name, node) for name, node in adapted if any(id(x) in moved for x in _base_arrays(node))]
+    names = [name for name, _ in adapted]
     if not names:
         return
     shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
     layer = _layer_name(names[0])
     warnings.warn(BASE_TRAINED.format(call=call, adapters=f"{layer}.lora_a, {layer}.lora_b ...",
                                       base=shown), LoraBaseWarning, stacklevel=3)
+
+
+def _base_arrays(node: Any) -> list[Any]:
+    """The arrays of an adapted node (a LoraDense, a LoraParameter) that are not its adapters'."""
+    return [x for path, x in jax.tree_util.tree_flatten_with_path(node)[0]
+            if not str(getattr(path[0], "name", "")).startswith("lora_")]
 
 
 def merge_lora(model: Any) -> Any:

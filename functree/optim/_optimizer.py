@@ -445,14 +445,16 @@ class Optimizer:
         shares a buffer with the model or another leaf, so a step may donate both. The state does not depend on the model's mode: one made before
         ``ft.nn.training(model)`` (NNX's order) serves the model in training mode too.
         A model holding LoRA adapters with no ``wrt=`` warns
-        (:class:`~functree.nn.LoraBaseWarning`): its base weights would train too, which
+        (:class:`~functree.nn.LoraBaseWarning`) unless the transform freezes the adapted
+        layers' own weights (a ``freeze()`` or ``set_to_zero()`` group): they would train too, which
         ``ft.hf.save_lora`` does not write; ``wrt="*.lora_*"`` trains the adapters alone,
         ``wrt="*"`` everything. One array object at two parameters (one layer at two fields)
         warns (:class:`~functree.AliasWarning`): the first update unties them.
         """
         if (apart := several_devices(model, "ft.optim.Optimizer.init", "model")) is not None:
             raise apart  # (the state went to the first leaf's devices; the step then refused the leaf's moments)
-        check_base_untrained(model, self.wrt)  # LoRA without wrt=: save_lora would lose the base's training
+        # LoRA without wrt=: save_lora would lose the base's training (unless a freeze() group holds it)
+        check_base_untrained(model, self.wrt, trained=lambda: moved_view(self, model))
         # One array at two parameters: the hand loop's first ft.move unties it, silently (once, here)
         trained = trained_view(model, self.wrt)  # (a tie wrt= or a freeze() group leaves frozen stays one value)
         warn_aliases(parameters(model), what="The model given to ft.optim.Optimizer.init", copied=False,

@@ -196,14 +196,16 @@ def move(x: Any, *, along: Any) -> Any:
 
 def _same_tangent(a: Any, b: Any) -> bool:
     """Whether two tangents move one array to the same value (``None`` is zero): the tie
-    then survives the move. A traced tangent is not known here, so it counts as another."""
+    then survives the move. A traced tangent is not known here, so it counts as another.
+    Compared where the arrays are (one boolean read back, not the arrays: a tied embedding
+    on a GPU would cross to the host at every step of an eager loop)."""
     if a is b:
         return True
     if isinstance(a, Tracer) or isinstance(b, Tracer):
         return False
     if a is None or b is None:
-        return not np.any(b if a is None else a)
-    return np.shape(a) == np.shape(b) and jnp.result_type(a) == jnp.result_type(b) and bool(np.array_equal(a, b))
+        return not bool(jnp.any(b if a is None else a))
+    return np.shape(a) == np.shape(b) and jnp.result_type(a) == jnp.result_type(b) and bool(jnp.array_equal(a, b))
 
 
 TANGENT_SHAPE = """\

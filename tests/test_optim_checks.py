@@ -1142,3 +1142,45 @@ def test_a_schedule_read_from_its_numbers_that_turns_names_the_step_it_turns_at(
     with pytest.raises(ValueError, match=r"schedule turns: optax\.scale_by_schedule\(optax\.polynomial_schedule\) "
                                          r"is 0\.05 from step 1 on"):
         check_rate_applied(tx, _Q, None)
+
+
+def test_an_ft_optim_rate_that_is_a_negative_function_of_the_learning_context_is_refused():
+    """ft.optim's learning rate may be a function of the learning context: the walk read a
+    number or functree's own schedules as >= 0 and any other function as a rate of either
+    sign, so ft.optim.sgd(lambda ctx: -0.1) and sgd(ft.optim.schedule(optax.constant_schedule(
+    -0.1))) climbed (the loss 5.3 -> 24 in 8 steps) with no error. Refused by the Optimizer's
+    step, naming the parameters."""
+    before, after = _two_raw_steps(fo.sgd(lambda ctx: -0.1))
+    assert after > before  # its own steps: up the loss
+    model, loss, _ = _body_and_head()
+    opt = ft.optim.Optimizer(fo.sgd(lambda ctx: -0.1))
+    with pytest.raises(ValueError, match=r"moves body\.weight, body\.bias, head\.weight, head\.bias \(4 of 4"):
+        jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))
+
+
+@pytest.mark.parametrize("make, given", [
+    (lambda: fo.sgd(lambda ctx: -0.1), r"Given: ft\.optim\.sgd\(learning_rate=<lambda>\) is -0\.1 at step 0"),
+    (lambda: fo.sgd(fo.schedule(optax.constant_schedule(-0.1))),
+     r"Given: ft\.optim\.sgd\(learning_rate=ft\.optim\.schedule\(optax\.constant_schedule\)\) is -0\.1 at step 0"),
+    (lambda: fo.adam(fo.schedule(optax.linear_schedule(0.05, -0.05, 4), unit="sweeps")),
+     r"turns: ft\.optim\.adam\(learning_rate=ft\.optim\.schedule\(optax\.polynomial_schedule, unit='sweeps'\)\) "
+     r"is -0\.05 from sweep 3 on"),
+    (lambda: fo.sgd(lambda ctx: jnp.where(ctx.step < 10, 0.1, -0.1)), r"turns: .*from step 10 on"),
+], ids=["lambda ctx", "schedule(constant)", "schedule turning, sweeps", "lambda turning"])
+def test_ft_optim_rates_of_the_learning_context_are_read_as_schedules(make, given):
+    """The function is read as a schedule (ft.optim.schedule's optax one from its numbers, in
+    its unit; another at the step count): negative at step 0 refused with ASCENDING_UPDATE,
+    one that turns and holds a negative value with ASCENDING_LATER, naming where it turns."""
+    with pytest.raises(ValueError, match=rf"(?s)moves v, w \(2 of 2 parameters\) up the loss.*{given}.*maximize=True"):
+        check_rate_applied(make(), _Q, None)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: fo.sgd(lambda ctx: 0.1),
+    lambda: fo.sgd(fo.schedule(optax.linear_schedule(0.1, 0.0, 4))),
+    lambda: fo.sgd(lambda ctx: 0.1 if ctx is not None else -0.1),  # Python on the context: read as it is
+    lambda: fo.adam(lambda ctx: 0.05 * (1 - ctx.step / 1000)),  # negative past its end: still falling, not read
+    lambda: fo.sgd(lambda ctx: 0.1, maximize=True),  # (deliberate: not opened)
+], ids=["positive", "schedule to 0", "python", "falling line", "maximize"])
+def test_ft_optim_rates_of_the_learning_context_that_descend_pass(make):
+    check_rate_applied(make(), _Q, None)  # no error

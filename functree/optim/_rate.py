@@ -41,7 +41,9 @@ they surely multiply to a plus, the update climbs, :data:`ASCENDING_UPDATE`
 (``chain(adam(lr), scale(-1))``, ``chain(scale_by_adam(), scale(lr))``,
 ``optax.contrib.galore(1.0, base_optimizer=adam(lr))``: -lr, then -1.0). A factor built from
 hyperparameters (traced: ``inject_hyperparams``, ft.optim's optimizers) gets its sign from the
-build's jaxpr, ft.optim's checked ones (its learning rate) >= 0, optax's the sign of the
+build's jaxpr, ft.optim's checked ones (its learning rate) >= 0, a function of its learning
+context read as a schedule below (:func:`_spec_sign`: ``ft.optim.sgd(lambda ctx: -0.1)``,
+``ft.optim.sgd(ft.optim.schedule(optax.constant_schedule(-0.1)))`` refused), optax's the sign of the
 number it was given, which its state starts from (:func:`_injected`: the first step's value;
 ``inject_hyperparams(adam)(learning_rate=-lr)`` and ``chain(ft.optim.adam(lr), scale(-1))``
 are refused; a value set in the state later is not read). A schedule in optax's transforms
@@ -66,11 +68,13 @@ tree the walk does not see).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import math
 import operator
+import weakref
 from typing import Any
 
 import jax
@@ -82,6 +86,7 @@ from jax.core import Tracer
 from functree._tree import WeakIdentity, bounded_put, cached, dotted_name, is_none
 from functree.optim._average import is_slot
 from functree.optim._checks import ConfigurationError
+from functree.optim._context import LearningContext
 from functree.optim._hyper import RULES
 from functree.optim._masked import is_partial
 from functree.optim._per_member import _has_stack
@@ -126,6 +131,8 @@ on purpose, pass maximize=True to an ft.optim optimizer, or minimize the negated
     right:  optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
     wrong:  optax.sgd(optax.constant_schedule(-0.1))   # -(-0.1) from step 0
     right:  optax.sgd(optax.constant_schedule(0.1))
+    wrong:  ft.optim.sgd(lambda ctx: -0.1)   # a function of the learning context: -(-0.1) from step 0
+    right:  ft.optim.sgd(lambda ctx: 0.1)
     right:  ft.optim.adam(1e-3, maximize=True)   # gradient ascent, on purpose"""
 
 ASCENDING_LATER = """\
@@ -516,7 +523,7 @@ def _schedule_name(fn: Any) -> str:
     return f"optax.{built}" if package == "optax" else str(getattr(fn, "__name__", "") or repr(fn))
 
 
-def _scheduled(fn: Any, sign: int, walk: _Walk, what: str) -> Factor | None:
+def _scheduled(fn: Any, sign: int, walk: _Walk, what: str, unit: str = "step") -> Factor | None:
     """The factor of ``sign * fn(count)``, a schedule of the step count: its sign at step 0
     (the first step's), or with ``walk.at_end`` at its end where it holds one value from a
     step on (optax's schedules hold their last value; a function still changing there, as a
@@ -533,9 +540,9 @@ def _scheduled(fn: Any, sign: int, walk: _Walk, what: str) -> Factor | None:
     if known is None or at is None:
         return None
     if walk.at_end and end != first:  # (the schedule that turns: named with the step it turns at, if refused)
-        walk.reads.append(_Turned(what, at, read, fn, known))
+        walk.reads.append(_Turned(what, at, read, fn, known, unit))
     elif not walk.at_end and at < 0:
-        walk.reads.append(f"{what} is {at:.6g} at step 0")
+        walk.reads.append(f"{what} is {at:.6g} at {unit} 0")
     return sign * known, True, frozenset()
 
 
@@ -549,10 +556,11 @@ class _Turned:
     read: Any
     fn: Any
     sign: int
+    unit: str = "step"
 
     def __str__(self) -> str:
         since = turning_step(self.read, self.fn, self.sign)
-        return f"{self.what} is {self.at:.6g} " + ("at its end" if since is None else f"from step {since} on")
+        return f"{self.what} is {self.at:.6g} " + ("at its end" if since is None else f"from {self.unit} {since} on")
 
 
 def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> Factors:
@@ -606,7 +614,8 @@ def _factory(package: str, built: str, env: dict[str, Any], walk: _Walk
     if package == "functree" and built == "inject" and "step" in env:
         made = _closure(_closure(env["step"]).get("build"))
         if {"factory", "specs", "static"} <= made.keys():
-            signed: dict[str, int | None] = {name: 1 for name, spec in made["specs"].items() if _non_negative(name, spec)}
+            where = str(made.get("where", "ft.optim"))
+            signed = {name: _spec_sign(name, spec, where, walk) for name, spec in made["specs"].items()}
             return made["factory"], list(made["specs"]), made["static"], signed
     return None
 
@@ -668,6 +677,74 @@ def _non_negative(name: str, spec: Any) -> bool:
     rule = RULES.get(name)
     scheduled = getattr(spec, "scheduled", True)
     return rule is not None and not rule[0](-1e-30) and (not scheduled or values_of(spec.rate.value) is not None)
+
+
+def _spec_sign(name: str, spec: Any, where: str, walk: _Walk) -> int | None:
+    """The sign of ft.optim hyperparameter ``name`` (its :class:`_Spec`): +1 where ft.optim
+    keeps it >= 0 (:func:`_non_negative`); a function of the learning context read as a
+    schedule (:func:`_context_schedule`: ``sgd(lambda ctx: -0.1)`` is negative at step 0);
+    else unknown (None). A rate per samples scales it by M / samples > 0: the same sign."""
+    if _non_negative(name, spec):
+        return 1
+    fn = getattr(getattr(spec, "rate", None), "value", None)
+    if not getattr(spec, "scheduled", False) or not callable(fn):
+        return None
+    inner, unit = _context_schedule(fn)
+    found = _scheduled(inner, 1, walk, f"{where}({name}={_context_name(fn)})", unit)
+    return None if found is None else found[0]
+
+
+def _context_schedule(fn: Any) -> tuple[Any, str]:
+    """A function of the learning context as a schedule of one count, and that count's unit:
+    ``ft.optim.schedule(optax_fn, unit)``'s own optax schedule (read from its numbers); any
+    other with the step, sweep and samples seen all at the count (minibatch 1: the same at
+    step 0, and each held end where it holds one), named in steps."""
+    env = _closure(fn)
+    if _is_wrapped_schedule(fn, env):
+        return env["fn"], _UNITS[env["unit"]]
+    try:
+        return _OF_COUNT[fn], "step"
+    except (KeyError, TypeError):  # (not made yet; a callable taking no weak reference: made each time)
+        pass
+    held = _held(fn)
+
+    def of_count(count: Any) -> Any:
+        counters = jnp.stack([count, count, count, jnp.ones_like(count), jnp.zeros_like(count)])
+        return held()(LearningContext(counters.astype(jnp.int32), jnp.asarray(jnp.nan)))
+
+    with contextlib.suppress(TypeError):
+        _OF_COUNT[fn] = of_count  # (the same function each walk: its values read once)
+    return of_count, "step"
+
+
+# a function of the learning context -> its schedule of the count (held weakly by both)
+_OF_COUNT: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _held(fn: Any) -> Any:
+    """A weak reference to ``fn`` where it takes one (a cached schedule must not keep it alive)."""
+    try:
+        return weakref.ref(fn)
+    except TypeError:
+        return lambda: fn
+
+
+_UNITS = {"steps": "step", "sweeps": "sweep", "samples": "sample"}
+
+
+def _is_wrapped_schedule(fn: Any, env: dict[str, Any]) -> bool:
+    """Whether ``fn`` (closing over ``env``) is ``ft.optim.schedule(optax_fn, unit)``."""
+    return (getattr(fn, "__module__", None) == "functree.optim._schedules" and str(fn.__qualname__).startswith(
+        "schedule(") and callable(env.get("fn")) and env.get("unit") in _UNITS)
+
+
+def _context_name(fn: Any) -> str:
+    """A function of the learning context for the message (``ft.optim.schedule(optax.constant_schedule)``)."""
+    env = _closure(fn)
+    if _is_wrapped_schedule(fn, env):
+        unit = "" if env["unit"] == "steps" else f", unit={env['unit']!r}"
+        return f"ft.optim.schedule({_schedule_name(env['fn'])}{unit})"
+    return _schedule_name(fn)
 
 
 def _built(factory: Any, names: list[str], fixed: dict[str, Any], signs: dict[str, int | None], view: Any,

@@ -1184,3 +1184,25 @@ def test_ft_optim_rates_of_the_learning_context_are_read_as_schedules(make, give
 ], ids=["positive", "schedule to 0", "python", "falling line", "maximize"])
 def test_ft_optim_rates_of_the_learning_context_that_descend_pass(make):
     check_rate_applied(make(), _Q, None)  # no error
+
+
+def test_a_trainer_run_that_stops_before_its_schedule_turns_trains_and_a_longer_one_is_refused_up_front():
+    """optax.sgd(linear_schedule(0.1, -0.1, 8)) is >= 0 up to step 4 and negative from 5: the
+    rate check refused it at the first step whatever the run's length, so a Trainer fit of 5
+    steps, which never reaches the turn, was refused. ft.train.Trainer.fit reads the run's
+    steps: one that stops before the turn trains (down the loss); one that reaches it is refused
+    up front with ASCENDING_LATER naming step 5 (a new Trainer sharing the compiled step too,
+    and the same one continued past it); a loop of one's own is refused as before."""
+    model, loss, batch = _body_and_head()
+    make = lambda: ft.optim.Optimizer(optax.sgd(optax.linear_schedule(0.1, -0.1, 8)))  # noqa: E731
+    trainer = ft.train.Trainer(model, make(), lambda m, b: loss(m, *b))
+    trainer.fit([batch], steps=5, progress=False)  # steps 0-4: the rate reaches 0, no lower
+    assert float(loss(trainer.model)) < float(loss(model))
+    turned = r"(?s)moves body\.weight, .* up the loss from the step its schedule turns: .* from step 5 on.*steps=N"
+    for again in (ft.train.Trainer(model, make(), lambda m, b: loss(m, *b)), trainer):
+        with pytest.raises(ValueError, match=turned):
+            again.fit([batch], steps=6, progress=False)
+    assert trainer.steps_run == 5  # (refused before any step)
+    opt = make()
+    with pytest.raises(ValueError, match=turned):
+        jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))

@@ -53,7 +53,9 @@ hold, >= 0, with no program compiled; others evaluated at the step counts, one s
 for the CPU): its sign at step 0 is the first step's
 (``optax.sgd(lambda step: -0.1)`` is refused), and where it holds a value of the other sign
 at its end (optax's schedules hold their last: ``linear_schedule(lr, -lr, n)``), a walk
-reading it there refuses what climbs from the step it turns, :data:`ASCENDING_LATER`; a
+reading it there refuses what climbs from the step it turns, :data:`ASCENDING_LATER` (where the
+run's steps are known, ``ft.train.Trainer.fit``'s, only a run that reaches that step:
+:func:`training_horizon`, :func:`check_horizon`); a
 function still changing at its end (a line falling past the steps trained) or one that
 cannot be evaluated on concrete counts is of either sign there. ``ft.optim``'s
 ``maximize=True`` (the gradient negated before the optimizer) is not opened: a deliberate ascent. Anything else counts as
@@ -69,12 +71,14 @@ tree the walk does not see).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
 import math
 import operator
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -93,7 +97,7 @@ from functree.optim._per_member import _has_stack
 from functree.optim._schedule_reads import schedule_read, turning_step
 from functree.optim._schedules import values_of
 
-__all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "ASCENDING_LATER", "ASCENDING_ON_STEPS", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied"]
+__all__ = ["NO_LEARNING_RATE", "ASCENDING_UPDATE", "ASCENDING_LATER", "ASCENDING_ON_STEPS", "SKIPPED_UNSCALED", "DIRECTIONS", "FACTORED", "WRAPPERS", "check_rate_applied", "check_horizon", "training_horizon"]
 
 NO_LEARNING_RATE = """\
 The optimizer's transform applies no learning rate to {paths} ({count} of {total} parameters): \
@@ -142,7 +146,9 @@ after it. From there the factors that the transforms reaching them scale the dir
 multiply to a positive number, and the update is added to the parameter: p + lr * direction, \
 a step up the loss at each step. optax's rates carry the minus sign themselves \
 (optax.adam(schedule) scales by -schedule(step)): a learning-rate schedule stays >= 0; one that \
-decays to nothing ends at 0.
+decays to nothing ends at 0. ft.train.Trainer.fit(data, steps=N) (or epochs of a known length) \
+refuses it only where the job's N steps reach that step; a loop of your own, whose length \
+functree cannot read, is refused up front.
 
     wrong:  optax.adam(optax.linear_schedule(1e-3, -1e-3, 100))   # -1e-3 from step 100: p + 1e-3 * direction
     right:  optax.adam(optax.linear_schedule(1e-3, 0.0, 100))
@@ -523,13 +529,15 @@ def _schedule_name(fn: Any) -> str:
     return f"optax.{built}" if package == "optax" else str(getattr(fn, "__name__", "") or repr(fn))
 
 
-def _scheduled(fn: Any, sign: int, walk: _Walk, what: str, unit: str = "step") -> Factor | None:
+def _scheduled(fn: Any, sign: int, walk: _Walk, what: str, unit: str = "step", steps: bool = True
+               ) -> Factor | None:
     """The factor of ``sign * fn(count)``, a schedule of the step count: its sign at step 0
     (the first step's), or with ``walk.at_end`` at its end where it holds one value from a
     step on (optax's schedules hold their last value; a function still changing there, as a
     line falling past its last step, has none: not read). None where it is 0 there, or cannot
     be read (:func:`~functree.optim._schedule_reads.schedule_read`: optax's constructors from
-    their numbers, other functions evaluated on concrete counts)."""
+    their numbers, other functions evaluated on concrete counts). ``steps``: its count is the
+    optimizer's steps (a run's horizon bounds it, :func:`training_horizon`)."""
     read = schedule_read(fn)
     if read is None:
         return None
@@ -540,7 +548,7 @@ def _scheduled(fn: Any, sign: int, walk: _Walk, what: str, unit: str = "step") -
     if known is None or at is None:
         return None
     if walk.at_end and end != first:  # (the schedule that turns: named with the step it turns at, if refused)
-        walk.reads.append(_Turned(what, at, read, fn, known, unit))
+        walk.reads.append(_Turned(what, at, read, fn, known, unit, steps and unit == "step"))
     elif not walk.at_end and at < 0:
         walk.reads.append(f"{what} is {at:.6g} at {unit} 0")
     return sign * known, True, frozenset()
@@ -557,6 +565,11 @@ class _Turned:
     fn: Any
     sign: int
     unit: str = "step"
+    steps: bool = True  # (counted in the optimizer's steps: a run's horizon bounds it)
+
+    def turn(self) -> int | None:
+        """The optimizer step it turns at (None: counted otherwise, or not found)."""
+        return turning_step(self.read, self.fn, self.sign) if self.steps else None
 
     def __str__(self) -> str:
         since = turning_step(self.read, self.fn, self.sign)
@@ -689,21 +702,22 @@ def _spec_sign(name: str, spec: Any, where: str, walk: _Walk) -> int | None:
     fn = getattr(getattr(spec, "rate", None), "value", None)
     if not getattr(spec, "scheduled", False) or not callable(fn):
         return None
-    inner, unit = _context_schedule(fn)
-    found = _scheduled(inner, 1, walk, f"{where}({name}={_context_name(fn)})", unit)
+    inner, unit, steps = _context_schedule(fn)
+    found = _scheduled(inner, 1, walk, f"{where}({name}={_context_name(fn)})", unit, steps)
     return None if found is None else found[0]
 
 
-def _context_schedule(fn: Any) -> tuple[Any, str]:
-    """A function of the learning context as a schedule of one count, and that count's unit:
-    ``ft.optim.schedule(optax_fn, unit)``'s own optax schedule (read from its numbers); any
-    other with the step, sweep and samples seen all at the count (minibatch 1: the same at
-    step 0, and each held end where it holds one), named in steps."""
+def _context_schedule(fn: Any) -> tuple[Any, str, bool]:
+    """A function of the learning context as a schedule of one count, that count's unit, and
+    whether it counts the optimizer's steps alone: ``ft.optim.schedule(optax_fn, unit)``'s own
+    optax schedule (read from its numbers); any other with the step, sweep and samples seen
+    all at the count (minibatch 1: the same at step 0, and each held end where it holds one),
+    named in steps, but not bounded by a run's steps (samples run ahead of them)."""
     env = _closure(fn)
     if _is_wrapped_schedule(fn, env):
-        return env["fn"], _UNITS[env["unit"]]
+        return env["fn"], _UNITS[env["unit"]], env["unit"] == "steps"
     try:
-        return _OF_COUNT[fn], "step"
+        return _OF_COUNT[fn], "step", False
     except (KeyError, TypeError):  # (not made yet; a callable taking no weak reference: made each time)
         pass
     held = _held(fn)
@@ -714,7 +728,7 @@ def _context_schedule(fn: Any) -> tuple[Any, str]:
 
     with contextlib.suppress(TypeError):
         _OF_COUNT[fn] = of_count  # (the same function each walk: its values read once)
-    return of_count, "step"
+    return of_count, "step", False
 
 
 # a function of the learning context -> its schedule of the count (held weakly by both)
@@ -803,12 +817,13 @@ def _constant_sign(value: Any) -> int | None:
     return 1 if np.all(array > 0) else -1 if np.all(array < 0) else None
 
 
-def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[tuple[int, ...], str], ...]:
+def _unrated_indices(transform: Any, grads: Any) -> tuple[Any, int | None]:
     """The indices of ``grads``' leaves (flattened with ``None`` as a leaf) whose parameter
     ``transform`` applies no rate to at any step, those it surely moves up the loss (on a
     step an ``optax.conditionally_transform`` skips too), those it applies no rate to on the
     steps one skips, and those it moves up the loss once a schedule turns, each with the
-    values read for its message (:attr:`_Walk.reads`): once per transform and gradient signature."""
+    values read for its message (:attr:`_Walk.reads`), and the step the schedules turn at
+    (:func:`_first_turn`): once per transform and gradient signature."""
     leaves, treedef = jax.tree.flatten(grads, is_leaf=is_none)
     try:
         who: Any = WeakIdentity(transform)
@@ -824,7 +839,7 @@ def _unrated_indices(transform: Any, grads: Any) -> tuple[tuple[tuple[int, ...],
     return found
 
 
-def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[tuple[int, ...], str], ...]:
+def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[Any, int | None]:
     """:func:`_unrated_indices` walked: once with every conditionally_transform transforming,
     then once per one of them skipping (each has its own condition: never all at once). A
     direction stays one whatever else skips; an ascent is refused where every combination of
@@ -833,7 +848,8 @@ def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[
     ascends (:data:`ASCENDING_ON_STEPS`: it transforms on some steps and may skip on others,
     ``chain(conditionally_transform(adam(lr), fn), scale(-1))`` climbs where fn is True). Where a
     schedule turns sign, its held end is read too (:data:`ASCENDING_LATER`). Each refusal's
-    indices come with the values read for its message."""
+    indices come with the values read for its message; last, the step the schedules turn at
+    (:func:`_first_turn`)."""
     update = getattr(transform, "update", None)
     first = _Walk(leaves, injected=_injected(getattr(transform, "init", None)))
     walk = functools.partial(_Walk, leaves, injected=first.injected)
@@ -853,7 +869,16 @@ def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[tuple[
     turned = "; ".join(dict.fromkeys(map(str, end.reads))) if later - ascending else ""  # (a step evaluated: refused only)
     return ((tuple(sorted(unrated)), ""), (tuple(sorted(ascending)), _given(first.reads)), (tuple(sorted(skipped)), ""),
             (tuple(sorted(transforming)), _TRANSFORMING), (tuple(sorted(skipping)), _SKIPPING),
-            (tuple(sorted(later - ascending)), turned))
+            (tuple(sorted(later - ascending)), turned)), _first_turn(end.reads) if later - ascending else None
+
+
+def _first_turn(reads: list[Any]) -> int | None:
+    """The first optimizer step a schedule read at its end turns at (:class:`_Turned`), for a
+    run's horizon; None where one is counted otherwise (sweeps, samples, a function of the
+    whole context) or its step is not found: refused whatever the horizon."""
+    turns = [read.turn() for read in reads if isinstance(read, _Turned)]
+    known = [turn for turn in turns if turn is not None]
+    return min(known) if known and len(known) == len(turns) else None
 
 
 def _ascending(update: Any, view: Any, walk: Any, always: Factors, count: int) -> set[int]:
@@ -877,12 +902,14 @@ def _trained(missing: Any) -> bool:
     return not bool(np.all(missing))
 
 
-def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
+def check_rate_applied(transform: Any, grads: Any, partial: Any, only_later: bool = False) -> None:
     """Raise :data:`NO_LEARNING_RATE` where ``transform`` (the user's, as given to the
     Optimizer) surely applies no learning rate to a parameter that has a gradient, and
     :data:`ASCENDING_UPDATE` where its rates surely multiply to a positive factor (``grads``:
     what the transform receives; ``partial``: :func:`checked_gradients`' marks of missing
-    gradients and frozen members, or None).
+    gradients and frozen members, or None). Under :func:`training_horizon`, a schedule that
+    turns past the run's steps is not refused; ``only_later``: only that refusal is read
+    (:func:`check_horizon`).
 
     Example:
       >>> import optax, jax.numpy as jnp
@@ -897,7 +924,7 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
     """
     if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(grads)):
         return  # trained as pairs of reals (RealPair): another tree than the one walked here
-    refused = _unrated_indices(transform, grads)
+    refused, turn = _unrated_indices(transform, grads)
     if not any(indices for indices, _ in refused):
         return
     flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
@@ -905,7 +932,44 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any) -> None:
     trained = {i for i, ((_, g), m) in enumerate(zip(flat, missing)) if g is not None and _trained(m)}
     for (unrated, detail), message in zip(refused, (NO_LEARNING_RATE, ASCENDING_UPDATE, SKIPPED_UNSCALED,
                                                     ASCENDING_ON_STEPS, ASCENDING_ON_STEPS, ASCENDING_LATER)):
+        if only_later and message is not ASCENDING_LATER:
+            continue
         same = [dotted_name(flat[i][0]) or "<root>" for i in unrated if i in trained]
         if same:
             shown = ", ".join(same[:4]) + (f" and {len(same) - 4} more" if len(same) > 4 else "")
-            raise ConfigurationError(message.format(paths=shown, count=len(same), total=len(trained), detail=detail))
+            error = ConfigurationError(message.format(paths=shown, count=len(same), total=len(trained), detail=detail))
+            if message is ASCENDING_LATER and _before_turn(turn):
+                continue
+            raise error
+
+
+_HORIZON: contextvars.ContextVar[int | None] = contextvars.ContextVar("ft_training_horizon", default=None)
+
+
+@contextlib.contextmanager
+def training_horizon(steps: int | None) -> Iterator[None]:
+    """While a run of ``steps`` optimizer steps in all (counted from 0: the last is
+    ``steps - 1``; None: unknown) traces its step, a schedule that turns at a later step is
+    not refused (:data:`ASCENDING_LATER`). A compiled step is shared by runs of other lengths
+    (``ft.train``'s programs): each run is checked up front too (:func:`check_horizon`).
+    ``ft.train.Trainer.fit`` sets both."""
+    token = _HORIZON.set(steps)
+    try:
+        yield
+    finally:
+        _HORIZON.reset(token)
+
+
+def _before_turn(turn: int | None) -> bool:
+    """Whether the running horizon (:func:`training_horizon`) ends before step ``turn``."""
+    horizon = _HORIZON.get()
+    return horizon is not None and turn is not None and turn >= horizon
+
+
+def check_horizon(transform: Any, params: Any, steps: int | None) -> None:
+    """Raise :data:`ASCENDING_LATER` before a run of ``steps`` optimizer steps in all of
+    ``transform`` on ``params`` (the trained parameters, as its gradients) where one of its
+    schedules turns within them (or at a step not known, or ``steps`` is None): the read of
+    :func:`check_rate_applied`, cached, with nothing traced."""
+    with training_horizon(steps):
+        check_rate_applied(transform, params, None, only_later=True)

@@ -26,14 +26,18 @@ import numpy as np
 
 from functree._alias import warn_aliases
 from functree._jit import has_untraceable_leaves
+from functree._parameters import floats_as_arrays
 from functree._source import call_refusal
 from functree._where import placement_of, put, several_devices
 from functree.losses import OTHER_NAMES
+from functree.nn._mode import mode_free
 from functree.optim import next_sweep
 from functree.optim._average import keeps_average
 from functree.optim._multisteps import warn_unapplied
 from functree.optim._optimizer import moved_view
+from functree.optim._rate import check_horizon, training_horizon
 from functree.optim._skip import DEFAULT_ON_NAN
+from functree.optim._subset import trained_view
 from functree.train._built import BuiltWith, Settings
 from functree.train._built import short_value as _short
 from functree.train._callbacks import (
@@ -779,6 +783,8 @@ class Trainer(Settings, Evaluation):
         self._job = self._job.replace(epoch_length=length)
         remaining = steps - self.steps_run if steps is not None else (
             (epochs - self.epoch) * length - self.batch_in_epoch if length is not None and epochs else None)
+        horizon = _optimizer_horizon(self.opt_state, remaining)
+        _check_horizon(self.optimizer, self.model, horizon)  # (its compiled step may be another run's: not traced)
         bar = Progress(remaining, enabled=progress and jax.process_index() == 0)  # one bar for all processes
         self._fit = fit = _Fit(cbs, bar, log_every, k, steps, sorted(
             {int(cb.every_steps) for cb in cbs if isinstance(cb, ModelCheckpoint) and cb.every_steps}),
@@ -786,7 +792,7 @@ class Trainer(Settings, Evaluation):
         self._reader.log.last_context = self._reader.log.last_rates = None  # (state set between fits: its own)
         guard, start = self._guard, self.steps_run
         try:
-            with guard.signals():
+            with guard.signals(), training_horizon(horizon):
                 self._reader.read_all(bar)  # an interrupted fit's steps, if any
                 self._reader.log.resize(log_every + k - 1)  # room for the call that passes log_every
                 for cb in cbs:
@@ -1153,6 +1159,32 @@ class Trainer(Settings, Evaluation):
 
     def __repr__(self) -> str:
         return f"Trainer({self.train_step!r}, steps_run={self.steps_run}, epoch={self.epoch})"
+
+
+def _optimizer_horizon(opt_state: Any, remaining: int | None) -> int | None:
+    """The optimizer steps a fit ends at, counted from 0 (the state's steps so far, read once
+    per fit, and the ``remaining`` steps: an accumulating optimizer takes fewer), for the rate
+    check's schedules that turn (:func:`~functree.optim._rate.training_horizon`); None where
+    either is unknown (then such a schedule is refused whatever the run's length)."""
+    try:
+        done = int(np.max(np.asarray(opt_state.context.step)))
+    except Exception:  # no learning context here, or not readable on this process: unknown
+        return None
+    return None if remaining is None else done + max(remaining, 0)
+
+
+def _check_horizon(optimizer: Any, model: Any, horizon: int | None) -> None:
+    """:data:`~functree.optim._rate.ASCENDING_LATER` up front where ``optimizer``'s schedule
+    turns within the fit's ``horizon``: its compiled step, shared with a shorter run of the
+    same configuration, is not traced again to read it."""
+    transform, adds = getattr(optimizer, "_raw_transform", None), getattr(optimizer, "_adds_updates", None)
+    if transform is None or adds is None or not adds():  # (not an ft.optim.Optimizer adding its updates)
+        return
+    try:
+        params = floats_as_arrays(mode_free(trained_view(model, optimizer.wrt)))
+    except Exception:  # a view the step itself refuses, naming it: checked while it traces
+        return
+    check_horizon(transform, params, horizon)
 
 
 def _check_predict_fn(fn: Callable[..., Any]) -> None:

@@ -1206,3 +1206,29 @@ def test_a_trainer_run_that_stops_before_its_schedule_turns_trains_and_a_longer_
     opt = make()
     with pytest.raises(ValueError, match=turned):
         jax.eval_shape(lambda m, s: opt.minimize(loss, m, s), model, opt.init(model))
+
+
+def test_a_negative_rate_written_into_an_inject_hyperparams_state_is_refused_at_the_next_eager_step():
+    """A notebook changes optax.inject_hyperparams' rate by writing the state's dict
+    (state.inner.hyperparams["learning_rate"] = -0.1): the check read the number the transform
+    was built with (0.1), and the loop climbed (5.0 -> 7.2 -> 10.4) with no error. A host number
+    in that dict (optax keeps arrays there: written by hand) is read with no device read, and a
+    negative one refused at the next step with ASCENDING_UPDATE, named as written; one that a
+    flipped factory makes a descent passes, and set_hyperparameters refuses it as it always did."""
+    model, loss = {"w": jnp.array([1.0, 2.0])}, lambda m: jnp.sum(m["w"] ** 2)
+    opt = ft.optim.Optimizer(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+    state = opt.init(model)
+    model, state, _ = opt.minimize(loss, model, state)  # (0.1: down)
+    state.inner.hyperparams["learning_rate"] = -0.1
+    with pytest.raises(ValueError, match=r"(?s)moves w \(1 of 1 parameters\) up the loss.*Given: optax\.inject_hyperparams"
+                                         r"\(optax\.sgd\)\(learning_rate=-0\.1, written into its state's hyperparams\)"
+                                         r".*set_hyperparameters\(state, learning_rate=1e-3\)"):
+        opt.minimize(loss, model, state)
+    with pytest.raises(ValueError, match=r"learning_rate=-0\.1 is out of range"):
+        ft.optim.set_hyperparameters(opt.init(model), learning_rate=-0.1)
+    flipped = ft.optim.Optimizer(optax.inject_hyperparams(lambda learning_rate: optax.chain(
+        optax.scale_by_adam(), optax.scale(learning_rate)))(learning_rate=-0.05))
+    state = flipped.init(model)
+    state.inner.hyperparams["learning_rate"] = -0.1
+    moved, _, _ = flipped.minimize(loss, model, state)  # no error: -0.1 after adam descends
+    assert float(loss(moved)) < float(loss(model))

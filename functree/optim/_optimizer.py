@@ -544,7 +544,7 @@ class Optimizer:
                 raise apart from None
         check_not_passed_through(grads, updates)  # optax.masked's pass-through as the last step: p + g
         if self._adds_updates():  # optax.masked around the rate, last in a chain: p + direction
-            check_rate_applied(self._raw_transform, grads, partial)
+            check_rate_applied(self._raw_transform, grads, partial, state=state.inner)  # (its written rates)
         if partial is not None:
             updates, inner = keep_unchanged(partial, updates, inner, state.inner)
         if apply_if is not None:

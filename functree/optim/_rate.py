@@ -46,7 +46,9 @@ context read as a schedule below (:func:`_spec_sign`: ``ft.optim.sgd(lambda ctx:
 ``ft.optim.sgd(ft.optim.schedule(optax.constant_schedule(-0.1)))`` refused), optax's the sign of the
 number it was given, which its state starts from (:func:`_injected`: the first step's value;
 ``inject_hyperparams(adam)(learning_rate=-lr)`` and ``chain(ft.optim.adam(lr), scale(-1))``
-are refused; a value set in the state later is not read). A schedule in optax's transforms
+are refused; a host number written into its state later, ``state.inner.hyperparams["learning_rate"]
+= -0.1``, is read where the step runs eagerly (:func:`_written`), not inside a jitted step,
+where it is traced: ``ft.optim.set_hyperparameters`` checks it). A schedule in optax's transforms
 (``scale_by_schedule``, and so ``optax.adam(schedule)``; ``inject_hyperparams``' schedules) is
 read once (:mod:`functree.optim._schedule_reads`: optax's constructors from the numbers they
 hold, >= 0, with no program compiled; others evaluated at the step counts, one small program
@@ -133,6 +135,8 @@ on purpose, pass maximize=True to an ft.optim optimizer, or minimize the negated
     right:  optax.contrib.galore(1e-3, base_optimizer=optax.scale_by_adam())
     wrong:  optax.inject_hyperparams(optax.adam)(learning_rate=-1e-3)   # its state's rate: -(-1e-3)
     right:  optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    wrong:  state.inner.hyperparams["learning_rate"] = -1e-3   # written into the state by hand
+    right:  state = ft.optim.set_hyperparameters(state, learning_rate=1e-3)   # checked: >= 0
     wrong:  optax.sgd(optax.constant_schedule(-0.1))   # -(-0.1) from step 0
     right:  optax.sgd(optax.constant_schedule(0.1))
     wrong:  ft.optim.sgd(lambda ctx: -0.1)   # a function of the learning context: -(-0.1) from step 0
@@ -641,6 +645,8 @@ def _factory_name(factory: Any) -> str:
 
 def _shown(value: Any) -> str:
     """A hyperparameter's value as code (a scalar array as its number)."""
+    if isinstance(value, _Written):
+        return f"{float(value)!r}, written into its state's hyperparams"
     try:
         return repr(np.asarray(value).item())
     except Exception:  # an array of several values: its repr
@@ -681,6 +687,39 @@ def _parts(part: Any, found: dict[int, dict[str, Any]]) -> list[Any]:
             found[id(env["sched_hps"])] = env["numeric_hps"]
         return list(env.values())
     return list(vars(part).values()) if package == "optax" and hasattr(part, "__dict__") else []
+
+
+class _Written(float):
+    """A number the user wrote into an ``optax.inject_hyperparams`` state (named so in the message)."""
+
+
+def _written(state: Any) -> tuple[tuple[str, float], ...]:
+    """The host numbers (Python's, NumPy's: never a device array, whose read would wait for
+    the step) in the hyperparameters of the one ``optax.inject_hyperparams`` state in
+    ``state``: optax keeps arrays there, so these were written by hand
+    (``state.inner.hyperparams["learning_rate"] = -0.1``), and the next step uses them. None
+    where there is no such state or several (whose is whose is not read), and while a step
+    traces (the values are traced)."""
+    nodes = [n for n in jax.tree.leaves(state, is_leaf=_is_injected_state) if _is_injected_state(n)]
+    if len(nodes) != 1 or not isinstance(getattr(nodes[0], "hyperparams", None), dict):
+        return ()
+    return tuple(sorted((str(name), float(value)) for name, value in nodes[0].hyperparams.items()
+                        if isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))))
+
+
+def _is_injected_state(x: Any) -> bool:
+    return isinstance(x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
+
+
+def _overwritten(injected: dict[int, dict[str, Any]], written: tuple[tuple[str, float], ...]
+                 ) -> dict[int, dict[str, Any]]:
+    """:func:`_injected`'s numbers with those ``written`` into the state (:func:`_written`),
+    where the transform holds one ``inject_hyperparams`` (the state's); its numbers only (a
+    scheduled one is computed again at the step)."""
+    if not written or len(injected) != 1:
+        return injected
+    ((key, numbers),) = injected.items()
+    return {key: {**numbers, **{name: _Written(value) for name, value in written if name in numbers}}}
 
 
 def _non_negative(name: str, spec: Any) -> bool:
@@ -817,29 +856,32 @@ def _constant_sign(value: Any) -> int | None:
     return 1 if np.all(array > 0) else -1 if np.all(array < 0) else None
 
 
-def _unrated_indices(transform: Any, grads: Any) -> tuple[Any, int | None]:
+def _unrated_indices(transform: Any, grads: Any, written: tuple[tuple[str, float], ...] = ()
+                     ) -> tuple[Any, int | None]:
     """The indices of ``grads``' leaves (flattened with ``None`` as a leaf) whose parameter
     ``transform`` applies no rate to at any step, those it surely moves up the loss (on a
     step an ``optax.conditionally_transform`` skips too), those it applies no rate to on the
     steps one skips, and those it moves up the loss once a schedule turns, each with the
     values read for its message (:attr:`_Walk.reads`), and the step the schedules turn at
-    (:func:`_first_turn`): once per transform and gradient signature."""
+    (:func:`_first_turn`): once per transform, gradient signature and ``written`` numbers
+    (:func:`_written`)."""
     leaves, treedef = jax.tree.flatten(grads, is_leaf=is_none)
     try:
         who: Any = WeakIdentity(transform)
     except TypeError:  # a transform taking no weak reference: walked, never cached
         who = None
     signature = tuple(None if g is None else (np.shape(g), jnp.result_type(g)) for g in leaves)
-    key, found = cached(_UNRATED, (who, treedef, signature))
+    key, found = cached(_UNRATED, (who, treedef, signature, written))
     if found is None:
         view = treedef.unflatten([None if g is None else i for i, g in enumerate(leaves)])
-        found = _unrated_walks(transform, view, leaves)
+        found = _unrated_walks(transform, view, leaves, written)
         if key is not None and who is not None:
             bounded_put(_UNRATED, key, found)
     return found
 
 
-def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[Any, int | None]:
+def _unrated_walks(transform: Any, view: Any, leaves: list[Any], written: tuple[tuple[str, float], ...] = ()
+                   ) -> tuple[Any, int | None]:
     """:func:`_unrated_indices` walked: once with every conditionally_transform transforming,
     then once per one of them skipping (each has its own condition: never all at once). A
     direction stays one whatever else skips; an ascent is refused where every combination of
@@ -851,7 +893,7 @@ def _unrated_walks(transform: Any, view: Any, leaves: list[Any]) -> tuple[Any, i
     indices come with the values read for its message; last, the step the schedules turn at
     (:func:`_first_turn`)."""
     update = getattr(transform, "update", None)
-    first = _Walk(leaves, injected=_injected(getattr(transform, "init", None)))
+    first = _Walk(leaves, injected=_overwritten(_injected(getattr(transform, "init", None)), written))
     walk = functools.partial(_Walk, leaves, injected=first.injected)
     always = _factors(update, view, first)
     count = first.met[0]
@@ -902,12 +944,13 @@ def _trained(missing: Any) -> bool:
     return not bool(np.all(missing))
 
 
-def check_rate_applied(transform: Any, grads: Any, partial: Any, only_later: bool = False) -> None:
+def check_rate_applied(transform: Any, grads: Any, partial: Any, only_later: bool = False, state: Any = None) -> None:
     """Raise :data:`NO_LEARNING_RATE` where ``transform`` (the user's, as given to the
     Optimizer) surely applies no learning rate to a parameter that has a gradient, and
     :data:`ASCENDING_UPDATE` where its rates surely multiply to a positive factor (``grads``:
     what the transform receives; ``partial``: :func:`checked_gradients`' marks of missing
-    gradients and frozen members, or None). Under :func:`training_horizon`, a schedule that
+    gradients and frozen members, or None; ``state``: the transform's state, whose
+    hyperparameters written by hand are read, :func:`_written`). Under :func:`training_horizon`, a schedule that
     turns past the run's steps is not refused; ``only_later``: only that refusal is read
     (:func:`check_horizon`).
 
@@ -924,7 +967,7 @@ def check_rate_applied(transform: Any, grads: Any, partial: Any, only_later: boo
     """
     if any(jnp.iscomplexobj(g) for g in jax.tree.leaves(grads)):
         return  # trained as pairs of reals (RealPair): another tree than the one walked here
-    refused, turn = _unrated_indices(transform, grads)
+    refused, turn = _unrated_indices(transform, grads, _written(state))
     if not any(indices for indices, _ in refused):
         return
     flat = jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]

@@ -1489,3 +1489,24 @@ def test_a_model_of_other_arrays_assigned_between_fits_is_refused_at_the_assignm
     trainer.model = jax.tree.map(lambda w: 0.5 * w, trainer.model)  # the same arrays
     trainer.fit((X, Y), steps=2, batch_size=16, progress=False)
     assert trainer.steps_run == 2
+
+
+def test_a_model_with_a_static_value_changed_between_fits_trains_on_with_the_jobs_moments():
+    """``trainer.model = trainer.model.replace(activation=jnp.tanh)`` between fits: the next
+    fit failed at its first step, as "minibatch 0 ... failed in the training step", with the
+    optimizer's state error and a hand loop's fix (the state holds the old structure). The
+    assignment now carries the state over (the same arrays under the new structure): the
+    next steps are a hand loop's that carries the moments over as that error says."""
+    model = ft.nn.MLP(3, 1, 8, 1, key=jax.random.key(0))
+    trainer = Trainer(model, adam(), regress)
+    trainer.fit((X, Y), steps=2, batch_size=64, progress=False)
+    before = jax.tree.leaves(trainer.opt_state)
+    trainer.model = trainer.model.replace(activation=jnp.tanh)
+    assert all(a is b for a, b in zip(jax.tree.leaves(trainer.opt_state), before, strict=True))
+    start, state = jax.tree.map(jnp.copy, (trainer.model, trainer.opt_state))  # (fit donates them)
+    trainer.fit((X, Y), steps=4, batch_size=64, progress=False)
+    opt = trainer.optimizer  # the hand loop: the same steps from the same moments
+    for _ in range(2):
+        start, state, _ = opt.minimize(regress, start, state, (X, Y))  # (a whole epoch: its order sums alike)
+    for got, want in zip(jax.tree.leaves(trainer.model), jax.tree.leaves(start), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(want))))

@@ -30,7 +30,7 @@ from functree.train._modes import (
 from functree.train._step import TrainStep
 from functree.train._step_factories import train_step as make_train_step
 
-__all__ = ["make_step", "check_key", "job_field", "check_same_model", "MODEL_CHANGED", "check_arguments", "MISSING", "in_training_mode",
+__all__ = ["make_step", "check_key", "job_field", "check_same_model", "carried_state", "MODEL_CHANGED", "check_arguments", "MISSING", "in_training_mode",
            "warn_frozen_state", "FrozenStateWarning", "warn_step_in_inference", "STEP_IN_INFERENCE",
            "TrainingModeWarning"]
 
@@ -587,12 +587,32 @@ def check_same_model(value: Any, current: Any) -> None:
     raise ValueError(MODEL_CHANGED.format(detail="; ".join(parts), given=type(value).__name__))
 
 
+def carried_state(optimizer: Any, opt_state: Any, current: Any, value: Any) -> Any:
+    """``opt_state`` for ``trainer.model = value``, a model with the job's arrays
+    (:func:`check_same_model`) whose structure differs: a static value changed (an
+    activation), or its class defined again (a notebook cell re-run). Its leaves (the
+    moments, the learning context) under the structure ``optimizer.init(value)`` has (traced
+    abstractly: no arrays made), as STATE_STATIC_CHANGED tells a hand loop to do: the step
+    would otherwise refuse the state at the next minibatch. Unchanged where the leaves do
+    not fit that structure one for one (the step then names what differs)."""
+    if jax.tree.structure(current) == jax.tree.structure(value):
+        return opt_state  # (the common case: new values, the same tree)
+    with warnings.catch_warnings():  # (init's warnings on these arrays were given as the job started)
+        warnings.simplefilter("ignore")
+        shaped = jax.eval_shape(optimizer.init, value)
+    leaves, wanted = jax.tree.leaves(opt_state), jax.tree.leaves(shaped)
+    if len(leaves) != len(wanted) or any(np.shape(a) != b.shape for a, b in zip(leaves, wanted)):
+        return opt_state
+    return jax.tree.unflatten(jax.tree.structure(shaped), leaves)
+
+
 def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any, Any], None] | None = None,
-              arrays: bool = False) -> Any:
+              arrays: bool = False, also: Callable[[Any, Any], dict[str, Any]] | None = None) -> Any:
     """A property reading ``name`` of the current :class:`JobState` (setting it commits a
     new record: callbacks replace ``trainer.model``, set ``trainer.stop_training``).
     ``arrays``: the step's inputs, committed where the trainer's model lives (one compiled step).
-    ``check(value, current)`` refuses a value before it is set."""
+    ``check(value, current)`` refuses a value before it is set; ``also(trainer, value)`` gives
+    the other fields that change with it (the optimizer state's structure with the model's)."""
     def get(self: Any) -> Any:
         return getattr(self._job, name)
 
@@ -602,6 +622,6 @@ def job_field(name: str, doc: str, settable: bool = False, check: Callable[[Any,
         if arrays:
             check_placed(value, name, self._where)
             value = put(value, self._where)
-        self._job = self._job.replace(**{name: value})
+        self._job = self._job.replace(**{name: value}, **({} if also is None else also(self, value)))
 
     return property(get, set_ if settable else None, doc=doc)

@@ -89,6 +89,7 @@ from functree.train._reader import Reader, reads_model, warn_no_label
 from functree.train._scan import check_steps_per_call, stack_batches
 from functree.train._setup import (
     MISSING,
+    carried_state,
     check_arguments,
     check_key,
     check_same_model,
@@ -588,7 +589,9 @@ class Trainer(Settings, Evaluation):
 
     model = job_field("model", "The model (training mode) after the last step committed. Set it to a model "
                       "with the job's arrays (key paths and shapes); another is refused (MODEL_CHANGED).",
-                      settable=True, check=check_same_model, arrays=True)
+                      settable=True, check=check_same_model, arrays=True,
+                      also=lambda trainer, model: {"opt_state": carried_state(
+                          trainer.optimizer, trainer.opt_state, trainer.model, model)})
     opt_state = job_field("opt_state", "The optimizer state (with its learning context).", settable=True,
                           arrays=True)
     key = job_field("key", "The base PRNG key (None: the loss takes none).", settable=True, arrays=True)

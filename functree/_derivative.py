@@ -22,6 +22,7 @@ from functree._module import DifferentiationWarning
 from functree._operator_habits import named_keywords
 from functree._parameters import is_parameter_leaf, parameters
 from functree._remat_policy import jax_policy, policy_names, remat_policy
+from functree._source import call_refusal
 from functree._tree import is_none
 
 __all__ = [
@@ -39,6 +40,15 @@ mode is "reverse" (the derivative returns (value, pullback)) or "forward" (it re
 (value, differential)); got {mode!r}.
     @ft.derivative(of=f)                    # reverse: (value, pullback)
     @ft.derivative(of=f, mode="forward")    # forward: (value, differential)"""
+
+RULE_ARITY = """\
+@ft.derivative(of={fn}{mode_arg}): the rule {name}{signature} cannot be called with {fn}'s \
+arguments ({args}): {error}. The rule is called as {fn} is, with its own arguments, and \
+returns {fn}'s value with the {closure} (not JAX's {jax} signature):
+
+    wrong:  def {name}{signature}: ...
+    right:  def {name}({args}):
+                return value, lambda {var}: ...    # {what}"""
 
 BAD_DERIVATIVE_RESULT = """\
 The derivative registered for {fn} must return a pair (value, {closure}); it returned {got}.
@@ -386,6 +396,7 @@ def derivative(
     fn: Callable[..., Any] = of  # type: ignore[assignment]  # not None: checked above
 
     def register(deriv: Callable[..., Any]) -> Any:
+        _check_rule_arity(fn, deriv, mode)
         _warn_undecorated_method(fn, deriv)
         target = fn if isinstance(fn, DifferentiableFunction) else DifferentiableFunction(fn)
         other = "forward" if mode == "reverse" else "reverse"
@@ -395,6 +406,34 @@ def derivative(
         return deriv if target is fn and not _rebinds(deriv, target) else target
 
     return register
+
+
+def _check_rule_arity(fn: Callable[..., Any], deriv: Callable[..., Any], mode: str) -> None:
+    """:data:`RULE_ARITY` at registration when the rule cannot take ``fn``'s required
+    arguments, by position or by name (a rule may take a keyword argument keyword-only):
+    a JAX-style rule (custom_vjp's ``bwd(res, g)``, custom_jvp's ``jvp(primals, tangents)``)
+    failed at the first gradient with Python's bare TypeError."""
+    original = fn.fn if isinstance(fn, DifferentiableFunction) else fn
+    try:
+        params = inspect.signature(original).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the call tells
+        return
+    required = [p.name for p in params if p.default is p.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    keywords = dict.fromkeys(p.name for p in params if p.default is p.empty and p.kind is inspect.Parameter.KEYWORD_ONLY)
+    refusal = call_refusal(deriv, *required, **keywords)
+    if refusal is None or call_refusal(deriv, **dict.fromkeys(required), **keywords) is None:
+        return
+    name, signature, error = refusal
+    forward = mode == "forward"
+    raise TypeError(RULE_ARITY.format(
+        fn=getattr(original, "__name__", "f"), mode_arg=', mode="forward"' if forward else "", name=name,
+        signature=signature, args=", ".join(required), error=error,
+        closure="differential" if forward else "pullback",
+        jax="custom_jvp's jvp(primals, tangents)" if forward else "custom_vjp's fwd / bwd(residuals, g)",
+        var=", ".join(f"t_{a}" for a in required) if forward else "v",
+        what="the result's tangent from the arguments' tangents" if forward
+        else "one cotangent per argument from the result's cotangent v"))
 
 
 def _warn_undecorated_method(fn: Callable[..., Any], deriv: Callable[..., Any]) -> None:

@@ -1332,3 +1332,25 @@ def test_a_rule_cell_run_again_in_the_other_mode_replaces_the_old_rule() -> None
         sq = ns["sq"]
         np.testing.assert_allclose(ft.gradient(sq, at=3.0), 10.0, rtol=0, atol=1e-6)
         np.testing.assert_allclose(ft.differential(sq, at=3.0)(1.0), 6.0, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode, rule, wrong", [
+    ("reverse", lambda: (lambda x, ct: (x, lambda v: (v,))), r"the rule <lambda>\(x, ct\) cannot be called with cube's "
+     r"arguments \(x\): missing a required argument: 'ct'.*custom_vjp's fwd / bwd.*lambda v: \.\.\."),
+    ("forward", lambda: (lambda primals, tangents: (primals, tangents)), r"mode=\"forward\"\): the rule "
+     r"<lambda>\(primals, tangents\) cannot be called.*custom_jvp's jvp\(primals, tangents\).*right:  def <lambda>\(x\):"
+     r"\s+return value, lambda t_x: \.\.\."),
+], ids=["custom_vjp style", "custom_jvp style"])
+def test_a_rule_that_cannot_take_the_functions_arguments_is_refused_at_registration(mode, rule, wrong):
+    """A JAX-style rule (custom_vjp's bwd(res, g), custom_jvp's jvp(primals, tangents))
+    registered with @ft.derivative failed at the first gradient with Python's bare
+    "missing 1 required positional argument"; it is refused where it is registered, naming
+    the rule, the function's arguments and the right shape of a rule. Rules that take them
+    (by position, by name, with defaults, keyword-only) register as before."""
+    def cube(x):
+        return x ** 3
+    with pytest.raises(TypeError, match=rf"(?s)@ft\.derivative\(of=cube{'' if mode == 'reverse' else ', '}.*{wrong}"):
+        ft.derivative(of=cube, mode=mode)(rule())
+    ok = ft.derivative(of=cube, mode=mode)(lambda x, extra=None: (x ** 3, lambda v: 3 * x ** 2 * v))
+    np.testing.assert_allclose(ft.gradient(ok, at=2.0) if mode == "reverse" else ft.derivative(ok, at=2.0), 12.0,
+                               rtol=0, atol=1e-5)

@@ -420,6 +420,32 @@ def test_lbfgs_through_minimize_and_update_equals_optax_loop():
     assert float(_rosenbrock(expected)) < float(_rosenbrock(start)) / 10
 
 
+class _DroppedRosenbrock(ft.Module):
+    """Rosenbrock's parameters behind a Dropout(0.0): a layer with a training flag."""
+    x: jax.Array
+    drop: ft.nn.Dropout
+
+    def __call__(self):
+        return _rosenbrock({"x": self.drop(self.x)})
+
+
+def test_lbfgs_line_search_runs_on_a_model_in_training_mode():
+    """A model with a Dropout in training mode (as the Trainer trains it) under L-BFGS:
+    its line search wrote the optimizer's mode-free parameters (training off) into the
+    training-mode model, refused by ft.with_parameters as another tree. Now the trial
+    points take the model's mode: the same steps as the model in inference mode."""
+    start = _DroppedRosenbrock(jnp.array([-1.2, 1.0, -0.5, 0.8]), ft.nn.Dropout(0.0))
+    opt = fo.Optimizer(optax.lbfgs())
+    step = jax.jit(lambda m, s: opt.minimize(lambda q: q(), m, s))
+    trained, frozen = ft.nn.training(start), start
+    state_t = state_f = opt.init(start)
+    for _ in range(3):
+        trained, state_t, _ = step(trained, state_t)
+        frozen, state_f, _ = step(frozen, state_f)
+    assert trained.drop.training
+    np.testing.assert_allclose(trained.x, frozen.x, rtol=0, atol=1e-6)  # |x| ≤ 1.2
+
+
 def test_a_complex_parameter_without_a_gradient_keeps_its_moments():
     opt = fo.Optimizer(fo.adam(0.1))
     z = {"z": jnp.array([3.0 + 6.0j], jnp.complex64), "w": jnp.ones(2)}

@@ -15,6 +15,7 @@ import optax
 
 from functree._parameters import with_parameters
 from functree._tree import dotted_name
+from functree.nn._mode import in_mode
 from functree.optim._checks import descent_direction
 from functree.optim._hyper import HyperState
 
@@ -110,10 +111,12 @@ def loss_value_fn(opt: Optimizer, loss_fn: Callable[..., Any], batch: tuple, has
     return value_fn
 
 
-def extra_arguments(extra: dict[str, Any], grads: Any, model: Any) -> dict[str, Any]:
+def extra_arguments(extra: dict[str, Any], grads: Any, model: Any, view: Any = None) -> dict[str, Any]:
     """Optax's extra arguments for the transform, from :meth:`Optimizer.update`'s keywords:
     ``value_fn`` (a function of the model) as a function of the parameter view the
-    transform sees (``None`` leaves keep the model's), ``grad`` defaulting to ``grads``
+    transform sees (``None`` leaves keep the model's; mode-free, so put back in the mode of
+    ``view``, the model's parameter view's tree definition: a Trainer's model in training
+    mode is another tree than its optimizer's parameters), ``grad`` defaulting to ``grads``
     (conjugated already) when ``value`` or ``value_fn`` is given, and ``grad_fn(params, i)``
     (``optax.contrib.sam``'s in opaque mode) defaulting to the gradient of that
     ``value_fn``, conjugated as ``grads`` are (the batch's loss: ``i``, optax's index of
@@ -124,7 +127,7 @@ def extra_arguments(extra: dict[str, Any], grads: Any, model: Any) -> dict[str, 
         # optax's line search passes value_fn the Optimizer's other extra arguments (and
         # refuses any it does not take): context=, loss=, grad_fn= (below) are not read
         def on_view(params: Any, context: Any = None, loss: Any = None, grad_fn: Any = None) -> Any:
-            return value_fn(with_parameters(model, params))
+            return value_fn(with_parameters(model, in_mode(params, (view,))))
 
         extra["value_fn"] = on_view
         if "grad_fn" not in extra:  # optax.contrib.sam(opaque_mode=True): gradients at its adversarial points

@@ -522,7 +522,7 @@ class Optimizer:
         grads = descent_direction(grads)  # complex leaves: JAX's gradient convention -> optax's
         ctx = current(state.context, minibatch_size, loss)
         if extra:
-            extra = extra_arguments(extra, grads, model)
+            extra = extra_arguments(extra, grads, model, given[1])
         if loss is not None:  # the step's loss, only when given: context.loss may be stale or NaN
             extra = {**extra, "loss": loss}
         # A per_samples rate reads M: without minibatch_size it would be the context's 1, silently

@@ -303,6 +303,25 @@ ids = np.random.default_rng(0).integers(2, 64, (2, 5)).astype(np.int32)
 report({"greedy": error_of(lambda: ft.nn.generate(model, ids, 3, temperature=0.0)),
         "beams": error_of(lambda: ft.nn.generate(model, ids, 3, num_beams=2))})
 """,
+    "a_head_for_a_body_on_device_two_is_drawn_there": """
+llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0}
+bert = {"model_type": "bert", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+        "num_hidden_layers": 1, "num_attention_heads": 4}
+ids = np.ones((2, 5), np.int32)
+got = {}
+for config, head in [(llama, "ForSequenceClassification"), (bert, "ForSequenceClassification"), (bert, "ForMaskedLM")]:
+    body = jax.device_put(ft.nn.from_hf(config, key=jax.random.key(0)), D[2])
+    if config is bert:  # a BertModel without its pooler: with_head draws one for the classifier
+        body = body.replace(pooler=None)
+    task = ft.hf.with_head(body, head, key=jax.random.key(1))
+    path = tempfile.mkdtemp() + "/task"
+    ft.train.save(path, task)
+    back = ft.train.load(path, task)  # each array where the template's is
+    got[config["model_type"] + head] = {"on": on(task), "restored": on(back),
+                                        "jit": error_of(lambda: ft.jit(lambda m, x: m(x))(back, ids))}
+report(got)
+""",
 }
 
 NEEDS_DIRECTORY = {"checkpoints_of_device_3_and_a_mesh_of_4_land_on_the_template", "a_job_of_a_mesh_of_8_resumes_on_two_devices_and_on_one"}
@@ -505,3 +524,15 @@ def test_generate_names_a_model_on_two_devices(eight):
         assert message.startswith("ft.nn.generate: model's own arrays are committed to different devices"), (name, message)
         assert "model.model.embed_tokens.embeddings is on ['cpu:2'], model.lm_head.weight on ['cpu:1']" in message, message
         assert "right:  model = jax.device_put(model, jax.devices()[2])" in message, message
+
+
+@pytest.mark.slow
+def test_a_head_for_a_body_on_device_two_is_drawn_there(eight):
+    """``ft.hf.with_head`` of a body on device 2 (a Llama's score, BERT's classifier with the
+    pooler it draws, BERT's masked-LM head): the new head was made on the default device, so
+    a checkpoint restored onto the task model put it on device 0 beside a body on device 2,
+    and ``ft.jit`` refused the model as split over two devices. Now the head is drawn where
+    the body lives."""
+    got = part(eight[0], "a_head_for_a_body_on_device_two_is_drawn_there")
+    for name, run in got.items():
+        assert run == {"on": [2], "restored": [2], "jit": "no error"}, (name, run)

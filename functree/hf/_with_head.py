@@ -27,6 +27,7 @@ from functree._activations import tanh
 from functree._files import local_if_path
 from functree._module import from_fields
 from functree._random import one_key
+from functree._where import placed_like
 from functree.hf._bert import BertModel
 from functree.hf._causal import CausalLM
 from functree.hf._config import HFConfig
@@ -158,7 +159,9 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
     tensors: every weight ``normal(0, initializer_range)`` (OPT: ``init_std``), biases zero,
     a LayerNorm the identity; BERT's pooler is the body's where it has one, else drawn the
     same way (``BertForSequenceClassification`` from a ``BertModel`` saved without one), and
-    dropped for the heads that have none (HF's ``add_pooling_layer=False``).
+    dropped for the heads that have none (HF's ``add_pooling_layer=False``). New arrays are
+    put where the body lives (a body on device 2 gets its head there, not on the default
+    device, where a checkpoint restored onto the task model would split it in two).
 
     ``hf_config`` is ``model``'s with ``architectures`` the task class (as ``save_pretrained``
     writes it) and the labels as HF's config derives them: ``num_labels=n`` gives ``id2label
@@ -210,7 +213,7 @@ def with_head(model: Any, head: str, *, key: jax.Array | None = None, num_labels
     built = task.build(body, width, config, _tokens(body).embeddings.dtype, k_build)
     own = {n: getattr(built, n) for n in type(built).__ft_fields__
            if n != "body" and n not in type(built).__ft_static__}
-    fresh = _hf_initialized(task, own, config, k_init)
+    fresh = placed_like(_hf_initialized(task, own, config, k_init), body)  # where the body lives (device 2, a mesh)
     out = built.replace(**fresh, hf_config=HFConfig(values))
     out = with_head_dropout(out, config, dropout_attention(_blocks(body).layers) is not None)
     return out if directory is None else _file_head(out, directory, head, labels)
@@ -363,4 +366,4 @@ def _fitted(task: type[TaskModel], body: Any, config: Any, key: jax.Array) -> An
         return body
     width = int(_tokens(body).embeddings.shape[1])
     pooler = Dense(width, width, tanh, key=key, dtype=_tokens(body).embeddings.dtype)
-    return body.replace(pooler=_hf_initialized(task, {"pooler": pooler}, config, key)["pooler"])
+    return body.replace(pooler=placed_like(_hf_initialized(task, {"pooler": pooler}, config, key)["pooler"], body))

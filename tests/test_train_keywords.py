@@ -272,6 +272,17 @@ def test_another_loops_attribute_names_ours_and_its_right_line_reads_it(name):
     assert value == expected if expected is not None else value is not None
 
 
+@pytest.mark.parametrize("name", ["learning_rate", "lr"])
+def test_reading_the_learning_rate_on_the_trainer_names_the_optimizer_state(name):
+    """`trainer.learning_rate` (Keras's optimizer.learning_rate, torch's lr) raised a bare
+    "no attribute 'learning_rate'"; it names the optimizer state's hyperparameter, whose right
+    line reads the rate the job trains with."""
+    trainer = make()
+    with pytest.raises(AttributeError, match=rf"has no attribute '{name}': the learning rate is a hyperparameter") as info:
+        getattr(trainer, name)
+    rate = eval(right_line(str(info.value)), {"trainer": trainer, "ft": ft})
+    np.testing.assert_allclose(rate, ft.optim.hyperparameters(trainer.opt_state)["learning_rate"], rtol=0, atol=0)
+
 def test_an_attribute_typo_names_the_closest_public_attribute():
     trainer = make()
     with pytest.raises(AttributeError, match=r"no attribute 'histroy'; did you mean trainer\.history\?"):

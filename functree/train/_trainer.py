@@ -248,6 +248,17 @@ OTHER_ATTRIBUTE = """\
     wrong:  trainer.{name}
     right:  trainer.{ours}"""
 
+# Keras's model.optimizer.learning_rate, torch's param_groups[0]["lr"]: read on the trainer,
+# the bare "no attribute" named no place (the names are BuiltWith guards against assignment).
+RATE_READ = """\
+'Trainer' object has no attribute {name!r}: the learning rate is a hyperparameter in the \
+optimizer state (ft.optim's optimizers, optax.inject_hyperparams), read and set there (a \
+scheduled rate reads the latest step's).
+
+    wrong:  trainer.{name}
+    right:  ft.optim.hyperparameters(trainer.opt_state)["learning_rate"]
+       or:  trainer.opt_state = ft.optim.set_hyperparameters(trainer.opt_state, learning_rate=1e-4)"""
+
 
 # What the Trainer's step was built with: assigned after the constructor, each was ignored
 # (`trainer.optimizer = sgd(0.0)`: the next fit trained on with the old optimizer, and its
@@ -317,6 +328,8 @@ def no_attribute(name: str, obj: Any) -> AttributeError:
     if name in OTHER_ATTRIBUTES:
         what, ours = OTHER_ATTRIBUTES[name]
         return AttributeError(OTHER_ATTRIBUTE.format(name=name, what=what, ours=ours))
+    if name in ("learning_rate", "lr"):
+        return AttributeError(RATE_READ.format(name=name))
     held = [n for n in dir(owner) if not n.startswith("_") and (
         not isinstance(getattr(owner, n, None), BuiltWith) or "_" + n in obj.__dict__)]
     close = [] if name.startswith("_") else difflib.get_close_matches(name, held, n=1)

@@ -1232,3 +1232,20 @@ def test_a_negative_rate_written_into_an_inject_hyperparams_state_is_refused_at_
     state.inner.hyperparams["learning_rate"] = -0.1
     moved, _, _ = flipped.minimize(loss, model, state)  # no error: -0.1 after adam descends
     assert float(loss(moved)) < float(loss(model))
+
+
+@pytest.mark.parametrize("rate", [lambda ctx: -0.1, fo.schedule(optax.constant_schedule(-0.1))],
+                         ids=["lambda ctx", "schedule(constant)"])
+def test_a_negative_ft_optim_rate_function_is_refused_by_the_gated_step_and_the_trainer(rate):
+    """ft.optim's own transforms take the gated step's per-parameter path (train_step's default
+    on_nan="stop", every Trainer), which did not read the rate: sgd(lambda ctx: -0.1) was
+    refused by opt.minimize but trained up the loss in train_step and Trainer.fit. Refused
+    while the step traces, as the plain update refuses it."""
+    model, loss, batch = _body_and_head()
+    opt = ft.optim.Optimizer(fo.sgd(rate))
+    step = ft.train.train_step(lambda m, b: loss(m, *b), opt)
+    with pytest.raises(ValueError, match=r"moves body\.weight, body\.bias, head\.weight, head\.bias \(4 of 4"):
+        step(model, opt.init(model), batch)
+    with pytest.raises(ValueError, match=r"moves body\.weight, body\.bias, head\.weight, head\.bias \(4 of 4"):
+        ft.train.Trainer(model, fo.sgd(rate), lambda m, b: loss(m, *b)).fit(batch, epochs=1, batch_size=4,
+                                                                            progress=False)

@@ -856,6 +856,7 @@ class Optimizer:
         grads, partial = checked_gradients(g.grads, params)  # the boundary's checks and errors
         if partial is not None:
             return None
+        check_rate_applied(self._raw_transform, grads, None, state=state.inner)  # as update's (ft.optim's rate functions)
         # The state is kept mode-free (mode_free): so are the trees the transform sees.
         free = mode_free(descent_direction(grads))
         free_params = floats_as_arrays(mode_free(params))

@@ -1030,11 +1030,11 @@ def test_a_schedule_that_turns_and_holds_the_wrong_sign_is_refused_from_that_ste
     5.3 -> 6.5 in 8 steps), with no error. A schedule whose held end has another sign than its
     step 0 is read there too: refused with ASCENDING_LATER, naming the step it turns at."""
     for tx, given in ((optax.adam(optax.linear_schedule(0.05, -0.05, 4)),
-                       r"the learning rate optax\.polynomial_schedule is -0\.05 from step 3 on"),
+                       r"the learning rate optax\.polynomial_schedule is negative from step 3 on, -0\.05 at its end"),
                       (optax.inject_hyperparams(optax.adam)(learning_rate=optax.linear_schedule(0.05, -0.05, 4)),
-                       r"optax\.inject_hyperparams\(optax\.adam\)\(learning_rate=schedule\) is -0\.05 from step 3"),
+                       r"optax\.inject_hyperparams\(optax\.adam\)\(learning_rate=schedule\) is negative from step 3 on, -0\.05 at its end"),
                       (optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(  # a ramp up to a plus
-                          optax.linear_schedule(-0.05, 0.05, 4))), r"optax\.scale_by_schedule\(optax\.polynomial_schedule\) is 0\.05")):
+                          optax.linear_schedule(-0.05, 0.05, 4))), r"optax\.scale_by_schedule\(optax\.polynomial_schedule\) is positive from step 3 on, 0\.05 at its end")):
         with pytest.raises(ValueError, match=rf"(?s)moves v, w \(2 of 2 parameters\) up the loss from the step its "
                                              rf"schedule turns: {given}.*right:  optax.adam\(optax.linear_schedule\(1e-3, 0.0, 100\)\)"):
             check_rate_applied(tx, _Q, None)
@@ -1140,7 +1140,7 @@ def test_a_schedule_read_from_its_numbers_that_turns_names_the_step_it_turns_at(
     the message (only then)."""
     tx = optax.chain(optax.scale_by_adam(), optax.scale_by_schedule(optax.linear_schedule(0.0, 0.05, 4)))
     with pytest.raises(ValueError, match=r"schedule turns: optax\.scale_by_schedule\(optax\.polynomial_schedule\) "
-                                         r"is 0\.05 from step 1 on"):
+                                         r"is positive from step 1 on, 0\.05 at its end"):
         check_rate_applied(tx, _Q, None)
 
 
@@ -1164,7 +1164,7 @@ def test_an_ft_optim_rate_that_is_a_negative_function_of_the_learning_context_is
      r"Given: ft\.optim\.sgd\(learning_rate=ft\.optim\.schedule\(optax\.constant_schedule\)\) is -0\.1 at step 0"),
     (lambda: fo.adam(fo.schedule(optax.linear_schedule(0.05, -0.05, 4), unit="sweeps")),
      r"turns: ft\.optim\.adam\(learning_rate=ft\.optim\.schedule\(optax\.polynomial_schedule, unit='sweeps'\)\) "
-     r"is -0\.05 from sweep 3 on"),
+     r"is negative from sweep 3 on, -0\.05 at its end"),
     (lambda: fo.sgd(lambda ctx: jnp.where(ctx.step < 10, 0.1, -0.1)), r"turns: .*from step 10 on"),
 ], ids=["lambda ctx", "schedule(constant)", "schedule turning, sweeps", "lambda turning"])
 def test_ft_optim_rates_of_the_learning_context_are_read_as_schedules(make, given):

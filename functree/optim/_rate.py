@@ -577,7 +577,10 @@ class _Turned:
 
     def __str__(self) -> str:
         since = turning_step(self.read, self.fn, self.sign)
-        return f"{self.what} is {self.at:.6g} " + ("at its end" if since is None else f"from {self.unit} {since} on")
+        if since is None:
+            return f"{self.what} is {self.at:.6g} at its end"
+        # (the sign holds from `since` on; the value there may be another: a line still falling)
+        return f"{self.what} is {'negative' if self.at < 0 else 'positive'} from {self.unit} {since} on, {self.at:.6g} at its end"
 
 
 def _flattened(update: Any, view: Any, walk: _Walk, depth: int) -> Factors:

@@ -705,7 +705,7 @@ def test_register_in_a_cell_run_again_replaces_its_definition_and_refuses_anothe
     restored = ft.train.load(tmp_path / "m")
     assert restored.activation is ns["act"]
     model, x = ns["model"], ns["x"]
-    np.testing.assert_allclose(restored(x), (x @ model.weight + model.bias) * 100.0, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(restored(x), (x @ model.weight + jax.lax.broadcast_to_rank(model.bias, x.ndim)) * 100.0, rtol=0, atol=1e-4)
     ns = notebook("def act(x):\n    return x * 0.5\n")  # re-run without its register line
     assert ft.train.load(tmp_path / "m").activation is ns["act"]
     ft.train.save(tmp_path / "m2", ft.nn.Dense(2, 2, activation=ns["act"], key=jax.random.key(0)))

@@ -303,7 +303,7 @@ class Counting(ft.Module):
         return jnp.zeros((batch_size, max_length), jnp.float32)
     def __call__(self, input_ids, *, attention_mask=None, positions=None, cache=None):
         following = (input_ids + SHIFT) % self.table.shape[0]
-        return jax.nn.one_hot(following, self.table.shape[0]) * 10.0 + self.table[0], cache
+        return jax.nn.one_hot(following, self.table.shape[0]) * 10.0 + jax.lax.broadcast_to_rank(self.table[0], following.ndim + 1), cache
 model = Counting(jnp.zeros((7, 7)))
 """
 

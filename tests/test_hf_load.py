@@ -1263,7 +1263,7 @@ def test_the_pad_tokens_embedding_row_gets_the_gradient_hf_gives_it(family):
     readout = np.random.default_rng(1).normal(size=(D if family == "bert" else VOCAB,)).astype(np.float32)
 
     def loss(out):  # every output position
-        return (out * readout).sum()
+        return (out * jax.lax.broadcast_to_rank(readout, out.ndim)).sum()
 
     # one compiled program: op by op (each operation compiled apart) it was most of the test's time
     grads = ft.hf.to_hf_state_dict(jax.jit(ft.gradient(lambda m: loss(m(ids))))(model), numpy=True)

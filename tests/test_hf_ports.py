@@ -103,7 +103,8 @@ class GPT(ft.Module):
         self.head = ft.nn.Dense(d, vocab, use_bias=False, key=k4)
 
     def __call__(self, tokens):
-        x = self.embed(tokens) + self.position(jnp.arange(tokens.shape[-1]))
+        x = self.embed(tokens)
+        x = x + jax.lax.broadcast_to_rank(self.position(jnp.arange(tokens.shape[-1])), x.ndim)
         return self.head(self.norm(self.blocks(x)))
 
 
@@ -191,7 +192,8 @@ class Bert(ft.Module):
         self.bias = jnp.zeros(vocab)
 
     def __call__(self, tokens, padding):
-        x = self.embed(tokens) + self.position(jnp.arange(tokens.shape[-1])) + self.token_type(jnp.zeros_like(tokens))
+        position = self.position(jnp.arange(tokens.shape[-1]))
+        x = self.embed(tokens) + jax.lax.broadcast_to_rank(position, tokens.ndim + 1) + self.token_type(jnp.zeros_like(tokens))
         x, mask = self.embed_norm(x), padding[:, None, None, :]  # mask [batch, heads, queries, keys]
         for layer in [self.layers] if isinstance(self.layers, ft.nn.Stack) else self.layers:
             x = layer(x, mask)  # a Stack passes the mask to each member

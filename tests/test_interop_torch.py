@@ -134,7 +134,7 @@ class Encoder(ft.Module):
     position: jax.Array
 
     def __call__(self, tokens, mask):
-        h = self.norm(self.embed(tokens) + self.position)
+        h = self.norm(self.embed(tokens) + jax.lax.broadcast_to_rank(self.position, tokens.ndim + 1))
         return self.out(self.attention(h, mask=mask[:, None, None, :]))
 
 
@@ -933,7 +933,7 @@ class LM(ft.Module):
     head: ft.nn.Dense
 
     def __call__(self, tokens):
-        return self.head(self.ln_f(self.h(self.embed(tokens) + self.pos)))
+        return self.head(self.ln_f(self.h(self.embed(tokens) + jax.lax.broadcast_to_rank(self.pos, tokens.ndim + 1))))
 
 
 def make_lm(blocks="stack", n=3):
@@ -1425,7 +1425,8 @@ class ScaledDense(ft.nn.Dense):
         self.scale = jnp.full((n_out,), 2.0)
 
     def __call__(self, x):
-        return super().__call__(x) * self.scale
+        y = super().__call__(x)
+        return y * jax.lax.broadcast_to_rank(self.scale, y.ndim)
 
 
 class GainNorm(ft.nn.LayerNorm):
@@ -1436,7 +1437,8 @@ class GainNorm(ft.nn.LayerNorm):
         self.gain = jnp.ones((size,))
 
     def __call__(self, x):
-        return super().__call__(x) * self.gain
+        y = super().__call__(x)
+        return y * jax.lax.broadcast_to_rank(self.gain, y.ndim)
 
 
 class ShiftedEmbedding(ft.nn.Embedding):
@@ -1447,7 +1449,8 @@ class ShiftedEmbedding(ft.nn.Embedding):
         self.shift = jnp.zeros((d,))
 
     def __call__(self, ids):
-        return super().__call__(ids) + self.shift
+        y = super().__call__(ids)
+        return y + jax.lax.broadcast_to_rank(self.shift, y.ndim)
 
 
 class ShiftedNet(ft.Module):

@@ -184,7 +184,7 @@ def test_a_transposes_named_padding_is_lax_conv_transposes(padding):
     for k, s, d in [((1, 4), (3, 1), (1, 2)), ((3, 2), (2, 2), (2, 1)), ((2, 5), (1, 3), (1, 1))]:
         layer = ft.nn.Conv2DTranspose(2, 3, k, strides=s, dilation=d, padding=padding, key=jax.random.key(0))
         expected = jax.lax.conv_transpose(x, jnp.flip(layer.weight, (0, 1)), s, padding, rhs_dilation=d,
-                                          dimension_numbers=("NHWC", "HWIO", "NHWC")) + layer.bias
+                                          dimension_numbers=("NHWC", "HWIO", "NHWC")) + layer.bias[None, None, None, :]
         np.testing.assert_allclose(layer(x), expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
 
 

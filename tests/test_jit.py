@@ -22,7 +22,7 @@ class Dense(ft.Module):
     steps: jax.Array = ft.field(no_derivative=True, default_factory=lambda: jnp.zeros((), jnp.int32))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.activation(x @ self.weight + self.bias)
+        return self.activation(x @ self.weight + jax.lax.broadcast_to_rank(self.bias, x.ndim))
 
 
 def make_dense(seed: int = 0) -> Dense:

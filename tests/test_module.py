@@ -31,7 +31,7 @@ class Dense(ft.Module):
     activation: Callable[[jax.Array], jax.Array] = ft.field(static=True, default=jax.nn.relu)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.activation(x @ self.weight + self.bias)
+        return self.activation(x @ self.weight + jax.lax.broadcast_to_rank(self.bias, x.ndim))
 
 
 def make_dense() -> Dense:

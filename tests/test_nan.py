@@ -453,7 +453,7 @@ def test_a_parameter_made_infinite_by_an_update_is_named_by_key_path_and_step():
 def test_skipped_steps_keep_the_first_provenance():
     def loss(model, batch, *, key):
         noise = 0.0 * jax.random.normal(key, batch.shape)
-        return jnp.mean(jnp.sqrt(model["w"] * batch + noise))  # <- skip sqrt
+        return jnp.mean(jnp.sqrt(model["w"][None, :] * batch + noise))  # <- skip sqrt
 
     x = np.ones((12, 1), np.float32)
     x[[4, 9]] = 0.0
@@ -483,7 +483,7 @@ def test_provenance_for_step_runs_layer_state_and_keys():
     model = ft.nn.training(model)
 
     def loss(m, b, *, key):
-        return jnp.mean(jnp.log(m(b) + jax.random.uniform(key, (2,)) * 0.0)), {"n": b.shape[0]}
+        return jnp.mean(jnp.log(m(b) + jax.random.uniform(key, (2,))[None, :] * 0.0)), {"n": b.shape[0]}
 
     report = provenance_for_step(loss, model, jnp.ones((4, 2)), jax.random.key(1))
     assert report is not None and (report.primitive, report.phase) == ("log", "forward")

@@ -63,7 +63,7 @@ def test_an_ensemble_called_outside_vmap_is_refused_naming_the_fix(key):
                                                     r"Dense's weight has 2 axes: the leading axes are a batch"):
         models(x)
     right = jax.vmap(lambda m: m(x))(models)       # the error's fix
-    np.testing.assert_allclose(right[1], x @ models.layers[0].weight[1] + models.layers[0].bias[1], rtol=1e-6)
+    np.testing.assert_allclose(right[1], x @ models.layers[0].weight[1] + models.layers[0].bias[1][None, :], rtol=1e-6)
 
 
 def test_wrong_dtype_is_an_error_at_trace_time(key):

@@ -279,7 +279,8 @@ class WithScale(ft.nn.Dense):
         self.scale = jnp.full((n_out,), 2.0)
 
     def __call__(self, x):
-        return super().__call__(x) * self.scale
+        y = super().__call__(x)
+        return y * jax.lax.broadcast_to_rank(self.scale, y.ndim)
 
 
 def test_a_dense_subclass_is_refused_naming_it_and_the_plain_layers_selected():
@@ -410,7 +411,7 @@ def test_each_stack_member_computes_with_its_own_scale_and_merges_with_it():
     assert node.scale.shape == (2,) and stacked_adapters(None).layers.member_scale is None
     expected = x
     for i, s in enumerate((0.5, 3.0)):
-        expected = expected @ node.weight[i] + node.bias[i] + s * (expected @ node.lora_a[i]) @ node.lora_b[i]
+        expected = expected @ node.weight[i] + node.bias[i][None, :] + s * (expected @ node.lora_a[i]) @ node.lora_b[i]
     np.testing.assert_allclose(adapted(x), expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
     merged = ft.nn.merge_lora(adapted)
     np.testing.assert_allclose(merged(x), expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
@@ -464,7 +465,7 @@ def by_hand(layer, x, key):
     """The LoRA layer's output with its input mask drawn from ``key`` (the layer's formula)."""
     keep = jax.random.bernoulli(key, 0.5, x.shape)
     h = jnp.where(keep, x / 0.5, 0.0)
-    return x @ layer.weight + layer.bias + ((h @ layer.lora_a) * layer.scale) @ layer.lora_b
+    return x @ layer.weight + jax.lax.broadcast_to_rank(layer.bias, x.ndim) + ((h @ layer.lora_a) * layer.scale) @ layer.lora_b
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -519,7 +520,7 @@ def test_a_bfloat16_lora_dense_adds_its_bias_as_dense_does():
     dense = ft.nn.Dense(16, 8, key=jax.random.key(0), dtype=jnp.bfloat16)
     adapted = ft.nn.lora({"d": dense}, "d", rank=2, key=jax.random.key(2))["d"]
     w = np.cos(np.arange(8.0))
-    grad = jax.grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32) * w))(adapted, x).bias
+    grad = jax.grad(lambda m, x: jnp.sum(m(x).astype(jnp.float32) * w[None, None, :]))(adapted, x).bias
     expected = 16 * 256 * w
     np.testing.assert_allclose(np.asarray(grad, np.float64), expected, rtol=0, atol=0.017 * np.max(np.abs(expected)))
     assert np.array_equal(np.asarray(adapted(x), np.float32), np.asarray(dense(x), np.float32))

@@ -377,7 +377,7 @@ def test_bfloat16_bias_gradients_sum_the_batch_in_float32_as_torch_does(cell_cls
     xs = _normal((*batch, steps, n_in), 1, jnp.bfloat16)
     w = np.cos(np.arange(steps * n_hidden, dtype=np.float32)).reshape(steps, n_hidden)
     # jitted: one program (eagerly ~30; the scan, whose transpose sums the batch, is compiled either way)
-    grads = jax.jit(jax.grad(lambda m, xs: jnp.sum(m(xs).astype(jnp.float32) * w)))(ft.nn.RNN(cell), xs).cell
+    grads = jax.jit(jax.grad(lambda m, xs: jnp.sum(m(xs).astype(jnp.float32) * w[None, None])))(ft.nn.RNN(cell), xs).cell
 
     def t(a):
         return torch.tensor(np.asarray(a, np.float32))
@@ -450,7 +450,7 @@ def test_bfloat16_weight_gradients_sum_the_steps_in_float32(cell_cls):
     # compiled with LLVM's optimisations on (the suite's level 0 left 1024 steps of scalar-ish
     # loops: 2.3-3.1 CPU-s to run, 0.5-0.7 at level 2, for 1.2 CPU-s more compile; the same
     # gradients, bit for bit, measured)
-    grad = jax.jit(jax.grad(lambda m, xs: jnp.sum(m(xs).astype(jnp.float32) * w))).lower(rnn, xs)
+    grad = jax.jit(jax.grad(lambda m, xs: jnp.sum(m(xs).astype(jnp.float32) * w[None]))).lower(rnn, xs)
     grads = grad.compile({"xla_backend_optimization_level": 2})(rnn, xs).cell
     assert grads.hidden_weight.dtype == jnp.bfloat16
 

@@ -143,7 +143,7 @@ def test_remat_outside_a_scan_recomputes_under_jit():
 
     def reference(params, x):  # the same chain under jax.checkpoint's defaults
         for w, b in params:
-            x = jax.checkpoint(lambda h, w, b: jnp.tanh(h @ w + b))(x, w, b)
+            x = jax.checkpoint(lambda h, w, b: jnp.tanh(h @ w + b[None, :]))(x, w, b)
         return jnp.sum(jnp.sin(x))
 
     params = [(d.weight, d.bias) for d in layers]

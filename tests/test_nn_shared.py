@@ -38,7 +38,8 @@ def lm_loss(model, batch):
 def loss_of_matrix(e, bias, batch):
     """The same loss written by hand with one matrix ``e`` used at both places."""
     tokens, targets = batch
-    logits = jnp.tanh(e[tokens]) @ e.T + bias
+    logits = jnp.tanh(e[tokens]) @ e.T
+    logits = logits + jax.lax.broadcast_to_rank(bias, logits.ndim)
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1))
 
 

@@ -1059,7 +1059,7 @@ MASK = np.ones((64, 64), np.float32)
 class Block(ft.Module):
     lin: ft.nn.Dense
     def __call__(self, x):
-        return self.lin(x) * MASK[0, :3]
+        return self.lin(x) * MASK[None, 0, :3]
 stack = ft.nn.Stack(lambda key: Block(ft.nn.Dense(3, 3, key=key)), n=2, key=jax.random.key(0))
 """)
     _eager_matches_unrolled(run("stack(x)"))

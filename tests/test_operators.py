@@ -31,7 +31,8 @@ class Net(ft.Module):
     steps: jax.Array
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jnp.tanh(x * self.encoder.scale - self.encoder.running_mean)
+        h = jnp.tanh(x * jax.lax.broadcast_to_rank(self.encoder.scale, x.ndim)
+                     - jax.lax.broadcast_to_rank(self.encoder.running_mean, x.ndim))
         return h @ self.weight + self.bias
 
 
@@ -156,7 +157,7 @@ def test_errors_name_a_function_called_with_keywords_by_its_name():
     # The call's keywords are bound to the function (a functools.partial): the errors showed
     # its repr, "CallKeywords(<function loss at 0x...>, x=Array([[...]]))", for the name.
     def scored(net: Net, weights: jax.Array, *, x: jax.Array) -> jax.Array:
-        return net(x) * weights
+        return net(x) * weights[None, :]
 
     net = make_net()
     with pytest.raises(TypeError, match=r"^ft.gradient needs a scalar result, but \S*\bscored returned shape \(3, 3\)"):

@@ -24,7 +24,7 @@ def _problem(seed=0):
 
 
 def _loss(p, x, y):
-    return jnp.mean((jnp.tanh(x @ p["weight"] + p["bias"]) - y) ** 2)
+    return jnp.mean((jnp.tanh(x @ p["weight"] + p["bias"][None, :]) - y) ** 2)
 
 
 def _descend(tx, params, steps, x, y):
@@ -100,7 +100,7 @@ def _complex_problem():
 
 
 def _complex_loss(p, x, y):
-    return jnp.mean(jnp.abs(x @ p["weight"] * 0.3 + p["bias"] - y) ** 2)
+    return jnp.mean(jnp.abs(x @ p["weight"] * 0.3 + p["bias"][None, :] - y) ** 2)
 
 
 def _descend_complex(tx, params, x, y):
@@ -539,7 +539,7 @@ def test_adamw_default_spares_leaves_named_bias_or_scale_not_layers_so_named_as_
     x, c, y = (rng.normal(size=s).astype(np.float32) for s in [(8, 3), (8, 2), (8, 2)])
 
     def loss(m):
-        return jnp.mean(((m["film"](x, c) @ m["out"]["weight"]) * m["out"]["scale"] - y) ** 2)
+        return jnp.mean(((m["film"](x, c) @ m["out"]["weight"]) * m["out"]["scale"][None, :] - y) ** 2)
 
     flat = ft.to_flat_dict(model)
     t = {name: torch.tensor(np.asarray(v), requires_grad=True) for name, v in flat.items()}

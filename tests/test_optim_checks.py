@@ -208,7 +208,7 @@ _XS, _YS = jax.random.normal(jax.random.key(1), (8, 4)), jax.random.normal(jax.r
 
 
 def _mse(m):
-    return jnp.mean((_XS @ m["w"] + m["b"] - _YS) ** 2)
+    return jnp.mean((_XS @ m["w"] + m["b"][None, :] - _YS) ** 2)
 
 
 @pytest.mark.parametrize("make", [lambda: optax.flatten(optax.adam(1e-2)),
@@ -333,7 +333,7 @@ def _linear_class() -> Any:
         b: jax.Array
 
         def __call__(self, x):
-            return x @ self.w + self.b
+            return x @ self.w + jax.lax.broadcast_to_rank(self.b, x.ndim)
 
     Linear.__qualname__ = "Linear"
     return Linear
@@ -348,7 +348,7 @@ def _linear_grads(model):
 
 
 def _dict_loss(p):
-    return jnp.mean((X @ p["w"] + p["b"] - _Y) ** 2)
+    return jnp.mean((X @ p["w"] + p["b"][None, :] - _Y) ** 2)
 
 
 @pytest.mark.parametrize("through", ["Optimizer", "standalone"])

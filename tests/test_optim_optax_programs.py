@@ -46,7 +46,7 @@ class MLP(ft.Module):
     seen: jax.Array = ft.field(no_derivative=True, default=0)  # a no-derivative leaf: None in the view
 
     def __call__(self, x):
-        return jnp.tanh(x @ self.w1 + self.b1) @ self.w2 + self.b2
+        return jnp.tanh(x @ self.w1 + self.b1[None, :]) @ self.w2 + self.b2[None, :]
 
 
 @functools.cache
@@ -74,7 +74,7 @@ def data():
 
 
 def plain_loss(p, x, y):
-    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"][None, :]) @ p["w2"] + p["b2"][None, :] - y) ** 2)
 
 
 def ft_loss(m, x, y):
@@ -453,7 +453,7 @@ def test_stack_members_trained_by_wrt_global_norm_as_a_plain_program():
     def plain(q):
         h, w = x, {**q, **fixed}
         for i in range(3):
-            h = jnp.tanh(h @ w[f"{i}.weight"] + w[f"{i}.bias"])
+            h = jnp.tanh(h @ w[f"{i}.weight"] + jax.lax.broadcast_to_rank(w[f"{i}.bias"], h.ndim))
         return jnp.mean(h ** 2)
 
     opt = ft.optim.Optimizer(clip_adam(None), wrt=("[0-1].*",))

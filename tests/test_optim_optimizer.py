@@ -237,7 +237,7 @@ class Normed(ft.Module):
     calls: jax.Array = ft.field(default_factory=lambda: jnp.zeros((), jnp.int32))
 
     def __call__(self, x):
-        return self.dense(x - self.running_mean)
+        return self.dense(x - jax.lax.broadcast_to_rank(self.running_mean, x.ndim))
 
 
 def test_models_with_non_parameters_keep_them_untouched():
@@ -271,7 +271,7 @@ def test_data_parallel_replicas_keep_identical_state():
     shards = jnp.arange(12.0).reshape(4, 1, 3)
 
     def loss(m, x):
-        return jnp.sum((m["w"] * x) ** 2)
+        return jnp.sum((m["w"][None, :] * x) ** 2)
 
     new_model, new_state, losses = jax.jit(jax.vmap(  # jitted: one compile, not one per batched op
         lambda x: opt.minimize(loss, model, state, x), axis_name="r", out_axes=(None, None, 0)
@@ -287,11 +287,11 @@ def test_a_misspelt_axis_name_is_an_error_not_a_single_replica():
     state = opt.init(w)
     xs = jnp.array([[1.0, 3.0], [3.0, 1.0]])
     def step(x):
-        return opt.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, state, x[None])[0]
+        return opt.minimize(lambda p, x: -jnp.sum(p["w"][None, :] * x), w, state, x[None])[0]
     with pytest.raises(ValueError, match="axis_name='btach'"):
         jax.jit(jax.vmap(step, axis_name="batch"))(xs)  # jitted, as the right one below: one compile
     right = fo.Optimizer(fo.sgd(0.1), axis_name="batch")
-    new = jax.jit(jax.vmap(lambda x: right.minimize(lambda p, x: -jnp.sum(p["w"] * x), w, right.init(w), x[None])[0],
+    new = jax.jit(jax.vmap(lambda x: right.minimize(lambda p, x: -jnp.sum(p["w"][None, :] * x), w, right.init(w), x[None])[0],
                            axis_name="batch"))(xs)
     np.testing.assert_allclose(new["w"], [[0.2, 0.2], [0.2, 0.2]], rtol=1e-6)
 

@@ -236,7 +236,7 @@ def test_accumulation_errors():
     with pytest.raises(ValueError, match=r"accumulate=4 needs the batch's leading dimension.*shape \(6,\)"):
         opt.minimize(lambda p, x: jnp.mean(x) * p["w"], p, opt.init(p), jnp.ones(6))
     # The fix the error shows trims every batch argument (not x alone, then y blamed next).
-    loss = lambda p, x, y: jnp.mean(x * y) * p["w"]  # noqa: E731
+    loss = lambda p, x, y: jnp.mean(x[None, :] * y) * p["w"]  # noqa: E731
     x, y = jnp.ones(6), jnp.ones((6, 1))
     with pytest.raises(ValueError, match=r"(?s)right:  x, y = jax.tree.map\(lambda a: a\[: 4 \* \(len\(a\) // 4\)\], "
                                          r"\(x, y\)\)"):

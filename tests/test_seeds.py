@@ -35,7 +35,7 @@ class DenseLayer(ft.Module):
     activation: Callable[[jax.Array], jax.Array] = ft.field(static=True, default=jax.nn.relu)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.activation(x @ self.weight + self.bias)
+        return self.activation(x @ self.weight + jax.lax.broadcast_to_rank(self.bias, x.ndim))
 
 
 def dense() -> DenseLayer:
@@ -189,7 +189,7 @@ class Dense(ft.Module):
     activation: Callable[[jax.Array], jax.Array] = ft.field(static=True, default=jax.nn.relu)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.activation(x @ self.weight + self.bias)
+        return self.activation(x @ self.weight + jax.lax.broadcast_to_rank(self.bias, x.ndim))
 
 
 class Classifier(ft.Module):

@@ -62,7 +62,7 @@ def _raw_step():
 
     def loss_fn(params, x, y):
         for i in range(len(SIZES) - 1):
-            x = x @ params[f"w{i}"] + params[f"b{i}"]
+            x = x @ params[f"w{i}"] + params[f"b{i}"][None, :]
             if i < len(SIZES) - 2:
                 x = jax.nn.relu(x)
         return jnp.mean((x - y) ** 2)

@@ -147,7 +147,7 @@ def test_reduce_lr_on_plateau_never_raises_a_rate_below_min_lr():
     min_lr (torch: only where it falls); a group below it keeps its rate, the others halve."""
     model = {"body": jnp.zeros((2, 1)), "head": jnp.zeros(1)}
     tx = ft.optim.groups({"body": ft.optim.sgd(1e-5), "head": ft.optim.sgd(0.4)})
-    trainer = Trainer(model, ft.optim.Optimizer(tx), lambda m, b: jnp.mean((b[0] @ m["body"] + m["head"] - b[1]) ** 2))
+    trainer = Trainer(model, ft.optim.Optimizer(tx), lambda m, b: jnp.mean((b[0] @ m["body"] + m["head"][None, :] - b[1]) ** 2))
     reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9, min_lr=1e-3)
     history = trainer.fit(data(), epochs=3, progress=False, callbacks=[reduce])
     assert history.steps["body/learning_rate"] == [pytest.approx(1e-5, rel=1e-6)] * 9
@@ -390,7 +390,7 @@ def test_per_group_learning_rates_in_history_context_and_plateau():
     # issue 27: with ft.optim.groups no learning rate was recorded, and ReduceLROnPlateau failed
     model = {"body": jnp.zeros((2, 1)), "head": jnp.zeros(1)}
     tx = ft.optim.groups({"body": ft.optim.sgd(0.1), "head": ft.optim.sgd(0.4)})
-    trainer = Trainer(model, ft.optim.Optimizer(tx), lambda m, b: jnp.mean((b[0] @ m["body"] + m["head"] - b[1]) ** 2))
+    trainer = Trainer(model, ft.optim.Optimizer(tx), lambda m, b: jnp.mean((b[0] @ m["body"] + m["head"][None, :] - b[1]) ** 2))
     seen = []
     reduce = ft.train.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1, min_delta=1e9, group="head")
     history = trainer.fit(data(), epochs=3, log_every=3, progress=False, callbacks=[reduce, seen.append])

@@ -936,7 +936,7 @@ class Net(ft.Module):
     w: jax.Array
     b: jax.Array
     def __call__(self, x):
-        return x @ self.w + self.b
+        return x @ self.w + jax.lax.broadcast_to_rank(self.b, x.ndim)
 '''
 _NET_EDITED = '''
 class Net(ft.Module):             # the cell edited: a static field added
@@ -944,7 +944,7 @@ class Net(ft.Module):             # the cell edited: a static field added
     b: jax.Array
     scale: float = ft.field(static=True, default=1.0)
     def __call__(self, x):
-        return self.scale * (x @ self.w + self.b)
+        return self.scale * (x @ self.w + jax.lax.broadcast_to_rank(self.b, x.ndim))
 '''
 
 
@@ -1004,7 +1004,7 @@ def test_restore_with_two_live_classes_of_one_name_reads_the_best_model_by_the_t
             b: jax.Array
 
             def __call__(self, x):
-                return x @ self.w + self.b
+                return x @ self.w + jax.lax.broadcast_to_rank(self.b, x.ndim)
 
         return Net
 

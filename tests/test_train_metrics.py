@@ -278,7 +278,7 @@ def _float64_regression():
 
     def loss(m, batch):
         x, y = batch
-        return jnp.mean((x @ m["w"] + m["b"] - y) ** 2)
+        return jnp.mean((x @ m["w"] + m["b"][None, :] - y) ** 2)
 
     return model, loss, (x, y)
 

@@ -14,7 +14,8 @@ from functree.train import TrainStep
 
 def mse(model, batch):
     x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
+    out = model(x)
+    return jnp.mean((out - jax.lax.broadcast_to_rank(y, out.ndim)) ** 2)
 
 
 def problem(seed=0):
@@ -828,7 +829,7 @@ def test_a_float_field_of_an_ft_module_is_trained_in_the_step():
         bias: float = 0.0
 
         def __call__(self, x):
-            return (self.weight * x).sum(-1) + self.bias
+            return (jax.lax.broadcast_to_rank(self.weight, x.ndim) * x).sum(-1) + self.bias
 
     model, opt = Perceptron(jnp.ones(2), 1.0), ft.optim.Optimizer(ft.optim.sgd(0.1))
     step, state = ft.train.train_step(lambda m, b: jnp.mean(m(b) ** 2), opt), opt.init(model)

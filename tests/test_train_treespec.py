@@ -804,7 +804,7 @@ class ScaledLin(ft.Module):
     scale: float = ft.field(static=True, default=1.0)
 
     def __call__(self, x):
-        return self.scale * (x @ self.w + self.b)
+        return self.scale * (x @ self.w + jax.lax.broadcast_to_rank(self.b, x.ndim))
 
 
 class UnscaledLin(ft.Module):  # ScaledLin with its static field removed

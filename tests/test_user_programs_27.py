@@ -67,7 +67,7 @@ def _raw(model):
 
 
 def _raw_loss(p, x, y):
-    logits = jax.nn.relu(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]
+    logits = jax.nn.relu(x @ p["w0"] + p["b0"][None, :]) @ p["w1"] + p["b1"][None, :]
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 

@@ -68,7 +68,7 @@ def _ours_amp_recipe(init: float, growth: float, backoff: float, interval: int):
     inner = ft.optim.Optimizer(groups, transform_gradients=lambda g: clip.update(g, clip.init(g))[0])
     opt = ft.optim.LossScaleOptimizer(inner, initial_scale=init, growth_factor=growth, backoff_factor=backoff,
                                       growth_interval=interval)
-    loss = lambda p, x: jnp.mean((x @ p["w"] + p["b"]) ** 2)  # noqa: E731
+    loss = lambda p, x: jnp.mean((x @ p["w"] + p["b"][None, :]) ** 2)  # noqa: E731
 
     def run(p, xs):
         def one(carry, x):

@@ -38,6 +38,14 @@ def _libraries():
         pytest.skip("keras runs another backend (KERAS_BACKEND)")
 
 
+@pytest.fixture(autouse=True)
+def _keras_broadcasts():
+    """Keras's own layers and initializers broadcast implicitly (a bias added to a batch):
+    its calls run under JAX's default rank promotion, not the suite's "raise"."""
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
 KEY = jax.random.key(0)
 
 

@@ -44,7 +44,7 @@ def test_next_sweep_equals_a_walk_of_the_state_and_finds_the_contexts_once_per_s
     from functree.optim._context import LearningContext, contexts
 
     def walked(state):  # every context's sweep + 1, by a walk of the whole state
-        return jax.tree.map(lambda x: LearningContext(x.counters + jnp.array([0, 1, 0, 0, 0], jnp.int32), x.loss)
+        return jax.tree.map(lambda x: LearningContext(x.counters + jnp.array([0, 1, 0, 0, 0], jnp.int32)[(None,) * (x.counters.ndim - 1)], x.loss)
                             if isinstance(x, LearningContext) else x, state,
                             is_leaf=lambda x: isinstance(x, LearningContext))
 

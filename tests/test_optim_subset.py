@@ -58,7 +58,7 @@ def test_equal_to_gradient_wrt_and_a_manual_optax_loop():
                              "head": {"w": np.full((2, 1), 0.5, np.float32)}})
 
     def loss(p, x, y):
-        return jnp.mean((jnp.tanh(x @ p["encoder"]["w"] + p["encoder"]["b"]) @ p["head"]["w"] - y) ** 2)
+        return jnp.mean((jnp.tanh(x @ p["encoder"]["w"] + p["encoder"]["b"][None, :]) @ p["head"]["w"] - y) ** 2)
 
     tx = optax.adam(1e-2)
 

@@ -219,8 +219,8 @@ def _flat_params(model):
 
 def _dict_loss(p, batch):
     """The MLP's loss written on a dict of its arrays (the reference)."""
-    h = jnp.tanh(batch[0] @ p["layers.0.weight"] + p["layers.0.bias"])
-    return jnp.mean((h @ p["layers.1.weight"] + p["layers.1.bias"] - batch[1]) ** 2)
+    h = jnp.tanh(batch[0] @ p["layers.0.weight"] + p["layers.0.bias"][None, :])
+    return jnp.mean((h @ p["layers.1.weight"] + p["layers.1.bias"][None, :] - batch[1]) ** 2)
 
 
 def test_k_sgd_steps_in_one_scan_are_k_python_steps_and_the_dict_program():

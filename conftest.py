@@ -147,6 +147,12 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# The suite's tests are users who set JAX's rank promotion to "raise" (a vector added to a
+# matrix must be broadcast by hand): a library path that broadcasts implicitly fails there,
+# as it would for such a user (tests/test_rank_promotion.py says why). Two exceptions, each
+# run under "allow": the docs' markdown examples (a user's own code may broadcast; the
+# library's part is run here under "raise" by the tests) and keras, which broadcasts itself.
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # The suite tests functree's numerics, so float32 matmuls and convolutions run at full float32
 # precision on every backend. It changes nothing on a CPU (XLA:CPU computes float32 dots in
@@ -237,6 +243,16 @@ def _torch_seeded():
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A docs page's markdown examples run under JAX's default rank promotion: they are a
+    user's own code, which may broadcast implicitly (functree's own code must not)."""
+    if item.nodeid.endswith(".md") or ".md::" in item.nodeid:
+        with jax.numpy_rank_promotion("allow"):
+            return (yield)
+    return (yield)
 
 
 def pytest_collection_finish(session):

@@ -204,7 +204,8 @@ def _same_tangent(a: Any, b: Any) -> bool:
     if isinstance(a, Tracer) or isinstance(b, Tracer):
         return False
     if a is None or b is None:
-        return not bool(jnp.any(b if a is None else a))
+        given = b if a is None else a
+        return given is None or not bool(jnp.any(given))
     return np.shape(a) == np.shape(b) and jnp.result_type(a) == jnp.result_type(b) and bool(jnp.array_equal(a, b))
 
 

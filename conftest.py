@@ -144,14 +144,16 @@ gc.set_threshold(50_000, 20, 20)
 
 import jax  # noqa: E402 (after XLA_FLAGS: JAX reads them when it starts its backend)
 import pytest  # noqa: E402
+from _pytest.doctest import DoctestItem  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 # The suite's tests are users who set JAX's rank promotion to "raise" (a vector added to a
 # matrix must be broadcast by hand): a library path that broadcasts implicitly fails there,
 # as it would for such a user (tests/test_rank_promotion.py says why). Two exceptions, each
-# run under "allow": the docs' markdown examples (a user's own code may broadcast; the
-# library's part is run here under "raise" by the tests) and keras, which broadcasts itself.
+# run under "allow": the examples of the docs and docstrings (a user's own code may
+# broadcast; the library's part is run under "raise" by the tests) and keras, which
+# broadcasts itself.
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # The suite tests functree's numerics, so float32 matmuls and convolutions run at full float32
@@ -247,9 +249,11 @@ def _torch_seeded():
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """A docs page's markdown examples run under JAX's default rank promotion: they are a
-    user's own code, which may broadcast implicitly (functree's own code must not)."""
-    if item.nodeid.endswith(".md") or ".md::" in item.nodeid:
+    """Examples (the docs pages' and the docstrings' doctests) run under JAX's default rank
+    promotion: they are a user's own code, written as most users write it (``x @ w + b``),
+    which may broadcast implicitly; functree's own code must not, and
+    tests/test_rank_promotion.py runs the library's modules' examples under "raise"."""
+    if isinstance(item, DoctestItem):
         with jax.numpy_rank_promotion("allow"):
             return (yield)
     return (yield)

@@ -223,8 +223,7 @@ def jit(
       >>> apply = ft.jit(lambda layer, x: layer["fn"](x), static_leaves=True)
       >>> apply({"fn": jax.nn.relu}, jnp.array([-1.0, 2.0]))  # a function as a leaf
       Array([0., 2.], dtype=float32)
-
-    A global read while tracing, then set by a later cell (as with ``jax.jit``):
+      >>> # a global read while tracing, then set by a later cell (as with jax.jit):
       >>> G = 2.0
       >>> def scaled(x):
       ...     return G * x

@@ -14,7 +14,7 @@ PARAMS = {"w": jnp.asarray(np.random.default_rng(2).normal(size=(3, 1)), jnp.flo
 
 
 def loss(p, x, y):
-    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+    return jnp.mean((x @ p["w"] + p["b"][None, :] - y) ** 2)
 
 
 def raw_optax(tx, steps, params=PARAMS):

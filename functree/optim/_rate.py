@@ -755,9 +755,10 @@ def _context_schedule(fn: Any) -> tuple[Any, str, bool]:
     optax schedule (read from its numbers); any other with the step, sweep and samples seen
     all at the count (minibatch 1: the same at step 0, and each held end where it holds one),
     named in steps, but not bounded by a run's steps (samples run ahead of them)."""
-    env = _closure(fn)
-    if _is_wrapped_schedule(fn, env):
-        return env["fn"], _UNITS[env["unit"]], env["unit"] == "steps"
+    wrapped = _wrapped_schedule(fn)
+    if wrapped is not None:
+        inner, unit = wrapped
+        return inner, _UNITS[unit], unit == "steps"
     try:
         return _OF_COUNT[fn], "step", False
     except (KeyError, TypeError):  # (not made yet; a callable taking no weak reference: made each time)
@@ -788,18 +789,18 @@ def _held(fn: Any) -> Any:
 _UNITS = {"steps": "step", "sweeps": "sweep", "samples": "sample"}
 
 
-def _is_wrapped_schedule(fn: Any, env: dict[str, Any]) -> bool:
-    """Whether ``fn`` (closing over ``env``) is ``ft.optim.schedule(optax_fn, unit)``."""
-    return (getattr(fn, "__module__", None) == "functree.optim._schedules" and str(fn.__qualname__).startswith(
-        "schedule(") and callable(env.get("fn")) and env.get("unit") in _UNITS)
+def _wrapped_schedule(fn: Any) -> tuple[Any, str] | None:
+    """``(optax_fn, unit)`` where ``fn`` is ``ft.optim.schedule(optax_fn, unit)`` (its record)."""
+    wrapped = getattr(fn, "__ft_schedule__", None)
+    return wrapped if isinstance(wrapped, tuple) and len(wrapped) == 2 and wrapped[1] in _UNITS else None
 
 
 def _context_name(fn: Any) -> str:
     """A function of the learning context for the message (``ft.optim.schedule(optax.constant_schedule)``)."""
-    env = _closure(fn)
-    if _is_wrapped_schedule(fn, env):
-        unit = "" if env["unit"] == "steps" else f", unit={env['unit']!r}"
-        return f"ft.optim.schedule({_schedule_name(env['fn'])}{unit})"
+    wrapped = _wrapped_schedule(fn)
+    if wrapped is not None:
+        inner, unit = wrapped
+        return f"ft.optim.schedule({_schedule_name(inner)}{'' if unit == 'steps' else f', unit={unit!r}'})"
     return _schedule_name(fn)
 
 

@@ -315,6 +315,7 @@ def schedule(fn: Callable[[Any], Any], unit: str = "steps") -> Callable[[Learnin
             return by_count(ctx, unit, lambda count: fn(count if count.dtype == jnp.float32 else count.astype(_int())))
 
     at.__qualname__ = f"schedule({getattr(fn, '__name__', 'fn')}, unit={unit!r})"
+    at.__ft_schedule__ = (fn, unit)  # type: ignore[attr-defined]  # what it wraps: the rate check reads it
     return at
 
 
